@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Installs everything DSec needs on a fresh Debian 12 machine (run as root):
+# Debian packages, a virtualenv with pinned PyPI dependencies, and the native spawner.
+# Idempotent and quick when everything is already there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+APT_PACKAGES=(gcc libc6-dev libseccomp-dev pkg-config erofs-utils crun bubblewrap
+              debootstrap busybox-static iproute2 nftables tar gzip util-linux python3-venv)
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+  echo "setup: installing Debian packages: ${missing[*]}"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.dsec-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  .venv/bin/python -m pip install -q --upgrade pip >/dev/null
+  .venv/bin/python -m pip install -q -e '.[dev]'
+  touch "$stamp"
+fi
+
+# The native spawner: a small C helper (see docs/ARCHITECTURE-RUNTIME.md).
+.venv/bin/python -m dsec.backends.container.build
