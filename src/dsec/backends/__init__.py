@@ -1,0 +1,1 @@
+"""Sandbox backends. Each is imported only when built (see ARCHITECTURE.md)."""

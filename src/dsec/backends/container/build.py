@@ -1,0 +1,64 @@
+"""Build (or locate) the native ``dsec-spawner`` helper with the machine's gcc.
+
+Run by ``scripts/setup.sh`` (``python -m dsec.backends.container.build``) and,
+as a convenience, on first use when the binary is missing or older than its
+source. ``DSEC_SPAWNER`` overrides the location.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from dsec.errors import HostError
+
+NATIVE_DIR = Path(__file__).resolve().parent / "native"
+SOURCE = NATIVE_DIR / "dsec-spawner.c"
+BINARY = NATIVE_DIR / "dsec-spawner"
+CFLAGS = ["-O2", "-Wall", "-Wextra", "-D_FORTIFY_SOURCE=2", "-fstack-protector-strong"]
+
+
+def spawner_path(*, build: bool = True) -> Path:
+    """Return the spawner binary, compiling it first if it is missing or stale."""
+    override = os.environ.get("DSEC_SPAWNER")
+    if override:
+        path = Path(override)
+        if not os.access(path, os.X_OK):
+            raise HostError(f"DSEC_SPAWNER={override} is not an executable file", path=override)
+        return path
+    fresh = BINARY.exists() and BINARY.stat().st_mtime >= SOURCE.stat().st_mtime
+    if not fresh:
+        if not build:
+            raise HostError(
+                f"{BINARY} is missing; run `bash scripts/setup.sh` or `python -m dsec.backends.container.build`"
+            )
+        compile_spawner()
+    return BINARY
+
+
+def compile_spawner(out: Path = BINARY) -> Path:
+    gcc = shutil.which("gcc") or shutil.which("cc")
+    if gcc is None:
+        raise HostError("no C compiler: install gcc (apt-get install gcc libc6-dev libseccomp-dev)")
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    cmd = [gcc, *CFLAGS, "-o", str(tmp), str(SOURCE), "-lseccomp"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise HostError(
+            "building dsec-spawner failed (is libseccomp-dev installed?):\n" + proc.stderr.strip(),
+            command=" ".join(cmd),
+        )
+    os.replace(tmp, out)
+    return out
+
+
+if __name__ == "__main__":
+    try:
+        print(f"dsec-spawner: {spawner_path()}")
+    except HostError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(1)

@@ -1,0 +1,184 @@
+"""cgroup v1 control for sandboxes: one directory per sandbox per controller.
+
+Layout: ``/sys/fs/cgroup/<controller>/dsec/<runtime>/<sandbox-id>``, so a
+reconciler finds every sandbox's cgroups by name after a crash. Only this
+module writes under /sys/fs/cgroup.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from dsec.errors import HostError
+from dsec.spec import Resources
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+CONTROLLERS = ("cpu", "memory", "pids", "freezer")
+CFS_PERIOD_US = 100_000
+
+
+def _write(path: Path, value: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.write(fd, value.encode())
+    finally:
+        os.close(fd)
+
+
+def _read(path: Path) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def check_host() -> None:
+    missing = [c for c in CONTROLLERS if not (CGROUP_ROOT / c / "tasks").exists()]
+    if missing:
+        raise HostError(
+            f"cgroup v1 controllers not mounted: {', '.join(missing)} (expected under {CGROUP_ROOT})",
+            missing=missing,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class CgroupStats:
+    memory_bytes: int
+    memory_max_bytes: int
+    memory_failcnt: int
+    oom_kills: int
+    pids: int
+    pids_limit_hits: int
+    cpu_throttled: int
+    cpu_throttled_s: float
+
+
+class RuntimeCgroups:
+    """The per-runtime parent directories and the per-sandbox children below them."""
+
+    def __init__(self, runtime_name: str) -> None:
+        self.runtime_name = runtime_name
+        self.parents = {c: CGROUP_ROOT / c / "dsec" / runtime_name for c in CONTROLLERS}
+
+    def setup(self) -> None:
+        check_host()
+        for ctrl, path in self.parents.items():
+            path.mkdir(parents=True, exist_ok=True)
+            if ctrl == "memory":
+                # Children must be charged to (and limited by) their parents.
+                use_h = path / "memory.use_hierarchy"
+                if use_h.exists() and _read(use_h).strip() != "1":
+                    try:
+                        _write(use_h, "1")
+                    except OSError:
+                        pass
+
+    def dirs(self, sandbox_id: str) -> list[Path]:
+        return [p / sandbox_id for p in self.parents.values()]
+
+    def existing_children(self) -> set[str]:
+        found: set[str] = set()
+        for p in self.parents.values():
+            if p.is_dir():
+                found.update(e.name for e in os.scandir(p) if e.is_dir())
+        return found
+
+    def create(self, sandbox_id: str, res: Resources) -> list[Path]:
+        made: list[Path] = []
+        try:
+            for ctrl, parent in self.parents.items():
+                d = parent / sandbox_id
+                d.mkdir()
+                made.append(d)
+                if ctrl == "cpu":
+                    _write(d / "cpu.cfs_period_us", str(CFS_PERIOD_US))
+                    _write(d / "cpu.cfs_quota_us", str(max(1000, int(res.cpu * CFS_PERIOD_US))))
+                    _write(d / "cpu.shares", str(res.cpu_weight))
+                elif ctrl == "memory":
+                    _write(d / "memory.limit_in_bytes", str(res.memory))
+                elif ctrl == "pids":
+                    _write(d / "pids.max", str(res.pids))
+        except OSError as exc:
+            for d in reversed(made):
+                self._rmdir(d)
+            raise HostError(f"cannot set up cgroups for {sandbox_id}: {exc}", sandbox_id=sandbox_id) from exc
+        return made
+
+    def pids(self, sandbox_id: str) -> list[int]:
+        try:
+            text = _read(self.parents["pids"] / sandbox_id / "cgroup.procs")
+        except FileNotFoundError:
+            return []
+        return [int(x) for x in text.split()]
+
+    def freeze(self, sandbox_id: str, frozen: bool) -> None:
+        _write(self.parents["freezer"] / sandbox_id / "freezer.state", "FROZEN" if frozen else "THAWED")
+
+    def kill_all(self, sandbox_id: str) -> None:
+        """SIGKILL every task in the sandbox's cgroup (frozen first, so nothing forks meanwhile)."""
+        try:
+            self.freeze(sandbox_id, True)
+        except OSError:
+            pass
+        for pid in self.pids(sandbox_id):
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+        try:
+            self.freeze(sandbox_id, False)
+        except OSError:
+            pass
+
+    def remove(self, sandbox_id: str, *, timeout: float = 5.0) -> list[Path]:
+        """Remove the sandbox's cgroups; returns the directories that could not be removed."""
+        left: list[Path] = []
+        for parent in self.parents.values():
+            d = parent / sandbox_id
+            if not self._rmdir(d, timeout=timeout):
+                left.append(d)
+        return left
+
+    def remove_parents(self) -> None:
+        for path in self.parents.values():
+            for p in (path, path.parent):
+                try:
+                    p.rmdir()
+                except OSError:
+                    pass
+
+    @staticmethod
+    def _rmdir(d: Path, *, timeout: float = 5.0) -> bool:
+        deadline = time.monotonic() + timeout
+        delay = 0.0005
+        while True:
+            try:
+                d.rmdir()
+                return True
+            except FileNotFoundError:
+                return True
+            except OSError as exc:
+                if exc.errno != errno.EBUSY or time.monotonic() > deadline:
+                    return False
+                time.sleep(delay)
+                delay = min(delay * 2, 0.05)
+
+    def stats(self, sandbox_id: str) -> CgroupStats:
+        mem = self.parents["memory"] / sandbox_id
+        pids = self.parents["pids"] / sandbox_id
+        cpu = self.parents["cpu"] / sandbox_id
+        oom = dict(line.split() for line in _read(mem / "memory.oom_control").splitlines())
+        events = dict(line.split() for line in _read(pids / "pids.events").splitlines()) if (pids / "pids.events").exists() else {}
+        cs = dict(line.split() for line in _read(cpu / "cpu.stat").splitlines())
+        return CgroupStats(
+            memory_bytes=int(_read(mem / "memory.usage_in_bytes")),
+            memory_max_bytes=int(_read(mem / "memory.max_usage_in_bytes")),
+            memory_failcnt=int(_read(mem / "memory.failcnt")),
+            oom_kills=int(oom.get("oom_kill", 0)),
+            pids=int(_read(pids / "pids.current")),
+            pids_limit_hits=int(events.get("max", 0)),
+            cpu_throttled=int(cs.get("nr_throttled", 0)),
+            cpu_throttled_s=int(cs.get("throttled_time", 0)) / 1e9,
+        )

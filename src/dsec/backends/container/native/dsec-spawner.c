@@ -1,0 +1,852 @@
+/*
+ * dsec-spawner: the only native code of the container backend.
+ *
+ * One spawner runs per node runtime, as root, started by the Python runtime
+ * with one end of a SOCK_SEQPACKET socketpair.  It does the two things Python
+ * cannot do cheaply: clone() sandboxes (a fork of a 1 MiB C process, not of a
+ * 100 MiB Python service) and enter a sandbox's namespaces to exec a command.
+ *
+ * It keeps no per-sandbox state: every exec request carries a pidfd of the
+ * sandbox's init, so a restarted spawner serves sandboxes it never created.
+ *
+ * The sandbox init is a fork of this process that never execs: it keeps the
+ * host as the owner of its memory (mm->user_ns), is non-dumpable, holds no
+ * socket and writes no log, so processes in the sandbox - even its root - can
+ * neither ptrace it, read its memory or fds, nor signal it (pid-namespace init
+ * drops signals it has no handler for).
+ *
+ * Wire format: one datagram per message, NUL-separated tokens.
+ *   request:  op, rid, then key, value pairs (keys may repeat)
+ *   reply:    "ok", rid, key, value...            (+ SCM_RIGHTS pidfd)
+ *             "err", rid, stage, errno, message
+ *   event:    "exit", pid, wait-status, utime_us, stime_us, maxrss_kib
+ * It must never block on one sandbox: slow steps (mount set-up, exec) report
+ * back through pipes that the main poll loop watches.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <grp.h>
+#include <linux/capability.h>
+#include <linux/filter.h>
+#include <linux/sched.h>
+#include <linux/seccomp.h>
+#include <net/if.h>
+#include <poll.h>
+#include <sched.h>
+#include <seccomp.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/mman.h>
+#include <sys/mount.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/signalfd.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/sysmacros.h>
+#include <sys/types.h>
+#include <sys/uio.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#ifndef SYS_open_tree
+#define SYS_open_tree 428
+#endif
+#ifndef SYS_move_mount
+#define SYS_move_mount 429
+#endif
+#ifndef SYS_mount_setattr
+#define SYS_mount_setattr 442
+#endif
+#ifndef SYS_close_range
+#define SYS_close_range 436
+#endif
+#ifndef OPEN_TREE_CLONE
+#define OPEN_TREE_CLONE 1
+#endif
+#ifndef OPEN_TREE_CLOEXEC
+#define OPEN_TREE_CLOEXEC O_CLOEXEC
+#endif
+#ifndef MOVE_MOUNT_F_EMPTY_PATH
+#define MOVE_MOUNT_F_EMPTY_PATH 0x00000004
+#endif
+#ifndef MOUNT_ATTR_IDMAP
+#define MOUNT_ATTR_IDMAP 0x00100000
+#endif
+#ifndef MOUNT_ATTR_RDONLY
+#define MOUNT_ATTR_RDONLY 0x00000001
+#endif
+#ifndef CLOSE_RANGE_CLOEXEC
+#define CLOSE_RANGE_CLOEXEC (1U << 2)
+#endif
+#ifndef CLONE_PIDFD
+#define CLONE_PIDFD 0x00001000
+#endif
+
+struct mount_attr_s {
+    uint64_t attr_set;
+    uint64_t attr_clr;
+    uint64_t propagation;
+    uint64_t userns_fd;
+};
+
+#define MAX_MSG (512 * 1024)
+#define MAX_TOK 8192
+#define MAX_PENDING 8192
+
+/* ---------- request parsing ---------- */
+
+struct req {
+    char *tok[MAX_TOK];
+    int ntok;
+    int fds[8];
+    int nfds;
+};
+
+static const char *req_get(struct req *r, const char *key) {
+    for (int i = 2; i + 1 < r->ntok; i += 2)
+        if (strcmp(r->tok[i], key) == 0) return r->tok[i + 1];
+    return NULL;
+}
+
+static int req_all(struct req *r, const char *key, char **out, int max) {
+    int n = 0;
+    for (int i = 2; i + 1 < r->ntok && n < max; i += 2)
+        if (strcmp(r->tok[i], key) == 0) out[n++] = r->tok[i + 1];
+    out[n] = NULL;
+    return n;
+}
+
+/* ---------- replies ---------- */
+
+static int sock_fd;
+
+static void send_tokens(const char **toks, int n, int fd_to_pass) {
+    char buf[4096];
+    size_t len = 0;
+    for (int i = 0; i < n; i++) {
+        size_t l = strlen(toks[i]);
+        if (len + l + 1 > sizeof buf) break;
+        memcpy(buf + len, toks[i], l + 1);
+        len += l + 1;
+    }
+    struct iovec iov = {.iov_base = buf, .iov_len = len};
+    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1};
+    union {
+        char b[CMSG_SPACE(sizeof(int))];
+        struct cmsghdr align;
+    } cm;
+    if (fd_to_pass >= 0) {
+        memset(&cm, 0, sizeof cm);
+        msg.msg_control = cm.b;
+        msg.msg_controllen = sizeof cm.b;
+        struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
+        c->cmsg_level = SOL_SOCKET;
+        c->cmsg_type = SCM_RIGHTS;
+        c->cmsg_len = CMSG_LEN(sizeof(int));
+        memcpy(CMSG_DATA(c), &fd_to_pass, sizeof(int));
+    }
+    while (sendmsg(sock_fd, &msg, MSG_NOSIGNAL) < 0) {
+        if (errno == EINTR) continue;
+        if (errno == EPIPE || errno == ECONNRESET) _exit(0);
+        break;
+    }
+}
+
+static void reply_err(const char *rid, const char *stage, int err, const char *fmt, ...) {
+    char e[16], m[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(m, sizeof m, fmt, ap);
+    va_end(ap);
+    snprintf(e, sizeof e, "%d", err);
+    const char *t[] = {"err", rid, stage, e, m};
+    send_tokens(t, 5, -1);
+}
+
+static void reply_ok_pid(const char *rid, pid_t pid, int pidfd) {
+    char p[16];
+    snprintf(p, sizeof p, "%d", (int)pid);
+    const char *t[] = {"ok", rid, "pid", p};
+    send_tokens(t, 4, pidfd);
+}
+
+/* ---------- small helpers used in children (async-signal-safe enough: children are single threaded) ---------- */
+
+static int write_file(const char *path, const char *data) {
+    int fd = open(path, O_WRONLY | O_CLOEXEC);
+    if (fd < 0) return -1;
+    ssize_t n = write(fd, data, strlen(data));
+    int saved = errno;
+    close(fd);
+    errno = saved;
+    return n == (ssize_t)strlen(data) ? 0 : -1;
+}
+
+static int join_cgroups(char **cgs, pid_t pid) {
+    char path[4096], val[32];
+    snprintf(val, sizeof val, "%d", (int)pid);
+    for (int i = 0; cgs[i]; i++) {
+        snprintf(path, sizeof path, "%s/cgroup.procs", cgs[i]);
+        if (write_file(path, val) < 0) return -1;
+    }
+    return 0;
+}
+
+/* A child reports failure as "stage\0errno\0message" on its report pipe. */
+static void child_fail(int rfd, const char *stage, const char *fmt, ...) __attribute__((noreturn));
+static void child_fail(int rfd, const char *stage, const char *fmt, ...) {
+    int err = errno;
+    char buf[1200], m[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(m, sizeof m, fmt, ap);
+    va_end(ap);
+    int l1 = snprintf(buf, sizeof buf, "%s", stage) + 1;
+    int l2 = snprintf(buf + l1, sizeof buf - l1, "%d", err) + 1;
+    int l3 = snprintf(buf + l1 + l2, sizeof buf - l1 - l2, "%s", m) + 1;
+    if (write(rfd, buf, l1 + l2 + l3) < 0) { /* nothing else we can do */ }
+    _exit(127);
+}
+
+/* ---------- seccomp: built once, loaded by every exec'd process ---------- */
+
+static struct sock_fprog seccomp_prog;
+
+static int build_seccomp(void) {
+    scmp_filter_ctx ctx = seccomp_init(SCMP_ACT_ALLOW);
+    if (!ctx) return -1;
+    /* Syscalls a sandbox never needs; each answers a threat in docs/SECURITY.md. */
+    static const char *deny[] = {
+        "mount", "umount2", "pivot_root", "move_mount", "open_tree", "fsopen", "fsconfig",
+        "fsmount", "fspick", "mount_setattr", "bpf", "kexec_load", "kexec_file_load",
+        "init_module", "finit_module", "delete_module", "keyctl", "add_key", "request_key",
+        "clock_settime", "clock_adjtime", "settimeofday", "reboot", "swapon", "swapoff",
+        "perf_event_open", "userfaultfd", "open_by_handle_at", "name_to_handle_at",
+        "unshare", "setns", "acct", "quotactl", "quotactl_fd", "lookup_dcookie", "vhangup",
+        "iopl", "ioperm", "syslog", "uselib", "io_uring_setup", "io_uring_enter",
+        "io_uring_register", "fanotify_init", "kcmp", "process_madvise", "nfsservctl",
+        "pidfd_getfd", "personality", "mbind", "migrate_pages", "move_pages",
+        "set_mempolicy", "get_mempolicy", "vm86", "vm86old", "_sysctl", "create_module",
+        "get_kernel_syms", "query_module", "stime", "lsm_set_self_attr", NULL};
+    for (int i = 0; deny[i]; i++) {
+        int nr = seccomp_syscall_resolve_name(deny[i]);
+        if (nr == __NR_SCMP_ERROR) continue;
+        if (seccomp_rule_add(ctx, SCMP_ACT_ERRNO(EPERM), nr, 0) < 0) goto fail;
+    }
+    /* clone() with any namespace flag: EPERM.  Expressed per flag (MASKED_EQ flag,flag). */
+    static const uint64_t flags[] = {CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET,
+                                     CLONE_NEWIPC, CLONE_NEWUTS, CLONE_NEWCGROUP, 0x00000080ULL};
+    for (size_t i = 0; i < sizeof flags / sizeof flags[0]; i++)
+        if (seccomp_rule_add(ctx, SCMP_ACT_ERRNO(EPERM), SCMP_SYS(clone), 1,
+                             SCMP_A0(SCMP_CMP_MASKED_EQ, flags[i], flags[i])) < 0)
+            goto fail;
+    /* clone3 passes flags in memory that seccomp cannot read: ENOSYS makes libc fall back to clone. */
+    if (seccomp_rule_add(ctx, SCMP_ACT_ERRNO(ENOSYS), SCMP_SYS(clone3), 0) < 0) goto fail;
+    /* Raw and packet sockets (also refused by capabilities; belt and braces). */
+    if (seccomp_rule_add(ctx, SCMP_ACT_ERRNO(EPERM), SCMP_SYS(socket), 1,
+                         SCMP_A0(SCMP_CMP_EQ, 17 /* AF_PACKET */)) < 0) goto fail;
+    if (seccomp_rule_add(ctx, SCMP_ACT_ERRNO(EPERM), SCMP_SYS(socket), 1,
+                         SCMP_A1(SCMP_CMP_MASKED_EQ, 0xf, 3 /* SOCK_RAW */)) < 0) goto fail;
+    /* ioctl(TIOCSTI) injects input into a terminal another process reads. */
+    if (seccomp_rule_add(ctx, SCMP_ACT_ERRNO(EPERM), SCMP_SYS(ioctl), 1,
+                         SCMP_A1(SCMP_CMP_MASKED_EQ, 0xffffffffULL, 0x5412 /* TIOCSTI */)) < 0) goto fail;
+
+    int mfd = memfd_create("dsec-seccomp", MFD_CLOEXEC);
+    if (mfd < 0) goto fail;
+    if (seccomp_export_bpf(ctx, mfd) < 0) { close(mfd); goto fail; }
+    off_t size = lseek(mfd, 0, SEEK_END);
+    struct sock_filter *f = malloc(size);
+    if (!f || pread(mfd, f, size, 0) != size) { close(mfd); goto fail; }
+    close(mfd);
+    seccomp_prog.len = (unsigned short)(size / sizeof(struct sock_filter));
+    seccomp_prog.filter = f;
+    seccomp_release(ctx);
+    return 0;
+fail:
+    seccomp_release(ctx);
+    return -1;
+}
+
+/* ---------- capabilities ---------- */
+
+/* Capabilities root inside a sandbox keeps (they act only inside its user namespace). */
+static const int keep_caps[] = {CAP_CHOWN, CAP_DAC_OVERRIDE, CAP_FOWNER, CAP_FSETID, CAP_KILL,
+                                CAP_SETGID, CAP_SETUID, CAP_SETPCAP, CAP_NET_BIND_SERVICE,
+                                CAP_SYS_CHROOT, CAP_SETFCAP, CAP_AUDIT_WRITE, -1};
+
+static int set_caps(int keep_root_caps) {
+    uint64_t keep = 0;
+    if (keep_root_caps)
+        for (int i = 0; keep_caps[i] >= 0; i++) keep |= 1ULL << keep_caps[i];
+    for (int c = 0; c <= 63; c++) {
+        if (keep & (1ULL << c)) continue;
+        if (prctl(PR_CAPBSET_DROP, c, 0, 0, 0) < 0 && errno != EINVAL) return -1;
+    }
+    struct __user_cap_header_struct h = {.version = _LINUX_CAPABILITY_VERSION_3, .pid = 0};
+    struct __user_cap_data_struct d[2];
+    memset(d, 0, sizeof d);
+    d[0].effective = d[0].permitted = (uint32_t)keep;
+    d[1].effective = d[1].permitted = (uint32_t)(keep >> 32);
+    if (syscall(SYS_capset, &h, d) < 0) return -1;
+    prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0);
+    return 0;
+}
+
+/* ---------- create: the sandbox init ---------- */
+
+static int self_pidns_fd = -1;
+
+static int lo_up(void) {
+    int s = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (s < 0) return -1;
+    struct ifreq ifr;
+    memset(&ifr, 0, sizeof ifr);
+    strncpy(ifr.ifr_name, "lo", IFNAMSIZ - 1);
+    int rc = ioctl(s, SIOCGIFFLAGS, &ifr);
+    if (rc == 0) {
+        ifr.ifr_flags |= IFF_UP | IFF_RUNNING;
+        rc = ioctl(s, SIOCSIFFLAGS, &ifr);
+    }
+    close(s);
+    return rc;
+}
+
+static int ensure_dir(const char *path, uid_t uid, gid_t gid, mode_t mode) {
+    if (mkdir(path, mode) == 0) return chown(path, uid, gid);
+    return errno == EEXIST ? 0 : -1;
+}
+
+static int mknod_dev(const char *name, unsigned maj, unsigned min, uid_t uid, gid_t gid) {
+    char p[256];
+    snprintf(p, sizeof p, "root/dev/%s", name);
+    if (mknod(p, S_IFCHR | 0666, makedev(maj, min)) < 0) return -1;
+    if (chmod(p, 0666) < 0) return -1;
+    return chown(p, uid, gid);
+}
+
+static void init_loop(void) __attribute__((noreturn));
+static void init_loop(void) {
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGCHLD);
+    sigprocmask(SIG_BLOCK, &set, NULL);
+    for (;;) {
+        while (waitpid(-1, NULL, WNOHANG) > 0) {
+        }
+        siginfo_t si;
+        sigwaitinfo(&set, &si);
+    }
+}
+
+struct create_args {
+    const char *id, *stage;
+    char **lowers;
+    char **cgs;
+    unsigned long uid_base;
+    unsigned long long disk, inodes, shm;
+    int userns_fd, go_fd, report_fd;
+};
+
+static void create_child(struct create_args *a) __attribute__((noreturn));
+static void create_child(struct create_args *a) {
+    int rfd = a->report_fd;
+    char c;
+    if (read(a->go_fd, &c, 1) != 1) _exit(126);
+    close(a->go_fd);
+    uid_t ub = (uid_t)a->uid_base;
+    prctl(PR_SET_NAME, "dsec-init", 0, 0, 0);
+    /* Joined the cgroups already (parent did): the cgroup namespace is rooted there. */
+    if (unshare(CLONE_NEWCGROUP) < 0) child_fail(rfd, "cgroupns", "unshare(CLONE_NEWCGROUP)");
+    if (sethostname(a->id, strlen(a->id)) < 0) child_fail(rfd, "hostname", "sethostname");
+    if (lo_up() < 0) child_fail(rfd, "network", "bring up lo");
+    if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0) child_fail(rfd, "mount", "make / private");
+    if (mount("dsec-stage", a->stage, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,mode=700") < 0)
+        child_fail(rfd, "mount", "staging tmpfs at %s", a->stage);
+    if (chdir(a->stage) < 0) child_fail(rfd, "mount", "chdir stage");
+
+    /* Lowers: the node's shared EROFS mounts, idmapped so the sandbox's root owns their files. */
+    char lowerdir[4096] = "";
+    size_t ll = 0;
+    for (int i = 0; a->lowers[i]; i++) {
+        char name[16];
+        snprintf(name, sizeof name, "l%d", i);
+        if (mkdir(name, 0700) < 0) child_fail(rfd, "mount", "mkdir %s", name);
+        int t = (int)syscall(SYS_open_tree, AT_FDCWD, a->lowers[i], OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC);
+        if (t < 0) child_fail(rfd, "layer", "open_tree %s", a->lowers[i]);
+        struct mount_attr_s attr = {.attr_set = MOUNT_ATTR_IDMAP | MOUNT_ATTR_RDONLY,
+                                    .userns_fd = (uint64_t)a->userns_fd};
+        if (syscall(SYS_mount_setattr, t, "", AT_EMPTY_PATH, &attr, sizeof attr) < 0)
+            child_fail(rfd, "layer", "idmap %s", a->lowers[i]);
+        if (syscall(SYS_move_mount, t, "", AT_FDCWD, name, MOVE_MOUNT_F_EMPTY_PATH) < 0)
+            child_fail(rfd, "layer", "move_mount %s", a->lowers[i]);
+        close(t);
+        ll += snprintf(lowerdir + ll, sizeof lowerdir - ll, "%s%s", i ? ":" : "", name);
+    }
+    if (ll == 0) child_fail(rfd, "layer", "no lower layers");
+
+    /* Upper: tmpfs sized by the disk quota, charged to the sandbox's memory cgroup. */
+    char opts[4096];
+    if (mkdir("u", 0700) < 0) child_fail(rfd, "mount", "mkdir u");
+    snprintf(opts, sizeof opts, "size=%llu,nr_inodes=%llu,mode=0755", a->disk, a->inodes);
+    if (mount("dsec-upper", "u", "tmpfs", MS_NOSUID | MS_NODEV, opts) < 0)
+        child_fail(rfd, "disk", "upper tmpfs (%s)", opts);
+    if (ensure_dir("u/upper", ub, ub, 0755) < 0 || mkdir("u/work", 0700) < 0)
+        child_fail(rfd, "disk", "upper dirs");
+    if (mkdir("root", 0755) < 0) child_fail(rfd, "mount", "mkdir root");
+    snprintf(opts, sizeof opts,
+             "lowerdir=%s,upperdir=u/upper,workdir=u/work,redirect_dir=off,metacopy=off,index=off,xino=off",
+             lowerdir);
+    if (mount("dsec-root", "root", "overlay", MS_NOSUID, opts) < 0) child_fail(rfd, "mount", "overlay (%s)", opts);
+    int upper_fd = open("u", O_PATH | O_DIRECTORY | O_CLOEXEC);
+    if (upper_fd < 0) child_fail(rfd, "mount", "open upper");
+
+    /* /proc: fresh, with kernel knobs read-only and host-revealing files masked. */
+    if (ensure_dir("root/proc", ub, ub, 0555) < 0) child_fail(rfd, "proc", "mkdir /proc");
+    if (mount("proc", "root/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) < 0)
+        child_fail(rfd, "proc", "mount proc");
+    static const char *ro_proc[] = {"sys", "sysrq-trigger", "irq", "bus", "fs", "driver", NULL};
+    for (int i = 0; ro_proc[i]; i++) {
+        char p[128];
+        snprintf(p, sizeof p, "root/proc/%s", ro_proc[i]);
+        if (access(p, F_OK) < 0) continue;
+        if (mount(p, p, NULL, MS_BIND | MS_REC, NULL) < 0 ||
+            mount(NULL, p, NULL, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) < 0)
+            child_fail(rfd, "proc", "read-only %s", p);
+    }
+    /* /dev: a small tmpfs with the usual character devices, a private devpts and /dev/shm. */
+    if (ensure_dir("root/dev", ub, ub, 0755) < 0) child_fail(rfd, "dev", "mkdir /dev");
+    snprintf(opts, sizeof opts, "size=64k,nr_inodes=64,mode=0755,uid=%u,gid=%u", ub, ub);
+    if (mount("dsec-dev", "root/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, opts) < 0) child_fail(rfd, "dev", "tmpfs /dev");
+    if (mknod_dev("null", 1, 3, ub, ub) < 0 || mknod_dev("zero", 1, 5, ub, ub) < 0 ||
+        mknod_dev("full", 1, 7, ub, ub) < 0 || mknod_dev("random", 1, 8, ub, ub) < 0 ||
+        mknod_dev("urandom", 1, 9, ub, ub) < 0 || mknod_dev("tty", 5, 0, ub, ub) < 0)
+        child_fail(rfd, "dev", "mknod");
+    if (symlink("/proc/self/fd", "root/dev/fd") < 0 || symlink("/proc/self/fd/0", "root/dev/stdin") < 0 ||
+        symlink("/proc/self/fd/1", "root/dev/stdout") < 0 || symlink("/proc/self/fd/2", "root/dev/stderr") < 0 ||
+        symlink("pts/ptmx", "root/dev/ptmx") < 0)
+        child_fail(rfd, "dev", "symlinks");
+    if (ensure_dir("root/dev/pts", ub, ub, 0755) < 0 || ensure_dir("root/dev/shm", ub, ub, 01777) < 0)
+        child_fail(rfd, "dev", "mkdir pts/shm");
+    snprintf(opts, sizeof opts, "newinstance,ptmxmode=0666,mode=0620,gid=%u", ub + 5);
+    if (mount("devpts", "root/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, opts) < 0) child_fail(rfd, "dev", "devpts");
+    snprintf(opts, sizeof opts, "size=%llu,mode=1777,uid=%u,gid=%u", a->shm, ub, ub);
+    if (mount("dsec-shm", "root/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, opts) < 0) child_fail(rfd, "dev", "shm");
+    /* Mask /proc files that reveal or poke the host. */
+    static const char *masked[] = {"kcore", "keys", "timer_list", "sched_debug", "latency_stats",
+                                   "kallsyms", "kpagecount", "kpageflags", "kpagecgroup", "sysvipc", NULL};
+    for (int i = 0; masked[i]; i++) {
+        char p[128];
+        snprintf(p, sizeof p, "root/proc/%s", masked[i]);
+        if (access(p, F_OK) < 0) continue;
+        struct stat st;
+        if (stat(p, &st) == 0 && S_ISDIR(st.st_mode)) {
+            if (mount("dsec-mask", p, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=0") < 0)
+                child_fail(rfd, "proc", "mask %s", p);
+        } else if (mount("root/dev/null", p, NULL, MS_BIND, NULL) < 0) {
+            child_fail(rfd, "proc", "mask %s", p);
+        }
+    }
+    /* /sys: empty and read-only; nothing of the host's hardware or cgroups shows. */
+    if (ensure_dir("root/sys", ub, ub, 0555) < 0) child_fail(rfd, "sys", "mkdir /sys");
+    if (mount("dsec-sys", "root/sys", "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=0,mode=0555") < 0)
+        child_fail(rfd, "sys", "mount /sys");
+    /* /tmp must be world-writable even when the image forgot it. */
+    if (ensure_dir("root/tmp", ub, ub, 01777) < 0) child_fail(rfd, "mount", "mkdir /tmp");
+
+    /* Switch root; the old root (with every host path) is detached, not hidden. */
+    if (chdir("root") < 0) child_fail(rfd, "pivot", "chdir root");
+    if (syscall(SYS_pivot_root, ".", ".") < 0) child_fail(rfd, "pivot", "pivot_root");
+    if (umount2(".", MNT_DETACH) < 0) child_fail(rfd, "pivot", "detach old root");
+    if (chdir("/") < 0) child_fail(rfd, "pivot", "chdir /");
+
+    /* Become the sandbox's root: an unprivileged host uid from here on. */
+    if (setns(a->userns_fd, CLONE_NEWUSER) < 0) child_fail(rfd, "userns", "setns user");
+    close(a->userns_fd);
+    if (setgroups(0, NULL) < 0 || setresgid(0, 0, 0) < 0 || setresuid(0, 0, 0) < 0)
+        child_fail(rfd, "userns", "switch to sandbox root");
+    if (set_caps(0) < 0) child_fail(rfd, "caps", "drop capabilities");
+    if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) child_fail(rfd, "nnp", "no_new_privs");
+    prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+
+    /* Keep only the upper's handle at fd 3 (the host reads it at /proc/PID/fd/3). */
+    if (dup2(upper_fd, 3) < 0) child_fail(rfd, "mount", "dup upper");
+    int devnull = open("/dev/null", O_RDWR);
+    if (devnull >= 0) {
+        dup2(devnull, 0);
+        dup2(devnull, 1);
+        dup2(devnull, 2);
+    }
+    if (write(rfd, "ok", 3) != 3) _exit(126);
+    syscall(SYS_close_range, 4, ~0U, 0);
+    init_loop();
+}
+
+/* ---------- pending work watched by the poll loop ---------- */
+
+enum pend_kind { P_CREATE = 1, P_EXEC = 2 };
+
+struct pending {
+    int fd; /* report pipe (read end) */
+    int kind;
+    pid_t pid;
+    int pidfd;
+    char rid[40];
+};
+
+static struct pending pend[MAX_PENDING];
+static int npend;
+
+static int add_pending(int fd, int kind, pid_t pid, int pidfd, const char *rid) {
+    if (npend >= MAX_PENDING) return -1;
+    pend[npend].fd = fd;
+    pend[npend].kind = kind;
+    pend[npend].pid = pid;
+    pend[npend].pidfd = pidfd;
+    snprintf(pend[npend].rid, sizeof pend[npend].rid, "%s", rid);
+    npend++;
+    return 0;
+}
+
+static pid_t clone_pidfd(unsigned long flags, int *pidfd) {
+    return (pid_t)syscall(SYS_clone, flags | CLONE_PIDFD | SIGCHLD, NULL, pidfd, NULL, NULL);
+}
+
+static void do_create(struct req *r) {
+    const char *rid = r->tok[1];
+    const char *id = req_get(r, "id"), *stage = req_get(r, "stage");
+    const char *ub = req_get(r, "uid_base"), *uc = req_get(r, "uid_count");
+    const char *disk = req_get(r, "disk"), *inodes = req_get(r, "inodes"), *shm = req_get(r, "shm");
+    char *lowers[16], *cgs[16];
+    req_all(r, "lower", lowers, 15);
+    req_all(r, "cg", cgs, 15);
+    if (!id || !stage || !ub || !uc || !disk || !inodes || !shm) {
+        reply_err(rid, "request", EINVAL, "create needs id, stage, uid_base, uid_count, disk, inodes, shm");
+        return;
+    }
+    /* 1. A user namespace holding the sandbox's uid range (its owner process exits at once). */
+    int upipe[2];
+    if (pipe2(upipe, O_CLOEXEC) < 0) { reply_err(rid, "userns", errno, "pipe"); return; }
+    pid_t u = (pid_t)syscall(SYS_clone, CLONE_NEWUSER | SIGCHLD, NULL, NULL, NULL, NULL);
+    if (u == 0) {
+        char c;
+        close(upipe[1]);
+        if (read(upipe[0], &c, 1) < 0) { }
+        _exit(0);
+    }
+    close(upipe[0]);
+    if (u < 0) { close(upipe[1]); reply_err(rid, "userns", errno, "clone(CLONE_NEWUSER)"); return; }
+    char path[128], map[128];
+    int userns_fd = -1;
+    snprintf(map, sizeof map, "0 %s %s\n", ub, uc);
+    snprintf(path, sizeof path, "/proc/%d/uid_map", (int)u);
+    int ok = write_file(path, map) == 0;
+    snprintf(path, sizeof path, "/proc/%d/gid_map", (int)u);
+    ok = ok && write_file(path, map) == 0;
+    int saved = errno;
+    if (ok) {
+        snprintf(path, sizeof path, "/proc/%d/ns/user", (int)u);
+        userns_fd = open(path, O_RDONLY | O_CLOEXEC);
+        saved = errno;
+    }
+    close(upipe[1]);
+    waitpid(u, NULL, 0);
+    if (userns_fd < 0) { reply_err(rid, "userns", saved, "write uid/gid map %s", map); return; }
+
+    /* 2. The init: every namespace but user (entered last, so the host owns them all). */
+    int go[2], rep[2];
+    if (pipe2(go, O_CLOEXEC) < 0) { close(userns_fd); reply_err(rid, "clone", errno, "pipe"); return; }
+    if (pipe2(rep, O_CLOEXEC) < 0) {
+        close(userns_fd); close(go[0]); close(go[1]);
+        reply_err(rid, "clone", errno, "pipe");
+        return;
+    }
+    int pidfd = -1;
+    pid_t pid = clone_pidfd(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS, &pidfd);
+    if (pid == 0) {
+        close(go[1]);
+        close(rep[0]);
+        close(sock_fd);
+        struct create_args a = {
+            .id = id, .stage = stage, .lowers = lowers, .cgs = cgs,
+            .uid_base = strtoul(ub, NULL, 10), .disk = strtoull(disk, NULL, 10),
+            .inodes = strtoull(inodes, NULL, 10), .shm = strtoull(shm, NULL, 10),
+            .userns_fd = userns_fd, .go_fd = go[0], .report_fd = rep[1]};
+        sigset_t none;
+        sigemptyset(&none);
+        sigprocmask(SIG_SETMASK, &none, NULL);
+        create_child(&a);
+    }
+    close(userns_fd);
+    close(go[0]);
+    close(rep[1]);
+    if (pid < 0) {
+        close(go[1]); close(rep[0]);
+        reply_err(rid, "clone", errno, "clone sandbox init");
+        return;
+    }
+    if (join_cgroups(cgs, pid) < 0) {
+        int e = errno;
+        kill(pid, SIGKILL);
+        close(go[1]); close(rep[0]); close(pidfd);
+        reply_err(rid, "cgroup", e, "attach init to cgroups");
+        return;
+    }
+    if (write(go[1], "g", 1) != 1) { /* child died; the report pipe tells */ }
+    close(go[1]);
+    if (add_pending(rep[0], P_CREATE, pid, pidfd, rid) < 0) {
+        kill(pid, SIGKILL);
+        close(rep[0]); close(pidfd);
+        reply_err(rid, "busy", EAGAIN, "too many operations in flight");
+    }
+}
+
+/* ---------- exec: enter a sandbox from the host side ---------- */
+
+struct exec_args {
+    int initpidfd, in, out, err, report_fd;
+    char **argv, **envp, **cgs, **rlimits;
+    const char *cwd;
+    uid_t uid;
+    gid_t gid;
+    int use_seccomp, new_session;
+};
+
+static void exec_child(struct exec_args *a) __attribute__((noreturn));
+static void exec_child(struct exec_args *a) {
+    int rfd = a->report_fd;
+    if (join_cgroups(a->cgs, 0) < 0) child_fail(rfd, "cgroup", "join sandbox cgroups");
+    if (setns(a->initpidfd, CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS |
+                                CLONE_NEWCGROUP) < 0)
+        child_fail(rfd, "setns", "enter sandbox namespaces");
+    if (setgroups(0, NULL) < 0) child_fail(rfd, "user", "setgroups");
+    if (setresgid(a->gid, a->gid, a->gid) < 0) child_fail(rfd, "user", "gid %u is not mapped in the sandbox", a->gid);
+    if (setresuid(a->uid, a->uid, a->uid) < 0) child_fail(rfd, "user", "uid %u is not mapped in the sandbox", a->uid);
+    for (int i = 0; a->rlimits[i]; i++) {
+        int res;
+        unsigned long long soft, hard;
+        if (sscanf(a->rlimits[i], "%d:%llu:%llu", &res, &soft, &hard) != 3) child_fail(rfd, "rlimit", "bad rlimit");
+        struct rlimit rl = {.rlim_cur = soft, .rlim_max = hard};
+        if (setrlimit(res, &rl) < 0) child_fail(rfd, "rlimit", "setrlimit %d", res);
+    }
+    if (chdir(a->cwd) < 0) child_fail(rfd, "cwd", "%s", a->cwd);
+    if (a->new_session && setsid() < 0) child_fail(rfd, "setsid", "setsid");
+    if (dup2(a->in, 0) < 0 || dup2(a->out, 1) < 0 || dup2(a->err, 2) < 0) child_fail(rfd, "stdio", "dup2");
+    syscall(SYS_close_range, 3, ~0U, CLOSE_RANGE_CLOEXEC);
+    if (set_caps(a->uid == 0) < 0) child_fail(rfd, "caps", "set capabilities");
+    if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) child_fail(rfd, "nnp", "no_new_privs");
+    if (a->use_seccomp && prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &seccomp_prog) < 0)
+        child_fail(rfd, "seccomp", "load filter");
+    signal(SIGPIPE, SIG_DFL);
+    extern char **environ;
+    environ = a->envp;
+    execvp(a->argv[0], a->argv);
+    child_fail(rfd, "exec", "%s", a->argv[0]);
+}
+
+static void do_exec(struct req *r) {
+    const char *rid = r->tok[1];
+    if (r->nfds != 4) {
+        reply_err(rid, "request", EINVAL, "exec needs 4 fds (init pidfd, stdin, stdout, stderr), got %d", r->nfds);
+        return;
+    }
+    static char *argv[MAX_TOK], *envp[MAX_TOK];
+    char *cgs[16], *rl[32];
+    int argc = req_all(r, "a", argv, MAX_TOK - 1);
+    req_all(r, "e", envp, MAX_TOK - 1);
+    req_all(r, "cg", cgs, 15);
+    req_all(r, "rl", rl, 31);
+    const char *cwd = req_get(r, "cwd"), *uid = req_get(r, "uid"), *gid = req_get(r, "gid");
+    const char *sc = req_get(r, "seccomp"), *ss = req_get(r, "setsid");
+    if (argc == 0 || !cwd || !uid || !gid) {
+        reply_err(rid, "request", EINVAL, "exec needs argv, cwd, uid, gid");
+        return;
+    }
+    int rep[2];
+    if (pipe2(rep, O_CLOEXEC) < 0) { reply_err(rid, "exec", errno, "pipe"); return; }
+    /* Children forked now land in the sandbox's pid namespace; switch back right after. */
+    if (setns(r->fds[0], CLONE_NEWPID) < 0) {
+        int e = errno;
+        close(rep[0]); close(rep[1]);
+        reply_err(rid, "setns", e, "sandbox is gone (its init has exited)");
+        return;
+    }
+    int pidfd = -1;
+    pid_t pid = clone_pidfd(0, &pidfd);
+    if (pid == 0) {
+        close(rep[0]);
+        close(sock_fd);
+        struct exec_args a = {
+            .initpidfd = r->fds[0], .in = r->fds[1], .out = r->fds[2], .err = r->fds[3],
+            .report_fd = rep[1], .argv = argv, .envp = envp, .cgs = cgs, .rlimits = rl, .cwd = cwd,
+            .uid = (uid_t)strtoul(uid, NULL, 10), .gid = (gid_t)strtoul(gid, NULL, 10),
+            .use_seccomp = !sc || strcmp(sc, "0") != 0, .new_session = !ss || strcmp(ss, "0") != 0};
+        sigset_t none;
+        sigemptyset(&none);
+        sigprocmask(SIG_SETMASK, &none, NULL);
+        exec_child(&a);
+    }
+    int e = errno;
+    if (setns(self_pidns_fd, CLONE_NEWPID) < 0) {
+        /* Cannot happen for our own namespace; refusing to go on is safer than nesting sandboxes. */
+        perror("dsec-spawner: restore pid namespace");
+        _exit(2);
+    }
+    close(rep[1]);
+    if (pid < 0) {
+        close(rep[0]);
+        reply_err(rid, "clone", e, "fork exec child");
+        return;
+    }
+    if (add_pending(rep[0], P_EXEC, pid, pidfd, rid) < 0) {
+        kill(pid, SIGKILL);
+        close(rep[0]); close(pidfd);
+        reply_err(rid, "busy", EAGAIN, "too many operations in flight");
+    }
+}
+
+/* A report pipe became readable: the child either failed ("stage\0errno\0msg"), said "ok", or exec'd (EOF). */
+static void finish_pending(int i) {
+    struct pending p = pend[i];
+    pend[i] = pend[--npend];
+    char buf[1300];
+    ssize_t n;
+    do n = read(p.fd, buf, sizeof buf - 1); while (n < 0 && errno == EINTR);
+    close(p.fd);
+    if (n < 0) n = 0;
+    buf[n] = 0;
+    int success = (p.kind == P_EXEC && n == 0) || (p.kind == P_CREATE && n == 3 && strcmp(buf, "ok") == 0);
+    if (success) {
+        reply_ok_pid(p.rid, p.pid, p.pidfd);
+    } else if (n == 0) {
+        kill(p.pid, SIGKILL);
+        reply_err(p.rid, "died", ECHILD, "child exited before it was ready");
+    } else {
+        const char *stage = buf;
+        const char *err = stage + strlen(stage) + 1;
+        const char *msg = (err < buf + n) ? err + strlen(err) + 1 : "";
+        if (err >= buf + n) err = "0";
+        if (msg >= buf + n) msg = "";
+        char e[16];
+        snprintf(e, sizeof e, "%s", err);
+        const char *t[] = {"err", p.rid, stage, e, msg};
+        send_tokens(t, 5, -1);
+        if (p.kind == P_CREATE) kill(p.pid, SIGKILL);
+    }
+    close(p.pidfd);
+}
+
+static void reap(void) {
+    for (;;) {
+        int st;
+        struct rusage ru;
+        pid_t pid = wait4(-1, &st, WNOHANG, &ru);
+        if (pid <= 0) return;
+        char a[16], b[16], c[24], d[24], e[24];
+        snprintf(a, sizeof a, "%d", (int)pid);
+        snprintf(b, sizeof b, "%d", st);
+        snprintf(c, sizeof c, "%lld", (long long)ru.ru_utime.tv_sec * 1000000 + ru.ru_utime.tv_usec);
+        snprintf(d, sizeof d, "%lld", (long long)ru.ru_stime.tv_sec * 1000000 + ru.ru_stime.tv_usec);
+        snprintf(e, sizeof e, "%ld", ru.ru_maxrss);
+        const char *t[] = {"exit", a, b, c, d, e};
+        send_tokens(t, 6, -1);
+    }
+}
+
+static int recv_req(struct req *r, char *buf) {
+    struct iovec iov = {.iov_base = buf, .iov_len = MAX_MSG - 1};
+    union {
+        char b[CMSG_SPACE(sizeof(int) * 8)];
+        struct cmsghdr align;
+    } cm;
+    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cm.b, .msg_controllen = sizeof cm.b};
+    ssize_t n = recvmsg(sock_fd, &msg, MSG_CMSG_CLOEXEC);
+    if (n <= 0) return (int)n;
+    buf[n] = 0;
+    r->nfds = 0;
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
+        if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+            int k = (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+            for (int i = 0; i < k && r->nfds < 8; i++) memcpy(&r->fds[r->nfds++], CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+        }
+    }
+    r->ntok = 0;
+    for (ssize_t off = 0; off < n && r->ntok < MAX_TOK; off += (ssize_t)strlen(buf + off) + 1) r->tok[r->ntok++] = buf + off;
+    return 1;
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2) {
+        fprintf(stderr, "usage: dsec-spawner SOCKET_FD  (started by the DSec runtime)\n");
+        return 2;
+    }
+    sock_fd = atoi(argv[1]);
+    prctl(PR_SET_NAME, "dsec-spawner", 0, 0, 0);
+    if (build_seccomp() < 0) {
+        fprintf(stderr, "dsec-spawner: cannot build seccomp filter\n");
+        return 1;
+    }
+    self_pidns_fd = open("/proc/self/ns/pid", O_RDONLY | O_CLOEXEC);
+    if (self_pidns_fd < 0) { perror("dsec-spawner: open own pid namespace"); return 1; }
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) == 0) { rl.rlim_cur = rl.rlim_max; setrlimit(RLIMIT_NOFILE, &rl); }
+    signal(SIGPIPE, SIG_IGN);
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGCHLD);
+    sigprocmask(SIG_BLOCK, &set, NULL);
+    int sfd = signalfd(-1, &set, SFD_CLOEXEC | SFD_NONBLOCK);
+    char *buf = malloc(MAX_MSG);
+    static struct pollfd pfds[MAX_PENDING + 2];
+    struct req *r = malloc(sizeof *r);
+    if (!buf || !r || sfd < 0) return 1;
+    for (;;) {
+        pfds[0].fd = sock_fd;
+        pfds[0].events = POLLIN;
+        pfds[1].fd = sfd;
+        pfds[1].events = POLLIN;
+        for (int i = 0; i < npend; i++) {
+            pfds[i + 2].fd = pend[i].fd;
+            pfds[i + 2].events = POLLIN;
+        }
+        int n = poll(pfds, (nfds_t)npend + 2, -1);
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            return 1;
+        }
+        /* Report pipes first, so "ok" for an exec precedes its "exit" event. */
+        for (int i = npend - 1; i >= 0; i--)
+            if (pfds[i + 2].revents) finish_pending(i);
+        if (pfds[1].revents) {
+            struct signalfd_siginfo si;
+            while (read(sfd, &si, sizeof si) == sizeof si) {
+            }
+            reap();
+        }
+        if (pfds[0].revents & POLLIN) {
+            int rc = recv_req(r, buf);
+            if (rc == 0) return 0; /* the runtime went away: sandboxes live on, it reconciles */
+            if (rc < 0) continue;
+            if (r->ntok < 2) {
+                for (int i = 0; i < r->nfds; i++) close(r->fds[i]);
+                continue;
+            }
+            if (strcmp(r->tok[0], "create") == 0) do_create(r);
+            else if (strcmp(r->tok[0], "exec") == 0) do_exec(r);
+            else if (strcmp(r->tok[0], "ping") == 0) {
+                const char *t[] = {"ok", r->tok[1]};
+                send_tokens(t, 2, -1);
+            } else reply_err(r->tok[1], "request", EINVAL, "unknown op %s", r->tok[0]);
+            for (int i = 0; i < r->nfds; i++) close(r->fds[i]);
+        } else if (pfds[0].revents & (POLLHUP | POLLERR)) {
+            return 0;
+        }
+    }
+}

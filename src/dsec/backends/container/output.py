@@ -1,0 +1,74 @@
+"""Bounded capture of a command's output.
+
+Keeps the first and the last ``cap`` bytes of a stream and counts the rest, so
+a ``yes`` that runs until its timeout costs at most ``2 * cap`` bytes of host
+memory per stream, never disk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class BoundedCapture:
+    __slots__ = ("_head", "_tail", "cap", "total")
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.total = 0
+        self._head = bytearray()
+        self._tail = bytearray()
+
+    def feed(self, data: bytes) -> None:
+        self.total += len(data)
+        room = self.cap - len(self._head)
+        if room > 0:
+            self._head += data[:room]
+            data = data[room:]
+        if data:
+            self._tail += data
+            if len(self._tail) > self.cap:
+                del self._tail[: len(self._tail) - self.cap]
+
+    @property
+    def truncated(self) -> bool:
+        return self.total > len(self._head) + len(self._tail)
+
+    def value(self) -> bytes:
+        if not self.truncated:
+            return bytes(self._head + self._tail)
+        dropped = self.total - len(self._head) - len(self._tail)
+        marker = f"\n[... dsec: {dropped} bytes omitted ...]\n".encode()
+        return bytes(self._head) + marker + bytes(self._tail)
+
+
+@dataclass(slots=True)
+class ExecResult:
+    """What a finished command did. ``exit_code`` is None when a signal ended it."""
+
+    exit_code: int | None
+    signal: int | None
+    stdout: bytes
+    stderr: bytes
+    stdout_bytes: int
+    stderr_bytes: int
+    truncated: bool
+    duration_s: float
+    start_latency_s: float
+    timed_out: str | None = None
+    """None, "timeout" (overall) or "idle_timeout" (no output for too long)."""
+    cpu_user_s: float = 0.0
+    cpu_system_s: float = 0.0
+    extra: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+    @property
+    def stdout_text(self) -> str:
+        return self.stdout.decode(errors="replace")
+
+    @property
+    def stderr_text(self) -> str:
+        return self.stderr.decode(errors="replace")

@@ -1,0 +1,794 @@
+"""The node runtime of the container backend: create, exec, destroy, reconcile.
+
+One ``ContainerRuntime`` per node (one per ``name`` on a test machine). It owns
+the native spawner, the sandboxes' cgroups, uid ranges and records, and the
+node's layer mounts. It never forks sandboxes itself (the spawner does) and
+never blocks the event loop on a sandbox: kernel work that can take long runs
+in the spawner or in short thread-pool calls.
+
+Crash safety: a record is written before any host resource is made, and every
+resource is named after the sandbox, so ``start()`` after a SIGKILL re-adopts
+running sandboxes whose init survived and destroys everything else (see
+docs/RUNTIME.md, "Reconcile").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import secrets
+import select
+import signal
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+from dsec.backends.container import cgroups
+from dsec.backends.container.output import BoundedCapture, ExecResult
+from dsec.backends.container.spawner import ChildExit, Spawner, SpawnError
+from dsec.errors import (
+    ExecError,
+    ExecTimeout,
+    HostError,
+    InvalidSpec,
+    SandboxFailed,
+    SandboxNotFound,
+    SandboxStateError,
+)
+from dsec.spec import SandboxSpec, SandboxState, can_move
+
+UID_RANGE: Final = 65536
+UID_FIRST_BASE: Final = 1 << 24  # well above any host account
+UID_SLOTS: Final = 60000
+DEFAULT_TIMEOUT_S: Final = 600.0
+_ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
+DEFAULT_ENV: Final = {
+    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "HOME": "/root",
+    "LANG": "C.UTF-8",
+    "TERM": "dumb",
+}
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+UNSET: Final = _Unset()
+"""Marks an argument left out (the default applies); ``None`` means "none"."""
+
+OutputCallback = Callable[[str, bytes], None]
+
+
+@dataclass(slots=True)
+class SandboxRecord:
+    id: str
+    state: SandboxState
+    spec: SandboxSpec
+    slot: int
+    layers: list[str]
+    created_at: float
+    init_pid: int = 0
+    init_start: int = 0
+    reason: str = ""
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def uid_base(self) -> int:
+        return UID_FIRST_BASE + self.slot * UID_RANGE
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "state": self.state.value,
+            "spec": self.spec.model_dump(mode="json"),
+            "slot": self.slot,
+            "layers": self.layers,
+            "created_at": self.created_at,
+            "init_pid": self.init_pid,
+            "init_start": self.init_start,
+            "reason": self.reason,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> SandboxRecord:
+        return cls(
+            id=d["id"],
+            state=SandboxState(d["state"]),
+            spec=SandboxSpec.model_validate(d["spec"]),
+            slot=int(d["slot"]),
+            layers=list(d["layers"]),
+            created_at=float(d["created_at"]),
+            init_pid=int(d.get("init_pid", 0)),
+            init_start=int(d.get("init_start", 0)),
+            reason=str(d.get("reason", "")),
+        )
+
+
+def _proc_start_time(pid: int) -> int:
+    """Start time (clock ticks since boot) of ``pid``: with the pid, a unique process identity."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        data = f.read()
+    return int(data[data.rindex(b")") + 2 :].split()[19])
+
+
+def _children_tree(pid: int) -> list[int]:
+    """All descendants of ``pid`` (host pids), read from /proc/*/task/*/children."""
+    out: list[int] = []
+    stack = [pid]
+    while stack:
+        p = stack.pop()
+        try:
+            tasks = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for t in tasks:
+            try:
+                with open(f"/proc/{p}/task/{t}/children") as f:
+                    kids = [int(x) for x in f.read().split()]
+            except OSError:
+                continue
+            out.extend(kids)
+            stack.extend(kids)
+    return out
+
+
+def kill_tree(pid: int, *, include_root: bool = True) -> None:
+    """SIGKILL a process, its process group and every descendant."""
+    victims = _children_tree(pid)
+    if include_root:
+        with contextlib.suppress(OSError):
+            os.killpg(pid, signal.SIGKILL)
+        victims.append(pid)
+    for v in victims:
+        with contextlib.suppress(OSError):
+            os.kill(v, signal.SIGKILL)
+
+
+@dataclass(slots=True)
+class Process:
+    """A process started inside a sandbox. Its exit arrives through the spawner."""
+
+    sandbox_id: str
+    pid: int
+    exited: asyncio.Future[ChildExit]
+    started_at: float
+
+    def kill(self, *, tree: bool = True) -> None:
+        if not self.exited.done():
+            if tree:
+                kill_tree(self.pid)
+            else:
+                with contextlib.suppress(OSError):
+                    os.kill(self.pid, signal.SIGKILL)
+
+
+class ContainerRuntime:
+    """Sandboxes on this node. Use ``async with ContainerRuntime(...) as rt``."""
+
+    def __init__(
+        self,
+        *,
+        name: str = "default",
+        state_dir: Path | str | None = None,
+        run_dir: Path | str | None = None,
+        layer_store: Any = None,
+        id_prefix: str = "sb",
+    ) -> None:
+        if not _NAME_RE.match(name):
+            raise InvalidSpec(f"runtime name {name!r} must match {_NAME_RE.pattern}", field="name")
+        self.name = name
+        base_state = Path(state_dir or os.environ.get("DSEC_STATE_DIR", "/var/lib/dsec"))
+        base_run = Path(run_dir or os.environ.get("DSEC_RUN_DIR", "/run/dsec"))
+        self.state_dir = base_state
+        self.run_dir = base_run / name
+        self.records_dir = base_state / "sandboxes" / name
+        self.stage_dir = self.run_dir / "stage"
+        self.slots_dir = base_run / "uid-slots"
+        self.id_prefix = id_prefix
+        self._store = layer_store
+        self._mounts: Any = None
+        self.cgroups = cgroups.RuntimeCgroups(name)
+        self.spawner: Spawner | None = None
+        self.sandboxes: dict[str, SandboxRecord] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._devnull = -1
+        self.reconciled: dict[str, list[str]] = {}
+        self.last_activity: dict[str, float] = {}
+
+    # ----- lifecycle of the runtime itself -----
+
+    async def __aenter__(self) -> ContainerRuntime:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def store(self) -> Any:
+        if self._store is None:
+            from dsec.images.store import LocalLayerStore
+
+            self._store = LocalLayerStore(self.state_dir / "layers")
+        return self._store
+
+    async def start(self) -> None:
+        from dsec.backends.container.build import spawner_path
+        from dsec.backends.container.hostcheck import check_host
+        from dsec.images.mounts import LayerMounts
+
+        check_host()
+        self.cgroups.setup()
+        for d in (self.run_dir, self.records_dir, self.stage_dir, self.slots_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        self._devnull = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
+        self._mounts = LayerMounts(self.store, self.run_dir / "layers")
+        await asyncio.to_thread(self._mounts.adopt)
+        self.spawner = Spawner(spawner_path())
+        await self.spawner.start()
+        self.reconciled = await self._reconcile()
+
+    async def close(self, *, destroy_all: bool = True) -> None:
+        """Stop the runtime. By default every sandbox is destroyed; ``destroy_all=False``
+        leaves them running for the next ``start()`` to re-adopt."""
+        if destroy_all:
+            await asyncio.gather(*(self.destroy(i) for i in list(self.sandboxes)), return_exceptions=True)
+        if self.spawner is not None:
+            await self.spawner.close()
+            self.spawner = None
+        if self._mounts is not None and destroy_all:
+            await asyncio.to_thread(self._mounts.close)
+        if self._devnull >= 0:
+            os.close(self._devnull)
+            self._devnull = -1
+        if destroy_all:
+            self.cgroups.remove_parents()
+
+    # ----- records -----
+
+    def _record_path(self, sandbox_id: str) -> Path:
+        return self.records_dir / f"{sandbox_id}.json"
+
+    def _save(self, rec: SandboxRecord) -> None:
+        path = self._record_path(rec.id)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(rec.to_json()))
+        os.replace(tmp, path)
+
+    def _move(self, rec: SandboxRecord, dst: SandboxState, *, reason: str = "", save: bool = True) -> None:
+        if not can_move(rec.state, dst):
+            raise SandboxStateError(
+                f"sandbox {rec.id} cannot go from {rec.state.value} to {dst.value}",
+                sandbox_id=rec.id,
+                state=rec.state.value,
+            )
+        rec.state = dst
+        if reason:
+            rec.reason = reason
+        self._event(rec, "state", state=dst.value, reason=reason)
+        if save:
+            self._save(rec)
+
+    def _event(self, rec: SandboxRecord, kind: str, **data: Any) -> None:
+        rec.events.append({"t": time.time(), "event": kind, **data})
+        if len(rec.events) > 1000:
+            del rec.events[:100]
+
+    def _claim_slot(self, sandbox_id: str) -> int:
+        # Slot files are host-wide, so two runtimes never share a uid range.
+        start = secrets.randbelow(UID_SLOTS)
+        for i in range(UID_SLOTS):
+            slot = (start + i) % UID_SLOTS
+            try:
+                fd = os.open(self.slots_dir / str(slot), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            except FileExistsError:
+                continue
+            os.write(fd, f"{self.name} {sandbox_id}\n".encode())
+            os.close(fd)
+            return slot
+        raise HostError("no free uid range for a new sandbox (60,000 in use)")
+
+    def _release_slot(self, rec: SandboxRecord) -> None:
+        path = self.slots_dir / str(rec.slot)
+        with contextlib.suppress(OSError):
+            if path.read_text().split() == [self.name, rec.id]:
+                path.unlink()
+
+    # ----- create / destroy -----
+
+    def _new_id(self) -> str:
+        return f"{self.id_prefix}-{secrets.token_hex(6)}"
+
+    async def create(self, spec: SandboxSpec, *, sandbox_id: str | None = None) -> SandboxRecord:
+        assert self.spawner is not None, "runtime not started"
+        sid = sandbox_id or self._new_id()
+        if not _ID_RE.match(sid):
+            raise InvalidSpec(f"sandbox id {sid!r} must match {_ID_RE.pattern}", field="sandbox_id")
+        existing = self.sandboxes.get(sid)
+        if existing is not None:
+            return existing  # idempotent
+        layers = [self.store.resolve(ref).digest for ref in spec.image.layers_top_first()]
+        rec = SandboxRecord(sid, SandboxState.CREATING, spec, -1, layers, time.time())
+        self.sandboxes[sid] = rec
+        lock = self._locks.setdefault(sid, asyncio.Lock())
+        async with lock:
+            try:
+                rec.slot = self._claim_slot(sid)
+                self._save(rec)  # before any host resource exists
+                cg_dirs = self.cgroups.create(sid, spec.resources)
+                lowers = [str(self._mounts.acquire(d, sid)) for d in layers]
+                res = spec.resources
+                fields = [
+                    ("id", sid),
+                    ("stage", str(self.stage_dir)),
+                    ("uid_base", str(rec.uid_base)),
+                    ("uid_count", str(UID_RANGE)),
+                    ("disk", str(res.disk)),
+                    ("inodes", str(max(16384, res.disk // 8192))),
+                    ("shm", str(min(res.memory // 2, 64 * 1024 * 1024))),
+                    *[("lower", p) for p in lowers],
+                    *[("cg", str(d)) for d in cg_dirs],
+                ]
+                try:
+                    spawned = await self.spawner.spawn("create", fields)
+                except SpawnError as exc:
+                    raise SandboxFailed(
+                        f"sandbox {sid} failed to start at step {exc.stage!r}: {exc.detail} ({os.strerror(exc.errno)})",
+                        sandbox_id=sid,
+                        reason=exc.stage,
+                    ) from None
+                os.close(spawned.pidfd)
+                rec.init_pid = spawned.pid
+                rec.init_start = _proc_start_time(spawned.pid)
+                self._move(rec, SandboxState.RUNNING)
+                self.last_activity[sid] = time.monotonic()
+                return rec
+            except BaseException:
+                await self._teardown(rec)
+                self.sandboxes.pop(sid, None)
+                raise
+
+    async def destroy(self, sandbox_id: str) -> bool:
+        """Destroy a sandbox and everything it holds. Idempotent: False if it was not there."""
+        rec = self.sandboxes.get(sandbox_id)
+        if rec is None:
+            return False
+        lock = self._locks.setdefault(sandbox_id, asyncio.Lock())
+        async with lock:
+            if sandbox_id not in self.sandboxes:
+                return False
+            if rec.state in (SandboxState.RUNNING, SandboxState.FAILED, SandboxState.CREATING):
+                self._move(rec, SandboxState.STOPPING)
+            left = await self._teardown(rec)
+            self.sandboxes.pop(sandbox_id, None)
+            self._locks.pop(sandbox_id, None)
+            self.last_activity.pop(sandbox_id, None)
+            if left:
+                raise HostError(f"sandbox {sandbox_id}: could not remove {left}", sandbox_id=sandbox_id)
+            return True
+
+    async def _teardown(self, rec: SandboxRecord) -> list[str]:
+        """Kill, unmount (the mount namespace dies with its last process), remove cgroups,
+        release layers, uid range and record. Safe to call on a half-made sandbox."""
+        sid = rec.id
+        if rec.init_pid:
+            await self._kill_init(rec)
+        if self.cgroups.pids(sid):
+            self.cgroups.kill_all(sid)
+            deadline = time.monotonic() + 5
+            while self.cgroups.pids(sid) and time.monotonic() < deadline:
+                await asyncio.sleep(0.002)
+        left = [str(p) for p in await asyncio.to_thread(self.cgroups.remove, sid)]
+        if self._mounts is not None:
+            for d in set(rec.layers):
+                with contextlib.suppress(Exception):
+                    self._mounts.release(d, sid)
+        if rec.slot >= 0:
+            self._release_slot(rec)
+        if not left:
+            self._record_path(sid).unlink(missing_ok=True)
+        return left
+
+    async def _kill_init(self, rec: SandboxRecord) -> None:
+        fd = self._open_init(rec, check=False)
+        if fd is None:
+            return
+        try:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+            # A pidfd polls readable once the process has exited (after its namespace is emptied).
+            loop = asyncio.get_running_loop()
+            done = loop.create_future()
+            loop.add_reader(fd, lambda: done.done() or done.set_result(None))
+            try:
+                await asyncio.wait_for(done, 10)
+            except TimeoutError:
+                pass
+            finally:
+                loop.remove_reader(fd)
+        finally:
+            os.close(fd)
+        if self.spawner is not None:
+            self.spawner.forget_exit(rec.init_pid)
+
+    def _open_init(self, rec: SandboxRecord, *, check: bool = True) -> int | None:
+        """A pidfd of the sandbox's init, verified to be that very process (no pid reuse)."""
+        try:
+            fd = os.pidfd_open(rec.init_pid)
+        except OSError:
+            fd = None
+        if fd is not None:
+            try:
+                if _proc_start_time(rec.init_pid) == rec.init_start:
+                    return fd
+            except OSError:
+                pass
+            os.close(fd)
+        if check:
+            self._mark_failed(rec, "the sandbox's init process is gone")
+            raise SandboxFailed(
+                f"sandbox {rec.id} has failed: its init process is gone", sandbox_id=rec.id, reason="init_exited"
+            )
+        return None
+
+    def _mark_failed(self, rec: SandboxRecord, reason: str) -> None:
+        if can_move(rec.state, SandboxState.FAILED):
+            self._move(rec, SandboxState.FAILED, reason=reason)
+
+    # ----- lookups -----
+
+    def get(self, sandbox_id: str) -> SandboxRecord:
+        rec = self.sandboxes.get(sandbox_id)
+        if rec is None:
+            raise SandboxNotFound(f"no sandbox {sandbox_id!r} on this node", sandbox_id=sandbox_id)
+        return rec
+
+    def list(self) -> list[SandboxRecord]:
+        return list(self.sandboxes.values())
+
+    def _running(self, sandbox_id: str) -> SandboxRecord:
+        rec = self.get(sandbox_id)
+        if rec.state is not SandboxState.RUNNING:
+            raise SandboxStateError(
+                f"sandbox {sandbox_id} is {rec.state.value}, not running"
+                + (f" ({rec.reason})" if rec.reason else ""),
+                sandbox_id=sandbox_id,
+                state=rec.state.value,
+            )
+        return rec
+
+    def upper_path(self, sandbox_id: str) -> Path:
+        """The writable layer as the host sees it (through the init's fd 3)."""
+        rec = self._running(sandbox_id)
+        return Path(f"/proc/{rec.init_pid}/fd/3/upper")
+
+    def root_path(self, sandbox_id: str) -> Path:
+        rec = self._running(sandbox_id)
+        return Path(f"/proc/{rec.init_pid}/root")
+
+    # ----- running things -----
+
+    def _user_ids(self, user: int | str) -> tuple[int, int]:
+        if isinstance(user, int):
+            uid = gid = user
+        elif user == "root":
+            uid = gid = 0
+        elif re.fullmatch(r"\d+(:\d+)?", user):
+            a, _, b = user.partition(":")
+            uid, gid = int(a), int(b or a)
+        else:
+            raise InvalidSpec(
+                f"user {user!r}: give a numeric uid, 'uid:gid' or 'root' (names are not looked up)",
+                field="user",
+            )
+        if not (0 <= uid < UID_RANGE and 0 <= gid < UID_RANGE):
+            raise InvalidSpec(f"uid/gid must be within 0..{UID_RANGE - 1}", field="user")
+        return uid, gid
+
+    async def start_process(
+        self,
+        sandbox_id: str,
+        argv: Sequence[str],
+        *,
+        stdin: int,
+        stdout: int,
+        stderr: int,
+        env: Mapping[str, str] | None = None,
+        cwd: str = "/",
+        user: int | str = 0,
+        seccomp: bool = True,
+    ) -> Process:
+        """Start ``argv`` in the sandbox with the given host fds as its stdio."""
+        assert self.spawner is not None, "runtime not started"
+        rec = self._running(sandbox_id)
+        if not argv or not argv[0]:
+            raise InvalidSpec("empty command", field="cmd", sandbox_id=sandbox_id)
+        if not cwd.startswith("/"):
+            raise InvalidSpec(f"cwd {cwd!r} must be an absolute path", field="cwd")
+        uid, gid = self._user_ids(user)
+        merged = {**DEFAULT_ENV, **rec.spec.env, **(env or {})}
+        for k, v in merged.items():
+            if not k or "=" in k or "\0" in k or "\0" in v:
+                raise InvalidSpec(f"bad environment variable {k!r}", field="env")
+        res = rec.spec.resources
+        fields: list[tuple[str, str]] = [("a", a) for a in argv]
+        fields += [("e", f"{k}={v}") for k, v in merged.items()]
+        fields += [("cwd", cwd), ("uid", str(uid)), ("gid", str(gid)), ("seccomp", "1" if seccomp else "0")]
+        fields += [("cg", str(d)) for d in self.cgroups.dirs(sandbox_id)]
+        fields += [("rl", f"7:{res.nofile}:{res.nofile}")]  # RLIMIT_NOFILE
+        init_fd = self._open_init(rec)
+        assert init_fd is not None
+        started = time.monotonic()
+        try:
+            spawned = await self.spawner.spawn("exec", fields, [init_fd, stdin, stdout, stderr])
+        except SpawnError as exc:
+            raise self._exec_error(sandbox_id, argv, cwd, uid, exc) from None
+        finally:
+            os.close(init_fd)
+        os.close(spawned.pidfd)
+        self.last_activity[sandbox_id] = time.monotonic()
+        return Process(sandbox_id, spawned.pid, self.spawner.exit_future(spawned.pid), started)
+
+    def _exec_error(self, sid: str, argv: Sequence[str], cwd: str, uid: int, exc: SpawnError) -> Exception:
+        if exc.stage == "exec":
+            hint = "not found in the sandbox's PATH" if exc.errno == 2 else os.strerror(exc.errno)
+            return ExecError(f"cannot run {argv[0]!r} in sandbox {sid}: {hint}", sandbox_id=sid, stage="exec", errno=exc.errno)
+        if exc.stage == "cwd":
+            return ExecError(
+                f"working directory {cwd!r} does not exist in sandbox {sid} ({os.strerror(exc.errno)})",
+                sandbox_id=sid, stage="cwd", errno=exc.errno,
+            )
+        if exc.stage == "user":
+            return ExecError(f"user {uid} cannot be used in sandbox {sid}: {exc.detail}", sandbox_id=sid, stage="user")
+        if exc.stage in ("setns", "died"):
+            return SandboxFailed(f"sandbox {sid} is gone: {exc}", sandbox_id=sid, reason=exc.stage)
+        return ExecError(f"cannot start command in sandbox {sid}: {exc}", sandbox_id=sid, stage=exc.stage)
+
+    async def exec(
+        self,
+        sandbox_id: str,
+        cmd: Sequence[str] | str,
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str = "/",
+        user: int | str = 0,
+        stdin: bytes | None = None,
+        timeout: float | None | _Unset = UNSET,
+        idle_timeout: float | None = None,
+        on_output: OutputCallback | None = None,
+        output_cap: int | None = None,
+    ) -> ExecResult:
+        """Run a command to completion and return its result.
+
+        ``cmd`` is an argv list, or a string run by ``/bin/sh -c``. ``timeout``
+        (default 600 s; ``None`` for none) and ``idle_timeout`` (no output for
+        that long) kill the command's whole process tree, never the sandbox, and
+        raise :class:`ExecTimeout` carrying the partial result. ``on_output`` is
+        called with ("stdout"|"stderr", chunk) as output is produced.
+        """
+        argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+        limit = DEFAULT_TIMEOUT_S if isinstance(timeout, _Unset) else timeout
+        if limit is not None and limit <= 0:
+            raise InvalidSpec("timeout must be positive (or None for no timeout)", field="timeout")
+        rec = self._running(sandbox_id)
+        cap = output_cap or rec.spec.output_cap
+        in_r, in_w = os.pipe2(os.O_CLOEXEC)
+        out_r, out_w = os.pipe2(os.O_CLOEXEC)
+        err_r, err_w = os.pipe2(os.O_CLOEXEC)
+        try:
+            proc = await self.start_process(
+                sandbox_id, argv, stdin=in_r, stdout=out_w, stderr=err_w, env=env, cwd=cwd, user=user
+            )
+        except BaseException:
+            for fd in (in_r, in_w, out_r, out_w, err_r, err_w):
+                os.close(fd)
+            raise
+        for fd in (in_r, out_w, err_w):
+            os.close(fd)
+        return await self._collect(proc, in_w, out_r, err_r, stdin, limit, idle_timeout, on_output, cap)
+
+    async def _collect(
+        self,
+        proc: Process,
+        in_w: int,
+        out_r: int,
+        err_r: int,
+        stdin: bytes | None,
+        limit: float | None,
+        idle_timeout: float | None,
+        on_output: OutputCallback | None,
+        cap: int,
+    ) -> ExecResult:
+        loop = asyncio.get_running_loop()
+        caps = {out_r: BoundedCapture(cap), err_r: BoundedCapture(cap)}
+        names = {out_r: "stdout", err_r: "stderr"}
+        open_fds = {out_r, err_r}
+        eof = loop.create_future()
+        last_output = [time.monotonic()]
+        timed_out: list[str] = []
+
+        def on_readable(fd: int) -> None:
+            for _ in range(16):
+                try:
+                    chunk = os.read(fd, 65536)
+                except BlockingIOError:
+                    return
+                except OSError:
+                    chunk = b""
+                if not chunk:
+                    loop.remove_reader(fd)
+                    open_fds.discard(fd)
+                    if not open_fds and not eof.done():
+                        eof.set_result(None)
+                    return
+                caps[fd].feed(chunk)
+                last_output[0] = time.monotonic()
+                if on_output is not None:
+                    on_output(names[fd], chunk)
+
+        for fd in (out_r, err_r):
+            os.set_blocking(fd, False)
+            loop.add_reader(fd, on_readable, fd)
+        writer = asyncio.ensure_future(self._feed_stdin(in_w, stdin))
+
+        def expire(reason: str) -> None:
+            if not proc.exited.done():
+                timed_out.append(reason)
+                proc.kill(tree=True)
+
+        timer = loop.call_later(limit, expire, "timeout") if limit is not None else None
+        idle_task = None
+        if idle_timeout is not None:
+            async def idle_watch() -> None:
+                while not proc.exited.done():
+                    wait = last_output[0] + idle_timeout - time.monotonic()
+                    if wait <= 0:
+                        expire("idle_timeout")
+                        return
+                    await asyncio.sleep(wait)
+
+            idle_task = asyncio.ensure_future(idle_watch())
+        try:
+            ex = await asyncio.shield(proc.exited)
+            # Output written before exit is in the pipes; stray background children
+            # holding them open do not keep the result waiting.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(eof), 0.1)
+            for fd in list(open_fds):
+                on_readable(fd)
+        except asyncio.CancelledError:
+            proc.kill(tree=True)
+            raise
+        finally:
+            if timer is not None:
+                timer.cancel()
+            if idle_task is not None:
+                idle_task.cancel()
+            writer.cancel()
+            for fd in (out_r, err_r):
+                if fd in open_fds:
+                    loop.remove_reader(fd)
+                os.close(fd)
+            if self.spawner is not None:
+                self.spawner.forget_exit(proc.pid)
+        self.last_activity[proc.sandbox_id] = time.monotonic()
+        so, se = caps[out_r], caps[err_r]
+        result = ExecResult(
+            exit_code=ex.exit_code,
+            signal=ex.signal,
+            stdout=so.value(),
+            stderr=se.value(),
+            stdout_bytes=so.total,
+            stderr_bytes=se.total,
+            truncated=so.truncated or se.truncated,
+            duration_s=time.monotonic() - proc.started_at,
+            start_latency_s=0.0,
+            timed_out=timed_out[0] if timed_out else None,
+            cpu_user_s=ex.utime_s,
+            cpu_system_s=ex.stime_s,
+        )
+        if result.timed_out:
+            what = "produced no output for" if result.timed_out == "idle_timeout" else "ran longer than"
+            secs = idle_timeout if result.timed_out == "idle_timeout" else limit
+            raise ExecTimeout(
+                f"command in sandbox {proc.sandbox_id} {what} {secs} s and was killed (with its process tree)",
+                sandbox_id=proc.sandbox_id,
+                timeout=secs,
+                reason=result.timed_out,
+                result=result,
+            )
+        return result
+
+    @staticmethod
+    async def _feed_stdin(fd: int, data: bytes | None) -> None:
+        try:
+            if data:
+                os.set_blocking(fd, False)
+                loop = asyncio.get_running_loop()
+                view = memoryview(data)
+                while view:
+                    try:
+                        n = os.write(fd, view)
+                        view = view[n:]
+                    except BlockingIOError:
+                        ready = loop.create_future()
+                        loop.add_writer(fd, lambda: ready.done() or ready.set_result(None))
+                        try:
+                            await ready
+                        finally:
+                            loop.remove_writer(fd)
+                    except BrokenPipeError:
+                        return
+        finally:
+            os.close(fd)
+
+    # ----- reconcile after a crash -----
+
+    async def _reconcile(self) -> dict[str, list[str]]:
+        """Re-adopt running sandboxes whose init survived; destroy everything else."""
+        adopted: list[str] = []
+        destroyed: list[str] = []
+        for path in sorted(self.records_dir.glob("*.json")):
+            try:
+                rec = SandboxRecord.from_json(json.loads(path.read_text()))
+            except (OSError, ValueError, KeyError):
+                path.unlink(missing_ok=True)
+                continue
+            alive = False
+            if rec.state is SandboxState.RUNNING and rec.init_pid:
+                fd = self._open_init(rec, check=False)
+                if fd is not None:
+                    os.close(fd)
+                    alive = rec.init_pid in self.cgroups.pids(rec.id)
+            if alive:
+                self.sandboxes[rec.id] = rec
+                self._event(rec, "adopted")
+                self.last_activity[rec.id] = time.monotonic()
+                adopted.append(rec.id)
+                continue
+            # Half-made, stopping or dead: remove every trace.
+            if rec.init_pid:
+                fd = self._open_init(rec, check=False)
+                if fd is None:
+                    rec.init_pid = 0
+                else:
+                    os.close(fd)
+            await self._teardown(rec)
+            destroyed.append(rec.id)
+        # Cgroups with no record (a crash between mkdir and the record write cannot
+        # happen, but a hand-deleted state dir can): kill and remove.
+        for orphan in self.cgroups.existing_children() - set(self.sandboxes):
+            self.cgroups.kill_all(orphan)
+            deadline = time.monotonic() + 5
+            while self.cgroups.pids(orphan) and time.monotonic() < deadline:
+                await asyncio.sleep(0.005)
+            self.cgroups.remove(orphan)
+            destroyed.append(orphan)
+        # uid slots of this runtime that no live sandbox holds.
+        for slot_file in self.slots_dir.iterdir():
+            with contextlib.suppress(OSError):
+                owner = slot_file.read_text().split()
+                if owner and owner[0] == self.name and owner[1] not in self.sandboxes:
+                    slot_file.unlink()
+        self.store.unpin_all_except(set(self.sandboxes))
+        await asyncio.to_thread(self._mounts.unmount_unused)
+        return {"adopted": adopted, "destroyed": destroyed}
+
+    # ----- introspection -----
+
+    def stats(self, sandbox_id: str) -> dict[str, Any]:
+        rec = self._running(sandbox_id)
+        st = self.cgroups.stats(sandbox_id)
+        return {"id": rec.id, "state": rec.state.value, "init_pid": rec.init_pid, **st.__dict__}
+
+    def poll_ready(self, fd: int) -> bool:
+        r, _, _ = select.select([fd], [], [], 0)
+        return bool(r)

@@ -1,0 +1,126 @@
+"""The DSec error tree.
+
+Every error DSec raises derives from :class:`DsecError` and, where one fits, from
+the builtin exception a Python user would expect (``LookupError``,
+``TimeoutError``, ``ValueError``...). Errors carry fields, not only prose, and
+``code`` names them on the wire: :data:`ERRORS_BY_CODE` is the one table that
+maps wire codes to classes in both directions.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class DsecError(Exception):
+    """Root of every DSec error."""
+
+    code: str = "dsec_error"
+
+    def __init__(self, message: str, **fields: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.fields: dict[str, Any] = fields
+        for key, value in fields.items():
+            setattr(self, key, value)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"code": self.code, "message": self.message, **self.fields}
+
+
+class InvalidSpec(DsecError, ValueError):
+    """A spec or argument is malformed; ``field`` names the offending one."""
+
+    code = "invalid_spec"
+
+
+class SandboxNotFound(DsecError, LookupError):
+    code = "sandbox_not_found"
+
+
+class SandboxStateError(DsecError, RuntimeError):
+    """The operation is not allowed in the sandbox's current state."""
+
+    code = "sandbox_state"
+
+
+class SandboxFailed(DsecError, RuntimeError):
+    """The sandbox could not be created or died; ``reason`` says why."""
+
+    code = "sandbox_failed"
+
+
+class ImageError(DsecError, RuntimeError):
+    code = "image_error"
+
+
+class LayerNotFound(ImageError, LookupError):
+    code = "layer_not_found"
+
+
+class LayerInUse(ImageError):
+    code = "layer_in_use"
+
+
+class ExecError(DsecError, RuntimeError):
+    """A command could not be started (missing binary, bad cwd, bad user)."""
+
+    code = "exec_error"
+
+
+class ExecTimeout(DsecError, TimeoutError):
+    code = "exec_timeout"
+
+
+class SessionClosed(DsecError, RuntimeError):
+    code = "session_closed"
+
+
+class FileAccessError(DsecError, OSError):
+    """A files-API request was refused or failed (traversal, not found, not a dir)."""
+
+    code = "file_error"
+
+
+class QuotaExceeded(DsecError, RuntimeError):
+    code = "quota_exceeded"
+
+
+class Backpressure(DsecError, RuntimeError):
+    code = "backpressure"
+
+
+class HostError(DsecError, RuntimeError):
+    """The host lacks something DSec needs (a kernel feature, a binary, privilege)."""
+
+    code = "host_error"
+
+
+ERRORS_BY_CODE: dict[str, type[DsecError]] = {
+    cls.code: cls
+    for cls in (
+        DsecError,
+        InvalidSpec,
+        SandboxNotFound,
+        SandboxStateError,
+        SandboxFailed,
+        ImageError,
+        LayerNotFound,
+        LayerInUse,
+        ExecError,
+        ExecTimeout,
+        SessionClosed,
+        FileAccessError,
+        QuotaExceeded,
+        Backpressure,
+        HostError,
+    )
+}
+
+
+def error_from_wire(payload: dict[str, Any]) -> DsecError:
+    """Rebuild the typed error that :meth:`DsecError.to_wire` produced."""
+    fields = dict(payload)
+    cls = ERRORS_BY_CODE.get(str(fields.pop("code", "")), DsecError)
+    message = str(fields.pop("message", "unknown error"))
+    return cls(message, **fields)
