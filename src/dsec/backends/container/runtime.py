@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import re
 import secrets
-import select
 import signal
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -29,7 +29,9 @@ from pathlib import Path
 from typing import Any, Final
 
 from dsec.backends.container import cgroups
+from dsec.backends.container.fsops import SandboxFiles
 from dsec.backends.container.output import BoundedCapture, ExecResult
+from dsec.backends.container.sessions import Session
 from dsec.backends.container.spawner import ChildExit, Spawner, SpawnError
 from dsec.errors import (
     ExecError,
@@ -202,6 +204,7 @@ class ContainerRuntime:
         self._devnull = -1
         self.reconciled: dict[str, list[str]] = {}
         self.last_activity: dict[str, float] = {}
+        self._sessions: dict[str, dict[str, Session]] = {}
 
     # ----- lifecycle of the runtime itself -----
 
@@ -367,6 +370,9 @@ class ContainerRuntime:
                 return False
             if rec.state in (SandboxState.RUNNING, SandboxState.FAILED, SandboxState.CREATING):
                 self._move(rec, SandboxState.STOPPING)
+            for sess in self._sessions.pop(sandbox_id, {}).values():
+                with contextlib.suppress(Exception):
+                    await sess.close()
             left = await self._teardown(rec)
             self.sandboxes.pop(sandbox_id, None)
             self._locks.pop(sandbox_id, None)
@@ -782,13 +788,30 @@ class ContainerRuntime:
         await asyncio.to_thread(self._mounts.unmount_unused)
         return {"adopted": adopted, "destroyed": destroyed}
 
+    # ----- files and sessions -----
+
+    def files(self, sandbox_id: str) -> SandboxFiles:
+        """Confined host-side file access (see :mod:`fsops`)."""
+        rec = self._running(sandbox_id)
+        self.last_activity[sandbox_id] = time.monotonic()
+        return SandboxFiles(f"/proc/{rec.init_pid}/root", rec.uid_base, sandbox_id)
+
+    async def open_session(
+        self, sandbox_id: str, *, env: Mapping[str, str] | None = None, cwd: str = "/", user: int | str = 0
+    ) -> Session:
+        """A persistent shell; closed with the sandbox at the latest."""
+        self._running(sandbox_id)
+        sess = Session(self, sandbox_id, f"sess-{secrets.token_hex(4)}")
+        await sess.start(env=dict(env or {}), cwd=cwd, user=user)
+        self._sessions.setdefault(sandbox_id, {})[sess.id] = sess
+        return sess
+
+    def sessions(self, sandbox_id: str) -> list[Session]:
+        return list(self._sessions.get(sandbox_id, {}).values())
+
     # ----- introspection -----
 
     def stats(self, sandbox_id: str) -> dict[str, Any]:
         rec = self._running(sandbox_id)
         st = self.cgroups.stats(sandbox_id)
-        return {"id": rec.id, "state": rec.state.value, "init_pid": rec.init_pid, **st.__dict__}
-
-    def poll_ready(self, fd: int) -> bool:
-        r, _, _ = select.select([fd], [], [], 0)
-        return bool(r)
+        return {"id": rec.id, "state": rec.state.value, "init_pid": rec.init_pid, **dataclasses.asdict(st)}

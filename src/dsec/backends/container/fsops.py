@@ -1,0 +1,467 @@
+"""Host-side file access to a sandbox's root, confined by the kernel.
+
+Every path is resolved with ``openat2(RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS |
+RESOLVE_NO_XDEV)`` against the sandbox's root (``/proc/<init>/root``): ``..``
+and absolute symlinks stay inside the sandbox, /proc magic links are refused
+and no mount point is crossed, so a symlink race cannot reach a host file.
+Final components are then handled with ``*at`` calls relative to the resolved
+parent directory, never by a path string the sandbox could change under us.
+Files written here are owned by the sandbox's user (mapped host uid), never
+by host root.
+
+Covers the sandbox's root filesystem only: /proc, /dev and /sys are separate
+mounts and are refused.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import io
+import os
+import posixpath
+import stat as stat_mod
+import tarfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import BinaryIO
+
+from dsec.errors import FileAccessError, InvalidSpec
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_SYS_OPENAT2 = 437
+RESOLVE_NO_XDEV = 0x01
+RESOLVE_NO_MAGICLINKS = 0x02
+RESOLVE_IN_ROOT = 0x10
+_RESOLVE = RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS | RESOLVE_NO_XDEV
+MAX_READ = 256 * 1024 * 1024
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+def openat2(dirfd: int, path: str, flags: int, mode: int = 0, resolve: int = _RESOLVE) -> int:
+    how = _OpenHow(flags | os.O_CLOEXEC, mode, resolve)
+    while True:
+        fd = _libc.syscall(_SYS_OPENAT2, dirfd, path.encode(), ctypes.byref(how), ctypes.sizeof(how))
+        if fd >= 0:
+            return int(fd)
+        err = ctypes.get_errno()
+        if err != errno.EINTR:
+            raise OSError(err, os.strerror(err), path)
+
+
+@dataclass(frozen=True, slots=True)
+class FileInfo:
+    path: str
+    name: str
+    type: str  # "file", "dir", "symlink", "other"
+    size: int
+    mode: int
+    uid: int
+    gid: int
+    mtime: float
+    target: str | None = None
+
+
+def _kind(mode: int) -> str:
+    if stat_mod.S_ISREG(mode):
+        return "file"
+    if stat_mod.S_ISDIR(mode):
+        return "dir"
+    if stat_mod.S_ISLNK(mode):
+        return "symlink"
+    return "other"
+
+
+def _norm(path: str) -> str:
+    """Lexically normalise to a path relative to the sandbox root ("" is the root)."""
+    if not isinstance(path, str) or "\0" in path:
+        raise InvalidSpec(f"bad path {path!r}", field="path")
+    rel = posixpath.normpath("/" + path).lstrip("/")
+    return "" if rel == "." else rel
+
+
+class SandboxFiles:
+    """File operations inside one sandbox. Blocking syscalls on local filesystems."""
+
+    def __init__(self, root_dir: str, uid_base: int, sandbox_id: str) -> None:
+        self._root_dir = root_dir
+        self._uid_base = uid_base
+        self.sandbox_id = sandbox_id
+
+    # -- plumbing --
+
+    def _root(self) -> int:
+        try:
+            return os.open(self._root_dir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise FileAccessError(f"sandbox {self.sandbox_id} is not reachable: {exc.strerror}", sandbox_id=self.sandbox_id) from None
+
+    def _fail(self, exc: OSError, path: str, op: str) -> FileAccessError:
+        reason = {
+            errno.EXDEV: "it crosses into /proc, /dev or /sys, which the files API does not serve",
+            errno.ELOOP: "a symlink loop, or a /proc magic link (refused)",
+            errno.ENOENT: "no such file or directory",
+            errno.ENOTDIR: "a component is not a directory",
+            errno.EISDIR: "it is a directory",
+            errno.ENOSPC: "the sandbox's disk quota is full",
+            errno.EEXIST: "it already exists",
+            errno.ENOTEMPTY: "the directory is not empty (use recursive=True)",
+            errno.EFBIG: "the file is too big",
+        }.get(exc.errno or 0, exc.strerror or "failed")
+        return FileAccessError(
+            f"{op} {path!r} in sandbox {self.sandbox_id}: {reason}",
+            sandbox_id=self.sandbox_id, path=path, errno=exc.errno,
+        )
+
+    def _parent(self, root: int, rel: str, path: str) -> tuple[int, str]:
+        if not rel:
+            raise FileAccessError(f"{path!r} names the sandbox root itself", sandbox_id=self.sandbox_id, path=path)
+        head, name = posixpath.split(rel)
+        return openat2(root, head or ".", os.O_PATH | os.O_DIRECTORY), name
+
+    def _owner(self, user: int) -> tuple[int, int]:
+        return self._uid_base + user, self._uid_base + user
+
+    # -- reading --
+
+    def read(self, path: str, *, max_bytes: int = MAX_READ) -> bytes:
+        rel = _norm(path)
+        root = self._root()
+        try:
+            fd = openat2(root, rel or ".", os.O_RDONLY)
+        except OSError as exc:
+            raise self._fail(exc, path, "read") from None
+        finally:
+            os.close(root)
+        try:
+            st = os.fstat(fd)
+            if not stat_mod.S_ISREG(st.st_mode):
+                raise FileAccessError(f"read {path!r}: not a regular file", sandbox_id=self.sandbox_id, path=path)
+            if st.st_size > max_bytes:
+                raise FileAccessError(
+                    f"read {path!r}: {st.st_size} bytes is over the {max_bytes}-byte limit; use download()",
+                    sandbox_id=self.sandbox_id, path=path,
+                )
+            chunks = []
+            while True:
+                b = os.read(fd, 1 << 20)
+                if not b:
+                    break
+                chunks.append(b)
+            return b"".join(chunks)
+        except OSError as exc:
+            raise self._fail(exc, path, "read") from None
+        finally:
+            os.close(fd)
+
+    def _info(self, dirfd: int, name: str, shown: str) -> FileInfo:
+        st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
+        target = os.readlink(name, dir_fd=dirfd) if stat_mod.S_ISLNK(st.st_mode) else None
+        return FileInfo(
+            path=shown, name=posixpath.basename(shown) or "/", type=_kind(st.st_mode), size=st.st_size,
+            mode=stat_mod.S_IMODE(st.st_mode), uid=st.st_uid - self._uid_base, gid=st.st_gid - self._uid_base,
+            mtime=st.st_mtime, target=target,
+        )
+
+    def stat(self, path: str) -> FileInfo:
+        rel = _norm(path)
+        root = self._root()
+        try:
+            if not rel:
+                return self._info(root, ".", "/")
+            parent, name = self._parent(root, rel, path)
+            try:
+                return self._info(parent, name, "/" + rel)
+            finally:
+                os.close(parent)
+        except OSError as exc:
+            raise self._fail(exc, path, "stat") from None
+        finally:
+            os.close(root)
+
+    def exists(self, path: str) -> bool:
+        try:
+            self.stat(path)
+            return True
+        except FileAccessError:
+            return False
+
+    def list(self, path: str = "/") -> list[FileInfo]:
+        rel = _norm(path)
+        root = self._root()
+        try:
+            d = openat2(root, rel or ".", os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                names = sorted(os.listdir(d))
+                return [self._info(d, n, "/" + posixpath.join(rel, n)) for n in names]
+            finally:
+                os.close(d)
+        except OSError as exc:
+            raise self._fail(exc, path, "list") from None
+        finally:
+            os.close(root)
+
+    # -- writing --
+
+    def write(self, path: str, data: bytes, *, mode: int = 0o644, user: int = 0, make_parents: bool = False) -> None:
+        """Atomically replace ``path`` with ``data`` (temp file + rename in the same directory)."""
+        rel = _norm(path)
+        if make_parents and posixpath.dirname(rel):
+            self.mkdir("/" + posixpath.dirname(rel), parents=True, user=user)
+        root = self._root()
+        try:
+            parent, name = self._parent(root, rel, path)
+        except OSError as exc:
+            os.close(root)
+            raise self._fail(exc, path, "write") from None
+        os.close(root)
+        tmp = f".{name}.dsec-{os.getpid()}-{os.urandom(4).hex()}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=parent)
+            try:
+                os.fchown(fd, *self._owner(user))
+                os.fchmod(fd, mode)
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+            finally:
+                os.close(fd)
+            os.rename(tmp, name, src_dir_fd=parent, dst_dir_fd=parent)
+        except OSError as exc:
+            with _suppress():
+                os.unlink(tmp, dir_fd=parent)
+            raise self._fail(exc, path, "write") from None
+        finally:
+            os.close(parent)
+
+    def append(self, path: str, data: bytes, *, user: int = 0) -> None:
+        rel = _norm(path)
+        root = self._root()
+        try:
+            parent, name = self._parent(root, rel, path)
+            try:
+                fd = os.open(name, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=parent)
+            finally:
+                os.close(parent)
+            try:
+                if os.fstat(fd).st_uid == 0:
+                    os.fchown(fd, *self._owner(user))
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise self._fail(exc, path, "append") from None
+        finally:
+            os.close(root)
+
+    def mkdir(self, path: str, *, parents: bool = False, mode: int = 0o755, user: int = 0) -> None:
+        rel = _norm(path)
+        parts = rel.split("/") if rel else []
+        if not parts:
+            return
+        root = self._root()
+        try:
+            todo = [("/".join(parts[: i + 1])) for i in range(len(parts))] if parents else [rel]
+            for sub in todo:
+                parent, name = self._parent(root, sub, path)
+                try:
+                    os.mkdir(name, mode, dir_fd=parent)
+                    os.chown(name, *self._owner(user), dir_fd=parent, follow_symlinks=False)
+                except FileExistsError:
+                    if not parents or not stat_mod.S_ISDIR(os.stat(name, dir_fd=parent).st_mode):
+                        raise
+                finally:
+                    os.close(parent)
+        except OSError as exc:
+            raise self._fail(exc, path, "mkdir") from None
+        finally:
+            os.close(root)
+
+    def remove(self, path: str, *, recursive: bool = False) -> None:
+        rel = _norm(path)
+        root = self._root()
+        try:
+            parent, name = self._parent(root, rel, path)
+            try:
+                st = os.stat(name, dir_fd=parent, follow_symlinks=False)
+                if stat_mod.S_ISDIR(st.st_mode):
+                    if recursive:
+                        self._rmtree(parent, name)
+                    else:
+                        os.rmdir(name, dir_fd=parent)
+                else:
+                    os.unlink(name, dir_fd=parent)
+            finally:
+                os.close(parent)
+        except OSError as exc:
+            raise self._fail(exc, path, "remove") from None
+        finally:
+            os.close(root)
+
+    def _rmtree(self, parent: int, name: str) -> None:
+        d = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
+        try:
+            for entry in os.listdir(d):
+                st = os.stat(entry, dir_fd=d, follow_symlinks=False)
+                if stat_mod.S_ISDIR(st.st_mode):
+                    self._rmtree(d, entry)
+                else:
+                    os.unlink(entry, dir_fd=d)
+        finally:
+            os.close(d)
+        os.rmdir(name, dir_fd=parent)
+
+    def rename(self, src: str, dst: str) -> None:
+        rs, rd = _norm(src), _norm(dst)
+        root = self._root()
+        try:
+            ps, ns = self._parent(root, rs, src)
+            try:
+                pd, nd = self._parent(root, rd, dst)
+                try:
+                    os.rename(ns, nd, src_dir_fd=ps, dst_dir_fd=pd)
+                finally:
+                    os.close(pd)
+            finally:
+                os.close(ps)
+        except OSError as exc:
+            raise self._fail(exc, f"{src} -> {dst}", "rename") from None
+        finally:
+            os.close(root)
+
+    # -- directories as tar --
+
+    def download(self, path: str = "/") -> bytes:
+        """A tar of ``path`` (recursively), symlinks kept as symlinks."""
+        buf = io.BytesIO()
+        self.download_to(path, buf)
+        return buf.getvalue()
+
+    def download_to(self, path: str, out: BinaryIO) -> None:
+        rel = _norm(path)
+        root = self._root()
+        try:
+            top = openat2(root, rel or ".", os.O_RDONLY | os.O_DIRECTORY)
+        except OSError as exc:
+            os.close(root)
+            raise self._fail(exc, path, "download") from None
+        os.close(root)
+        try:
+            with tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT) as tar:
+                for dirpath, dirnames, filenames, dfd in os.fwalk(".", dir_fd=top, follow_symlinks=False):
+                    dirnames.sort()
+                    for name in sorted(dirnames + filenames):
+                        arc = posixpath.normpath(posixpath.join(dirpath, name))
+                        for info, fobj in self._tar_entry(dfd, name, arc):
+                            tar.addfile(info, fobj)
+        except OSError as exc:
+            raise self._fail(exc, path, "download") from None
+        finally:
+            os.close(top)
+
+    def _tar_entry(self, dfd: int, name: str, arc: str) -> Iterator[tuple[tarfile.TarInfo, BinaryIO | None]]:
+        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        info = tarfile.TarInfo(arc)
+        info.mode = stat_mod.S_IMODE(st.st_mode)
+        info.uid, info.gid = max(0, st.st_uid - self._uid_base), max(0, st.st_gid - self._uid_base)
+        info.mtime = int(st.st_mtime)
+        if stat_mod.S_ISDIR(st.st_mode):
+            info.type = tarfile.DIRTYPE
+            yield info, None
+        elif stat_mod.S_ISLNK(st.st_mode):
+            info.type = tarfile.SYMTYPE
+            info.linkname = os.readlink(name, dir_fd=dfd)
+            yield info, None
+        elif stat_mod.S_ISREG(st.st_mode):
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+            with os.fdopen(fd, "rb") as f:
+                info.size = os.fstat(f.fileno()).st_size
+                yield info, f  # type: ignore[misc]
+
+    def upload(self, path: str, tar_data: bytes | BinaryIO, *, user: int = 0, max_bytes: int = 1 << 32) -> int:
+        """Extract a tar into directory ``path`` (created if missing). Returns the entries written.
+
+        Members are checked before anything is written: absolute names, ``..``
+        and device nodes are refused; links may only point inside the tree.
+        """
+        fobj = io.BytesIO(tar_data) if isinstance(tar_data, bytes | bytearray) else tar_data
+        base = _norm(path)
+        self.mkdir("/" + base, parents=True, user=user)
+        try:
+            tar = tarfile.open(fileobj=fobj, mode="r:*")
+        except tarfile.TarError as exc:
+            raise InvalidSpec(f"upload: not a tar archive ({exc})", field="tar") from None
+        count = 0
+        total = 0
+        with tar:
+            members = tar.getmembers()
+            for m in members:
+                name = posixpath.normpath(m.name)
+                if m.name.startswith("/") or name == ".." or name.startswith("../"):
+                    raise FileAccessError(f"upload: member {m.name!r} escapes the target directory", sandbox_id=self.sandbox_id, path=m.name)
+                if not (m.isreg() or m.isdir() or m.issym() or m.islnk()):
+                    raise FileAccessError(f"upload: member {m.name!r} is a device or special file", sandbox_id=self.sandbox_id, path=m.name)
+                total += m.size
+                if total > max_bytes:
+                    raise FileAccessError(f"upload: archive expands past {max_bytes} bytes", sandbox_id=self.sandbox_id, path=path)
+            for m in members:
+                name = posixpath.normpath(m.name)
+                if name == ".":
+                    continue
+                dest = "/" + posixpath.join(base, name)
+                if m.isdir():
+                    self.mkdir(dest, parents=True, mode=m.mode & 0o7777 or 0o755, user=user)
+                elif m.isreg():
+                    src = tar.extractfile(m)
+                    assert src is not None
+                    self.write(dest, src.read(), mode=m.mode & 0o777, user=user, make_parents=True)
+                elif m.issym():
+                    self._symlink(m.linkname, dest, user)
+                else:
+                    self._hardlink("/" + posixpath.join(base, posixpath.normpath(m.linkname)), dest)
+                count += 1
+        return count
+
+    def _symlink(self, target: str, path: str, user: int) -> None:
+        rel = _norm(path)
+        root = self._root()
+        try:
+            parent, name = self._parent(root, rel, path)
+            try:
+                os.symlink(target, name, dir_fd=parent)
+                os.chown(name, *self._owner(user), dir_fd=parent, follow_symlinks=False)
+            finally:
+                os.close(parent)
+        except OSError as exc:
+            raise self._fail(exc, path, "symlink") from None
+        finally:
+            os.close(root)
+
+    def _hardlink(self, existing: str, path: str) -> None:
+        rs, rd = _norm(existing), _norm(path)
+        root = self._root()
+        try:
+            ps, ns = self._parent(root, rs, existing)
+            pd, nd = self._parent(root, rd, path)
+            try:
+                os.link(ns, nd, src_dir_fd=ps, dst_dir_fd=pd, follow_symlinks=False)
+            finally:
+                os.close(ps)
+                os.close(pd)
+        except OSError as exc:
+            raise self._fail(exc, path, "link") from None
+        finally:
+            os.close(root)
+
+
+class _suppress:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> bool:
+        return True

@@ -1,0 +1,235 @@
+"""Persistent shell sessions: what an agent's bash tool needs.
+
+A session is one long-lived shell in the sandbox (bash when the image has it,
+else sh). Each ``run`` sends the command as a single-quoted ``eval`` followed by
+an end marker carrying ``$?``, so cwd, variables and functions persist between
+commands. The marker holds a random nonce the sandbox never sees in advance.
+Commands get stdin from /dev/null so they cannot eat the protocol.
+
+A timeout kills the command's processes (the shell's descendants), not the
+shell, so the session survives with its state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import time
+from typing import TYPE_CHECKING
+
+from dsec.backends.container.output import BoundedCapture, ExecResult
+from dsec.errors import ExecTimeout, InvalidSpec, SessionClosed
+
+if TYPE_CHECKING:
+    from dsec.backends.container.runtime import ContainerRuntime, Process
+
+_SHELL = "if command -v bash >/dev/null 2>&1; then exec bash --noprofile --norc; else exec sh; fi"
+
+
+def _quote(cmd: str) -> str:
+    return "'" + cmd.replace("'", "'\"'\"'") + "'"
+
+
+class _Stream:
+    """Accumulates one pipe's bytes; ``take_until`` returns what precedes a marker."""
+
+    def __init__(self) -> None:
+        self.buf = bytearray()
+        self.eof = False
+        self.changed = asyncio.Event()
+
+    def feed(self, data: bytes) -> None:
+        self.buf += data
+        self.changed.set()
+
+
+class Session:
+    def __init__(self, runtime: ContainerRuntime, sandbox_id: str, session_id: str) -> None:
+        self.runtime = runtime
+        self.sandbox_id = sandbox_id
+        self.id = session_id
+        self._nonce = secrets.token_hex(8)
+        self._seq = 0
+        self._proc: Process | None = None
+        self._stdin = -1
+        self._fds: list[int] = []
+        self._streams: dict[int, _Stream] = {}
+        self._lock = asyncio.Lock()
+        self.closed = False
+
+    async def start(self, *, env: dict[str, str] | None = None, cwd: str = "/", user: int | str = 0) -> None:
+        in_r, in_w = os.pipe2(os.O_CLOEXEC)
+        out_r, out_w = os.pipe2(os.O_CLOEXEC)
+        err_r, err_w = os.pipe2(os.O_CLOEXEC)
+        try:
+            self._proc = await self.runtime.start_process(
+                self.sandbox_id, ["/bin/sh", "-c", _SHELL], stdin=in_r, stdout=out_w, stderr=err_w,
+                env=env, cwd=cwd, user=user,
+            )
+        except BaseException:
+            for fd in (in_r, in_w, out_r, out_w, err_r, err_w):
+                os.close(fd)
+            raise
+        for fd in (in_r, out_w, err_w):
+            os.close(fd)
+        self._stdin = in_w
+        loop = asyncio.get_running_loop()
+        for fd in (out_r, err_r):
+            os.set_blocking(fd, False)
+            self._streams[fd] = _Stream()
+            loop.add_reader(fd, self._on_readable, fd)
+            self._fds.append(fd)
+        self._proc.exited.add_done_callback(lambda _f: self._wake_all())
+
+    def _wake_all(self) -> None:
+        for s in self._streams.values():
+            s.changed.set()
+
+    def _on_readable(self, fd: int) -> None:
+        stream = self._streams[fd]
+        try:
+            data = os.read(fd, 65536)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            stream.eof = True
+            asyncio.get_running_loop().remove_reader(fd)
+            stream.changed.set()
+            return
+        stream.feed(data)
+
+    async def run(self, command: str, *, timeout: float | None = 600.0, output_cap: int = 256 * 1024) -> ExecResult:
+        """Run ``command`` in the session's shell and return its output and exit status."""
+        if "\0" in command:
+            raise InvalidSpec("command contains a NUL byte", field="command")
+        async with self._lock:
+            if self.closed or self._proc is None or self._proc.exited.done():
+                self.closed = True
+                raise SessionClosed(f"session {self.id} of sandbox {self.sandbox_id} has ended", sandbox_id=self.sandbox_id, session_id=self.id)
+            self._seq += 1
+            marker = f"__DSEC_{self._nonce}_{self._seq}__".encode()
+            script = (
+                f"eval {_quote(command)} </dev/null\n"
+                f"__dsec_rc=$?; printf '\\n%s %d\\n' '{marker.decode()}' \"$__dsec_rc\"; "
+                f"printf '\\n%s\\n' '{marker.decode()}' >&2\n"
+            ).encode()
+            started = time.monotonic()
+            try:
+                await self._write(script)
+            except BrokenPipeError:
+                self.closed = True
+                raise SessionClosed(f"session {self.id} has ended", sandbox_id=self.sandbox_id) from None
+            out_fd, err_fd = self._fds
+            deadline = None if timeout is None else started + timeout
+            timed_out = False
+            while True:
+                done_out = self._find(self._streams[out_fd], marker)
+                done_err = self._find(self._streams[err_fd], marker)
+                if done_out is not None and done_err is not None:
+                    break
+                if self._proc.exited.done() and all(s.eof for s in self._streams.values()):
+                    break
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0 and not timed_out:
+                    timed_out = True
+                    self._kill_command()
+                    deadline = time.monotonic() + 5  # the shell reports back after its child died
+                    continue
+                if remaining is not None and remaining <= 0 and timed_out:
+                    break
+                for s in self._streams.values():
+                    s.changed.clear()
+                waits = [asyncio.ensure_future(s.changed.wait()) for s in self._streams.values()]
+                try:
+                    await asyncio.wait(waits, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for w in waits:
+                        w.cancel()
+            out, rc = self._take(self._streams[out_fd], marker, with_rc=True)
+            err, _ = self._take(self._streams[err_fd], marker, with_rc=False)
+            if rc is None:
+                self.closed = True
+                ex = self._proc.exited.result() if self._proc.exited.done() else None
+                rc = ex.exit_code if ex else None
+            so, se = BoundedCapture(output_cap), BoundedCapture(output_cap)
+            so.feed(out)
+            se.feed(err)
+            result = ExecResult(
+                exit_code=rc, signal=None, stdout=so.value(), stderr=se.value(), stdout_bytes=so.total,
+                stderr_bytes=se.total, truncated=so.truncated or se.truncated,
+                duration_s=time.monotonic() - started, start_latency_s=0.0,
+                timed_out="timeout" if timed_out else None,
+            )
+            self.runtime.last_activity[self.sandbox_id] = time.monotonic()
+            if timed_out:
+                raise ExecTimeout(
+                    f"session command ran longer than {timeout} s; its processes were killed, the session lives on",
+                    sandbox_id=self.sandbox_id, timeout=timeout, reason="timeout", result=result,
+                )
+            return result
+
+    @staticmethod
+    def _find(stream: _Stream, marker: bytes) -> int | None:
+        i = stream.buf.find(b"\n" + marker)
+        if i < 0:
+            return None
+        j = stream.buf.find(b"\n", i + 1 + len(marker))
+        return None if j < 0 else i
+
+    @staticmethod
+    def _take(stream: _Stream, marker: bytes, *, with_rc: bool) -> tuple[bytes, int | None]:
+        i = stream.buf.find(b"\n" + marker)
+        if i < 0:
+            data = bytes(stream.buf)
+            stream.buf.clear()
+            return data, None
+        j = stream.buf.find(b"\n", i + 1 + len(marker))
+        line = bytes(stream.buf[i + 1 + len(marker) : j]).strip()
+        data = bytes(stream.buf[:i])
+        del stream.buf[: j + 1]
+        rc = int(line) if with_rc and line.lstrip(b"-").isdigit() else None
+        return data, rc
+
+    def _kill_command(self) -> None:
+        from dsec.backends.container.runtime import kill_tree
+
+        if self._proc is not None:
+            kill_tree(self._proc.pid, include_root=False)
+
+    async def _write(self, data: bytes) -> None:
+        view = memoryview(data)
+        loop = asyncio.get_running_loop()
+        os.set_blocking(self._stdin, False)
+        while view:
+            try:
+                view = view[os.write(self._stdin, view):]
+            except BlockingIOError:
+                ready = loop.create_future()
+                loop.add_writer(self._stdin, lambda: ready.done() or ready.set_result(None))
+                try:
+                    await ready
+                finally:
+                    loop.remove_writer(self._stdin)
+
+    async def close(self) -> None:
+        """Kill the shell and everything it started. Idempotent."""
+        if self._proc is not None and not self._proc.exited.done():
+            self._proc.kill(tree=True)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(self._proc.exited), 5)
+        self.closed = True
+        loop = asyncio.get_running_loop()
+        for fd in self._fds:
+            with contextlib.suppress(Exception):
+                loop.remove_reader(fd)
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._fds = []
+        if self._stdin >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._stdin)
+            self._stdin = -1
