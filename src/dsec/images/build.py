@@ -1,0 +1,312 @@
+"""Building layers: from a directory, a tar, an OCI/docker image, or debootstrap.
+
+Every builder works in a private scratch directory of the store
+(:meth:`LayerStore.scratch`), which is deleted however the build ends, turns
+the tree into an EROFS image with reproducible settings (same tree -> same
+digest) and hands the image to :meth:`LayerStore.add_erofs`. Progress is
+reported through ``progress(stage, done, total)``; ``total`` is None while
+unknown. Stages: ``unpack`` (bytes), ``debootstrap: <phase>`` (packages),
+``slim``, ``mkfs``, ``store``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import IO, cast
+
+from dsec.errors import DsecError, InvalidSpec
+
+from .busybox import build_busybox_rootfs
+from .debootstrap import Mirror, find_mirror, run_debootstrap, slim_rootfs
+from .debootstrap import check_args as _check_debootstrap_args
+from .erofs import make_erofs
+from .errors import LayerBuildError
+from .layer import Layer, LayerKind, check_kind, check_name, check_tag
+from .oci import ImageSource, LayerBlob, VerifyingReader, find_layers
+from .store import LayerStore
+from .unpack import UnpackStats, unpack_tar
+
+log = logging.getLogger("dsec.images")
+
+Progress = Callable[[str, int, int | None], None]
+"""``progress(stage, done, total)``: called often; must be cheap and must not raise."""
+
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+
+
+def _noop(stage: str, done: int, total: int | None) -> None:
+    pass
+
+
+def _prepare(
+    store: LayerStore, name: str, tag: str, kind: LayerKind | str, parents: Iterable[str]
+) -> tuple[LayerKind, tuple[str, ...]]:
+    """Validate the cheap arguments before any slow work; resolve parent refs to digests."""
+    check_name(name)
+    check_tag(tag)
+    k = check_kind(kind)
+    return k, tuple(store.resolve(p).digest for p in parents)
+
+
+def _to_layer(
+    store: LayerStore,
+    tree: Path,
+    scratch: Path,
+    *,
+    name: str,
+    tag: str,
+    kind: LayerKind,
+    parents: tuple[str, ...],
+    progress: Progress,
+) -> Layer:
+    image = scratch / "layer.erofs"
+    progress("mkfs", 0, None)
+    make_erofs(tree, image)
+    progress("mkfs", 1, 1)
+    progress("store", 0, 1)
+    layer = store.add_erofs(image, name=name, tag=tag, kind=kind, parents=parents, consume=True)
+    progress("store", 1, 1)
+    return layer
+
+
+def _new_root(scratch: Path) -> Path:
+    root = scratch / "rootfs"
+    root.mkdir()
+    os.chmod(root, 0o755)
+    return root
+
+
+def build_from_dir(
+    store: LayerStore,
+    src: Path,
+    *,
+    name: str,
+    tag: str,
+    kind: LayerKind | str = LayerKind.BASE,
+    parents: Iterable[str] = (),
+    progress: Progress | None = None,
+) -> Layer:
+    """Make a layer of the tree under ``src`` (owners and modes kept, mtimes zeroed)."""
+    src = Path(src)
+    k, parent_digests = _prepare(store, name, tag, kind, parents)
+    if not src.is_dir():
+        raise InvalidSpec(f"{src} is not a directory; --from-dir needs a directory", field="src")
+    with store.scratch("build") as scratch:
+        return _to_layer(
+            store, src, scratch, name=name, tag=tag, kind=k, parents=parent_digests,
+            progress=progress or _noop,
+        )  # fmt: skip
+
+
+def build_from_tar(
+    store: LayerStore,
+    archive: Path,
+    *,
+    name: str,
+    tag: str,
+    kind: LayerKind | str = LayerKind.BASE,
+    parents: Iterable[str] = (),
+    progress: Progress | None = None,
+) -> Layer:
+    """Make a layer of a root filesystem tar (plain, gzip, bzip2 or xz)."""
+    archive = Path(archive)
+    k, parent_digests = _prepare(store, name, tag, kind, parents)
+    if not archive.is_file():
+        raise InvalidSpec(
+            f"{archive} is not a file; --from-tar needs a tar archive", field="archive"
+        )
+    report = progress or _noop
+    total = archive.stat().st_size
+    with store.scratch("build") as scratch:
+        root = _new_root(scratch)
+        with open(archive, "rb") as raw:
+            done = 0
+
+            def on_read(n: int) -> None:
+                nonlocal done
+                done += n
+                report("unpack", min(done, total), total)
+
+            reader = VerifyingReader(raw, on_read=on_read)
+            stats = unpack_tar(cast(IO[bytes], reader), root)
+        _log_stats(archive, stats)
+        return _to_layer(
+            store, root, scratch, name=name, tag=tag, kind=k, parents=parent_digests,
+            progress=report,
+        )  # fmt: skip
+
+
+def build_from_oci(
+    store: LayerStore,
+    source: Path,
+    *,
+    name: str,
+    tag: str,
+    kind: LayerKind | str = LayerKind.BASE,
+    parents: Iterable[str] = (),
+    ref: str | None = None,
+    progress: Progress | None = None,
+) -> Layer:
+    """Flatten a container image into one layer.
+
+    ``source`` is an OCI image layout directory, an OCI archive (tar of a
+    layout) or a ``docker save`` tarball — detected automatically. Its layers
+    are applied in order, honouring ``.wh.`` whiteouts and ``.wh..wh..opq``
+    opaque directories. ``ref`` picks an image when the file holds several
+    (matched against ref-name annotations or RepoTags).
+    """
+    source = Path(source)
+    k, parent_digests = _prepare(store, name, tag, kind, parents)
+    report = progress or _noop
+    with ImageSource(source) as src, store.scratch("build") as scratch:
+        image = find_layers(src, ref=ref)
+        if not image.layers:
+            raise LayerBuildError(f"{source}: the image has no layers", stage="oci")
+        sizes = [b.size for b in image.layers]
+        total = sum(s for s in sizes if s is not None) if None not in sizes else None
+        root = _new_root(scratch)
+        done = 0
+
+        def on_read(n: int) -> None:
+            nonlocal done
+            done += n
+            report("unpack", done if total is None else min(done, total), total)
+
+        stats = UnpackStats()
+        for i, blob in enumerate(image.layers):
+            stats.merge(_apply_blob(src, blob, root, on_read, index=i, count=len(image.layers)))
+        _log_stats(source, stats)
+        return _to_layer(
+            store, root, scratch, name=name, tag=tag, kind=k, parents=parent_digests,
+            progress=report,
+        )  # fmt: skip
+
+
+def _apply_blob(
+    src: ImageSource,
+    blob: LayerBlob,
+    root: Path,
+    on_read: Callable[[int], None],
+    *,
+    index: int,
+    count: int,
+) -> UnpackStats:
+    where = f"{src.path}: layer {index + 1}/{count} ({blob.digest or blob.path})"
+    if "zstd" in blob.media_type:
+        raise LayerBuildError(
+            f"{where} is zstd-compressed, which this Python cannot read; re-export the image "
+            "with gzip layers (e.g. `skopeo copy --dest-compress-format=gzip ...`)",
+            stage="oci",
+        )
+    with src.open(blob.path) as raw:
+        peek = getattr(raw, "peek", None)
+        if peek is not None and bytes(peek(4))[:4] == _ZSTD_MAGIC:
+            raise LayerBuildError(
+                f"{where} is zstd-compressed, which this Python cannot read; re-export the "
+                "image with gzip layers",
+                stage="oci",
+            )
+        reader = VerifyingReader(raw, on_read=on_read)
+        try:
+            stats = unpack_tar(cast(IO[bytes], reader), root, whiteouts=True)
+        except DsecError as e:
+            # Same error class, with the layer named: "which layer of which image".
+            fields = {k: v for k, v in e.fields.items() if k != "stage"}
+            raise type(e)(f"{where}: {e.message}", stage="oci", **fields) from e
+        reader.drain()
+    if blob.digest is not None and blob.digest.startswith("sha256:"):
+        got = "sha256:" + reader.hexdigest()
+        if got != blob.digest:
+            raise LayerBuildError(
+                f"{where} is corrupt: its content hashes to {got}, not {blob.digest}",
+                stage="oci",
+            )
+    return stats
+
+
+def _log_stats(source: Path, stats: UnpackStats) -> None:
+    if stats.skipped_devices:
+        log.warning("%s: skipped %d device node(s)", source, stats.skipped_devices)
+    log.info(
+        "%s: %d members (%d files, %d dirs, %d symlinks, %d hardlinks, %d whiteouts, %d opaque)",
+        source, stats.members, stats.files, stats.dirs, stats.symlinks, stats.hardlinks,
+        stats.whiteouts, stats.opaque_dirs,
+    )  # fmt: skip
+
+
+def build_debootstrap(
+    store: LayerStore,
+    *,
+    suite: str = "bookworm",
+    variant: str = "minbase",
+    packages: Iterable[str] = (),
+    name: str,
+    tag: str,
+    kind: LayerKind | str = LayerKind.BASE,
+    mirror: str | None = None,
+    parents: Iterable[str] = (),
+    progress: Progress | None = None,
+) -> Layer:
+    """Make a slim Debian base layer with debootstrap (needs root and a mirror).
+
+    ``mirror`` defaults to the Debian mirror in apt's own sources. The tree
+    is slimmed: downloaded .debs, apt lists, docs, man pages and non-C
+    locales are removed.
+    """
+    k, parent_digests = _prepare(store, name, tag, kind, parents)
+    pkgs = _check_debootstrap_args(suite, variant, packages)
+    if mirror is None:
+        chosen = find_mirror(suite)
+    else:
+        if not mirror.startswith(("http://", "https://", "ftp://", "file:/")):
+            raise InvalidSpec(
+                f"bad mirror {mirror!r}: give a URL such as http://HOST/debian", field="mirror"
+            )
+        chosen = Mirror(uri=mirror.rstrip("/"))
+    log.info("debootstrap %s (%s) from %s", suite, variant, chosen.uri)
+    report = progress or _noop
+    with store.scratch("build") as scratch:
+        root = _new_root(scratch)
+        run_debootstrap(
+            root, suite=suite, variant=variant, packages=pkgs, mirror=chosen, progress=report
+        )
+        report("slim", 0, None)
+        freed = slim_rootfs(root)
+        report("slim", 1, 1)
+        log.info("slimmed the tree by %d bytes", freed)
+        return _to_layer(
+            store, root, scratch, name=name, tag=tag, kind=k, parents=parent_digests,
+            progress=report,
+        )  # fmt: skip
+
+
+def build_busybox(
+    store: LayerStore,
+    *,
+    name: str = "busybox",
+    tag: str = "latest",
+    kind: LayerKind | str = LayerKind.BASE,
+    progress: Progress | None = None,
+) -> Layer:
+    """The fastest base layer: busybox-static and its applets (see busybox.py)."""
+    k, _ = _prepare(store, name, tag, kind, ())
+    with store.scratch("build") as scratch:
+        root = build_busybox_rootfs(scratch / "rootfs")
+        return _to_layer(
+            store, root, scratch, name=name, tag=tag, kind=k, parents=(),
+            progress=progress or _noop,
+        )  # fmt: skip
+
+
+__all__ = [
+    "Progress",
+    "build_busybox",
+    "build_busybox_rootfs",
+    "build_debootstrap",
+    "build_from_dir",
+    "build_from_oci",
+    "build_from_tar",
+]

@@ -1,0 +1,334 @@
+"""Debian base trees with debootstrap, using the mirror apt already uses.
+
+Owns: choosing a mirror (from apt's own sources unless one is given), running
+``debootstrap`` into a staging directory, and slimming the result. Never
+hard-codes a mirror host: this machine may reach Debian only through the
+mirror its apt configuration names. debootstrap mounts /proc, /sys and maybe
+device nodes inside its target; it runs in a private mount namespace
+(``unshare --mount``) so none of those mounts can outlive it or leak to the
+host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dsec.errors import HostError, InvalidSpec
+
+from .errors import LayerBuildError
+from .fsutil import remove_tree
+
+ETC_APT = Path("/etc/apt")
+_PACKAGE = re.compile(r"^[a-z0-9][a-z0-9+.-]+$")
+_SUITE = re.compile(r"^[a-z0-9][a-z0-9.-]*$")
+_VARIANTS = ("minbase", "buildd", "fakechroot", "-")
+
+
+@dataclass(frozen=True)
+class AptSource:
+    """One ``deb`` line (or deb822 stanza expanded to one URI)."""
+
+    uri: str
+    suites: tuple[str, ...]
+    components: tuple[str, ...]
+    signed_by: str | None = None
+    origin: str = ""
+
+
+@dataclass(frozen=True)
+class Mirror:
+    uri: str
+    keyring: str | None = None
+    origin: str = field(default="", compare=False)
+
+
+def _one_line_sources(text: str, origin: str) -> Iterator[AptSource]:
+    for raw in text.splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        options: dict[str, str] = {}
+        m = re.match(r"^(\S+)\s+\[([^\]]*)\]\s+(.*)$", line)
+        if m:
+            kind, opts, rest = m.groups()
+            for opt in opts.split():
+                k, _, v = opt.partition("=")
+                options[k.lower()] = v
+        else:
+            kind, _, rest = line.partition(" ")
+        if kind != "deb":
+            continue
+        words = rest.split()
+        if len(words) < 2:
+            continue
+        yield AptSource(
+            uri=words[0],
+            suites=(words[1],),
+            components=tuple(words[2:]),
+            signed_by=options.get("signed-by"),
+            origin=origin,
+        )
+
+
+def _deb822_sources(text: str, origin: str) -> Iterator[AptSource]:
+    stanzas: list[dict[str, str]] = [{}]
+    key: str | None = None
+    for raw in text.splitlines():
+        if raw.startswith("#"):
+            continue
+        if not raw.strip():
+            if stanzas[-1]:
+                stanzas.append({})
+            key = None
+            continue
+        if raw[0] in " \t" and key is not None:
+            stanzas[-1][key] += "\n" + raw.strip()
+            continue
+        k, sep, v = raw.partition(":")
+        if not sep:
+            continue
+        key = k.strip().lower()
+        stanzas[-1][key] = v.strip()
+    for st in stanzas:
+        if not st or st.get("enabled", "yes").lower() == "no":
+            continue
+        if "deb" not in st.get("types", "").split():
+            continue
+        signed = st.get("signed-by", "").strip()
+        keyring = signed if signed.startswith("/") and "\n" not in signed else None
+        for uri in st.get("uris", "").split():
+            yield AptSource(
+                uri=uri,
+                suites=tuple(st.get("suites", "").split()),
+                components=tuple(st.get("components", "").split()),
+                signed_by=keyring,
+                origin=origin,
+            )
+
+
+def apt_sources(etc_apt: Path = ETC_APT) -> list[AptSource]:
+    """Every enabled ``deb`` source, in apt's own order (files apt ignores are ignored)."""
+    out: list[AptSource] = []
+    main = etc_apt / "sources.list"
+    if main.is_file():
+        out.extend(_one_line_sources(main.read_text(errors="replace"), str(main)))
+    d = etc_apt / "sources.list.d"
+    if d.is_dir():
+        for f in sorted(d.iterdir()):
+            if f.suffix == ".list" and f.is_file():
+                out.extend(_one_line_sources(f.read_text(errors="replace"), str(f)))
+            elif f.suffix == ".sources" and f.is_file():
+                out.extend(_deb822_sources(f.read_text(errors="replace"), str(f)))
+    return out
+
+
+def find_mirror(suite: str, *, etc_apt: Path = ETC_APT) -> Mirror:
+    """The mirror apt uses for ``suite`` (or, failing that, for the host's Debian release)."""
+    sources = [
+        s
+        for s in apt_sources(etc_apt)
+        if s.uri.split(":", 1)[0] in ("http", "https", "ftp", "file")
+    ]
+    exact = [s for s in sources if suite in s.suites and "main" in s.components]
+    # A plain release suite (no -security/-updates) marks a full archive mirror, which
+    # normally carries the other releases too.
+    archive = [s for s in sources if any("-" not in x for x in s.suites) and "main" in s.components]
+    for s in exact or archive:
+        return Mirror(uri=s.uri.rstrip("/"), keyring=s.signed_by, origin=s.origin)
+    raise LayerBuildError(
+        f"no Debian mirror for {suite!r} in apt's sources ({etc_apt}/sources.list"
+        f"{'' if etc_apt != ETC_APT else ', sources.list.d/*'}); pass one with --mirror URL",
+        stage="debootstrap",
+    )
+
+
+# Paths removed after debootstrap: downloaded packages, apt lists, docs and
+# non-C locales weigh more than half of a minbase tree and no sandbox needs them.
+def slim_rootfs(root: Path) -> int:
+    """Delete caches, docs, man pages, non-C locales and logs; return bytes freed."""
+    freed = 0
+
+    def rm(p: Path) -> None:
+        nonlocal freed
+        freed += _du(p)
+        remove_tree(p)
+
+    def children(p: Path) -> list[Path]:
+        return sorted(p.iterdir()) if p.is_dir() and not p.is_symlink() else []
+
+    for p in children(root / "var/cache/apt/archives"):
+        if p.suffix == ".deb":
+            rm(p)
+    for p in children(root / "var/cache/apt"):
+        if p.suffix == ".bin":
+            rm(p)
+    for p in children(root / "var/lib/apt/lists"):
+        if p.name not in ("partial", "lock"):
+            rm(p)
+    for sub in ("usr/share/doc", "usr/share/man", "usr/share/info"):
+        for p in children(root / sub):
+            rm(p)
+    for p in children(root / "usr/share/locale"):
+        if p.name != "C" and not p.name.startswith("C.") and p.name != "locale.alias":
+            rm(p)
+    for name in ("var/log/bootstrap.log", "var/log/dpkg.log", "var/log/alternatives.log",
+                 "var/cache/ldconfig/aux-cache", "var/cache/debconf/templates.dat-old",
+                 "var/cache/debconf/config.dat-old"):  # fmt: skip
+        p = root / name
+        if p.is_file() or p.is_symlink():
+            rm(p)
+    for p in children(root / "var/log/apt"):
+        rm(p)
+    return freed
+
+
+def _du(p: Path) -> int:
+    try:
+        st = p.lstat()
+    except FileNotFoundError:
+        return 0
+    if not p.is_dir() or p.is_symlink():
+        return st.st_size
+    total = 0
+    for dirpath, _dirs, files in os.walk(p):
+        for f in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, f)).st_size
+    return total
+
+
+_PHASES = (
+    ("I: Retrieving ", "retrieve"),
+    ("I: Validating ", "validate"),
+    ("I: Extracting ", "extract"),
+    ("I: Unpacking ", "unpack"),
+    ("I: Configuring ", "configure"),
+)
+
+
+def check_args(suite: str, variant: str, packages: Iterable[str]) -> list[str]:
+    if not _SUITE.match(suite):
+        raise InvalidSpec(
+            f"bad Debian suite {suite!r}: e.g. bookworm, trixie, stable", field="suite"
+        )
+    if variant not in _VARIANTS:
+        raise InvalidSpec(
+            f"bad debootstrap variant {variant!r}: choose one of {', '.join(_VARIANTS)}",
+            field="variant",
+        )
+    pkgs = [p.strip() for p in packages if p.strip()]
+    for p in pkgs:
+        if not _PACKAGE.match(p):
+            raise InvalidSpec(f"bad Debian package name {p!r}", field="packages")
+    return pkgs
+
+
+def run_debootstrap(
+    target: Path,
+    *,
+    suite: str,
+    variant: str,
+    packages: Iterable[str],
+    mirror: Mirror,
+    progress: Callable[[str, int, int | None], None] | None = None,
+    timeout: float = 3600.0,
+) -> None:
+    """Run debootstrap into ``target`` (which must not exist or be empty)."""
+    pkgs = check_args(suite, variant, packages)
+    if os.geteuid() != 0:
+        raise HostError("debootstrap needs root (it chroots and creates device nodes)")
+    exe = shutil.which("debootstrap")
+    unshare = shutil.which("unshare")
+    if exe is None or unshare is None:
+        raise HostError(
+            "debootstrap and unshare are needed: apt-get install debootstrap util-linux",
+            binary="debootstrap" if exe is None else "unshare",
+        )
+    cmd = [unshare, "--mount", "--propagation", "private", "--", exe, f"--variant={variant}"]
+    if pkgs:
+        cmd.append("--include=" + ",".join(pkgs))
+    if mirror.keyring and Path(mirror.keyring).is_file():
+        cmd.append(f"--keyring={mirror.keyring}")
+    cmd += [suite, str(target), mirror.uri]
+    env = {
+        "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        "LANG": "C.UTF-8",
+        "LC_ALL": "C.UTF-8",
+        "DEBIAN_FRONTEND": "noninteractive",
+        "HOME": "/root",
+    }
+    tail: deque[str] = deque(maxlen=40)
+    counts: dict[str, int] = {}
+    total: int | None = None
+    proc = subprocess.Popen(
+        cmd,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        text=True,
+        errors="replace",
+        start_new_session=True,
+    )
+    timed_out = threading.Event()
+
+    def _kill() -> None:
+        timed_out.set()
+        os.killpg(proc.pid, signal.SIGKILL)
+
+    watchdog = threading.Timer(timeout, _kill)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            line = line.rstrip("\n")
+            tail.append(line)
+            for prefix, phase in _PHASES:
+                if line.startswith(prefix) and not line.endswith("packages..."):
+                    counts[phase] = counts.get(phase, 0) + 1
+                    if phase == "validate":
+                        total = counts.get("retrieve")
+                    if progress is not None:
+                        n = counts[phase]
+                        t = None if phase == "retrieve" or total is None else max(total, n)
+                        progress(f"debootstrap: {phase}", n, t)
+                    break
+        rc = proc.wait()
+    finally:
+        watchdog.cancel()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    if timed_out.is_set():
+        raise LayerBuildError(
+            f"debootstrap {suite} did not finish within {timeout:.0f} s and was killed; "
+            "check that the mirror is reachable",
+            stage="debootstrap",
+        )
+    if rc != 0:
+        log_tail = ""
+        log = target / "debootstrap" / "debootstrap.log"
+        if log.is_file():
+            log_tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+        raise LayerBuildError(
+            f"debootstrap {suite} from {mirror.uri} failed (exit {rc}):\n"
+            + "\n".join(tail)
+            + (f"\n--- debootstrap.log ---\n{log_tail}" if log_tail else "")
+            + "\nCheck the mirror (--mirror URL), the suite name and the package names.",
+            stage="debootstrap",
+            returncode=rc,
+        )
+
+
+__all__ = ["AptSource", "Mirror", "apt_sources", "find_mirror", "run_debootstrap", "slim_rootfs"]

@@ -1,0 +1,68 @@
+"""Writing and recognising EROFS images (wraps ``mkfs.erofs`` from erofs-utils).
+
+Images are made reproducible: every inode gets timestamp 0 (``-T0``), the
+filesystem UUID is fixed (``-U``), and erofs-utils sorts directory entries, so
+the same tree always yields the same bytes and hence the same digest. Owners
+are kept as they are in the tree (no ``--all-root``). Never mounts anything.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import uuid
+from pathlib import Path
+
+from dsec.errors import HostError
+
+from .errors import LayerBuildError
+
+EROFS_MAGIC = 0xE0F5E1E2
+EROFS_SUPER_OFFSET = 1024
+FIXED_UUID = uuid.UUID(int=0)
+COMPRESSOR = "lz4hc"
+
+
+def mkfs_binary() -> str:
+    path = shutil.which("mkfs.erofs")
+    if path is None:
+        raise HostError(
+            "mkfs.erofs not found: install erofs-utils (apt-get install erofs-utils)",
+            binary="mkfs.erofs",
+        )
+    return path
+
+
+def make_erofs(src: Path, out: Path) -> None:
+    """Write the tree under ``src`` to the EROFS image ``out`` (lz4hc, reproducible)."""
+    cmd = [
+        mkfs_binary(),
+        "-T0",
+        f"-U{FIXED_UUID}",
+        f"-z{COMPRESSOR}",
+        "--quiet",
+        str(out),
+        str(src),
+    ]
+    proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True)
+    if proc.returncode != 0:
+        detail = (proc.stderr or proc.stdout).strip()[-2000:]
+        raise LayerBuildError(
+            f"mkfs.erofs failed (exit {proc.returncode}) building from {src}: {detail}",
+            stage="mkfs",
+            returncode=proc.returncode,
+        )
+
+
+def is_erofs(path: Path) -> bool:
+    """True if ``path`` starts like an EROFS image (superblock magic at 1 KiB)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(EROFS_SUPER_OFFSET)
+            magic = f.read(4)
+    except OSError:
+        return False
+    return len(magic) == 4 and int.from_bytes(magic, "little") == EROFS_MAGIC
+
+
+__all__ = ["COMPRESSOR", "EROFS_MAGIC", "FIXED_UUID", "is_erofs", "make_erofs", "mkfs_binary"]

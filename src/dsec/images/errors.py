@@ -1,0 +1,20 @@
+"""Image-specific refinements of :class:`dsec.errors.ImageError`.
+
+They keep ImageError's wire code, so a remote caller sees an ImageError with the
+same message and fields; in-process callers can catch the finer class.
+"""
+
+from __future__ import annotations
+
+from dsec.errors import ImageError
+
+
+class LayerBuildError(ImageError):
+    """Building a layer failed; ``stage`` names the step (extract, mkfs, debootstrap...)."""
+
+
+class UnsafeArchive(LayerBuildError, ValueError):
+    """An archive tried to write outside its root (``..``, links out) or is malformed."""
+
+
+__all__ = ["LayerBuildError", "UnsafeArchive"]

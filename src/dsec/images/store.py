@@ -1,0 +1,497 @@
+"""Layer stores: where immutable, content-addressed EROFS layers live.
+
+:class:`LayerStore` is the interface the rest of DSec codes against. Nothing
+outside a store may assume a layer is a local file: callers that need a path
+(to mount it) ask :meth:`LayerStore.open_local`, which a lazily fetched remote
+store answers with a FUSE-backed path. :class:`LocalLayerStore` keeps layers on
+local disk::
+
+    <root>/index.db                  sqlite (WAL): layers, tags, pins
+    <root>/blobs/sha256/<hex>.erofs  one file per layer, mode 0444
+    <root>/tmp/                      scratch: builds and imports in progress
+
+Every write that adds or removes a blob happens inside an sqlite write
+transaction, so a concurrent ``add``/``remove``/``pin`` of the same digest in
+another thread or process is serialised. Files are written to ``tmp/`` and
+renamed into place, so a crash never leaves a half-written blob under its
+digest; scratch left by dead processes is removed when a store is opened.
+"""
+
+from __future__ import annotations
+
+import abc
+import builtins
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import sqlite3
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from dsec.errors import ImageError, InvalidSpec, LayerInUse, LayerNotFound
+
+from .erofs import is_erofs
+from .fsutil import CHUNK, fsync_dir, pid_alive, remove_tree, sha256_file
+from .layer import (
+    DIGEST_PREFIX,
+    Layer,
+    LayerKind,
+    check_digest,
+    check_kind,
+    check_name,
+    check_tag,
+    digest_hex,
+    parse_ref,
+)
+
+_SCHEMA_VERSION = 1
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS layers (
+    digest     TEXT PRIMARY KEY,
+    kind       TEXT NOT NULL,
+    size       INTEGER NOT NULL,
+    created_at REAL NOT NULL,
+    parents    TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS tags (
+    name       TEXT NOT NULL,
+    tag        TEXT NOT NULL,
+    digest     TEXT NOT NULL REFERENCES layers(digest),
+    updated_at REAL NOT NULL,
+    PRIMARY KEY (name, tag, digest)
+);
+CREATE INDEX IF NOT EXISTS tags_by_digest ON tags(digest);
+CREATE TABLE IF NOT EXISTS pins (
+    digest    TEXT NOT NULL,
+    holder    TEXT NOT NULL,
+    pinned_at REAL NOT NULL,
+    PRIMARY KEY (digest, holder)
+);
+"""
+
+_LIST_HINT = "see available layers with `dsec image ls`"
+
+
+class LayerStore(abc.ABC):
+    """A set of immutable layers, addressed by digest and named by ``name:tag``.
+
+    Every layer has at least one ``name:tag``; several digests may share one,
+    and ``name:tag`` then resolves to the one stored (or re-tagged) last. A
+    digest that is pinned by any holder (a sandbox, a mount) cannot be removed.
+    """
+
+    @abc.abstractmethod
+    def resolve(self, ref: str) -> Layer:
+        """``NAME[:TAG]`` -> latest layer with it; ``sha256:<hex or prefix>`` -> that layer."""
+
+    @abc.abstractmethod
+    def get(self, digest: str) -> Layer:
+        """The layer with this full digest (under its most recent name:tag)."""
+
+    @abc.abstractmethod
+    def list(self) -> builtins.list[Layer]:
+        """Every (layer, name:tag) pair, sorted by name, tag, newest first."""
+
+    @abc.abstractmethod
+    def remove(self, ref: str) -> None:
+        """Remove what ``ref`` resolves to (a digest: the layer; a name:tag: that tag).
+
+        A layer whose last name goes is deleted and its disk freed. Raises
+        LayerInUse if the layer is pinned, LayerNotFound if ``ref`` is unknown.
+        """
+
+    @abc.abstractmethod
+    def add_erofs(
+        self,
+        path: Path,
+        *,
+        name: str,
+        tag: str,
+        kind: LayerKind | str,
+        parents: Iterable[str] = (),
+        consume: bool = False,
+    ) -> Layer:
+        """Import an existing EROFS image file; idempotent for identical content.
+
+        With ``consume=True`` the store may move ``path`` instead of copying it
+        (builders pass their scratch output this way).
+        """
+
+    @abc.abstractmethod
+    def open_local(self, digest: str) -> Path:
+        """A local path whose bytes are the layer's EROFS image, for mounting."""
+
+    @abc.abstractmethod
+    def pin(self, digest: str, holder: str) -> None:
+        """Record that ``holder`` uses ``digest``; idempotent. LayerNotFound if unknown."""
+
+    @abc.abstractmethod
+    def unpin(self, digest: str, holder: str) -> None:
+        """Drop one pin; dropping a pin that does not exist is fine."""
+
+    @abc.abstractmethod
+    def holders(self, digest: str) -> set[str]:
+        """Who pins ``digest`` now."""
+
+    @abc.abstractmethod
+    def unpin_all_except(self, alive_holders: set[str]) -> int:
+        """Drop pins of holders not in ``alive_holders`` (reconcile after a crash).
+
+        Returns how many pins were dropped.
+        """
+
+    @abc.abstractmethod
+    def scratch(self, purpose: str = "build") -> contextlib.AbstractContextManager[Path]:
+        """A private, empty, local directory for a build; deleted (with all content) on exit."""
+
+
+class LocalLayerStore(LayerStore):
+    """Layers as files under ``root`` with an sqlite index; see the module docstring."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root).absolute()
+        self.blob_dir = self.root / "blobs" / "sha256"
+        self.tmp_dir = self.root / "tmp"
+        self.index_path = self.root / "index.db"
+        try:
+            self.blob_dir.mkdir(parents=True, exist_ok=True)
+            self.tmp_dir.mkdir(mode=0o700, exist_ok=True)
+        except OSError as e:
+            raise ImageError(
+                f"cannot create the layer store at {self.root}: {e.strerror}; "
+                "choose a writable directory (set DSEC_STATE_DIR)",
+                path=str(self.root),
+            ) from e
+        with self._connect() as db:
+            db.execute("PRAGMA journal_mode=WAL")
+            if db.execute("PRAGMA user_version").fetchone()[0] != _SCHEMA_VERSION:
+                db.executescript(_SCHEMA)
+                db.execute(f"PRAGMA user_version={_SCHEMA_VERSION}")
+        self._clean_dead_scratch()
+
+    def __repr__(self) -> str:
+        return f"LocalLayerStore({str(self.root)!r})"
+
+    # -- sqlite plumbing ---------------------------------------------------
+
+    @contextlib.contextmanager
+    def _connect(self) -> Iterator[sqlite3.Connection]:
+        db = sqlite3.connect(self.index_path, timeout=30.0, isolation_level=None)
+        try:
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.execute("PRAGMA foreign_keys=ON")
+            yield db
+        finally:
+            db.close()
+
+    @contextlib.contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        """A write transaction: holds the index's write lock until commit."""
+        with self._connect() as db:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                yield db
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            db.execute("COMMIT")
+
+    def blob_path(self, digest: str) -> Path:
+        return self.blob_dir / f"{digest_hex(digest)}.erofs"
+
+    @staticmethod
+    def _layer(row: tuple[str, str, str, str, int, float, str]) -> Layer:
+        digest, name, tag, kind, size, created_at, parents = row
+        return Layer(
+            digest=digest,
+            name=name,
+            tag=tag,
+            kind=LayerKind(kind),
+            size=size,
+            created_at=created_at,
+            parents=tuple(json.loads(parents)),
+        )
+
+    _SELECT = (
+        "SELECT l.digest, t.name, t.tag, l.kind, l.size, l.created_at, l.parents "
+        "FROM layers l JOIN tags t ON t.digest = l.digest "
+    )
+
+    # -- lookups -------------------------------------------------------------
+
+    def get(self, digest: str) -> Layer:
+        check_digest(digest)
+        with self._connect() as db:
+            row = db.execute(
+                self._SELECT
+                + "WHERE l.digest = ? ORDER BY t.updated_at DESC, t.rowid DESC LIMIT 1",
+                (digest,),
+            ).fetchone()
+        if row is None:
+            raise LayerNotFound(f"no layer {digest} in {self.root}: {_LIST_HINT}", ref=digest)
+        return self._layer(row)
+
+    def resolve(self, ref: str) -> Layer:
+        parsed = parse_ref(ref)
+        if parsed.digest_hex is not None:
+            if parsed.is_full_digest:
+                return self.get(DIGEST_PREFIX + parsed.digest_hex)
+            with self._connect() as db:
+                rows = db.execute(
+                    "SELECT digest FROM layers WHERE digest >= ? AND digest < ? LIMIT 3",
+                    (DIGEST_PREFIX + parsed.digest_hex, DIGEST_PREFIX + parsed.digest_hex + "g"),
+                ).fetchall()
+            if not rows:
+                raise LayerNotFound(f"no layer matches {ref} in {self.root}: {_LIST_HINT}", ref=ref)
+            if len(rows) > 1:
+                raise InvalidSpec(
+                    f"{ref} is ambiguous: it matches several layers; give more hex digits",
+                    field="ref",
+                )
+            return self.get(rows[0][0])
+        with self._connect() as db:
+            row = db.execute(
+                self._SELECT + "WHERE t.name = ? AND t.tag = ? "
+                "ORDER BY t.updated_at DESC, t.rowid DESC LIMIT 1",
+                (parsed.name, parsed.tag),
+            ).fetchone()
+            if row is None:
+                others = [
+                    r[0]
+                    for r in db.execute(
+                        "SELECT DISTINCT tag FROM tags WHERE name = ? ORDER BY tag", (parsed.name,)
+                    )
+                ]
+        if row is not None:
+            return self._layer(row)
+        hint = f" (tags of {parsed.name}: {', '.join(others)})" if others else ""
+        raise LayerNotFound(
+            f"no layer {parsed.name}:{parsed.tag} in {self.root}{hint}: {_LIST_HINT}", ref=ref
+        )
+
+    def list(self) -> builtins.list[Layer]:
+        with self._connect() as db:
+            rows = db.execute(self._SELECT + "ORDER BY t.name, t.tag, t.updated_at DESC").fetchall()
+        return [self._layer(r) for r in rows]
+
+    def open_local(self, digest: str) -> Path:
+        self.get(digest)
+        path = self.blob_path(digest)
+        if not path.is_file():
+            raise ImageError(
+                f"layer {digest} is in the index of {self.root} but its file {path} is missing; "
+                f"remove it (`dsec image rm {digest}`) and build or import it again",
+                digest=digest,
+            )
+        return path
+
+    # -- adding ----------------------------------------------------------------
+
+    def add_erofs(
+        self,
+        path: Path,
+        *,
+        name: str,
+        tag: str,
+        kind: LayerKind | str,
+        parents: Iterable[str] = (),
+        consume: bool = False,
+    ) -> Layer:
+        path = Path(path)
+        check_name(name)
+        check_tag(tag)
+        kind = check_kind(kind)
+        parent_list = [check_digest(p) for p in parents]
+        if not path.is_file():
+            raise ImageError(f"cannot import {path}: no such file", path=str(path))
+        if not is_erofs(path):
+            raise ImageError(
+                f"cannot import {path}: it is not an EROFS image (no EROFS superblock); "
+                "build one with `dsec image build --from-dir DIR`",
+                path=str(path),
+            )
+        staged = self._stage_blob(path, consume=consume)
+        try:
+            hexd, size = sha256_file(staged)
+            digest = DIGEST_PREFIX + hexd
+            now = time.time()
+            with self._write() as db:
+                row = db.execute(
+                    "SELECT kind, parents FROM layers WHERE digest = ?", (digest,)
+                ).fetchone()
+                if row is not None and row[0] != kind.value:
+                    existing = db.execute(
+                        "SELECT name || ':' || tag FROM tags WHERE digest = ? LIMIT 1", (digest,)
+                    ).fetchone()
+                    raise ImageError(
+                        f"identical content is already stored as a {row[0]} layer "
+                        f"({existing[0] if existing else digest}); a layer has one kind: "
+                        f"import it with --kind {row[0]}",
+                        digest=digest,
+                    )
+                target = self.blob_path(digest)
+                if target.is_file() and row is not None:
+                    staged.unlink()
+                else:
+                    os.chmod(staged, 0o444)
+                    os.replace(staged, target)
+                    fsync_dir(self.blob_dir)
+                if row is None:
+                    db.execute(
+                        "INSERT INTO layers(digest, kind, size, created_at, parents) "
+                        "VALUES (?, ?, ?, ?, ?)",
+                        (digest, kind.value, size, now, json.dumps(parent_list)),
+                    )
+                db.execute(
+                    "INSERT INTO tags(name, tag, digest, updated_at) VALUES (?, ?, ?, ?) "
+                    "ON CONFLICT(name, tag, digest) DO UPDATE SET updated_at = excluded.updated_at",
+                    (name, tag, digest, now),
+                )
+        finally:
+            if staged.exists():
+                staged.unlink()
+        layer = self.get(digest)
+        # get() returns the newest tag of the digest, which is the one just written.
+        return layer
+
+    def _stage_blob(self, path: Path, *, consume: bool) -> Path:
+        """Put the bytes of ``path`` at a fresh name in tmp/ (same filesystem as blobs/)."""
+        staged = self.tmp_dir / f"import-{os.getpid()}-{secrets.token_hex(6)}.erofs"
+        if consume:
+            try:
+                os.rename(path, staged)
+                return staged
+            except OSError:
+                pass  # another filesystem: copy instead
+        try:
+            with open(path, "rb") as src, open(staged, "xb") as dst:
+                shutil.copyfileobj(src, dst, CHUNK)
+                dst.flush()
+                os.fsync(dst.fileno())
+        except BaseException:
+            staged.unlink(missing_ok=True)
+            raise
+        if consume:
+            path.unlink(missing_ok=True)
+        return staged
+
+    # -- removing ----------------------------------------------------------------
+
+    def remove(self, ref: str) -> None:
+        layer = self.resolve(ref)
+        parsed = parse_ref(ref)
+        trash: Path | None = None
+        with self._write() as db:
+            pins = [
+                r[0]
+                for r in db.execute("SELECT holder FROM pins WHERE digest = ?", (layer.digest,))
+            ]
+            if pins:
+                shown = ", ".join(sorted(pins)[:5]) + (" ..." if len(pins) > 5 else "")
+                raise LayerInUse(
+                    f"layer {layer.ref} ({layer.digest}) is in use by {len(pins)} holder(s): "
+                    f"{shown}; stop those sandboxes first",
+                    digest=layer.digest,
+                    holders=sorted(pins),
+                )
+            if parsed.is_digest:
+                db.execute("DELETE FROM tags WHERE digest = ?", (layer.digest,))
+            else:
+                db.execute(
+                    "DELETE FROM tags WHERE name = ? AND tag = ? AND digest = ?",
+                    (parsed.name, parsed.tag, layer.digest),
+                )
+            left = db.execute(
+                "SELECT COUNT(*) FROM tags WHERE digest = ?", (layer.digest,)
+            ).fetchone()[0]
+            if left == 0:
+                db.execute("DELETE FROM layers WHERE digest = ?", (layer.digest,))
+                blob = self.blob_path(layer.digest)
+                if blob.exists():
+                    trash = self.tmp_dir / f"trash-{os.getpid()}-{secrets.token_hex(6)}.erofs"
+                    os.rename(blob, trash)
+        if trash is not None:
+            trash.unlink(missing_ok=True)
+
+    # -- pins ----------------------------------------------------------------
+
+    def pin(self, digest: str, holder: str) -> None:
+        check_digest(digest)
+        if not holder:
+            raise InvalidSpec("a pin holder must be a non-empty string", field="holder")
+        with self._write() as db:
+            if db.execute("SELECT 1 FROM layers WHERE digest = ?", (digest,)).fetchone() is None:
+                raise LayerNotFound(
+                    f"cannot pin {digest}: no such layer in {self.root}: {_LIST_HINT}", ref=digest
+                )
+            db.execute(
+                "INSERT OR IGNORE INTO pins(digest, holder, pinned_at) VALUES (?, ?, ?)",
+                (digest, holder, time.time()),
+            )
+
+    def unpin(self, digest: str, holder: str) -> None:
+        check_digest(digest)
+        with self._write() as db:
+            db.execute("DELETE FROM pins WHERE digest = ? AND holder = ?", (digest, holder))
+
+    def holders(self, digest: str) -> set[str]:
+        check_digest(digest)
+        with self._connect() as db:
+            return {r[0] for r in db.execute("SELECT holder FROM pins WHERE digest = ?", (digest,))}
+
+    def unpin_all_except(self, alive_holders: set[str]) -> int:
+        with self._write() as db:
+            rows = db.execute("SELECT rowid, holder FROM pins").fetchall()
+            dead = [rowid for rowid, holder in rows if holder not in alive_holders]
+            db.executemany("DELETE FROM pins WHERE rowid = ?", [(r,) for r in dead])
+        return len(dead)
+
+    # -- scratch and housekeeping ----------------------------------------------
+
+    @contextlib.contextmanager
+    def _scratch(self, purpose: str) -> Iterator[Path]:
+        path = self.tmp_dir / f"{purpose}-{os.getpid()}-{secrets.token_hex(6)}"
+        path.mkdir(mode=0o700)
+        try:
+            yield path
+        finally:
+            remove_tree(path)
+
+    def scratch(self, purpose: str = "build") -> contextlib.AbstractContextManager[Path]:
+        if not purpose.isidentifier():
+            raise InvalidSpec(f"bad scratch purpose {purpose!r}", field="purpose")
+        return self._scratch(purpose)
+
+    def _clean_dead_scratch(self) -> None:
+        """Remove tmp/ entries left by processes that no longer exist."""
+        for entry in self.tmp_dir.iterdir():
+            parts = entry.name.split("-")
+            if len(parts) < 3 or not parts[1].isdigit():
+                continue
+            if not pid_alive(int(parts[1])):
+                try:
+                    remove_tree(entry)
+                except (OSError, ImageError):
+                    continue  # leave it; `gc` reports what it could not clean
+
+    def gc(self) -> builtins.list[Path]:
+        """Delete blob files the index does not know (left by a crash); return them."""
+        removed: builtins.list[Path] = []
+        with self._write() as db:
+            known = {r[0] for r in db.execute("SELECT digest FROM layers")}
+            for blob in self.blob_dir.iterdir():
+                if DIGEST_PREFIX + blob.name.removesuffix(".erofs") not in known:
+                    blob.unlink()
+                    removed.append(blob)
+        self._clean_dead_scratch()
+        return removed
+
+    def disk_usage(self) -> int:
+        """Bytes used by layer files."""
+        return sum(p.stat().st_size for p in self.blob_dir.iterdir() if p.is_file())
+
+
+__all__ = ["LayerStore", "LocalLayerStore"]
