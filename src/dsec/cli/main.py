@@ -1,0 +1,138 @@
+"""The ``dsec`` command. Sub-commands import their heavy parts lazily."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from dsec.errors import DsecError
+
+console = Console(stderr=True)
+
+
+class _Group(click.Group):
+    """Turns DsecError into a one-line message and exit code 1 instead of a traceback."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except DsecError as exc:
+            console.print(f"[red]error:[/red] {exc}")
+            sys.exit(1)
+
+
+@click.group(cls=_Group)
+@click.version_option(package_name="dsec")
+def main() -> None:
+    """DSec: sandboxes for agentic RL training."""
+
+
+try:
+    from dsec.cli.image import image_group
+
+    main.add_command(image_group, "image")
+except ImportError:  # pragma: no cover - only while the image CLI is missing
+    pass
+
+
+@main.group()
+def bench() -> None:
+    """Benchmarks: figures beside named baselines, measured in the same run."""
+
+
+def _print_table(title: str, results: dict[str, Any]) -> None:
+    table = Table(title=title)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for k, v in results.items():
+        table.add_row(k, f"{v:.3f}" if isinstance(v, float) else str(v))
+    Console().print(table)
+
+
+@bench.command("runtime")
+@click.option("--quick", is_flag=True, help="Fewer samples and N=200 instead of 2,000.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the flat JSON here.")
+@click.option("-n", "--keep", "n_keep", type=click.IntRange(10, 20000), default=None,
+              help="Sandboxes for the create-and-keep and idle-memory figures (default 2,000; 200 with --quick).")
+def bench_runtime(quick: bool, json_path: Path | None, n_keep: int | None) -> None:
+    """Create latency, sustained create rate, idle memory, exec round trip, teardown: DSec vs crun vs bwrap."""
+    from dsec.bench.runtime import run
+
+    results = run(quick=quick, n_keep=n_keep, say=lambda m: console.print(f"[dim]{m}[/dim]"))
+    _print_table("dsec bench runtime", results)
+    if json_path:
+        json_path.write_text(json.dumps(results, indent=2, sort_keys=True))
+        console.print(f"wrote {json_path}")
+
+
+@main.command()
+@click.option("-n", "count", type=click.IntRange(1, 5000), default=100, show_default=True, help="Sandboxes to start.")
+@click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="State directory (default $DSEC_STATE_DIR or /var/lib/dsec).")
+def demo(count: int, state_dir: Path | None) -> None:
+    """The runtime demo: build a base layer, start N sandboxes, run a command in each, clean up."""
+    asyncio.run(_demo(count, state_dir))
+
+
+async def _demo(count: int, state_dir: Path | None) -> None:
+    from dsec.backends.container.runtime import ContainerRuntime
+    from dsec.bench.stats import percentile
+    from dsec.images.build import build_busybox
+    from dsec.spec import ImageRef, Resources, SandboxSpec
+
+    async with ContainerRuntime(name="demo", state_dir=state_dir) as rt:
+        t0 = time.perf_counter()
+        layer = await asyncio.to_thread(build_busybox, rt.store, name="demo-busybox", tag="latest")
+        console.print(f"base layer {layer.name}:{layer.tag} {layer.digest[:19]}… "
+                      f"({layer.size / 1e6:.1f} MB) built in {time.perf_counter() - t0:.2f}s")
+        spec = SandboxSpec(image=ImageRef(base="demo-busybox:latest"),
+                           resources=Resources(cpu=0.5, memory=128 << 20, pids=128, disk=32 << 20))
+        create_ms: list[float] = []
+        exec_ms: list[float] = []
+        outputs: dict[str, str] = {}
+        sem = asyncio.Semaphore(8)
+
+        async def one(i: int) -> None:
+            async with sem:
+                t = time.perf_counter()
+                sb = await rt.create(spec)
+                create_ms.append((time.perf_counter() - t) * 1000)
+                rt.files(sb.id).write("/tmp/task.txt", f"task {i}\n".encode())
+                t = time.perf_counter()
+                res = await rt.exec(sb.id, "echo $(hostname) uid=$(id -u) $(cat /tmp/task.txt) procs=$(ls /proc | grep -c '^[0-9]')")
+                exec_ms.append((time.perf_counter() - t) * 1000)
+                outputs[sb.id] = res.stdout_text.strip()
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(i) for i in range(count)))
+        wall = time.perf_counter() - t0
+        sample = list(outputs.items())[:3]
+        t1 = time.perf_counter()
+        await asyncio.gather(*(rt.destroy(i) for i in list(rt.sandboxes)))
+        teardown = time.perf_counter() - t1
+        ok = sum(1 for v in outputs.values() if "uid=0" in v and "procs=" in v)
+        table = Table(title=f"dsec demo: {count} sandboxes")
+        table.add_column("figure")
+        table.add_column("value", justify="right")
+        table.add_row("sandboxes ok", f"{ok}/{count}")
+        table.add_row("create p50 / p95 (ms)", f"{percentile(create_ms, 50):.1f} / {percentile(create_ms, 95):.1f}")
+        table.add_row("exec p50 (ms)", f"{percentile(exec_ms, 50):.1f}")
+        table.add_row("create+exec throughput (/s)", f"{count / wall:.0f}")
+        table.add_row("teardown (s)", f"{teardown:.2f}")
+        Console().print(table)
+        for sid, out in sample:
+            console.print(f"  {sid}: {out}")
+        if ok != count:
+            raise DsecError(f"only {ok} of {count} sandboxes answered correctly")
+
+
+if __name__ == "__main__":
+    main()
