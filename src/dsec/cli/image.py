@@ -1,0 +1,338 @@
+"""``dsec image``: build, list and remove layers in the local layer store.
+
+The store lives at ``$DSEC_STATE_DIR/layers`` (default ``/var/lib/dsec/layers``)
+unless ``--store DIR`` is given. Progress and warnings go to stderr, results to
+stdout, so ``--json`` output can be piped.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from dsec.errors import DsecError
+
+if TYPE_CHECKING:
+    from dsec.images.store import LocalLayerStore
+
+DEFAULT_STATE_DIR = "/var/lib/dsec"
+_STORE_KEY = "dsec.image.store_root"
+
+
+def default_store_root() -> Path:
+    """``$DSEC_STATE_DIR/layers``, or ``/var/lib/dsec/layers``."""
+    return Path(os.environ.get("DSEC_STATE_DIR") or DEFAULT_STATE_DIR) / "layers"
+
+
+def _store(ctx: click.Context) -> LocalLayerStore:
+    from dsec.images.store import LocalLayerStore
+
+    root = ctx.meta.get(_STORE_KEY) or default_store_root()
+    return LocalLayerStore(Path(root))
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"  # pragma: no cover
+
+
+def _ago(t: float) -> str:
+    d = max(0.0, time.time() - t)
+    if d < 90:
+        return f"{d:.0f}s ago"
+    if d < 90 * 60:
+        return f"{d / 60:.0f}m ago"
+    if d < 36 * 3600:
+        return f"{d / 3600:.0f}h ago"
+    return _dt.datetime.fromtimestamp(t).strftime("%Y-%m-%d")
+
+
+@contextmanager
+def _errors() -> Iterator[None]:
+    """Turn DSec errors into a one-line message and exit status 1."""
+    try:
+        yield
+    except DsecError as e:
+        raise click.ClickException(e.message) from e
+
+
+@contextmanager
+def _progress_display(enabled: bool) -> Iterator[Callable[[str, int, int | None], None]]:
+    """A build progress callback rendered with rich on stderr (and warnings with it)."""
+    from rich.console import Console
+    from rich.logging import RichHandler
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True)
+    handler = RichHandler(console=console, show_time=False, show_path=False)
+    handler.setLevel(logging.WARNING)
+    logger = logging.getLogger("dsec.images")
+    logger.addHandler(handler)
+    old_level = logger.level
+    if logger.getEffectiveLevel() > logging.WARNING:
+        logger.setLevel(logging.WARNING)
+    progress = Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description:<24}"),
+        BarColumn(),
+        TextColumn("{task.fields[detail]}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+        disable=not enabled,
+    )
+    tasks: dict[str, Any] = {}
+    last: list[str] = []
+
+    def report(stage: str, done: int, total: int | None) -> None:
+        if stage not in tasks:
+            if last:
+                prev = tasks[last[-1]]
+                t = progress.tasks[prev].total
+                progress.update(prev, completed=t if t is not None else 1, total=t or 1)
+            tasks[stage] = progress.add_task(stage, total=total, detail="")
+            last.append(stage)
+        if stage == "unpack":
+            detail = _human(done) + (f" / {_human(total)}" if total else "")
+        elif stage.startswith("debootstrap"):
+            detail = f"{done}" + (f"/{total} packages" if total else " packages")
+        else:
+            detail = ""
+        progress.update(tasks[stage], completed=done, total=total, detail=detail)
+
+    try:
+        with progress:
+            yield report
+            if last:
+                t = progress.tasks[tasks[last[-1]]].total
+                progress.update(tasks[last[-1]], completed=t or 1, total=t or 1)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+
+
+@click.group("image")
+@click.option(
+    "--store",
+    "store_root",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Layer store directory [default: $DSEC_STATE_DIR/layers or /var/lib/dsec/layers].",
+)
+@click.pass_context
+def image_group(ctx: click.Context, store_root: Path | None) -> None:
+    """Build, list and remove image layers (EROFS, content-addressed)."""
+    if store_root is not None:
+        ctx.meta[_STORE_KEY] = store_root
+
+
+_KINDS = ("base", "workspace", "toolkit")
+
+
+@image_group.command("build")
+@click.option(
+    "--from-dir",
+    "from_dir",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="Build from a directory tree.",
+)
+@click.option(
+    "--from-tar",
+    "from_tar",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="Build from a root filesystem tar (plain/gzip/bzip2/xz).",
+)
+@click.option(
+    "--from-oci",
+    "from_oci",
+    type=click.Path(exists=True, path_type=Path),
+    help="Flatten an OCI layout (dir or tar) or a `docker save` tarball.",
+)
+@click.option(
+    "--debootstrap",
+    "suite",
+    metavar="SUITE",
+    help="Build a Debian base with debootstrap (e.g. bookworm).",
+)
+@click.option("--busybox", is_flag=True, help="Build the minimal busybox-static rootfs.")
+@click.option(
+    "--ref",
+    "oci_ref",
+    metavar="NAME",
+    help="With --from-oci: which image, if the file holds several.",
+)
+@click.option(
+    "--packages",
+    default="",
+    metavar="A,B",
+    help="With --debootstrap: extra packages, comma-separated.",
+)
+@click.option(
+    "--variant",
+    default="minbase",
+    show_default=True,
+    help="With --debootstrap: debootstrap variant.",
+)
+@click.option(
+    "--mirror",
+    metavar="URL",
+    help="With --debootstrap: Debian mirror [default: the one in apt's sources].",
+)
+@click.option("--name", required=True, help="Layer name (lowercase a-z 0-9 . _ -).")
+@click.option("--tag", default="latest", show_default=True, help="Layer tag.")
+@click.option("--kind", type=click.Choice(_KINDS), default="base", show_default=True)
+@click.option(
+    "--parent",
+    "parents",
+    multiple=True,
+    metavar="REF",
+    help="Layer this one builds on (repeatable).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the layer as JSON.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress display.")
+@click.pass_context
+def build_cmd(
+    ctx: click.Context,
+    from_dir: Path | None,
+    from_tar: Path | None,
+    from_oci: Path | None,
+    suite: str | None,
+    busybox: bool,
+    oci_ref: str | None,
+    packages: str,
+    variant: str,
+    mirror: str | None,
+    name: str,
+    tag: str,
+    kind: str,
+    parents: tuple[str, ...],
+    as_json: bool,
+    quiet: bool,
+) -> None:
+    """Build a layer and print its digest.
+
+    Exactly one source: --from-dir DIR, --from-tar FILE, --from-oci PATH,
+    --debootstrap SUITE or --busybox. Building the same content again gives
+    the same digest.
+    """
+    from dsec.images import build as b
+
+    chosen = [
+        opt
+        for opt, val in (
+            ("--from-dir", from_dir),
+            ("--from-tar", from_tar),
+            ("--from-oci", from_oci),
+            ("--debootstrap", suite),
+            ("--busybox", busybox or None),
+        )
+        if val is not None
+    ]
+    if len(chosen) != 1:
+        raise click.UsageError(
+            "give exactly one source: --from-dir, --from-tar, --from-oci, --debootstrap or --busybox"
+            + (f" (got {', '.join(chosen)})" if chosen else "")
+        )
+    if oci_ref is not None and from_oci is None:
+        raise click.UsageError("--ref only applies to --from-oci")
+    if suite is None and (packages or mirror or variant != "minbase"):
+        raise click.UsageError("--packages, --variant and --mirror only apply to --debootstrap")
+    with _errors():
+        store = _store(ctx)
+        with _progress_display(enabled=not quiet) as progress:
+            common: dict[str, Any] = {
+                "name": name,
+                "tag": tag,
+                "kind": kind,
+                "progress": progress,
+            }
+            if from_dir is not None:
+                layer = b.build_from_dir(store, from_dir, parents=parents, **common)
+            elif from_tar is not None:
+                layer = b.build_from_tar(store, from_tar, parents=parents, **common)
+            elif from_oci is not None:
+                layer = b.build_from_oci(store, from_oci, parents=parents, ref=oci_ref, **common)
+            elif suite is not None:
+                layer = b.build_debootstrap(
+                    store,
+                    suite=suite,
+                    variant=variant,
+                    packages=[p for p in packages.split(",") if p.strip()],
+                    mirror=mirror,
+                    parents=parents,
+                    **common,
+                )
+            else:
+                if parents:
+                    raise click.UsageError("--busybox layers have no parents")
+                layer = b.build_busybox(store, **common)
+    if as_json:
+        click.echo(layer.model_dump_json())
+    else:
+        click.echo(layer.digest)
+
+
+@image_group.command("ls")
+@click.option("--json", "as_json", is_flag=True, help="Print layers as a JSON array.")
+@click.pass_context
+def ls_cmd(ctx: click.Context, as_json: bool) -> None:
+    """List layers (one row per name:tag)."""
+    with _errors():
+        layers = _store(ctx).list()
+    if as_json:
+        click.echo(json.dumps([lay.model_dump(mode="json") for lay in layers]))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(box=None, pad_edge=False)
+    for col in ("NAME:TAG", "DIGEST", "KIND", "SIZE", "CREATED"):
+        table.add_column(col, justify="right" if col == "SIZE" else "left")
+    for lay in layers:
+        table.add_row(
+            lay.ref, lay.digest[:19], lay.kind.value, _human(lay.size), _ago(lay.created_at)
+        )
+    Console().print(table)
+
+
+@image_group.command("inspect")
+@click.argument("ref")
+@click.pass_context
+def inspect_cmd(ctx: click.Context, ref: str) -> None:
+    """Print one layer as JSON, with who pins it."""
+    with _errors():
+        store = _store(ctx)
+        layer = store.resolve(ref)
+        holders = sorted(store.holders(layer.digest))
+    click.echo(json.dumps({**layer.model_dump(mode="json"), "holders": holders}, indent=2))
+
+
+@image_group.command("rm")
+@click.argument("refs", nargs=-1, required=True, metavar="REF...")
+@click.pass_context
+def rm_cmd(ctx: click.Context, refs: tuple[str, ...]) -> None:
+    """Remove layers (NAME[:TAG] removes that tag; sha256:HEX removes the layer).
+
+    A layer's file is deleted with its last name. Layers in use by a sandbox
+    are refused.
+    """
+    with _errors():
+        store = _store(ctx)
+        for ref in refs:
+            store.remove(ref)
+            click.echo(f"removed {ref}")
+
+
+__all__ = ["default_store_root", "image_group"]
