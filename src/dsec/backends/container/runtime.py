@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import re
@@ -48,6 +49,7 @@ UID_RANGE: Final = 65536
 UID_FIRST_BASE: Final = 1 << 24  # well above any host account
 UID_SLOTS: Final = 60000
 DEFAULT_TIMEOUT_S: Final = 600.0
+LAYER_RELEASE_GRACE_S: Final = 30.0
 _ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
 DEFAULT_ENV: Final = {
@@ -90,7 +92,7 @@ class SandboxRecord:
         return {
             "id": self.id,
             "state": self.state.value,
-            "spec": self.spec.model_dump(mode="json"),
+            "spec": _spec_json(self.spec),
             "slot": self.slot,
             "layers": self.layers,
             "created_at": self.created_at,
@@ -112,6 +114,21 @@ class SandboxRecord:
             init_start=int(d.get("init_start", 0)),
             reason=str(d.get("reason", "")),
         )
+
+
+_SPEC_JSON: dict[int, tuple[SandboxSpec, dict[str, Any]]] = {}
+
+
+def _spec_json(spec: SandboxSpec) -> dict[str, Any]:
+    """model_dump is ~100 us; specs are immutable and usually shared by many sandboxes."""
+    hit = _SPEC_JSON.get(id(spec))
+    if hit is not None and hit[0] is spec:
+        return hit[1]
+    if len(_SPEC_JSON) > 256:
+        _SPEC_JSON.clear()
+    dumped = spec.model_dump(mode="json")
+    _SPEC_JSON[id(spec)] = (spec, dumped)
+    return dumped
 
 
 def _proc_start_time(pid: int) -> int:
@@ -205,6 +222,13 @@ class ContainerRuntime:
         self.reconciled: dict[str, list[str]] = {}
         self.last_activity: dict[str, float] = {}
         self._sessions: dict[str, dict[str, Session]] = {}
+        # Which sandboxes use which layer. The store holds one pin per layer for this
+        # runtime ("runtime:<name>") while any sandbox uses it: one sqlite write per
+        # layer, not per sandbox, and records rebuild the map after a crash.
+        self._layer_users: dict[str, set[str]] = {}
+        self._layer_paths: dict[str, Path] = {}
+        self._resolved: dict[str, tuple[float, str]] = {}
+        self._free_slots: list[int] = []
 
     # ----- lifecycle of the runtime itself -----
 
@@ -247,6 +271,9 @@ class ContainerRuntime:
         if self.spawner is not None:
             await self.spawner.close()
             self.spawner = None
+        if self._mounts is not None:
+            for digest in [d for d, users in self._layer_users.items() if not users]:
+                self._maybe_release(digest)
         if self._mounts is not None and destroy_all:
             await asyncio.to_thread(self._mounts.close)
         if self._devnull >= 0:
@@ -287,9 +314,12 @@ class ContainerRuntime:
 
     def _claim_slot(self, sandbox_id: str) -> int:
         # Slot files are host-wide, so two runtimes never share a uid range.
+        # Recently freed slots first: the spawner keeps their user namespaces.
         start = secrets.randbelow(UID_SLOTS)
-        for i in range(UID_SLOTS):
-            slot = (start + i) % UID_SLOTS
+        recent = list(reversed(self._free_slots))
+        self._free_slots.clear()
+        candidates = itertools.chain(recent, ((start + i) % UID_SLOTS for i in range(UID_SLOTS)))
+        for slot in candidates:
             try:
                 fd = os.open(self.slots_dir / str(slot), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             except FileExistsError:
@@ -304,6 +334,8 @@ class ContainerRuntime:
         with contextlib.suppress(OSError):
             if path.read_text().split() == [self.name, rec.id]:
                 path.unlink()
+                self._free_slots.append(rec.slot)
+                del self._free_slots[:-1024]
 
     # ----- create / destroy -----
 
@@ -318,7 +350,7 @@ class ContainerRuntime:
         existing = self.sandboxes.get(sid)
         if existing is not None:
             return existing  # idempotent
-        layers = [self.store.resolve(ref).digest for ref in spec.image.layers_top_first()]
+        layers = [self._resolve(ref) for ref in spec.image.layers_top_first()]
         rec = SandboxRecord(sid, SandboxState.CREATING, spec, -1, layers, time.time())
         self.sandboxes[sid] = rec
         lock = self._locks.setdefault(sid, asyncio.Lock())
@@ -327,7 +359,7 @@ class ContainerRuntime:
                 rec.slot = self._claim_slot(sid)
                 self._save(rec)  # before any host resource exists
                 cg_dirs = self.cgroups.create(sid, spec.resources)
-                lowers = [str(self._mounts.acquire(d, sid)) for d in layers]
+                lowers = [str(await self._use_layer(d, sid)) for d in layers]
                 res = spec.resources
                 fields = [
                     ("id", sid),
@@ -393,10 +425,8 @@ class ContainerRuntime:
             while self.cgroups.pids(sid) and time.monotonic() < deadline:
                 await asyncio.sleep(0.002)
         left = [str(p) for p in await asyncio.to_thread(self.cgroups.remove, sid)]
-        if self._mounts is not None:
-            for d in set(rec.layers):
-                with contextlib.suppress(Exception):
-                    self._mounts.release(d, sid)
+        for d in set(rec.layers):
+            await self._unuse_layer(d, sid)
         if rec.slot >= 0:
             self._release_slot(rec)
         if not left:
@@ -444,6 +474,52 @@ class ContainerRuntime:
                 f"sandbox {rec.id} has failed: its init process is gone", sandbox_id=rec.id, reason="init_exited"
             )
         return None
+
+    @property
+    def holder(self) -> str:
+        return f"runtime:{self.name}"
+
+    def _resolve(self, ref: str) -> str:
+        """Layer ref -> digest. Digests are immutable; a name:tag is re-read after 1 s."""
+        if ref.startswith("sha256:") and len(ref) == 71:
+            hit = self._resolved.get(ref)
+            if hit is None:
+                self._resolved[ref] = (float("inf"), self.store.resolve(ref).digest)
+            return ref
+        now = time.monotonic()
+        hit = self._resolved.get(ref)
+        if hit is not None and hit[0] > now:
+            return hit[1]
+        digest: str = self.store.resolve(ref).digest
+        self._resolved[ref] = (now + 1.0, digest)
+        return digest
+
+    async def _use_layer(self, digest: str, sandbox_id: str) -> Path:
+        users = self._layer_users.setdefault(digest, set())
+        path = self._layer_paths.get(digest)
+        if path is None:
+            path = await asyncio.to_thread(self._mounts.acquire, digest, self.holder)
+            self._layer_paths[digest] = path
+        users.add(sandbox_id)
+        return path
+
+    async def _unuse_layer(self, digest: str, sandbox_id: str) -> None:
+        users = self._layer_users.get(digest)
+        if users is None:
+            return
+        users.discard(sandbox_id)
+        if not users:
+            # Keep the pin a little while: a create/destroy loop must not pay a
+            # sqlite write per sandbox. close() and the grace timer release it.
+            asyncio.get_running_loop().call_later(LAYER_RELEASE_GRACE_S, self._maybe_release, digest)
+
+    def _maybe_release(self, digest: str) -> None:
+        if self._layer_users.get(digest) or self._mounts is None:
+            return
+        self._layer_users.pop(digest, None)
+        self._layer_paths.pop(digest, None)
+        with contextlib.suppress(Exception):
+            self._mounts.release(digest, self.holder)
 
     def _mark_failed(self, rec: SandboxRecord, reason: str) -> None:
         if can_move(rec.state, SandboxState.FAILED):
@@ -643,7 +719,11 @@ class ContainerRuntime:
         for fd in (out_r, err_r):
             os.set_blocking(fd, False)
             loop.add_reader(fd, on_readable, fd)
-        writer = asyncio.ensure_future(self._feed_stdin(in_w, stdin))
+        writer: asyncio.Future[None] | None = None
+        if stdin:
+            writer = asyncio.ensure_future(self._feed_stdin(in_w, stdin))
+        else:
+            os.close(in_w)
 
         def expire(reason: str) -> None:
             if not proc.exited.done():
@@ -663,11 +743,11 @@ class ContainerRuntime:
 
             idle_task = asyncio.ensure_future(idle_watch())
         try:
-            ex = await asyncio.shield(proc.exited)
+            ex = proc.exited.result() if proc.exited.done() else await asyncio.shield(proc.exited)
             # Output written before exit is in the pipes; stray background children
             # holding them open do not keep the result waiting.
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(eof), 0.1)
+            if not eof.done():
+                await asyncio.wait((eof,), timeout=0.1)
             for fd in list(open_fds):
                 on_readable(fd)
         except asyncio.CancelledError:
@@ -678,7 +758,8 @@ class ContainerRuntime:
                 timer.cancel()
             if idle_task is not None:
                 idle_task.cancel()
-            writer.cancel()
+            if writer is not None:
+                writer.cancel()
             for fd in (out_r, err_r):
                 if fd in open_fds:
                     loop.remove_reader(fd)
@@ -784,7 +865,13 @@ class ContainerRuntime:
                 owner = slot_file.read_text().split()
                 if owner and owner[0] == self.name and owner[1] not in self.sandboxes:
                     slot_file.unlink()
-        self.store.unpin_all_except(set(self.sandboxes))
+        for rec in self.sandboxes.values():
+            for d in rec.layers:
+                self._layer_users.setdefault(d, set()).add(rec.id)
+                self._layer_paths[d] = self._mounts.mountpoint(d)
+        for layer in self.store.list():
+            if self.holder in self.store.holders(layer.digest) and layer.digest not in self._layer_users:
+                self._mounts.release(layer.digest, self.holder)
         await asyncio.to_thread(self._mounts.unmount_unused)
         return {"adopted": adopted, "destroyed": destroyed}
 

@@ -54,6 +54,7 @@
 #include <sys/types.h>
 #include <sys/uio.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #ifndef SYS_open_tree
@@ -216,6 +217,17 @@ static void child_fail(int rfd, const char *stage, const char *fmt, ...) {
     _exit(127);
 }
 
+/* DSEC_SPAWNER_TRACE=1 prints per-step timings of sandbox creation to stderr (profiling aid). */
+static int trace_on;
+static struct timespec trace_t0;
+static void trace(const char *what) {
+    if (!trace_on) return;
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    fprintf(stderr, "dsec-trace %-12s %7.1f us\n", what,
+            (t.tv_sec - trace_t0.tv_sec) * 1e6 + (t.tv_nsec - trace_t0.tv_nsec) / 1e3);
+}
+
 /* ---------- seccomp: built once, loaded by every exec'd process ---------- */
 
 static struct sock_fprog seccomp_prog;
@@ -364,14 +376,17 @@ static void create_child(struct create_args *a) {
     uid_t ub = (uid_t)a->uid_base;
     prctl(PR_SET_NAME, "dsec-init", 0, 0, 0);
     /* Joined the cgroups already (parent did): the cgroup namespace is rooted there. */
+    trace("go");
     if (unshare(CLONE_NEWCGROUP) < 0) child_fail(rfd, "cgroupns", "unshare(CLONE_NEWCGROUP)");
     if (sethostname(a->id, strlen(a->id)) < 0) child_fail(rfd, "hostname", "sethostname");
     if (lo_up() < 0) child_fail(rfd, "network", "bring up lo");
+    trace("hostname+lo");
     if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0) child_fail(rfd, "mount", "make / private");
     if (mount("dsec-stage", a->stage, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,mode=700") < 0)
         child_fail(rfd, "mount", "staging tmpfs at %s", a->stage);
     if (chdir(a->stage) < 0) child_fail(rfd, "mount", "chdir stage");
 
+    trace("private+stage");
     /* Lowers: the node's shared EROFS mounts, idmapped so the sandbox's root owns their files. */
     char lowerdir[4096] = "";
     size_t ll = 0;
@@ -392,6 +407,7 @@ static void create_child(struct create_args *a) {
     }
     if (ll == 0) child_fail(rfd, "layer", "no lower layers");
 
+    trace("lowers");
     /* Upper: tmpfs sized by the disk quota, charged to the sandbox's memory cgroup. */
     char opts[4096];
     if (mkdir("u", 0700) < 0) child_fail(rfd, "mount", "mkdir u");
@@ -408,6 +424,7 @@ static void create_child(struct create_args *a) {
     int upper_fd = open("u", O_PATH | O_DIRECTORY | O_CLOEXEC);
     if (upper_fd < 0) child_fail(rfd, "mount", "open upper");
 
+    trace("overlay");
     /* /proc: fresh, with kernel knobs read-only and host-revealing files masked. */
     if (ensure_dir("root/proc", ub, ub, 0555) < 0) child_fail(rfd, "proc", "mkdir /proc");
     if (mount("proc", "root/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) < 0)
@@ -421,6 +438,7 @@ static void create_child(struct create_args *a) {
             mount(NULL, p, NULL, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) < 0)
             child_fail(rfd, "proc", "read-only %s", p);
     }
+    trace("proc");
     /* /dev: a small tmpfs with the usual character devices, a private devpts and /dev/shm. */
     if (ensure_dir("root/dev", ub, ub, 0755) < 0) child_fail(rfd, "dev", "mkdir /dev");
     snprintf(opts, sizeof opts, "size=64k,nr_inodes=64,mode=0755,uid=%u,gid=%u", ub, ub);
@@ -439,6 +457,7 @@ static void create_child(struct create_args *a) {
     if (mount("devpts", "root/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, opts) < 0) child_fail(rfd, "dev", "devpts");
     snprintf(opts, sizeof opts, "size=%llu,mode=1777,uid=%u,gid=%u", a->shm, ub, ub);
     if (mount("dsec-shm", "root/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, opts) < 0) child_fail(rfd, "dev", "shm");
+    trace("dev");
     /* Mask /proc files that reveal or poke the host. */
     static const char *masked[] = {"kcore", "keys", "timer_list", "sched_debug", "latency_stats",
                                    "kallsyms", "kpagecount", "kpageflags", "kpagecgroup", "sysvipc", NULL};
@@ -454,6 +473,7 @@ static void create_child(struct create_args *a) {
             child_fail(rfd, "proc", "mask %s", p);
         }
     }
+    trace("masks");
     /* /sys: empty and read-only; nothing of the host's hardware or cgroups shows. */
     if (ensure_dir("root/sys", ub, ub, 0555) < 0) child_fail(rfd, "sys", "mkdir /sys");
     if (mount("dsec-sys", "root/sys", "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=0,mode=0555") < 0)
@@ -461,12 +481,14 @@ static void create_child(struct create_args *a) {
     /* /tmp must be world-writable even when the image forgot it. */
     if (ensure_dir("root/tmp", ub, ub, 01777) < 0) child_fail(rfd, "mount", "mkdir /tmp");
 
+    trace("sys+tmp");
     /* Switch root; the old root (with every host path) is detached, not hidden. */
     if (chdir("root") < 0) child_fail(rfd, "pivot", "chdir root");
     if (syscall(SYS_pivot_root, ".", ".") < 0) child_fail(rfd, "pivot", "pivot_root");
     if (umount2(".", MNT_DETACH) < 0) child_fail(rfd, "pivot", "detach old root");
     if (chdir("/") < 0) child_fail(rfd, "pivot", "chdir /");
 
+    trace("pivot");
     /* Become the sandbox's root: an unprivileged host uid from here on. */
     if (setns(a->userns_fd, CLONE_NEWUSER) < 0) child_fail(rfd, "userns", "setns user");
     close(a->userns_fd);
@@ -476,6 +498,7 @@ static void create_child(struct create_args *a) {
     if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) child_fail(rfd, "nnp", "no_new_privs");
     prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
 
+    trace("userns+caps");
     /* Keep only the upper's handle at fd 3 (the host reads it at /proc/PID/fd/3). */
     if (dup2(upper_fd, 3) < 0) child_fail(rfd, "mount", "dup upper");
     int devnull = open("/dev/null", O_RDWR);
@@ -519,21 +542,10 @@ static pid_t clone_pidfd(unsigned long flags, int *pidfd) {
     return (pid_t)syscall(SYS_clone, flags | CLONE_PIDFD | SIGCHLD, NULL, pidfd, NULL, NULL);
 }
 
-static void do_create(struct req *r) {
-    const char *rid = r->tok[1];
-    const char *id = req_get(r, "id"), *stage = req_get(r, "stage");
-    const char *ub = req_get(r, "uid_base"), *uc = req_get(r, "uid_count");
-    const char *disk = req_get(r, "disk"), *inodes = req_get(r, "inodes"), *shm = req_get(r, "shm");
-    char *lowers[16], *cgs[16];
-    req_all(r, "lower", lowers, 15);
-    req_all(r, "cg", cgs, 15);
-    if (!id || !stage || !ub || !uc || !disk || !inodes || !shm) {
-        reply_err(rid, "request", EINVAL, "create needs id, stage, uid_base, uid_count, disk, inodes, shm");
-        return;
-    }
-    /* 1. A user namespace holding the sandbox's uid range (its owner process exits at once). */
+/* A user namespace mapping 0..count-1 to base..: its owner process exits at once. */
+static int make_userns(const char *rid, const char *ub, const char *uc) {
     int upipe[2];
-    if (pipe2(upipe, O_CLOEXEC) < 0) { reply_err(rid, "userns", errno, "pipe"); return; }
+    if (pipe2(upipe, O_CLOEXEC) < 0) { reply_err(rid, "userns", errno, "pipe"); return -1; }
     pid_t u = (pid_t)syscall(SYS_clone, CLONE_NEWUSER | SIGCHLD, NULL, NULL, NULL, NULL);
     if (u == 0) {
         char c;
@@ -542,7 +554,7 @@ static void do_create(struct req *r) {
         _exit(0);
     }
     close(upipe[0]);
-    if (u < 0) { close(upipe[1]); reply_err(rid, "userns", errno, "clone(CLONE_NEWUSER)"); return; }
+    if (u < 0) { close(upipe[1]); reply_err(rid, "userns", errno, "clone(CLONE_NEWUSER)"); return -1; }
     char path[128], map[128];
     int userns_fd = -1;
     snprintf(map, sizeof map, "0 %s %s\n", ub, uc);
@@ -558,8 +570,63 @@ static void do_create(struct req *r) {
     }
     close(upipe[1]);
     waitpid(u, NULL, 0);
-    if (userns_fd < 0) { reply_err(rid, "userns", saved, "write uid/gid map %s", map); return; }
+    if (userns_fd < 0) { reply_err(rid, "userns", saved, "write uid/gid map %s", map); return -1; }
 
+    return userns_fd;
+}
+
+#define USERNS_CACHE 4096
+static struct { unsigned long base; int fd; } userns_cache[USERNS_CACHE];
+static int userns_cached;
+
+static int userns_cache_get(unsigned long base) {
+    for (int i = 0; i < userns_cached; i++)
+        if (userns_cache[i].base == base) return userns_cache[i].fd;
+    return -1;
+}
+
+static void userns_cache_put(unsigned long base, int fd) {
+    if (userns_cached < USERNS_CACHE) {
+        userns_cache[userns_cached].base = base;
+        userns_cache[userns_cached].fd = fd;
+        userns_cached++;
+    } else {
+        /* Full: replace a pseudo-random entry. */
+        int i = (int)(base % USERNS_CACHE);
+        close(userns_cache[i].fd);
+        userns_cache[i].base = base;
+        userns_cache[i].fd = fd;
+    }
+}
+
+static void do_create(struct req *r) {
+    const char *rid = r->tok[1];
+    const char *id = req_get(r, "id"), *stage = req_get(r, "stage");
+    const char *ub = req_get(r, "uid_base"), *uc = req_get(r, "uid_count");
+    const char *disk = req_get(r, "disk"), *inodes = req_get(r, "inodes"), *shm = req_get(r, "shm");
+    char *lowers[16], *cgs[16];
+    req_all(r, "lower", lowers, 15);
+    req_all(r, "cg", cgs, 15);
+    if (!id || !stage || !ub || !uc || !disk || !inodes || !shm) {
+        reply_err(rid, "request", EINVAL, "create needs id, stage, uid_base, uid_count, disk, inodes, shm");
+        return;
+    }
+    clock_gettime(CLOCK_MONOTONIC, &trace_t0);
+    trace("request");
+    /* 1. The user namespace holding the sandbox's uid range. One per uid range,
+     *    kept open and reused by the next sandbox of the same range: it owns no
+     *    other namespace (those are created by the host), so nothing of the old
+     *    sandbox survives in it, and making one costs ~0.5 ms on the hot path. */
+    unsigned long base = strtoul(ub, NULL, 10);
+    int userns_fd = userns_cache_get(base);
+    if (userns_fd < 0) {
+        userns_fd = make_userns(rid, ub, uc);
+        if (userns_fd < 0) return;
+        userns_cache_put(base, userns_fd);
+    }
+    userns_fd = fcntl(userns_fd, F_DUPFD_CLOEXEC, 3);
+    if (userns_fd < 0) { reply_err(rid, "userns", errno, "dup userns fd"); return; }
+    trace("userns");
     /* 2. The init: every namespace but user (entered last, so the host owns them all). */
     int go[2], rep[2];
     if (pipe2(go, O_CLOEXEC) < 0) { close(userns_fd); reply_err(rid, "clone", errno, "pipe"); return; }
@@ -599,6 +666,7 @@ static void do_create(struct req *r) {
         reply_err(rid, "cgroup", e, "attach init to cgroups");
         return;
     }
+    trace("clone+cgroup");
     if (write(go[1], "g", 1) != 1) { /* child died; the report pipe tells */ }
     close(go[1]);
     if (add_pending(rep[0], P_CREATE, pid, pidfd, rid) < 0) {
@@ -788,6 +856,7 @@ int main(int argc, char **argv) {
         return 2;
     }
     sock_fd = atoi(argv[1]);
+    trace_on = getenv("DSEC_SPAWNER_TRACE") != NULL;
     prctl(PR_SET_NAME, "dsec-spawner", 0, 0, 0);
     if (build_seccomp() < 0) {
         fprintf(stderr, "dsec-spawner: cannot build seccomp filter\n");
