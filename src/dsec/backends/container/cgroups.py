@@ -55,6 +55,33 @@ class CgroupStats:
     cpu_throttled_s: float
 
 
+def favor_dynmods() -> bool:
+    """Switch the kernel's cgroup threadgroup lock to favour migrations.
+
+    Every sandbox process is moved into its cgroups at birth; with the default
+    per-cpu rwsem each move may wait an RCU grace period (0.3-2 ms measured).
+    ``favordynmods`` (a documented cgroup2 mount option whose lock is global,
+    so it also speeds up v1 migrations) trades a little fork/exit cost for it.
+    Applied by remounting the cgroup2 mount if there is one; a no-op otherwise.
+    """
+    unified = CGROUP_ROOT / "unified"
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                parts = line.split()
+                if parts[4] == str(unified) and "cgroup2" in line:
+                    if "favordynmods" in parts[-1]:
+                        return True
+                    import subprocess
+
+                    return subprocess.run(
+                        ["mount", "-o", "remount,favordynmods", str(unified)], capture_output=True
+                    ).returncode == 0
+    except OSError:
+        pass
+    return False
+
+
 class RuntimeCgroups:
     """The per-runtime parent directories and the per-sandbox children below them."""
 
@@ -62,8 +89,10 @@ class RuntimeCgroups:
         self.runtime_name = runtime_name
         self.parents = {c: CGROUP_ROOT / c / "dsec" / runtime_name for c in CONTROLLERS}
 
-    def setup(self) -> None:
+    def setup(self, *, tune_host: bool = True) -> None:
         check_host()
+        if tune_host:
+            favor_dynmods()
         for ctrl, path in self.parents.items():
             path.mkdir(parents=True, exist_ok=True)
             if ctrl == "memory":
@@ -93,9 +122,10 @@ class RuntimeCgroups:
                 d.mkdir()
                 made.append(d)
                 if ctrl == "cpu":
-                    _write(d / "cpu.cfs_period_us", str(CFS_PERIOD_US))
+                    # The period is the kernel default (100 ms); shares default to 1024.
                     _write(d / "cpu.cfs_quota_us", str(max(1000, int(res.cpu * CFS_PERIOD_US))))
-                    _write(d / "cpu.shares", str(res.cpu_weight))
+                    if res.cpu_weight != 1024:
+                        _write(d / "cpu.shares", str(res.cpu_weight))
                 elif ctrl == "memory":
                     _write(d / "memory.limit_in_bytes", str(res.memory))
                 elif ctrl == "pids":

@@ -356,8 +356,9 @@ class ContainerRuntime:
         lock = self._locks.setdefault(sid, asyncio.Lock())
         async with lock:
             try:
+                # No record until the init runs: until then every host resource is
+                # found by name (cgroups, uid slot file) and the reconciler removes it.
                 rec.slot = self._claim_slot(sid)
-                self._save(rec)  # before any host resource exists
                 cg_dirs = self.cgroups.create(sid, spec.resources)
                 lowers = [str(await self._use_layer(d, sid)) for d in layers]
                 res = spec.resources

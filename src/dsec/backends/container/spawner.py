@@ -56,8 +56,9 @@ class Spawned:
 
 
 class Spawner:
-    def __init__(self, binary: Path) -> None:
+    def __init__(self, binary: Path, *, netns_pool: int = 32) -> None:
         self._binary = binary
+        self._netns_pool = netns_pool
         self._sock: socket.socket | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._rids = itertools.count(1)
@@ -72,7 +73,7 @@ class Spawner:
         parent.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 * 1024 * 1024)
         try:
             self._proc = subprocess.Popen(
-                ["dsec-spawner", str(child.fileno())],
+                ["dsec-spawner", str(child.fileno()), str(self._netns_pool)],
                 executable=str(self._binary),
                 pass_fds=(child.fileno(),),
                 stdin=subprocess.DEVNULL,

@@ -364,7 +364,7 @@ struct create_args {
     char **cgs;
     unsigned long uid_base;
     unsigned long long disk, inodes, shm;
-    int userns_fd, go_fd, report_fd;
+    int userns_fd, go_fd, report_fd, net_fd;
 };
 
 static void create_child(struct create_args *a) __attribute__((noreturn));
@@ -379,7 +379,12 @@ static void create_child(struct create_args *a) {
     trace("go");
     if (unshare(CLONE_NEWCGROUP) < 0) child_fail(rfd, "cgroupns", "unshare(CLONE_NEWCGROUP)");
     if (sethostname(a->id, strlen(a->id)) < 0) child_fail(rfd, "hostname", "sethostname");
-    if (lo_up() < 0) child_fail(rfd, "network", "bring up lo");
+    if (a->net_fd >= 0) {
+        if (setns(a->net_fd, CLONE_NEWNET) < 0) child_fail(rfd, "network", "enter pooled netns");
+        close(a->net_fd);
+    } else if (unshare(CLONE_NEWNET) < 0 || lo_up() < 0) {
+        child_fail(rfd, "network", "new netns with lo up");
+    }
     trace("hostname+lo");
     if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0) child_fail(rfd, "mount", "make / private");
     if (mount("dsec-stage", a->stage, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,mode=700") < 0)
@@ -542,6 +547,28 @@ static pid_t clone_pidfd(unsigned long flags, int *pidfd) {
     return (pid_t)syscall(SYS_clone, flags | CLONE_PIDFD | SIGCHLD, NULL, pidfd, NULL, NULL);
 }
 
+/* A pool of network namespaces made while the spawner is idle (loopback only, lo up):
+ * a new netns costs ~1 ms of kernel time, too much for the create path.  Made by
+ * unsharing the spawner's own netns and switching back, so no process is forked. */
+static int netpool[1024];
+static int netpool_n, netpool_target, host_netns_fd = -1;
+
+static void netpool_fill_one(void) {
+    if (unshare(CLONE_NEWNET) < 0) { netpool_target = 0; return; }
+    int fd = open("/proc/thread-self/ns/net", O_RDONLY | O_CLOEXEC);
+    int ok = fd >= 0 && lo_up() == 0;
+    if (setns(host_netns_fd, CLONE_NEWNET) < 0) {
+        perror("dsec-spawner: return to host netns");
+        _exit(2);
+    }
+    if (!ok) { if (fd >= 0) close(fd); netpool_target = 0; return; }
+    netpool[netpool_n++] = fd;
+}
+
+static int netpool_take(void) {
+    return netpool_n > 0 ? netpool[--netpool_n] : -1;
+}
+
 /* A user namespace mapping 0..count-1 to base..: its owner process exits at once. */
 static int make_userns(const char *rid, const char *ub, const char *uc) {
     int upipe[2];
@@ -636,7 +663,8 @@ static void do_create(struct req *r) {
         return;
     }
     int pidfd = -1;
-    pid_t pid = clone_pidfd(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS, &pidfd);
+    int net_fd = netpool_take();
+    pid_t pid = clone_pidfd(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS, &pidfd);
     if (pid == 0) {
         close(go[1]);
         close(rep[0]);
@@ -645,13 +673,14 @@ static void do_create(struct req *r) {
             .id = id, .stage = stage, .lowers = lowers, .cgs = cgs,
             .uid_base = strtoul(ub, NULL, 10), .disk = strtoull(disk, NULL, 10),
             .inodes = strtoull(inodes, NULL, 10), .shm = strtoull(shm, NULL, 10),
-            .userns_fd = userns_fd, .go_fd = go[0], .report_fd = rep[1]};
+            .userns_fd = userns_fd, .go_fd = go[0], .report_fd = rep[1], .net_fd = net_fd};
         sigset_t none;
         sigemptyset(&none);
         sigprocmask(SIG_SETMASK, &none, NULL);
         create_child(&a);
     }
     close(userns_fd);
+    if (net_fd >= 0) close(net_fd);
     close(go[0]);
     close(rep[1]);
     if (pid < 0) {
@@ -690,10 +719,13 @@ struct exec_args {
 static void exec_child(struct exec_args *a) __attribute__((noreturn));
 static void exec_child(struct exec_args *a) {
     int rfd = a->report_fd;
+    trace("x-forked");
     if (join_cgroups(a->cgs, 0) < 0) child_fail(rfd, "cgroup", "join sandbox cgroups");
+    trace("x-cgroups");
     if (setns(a->initpidfd, CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS |
                                 CLONE_NEWCGROUP) < 0)
         child_fail(rfd, "setns", "enter sandbox namespaces");
+    trace("x-setns");
     if (setgroups(0, NULL) < 0) child_fail(rfd, "user", "setgroups");
     if (setresgid(a->gid, a->gid, a->gid) < 0) child_fail(rfd, "user", "gid %u is not mapped in the sandbox", a->gid);
     if (setresuid(a->uid, a->uid, a->uid) < 0) child_fail(rfd, "user", "uid %u is not mapped in the sandbox", a->uid);
@@ -708,11 +740,13 @@ static void exec_child(struct exec_args *a) {
     if (a->new_session && setsid() < 0) child_fail(rfd, "setsid", "setsid");
     if (dup2(a->in, 0) < 0 || dup2(a->out, 1) < 0 || dup2(a->err, 2) < 0) child_fail(rfd, "stdio", "dup2");
     syscall(SYS_close_range, 3, ~0U, CLOSE_RANGE_CLOEXEC);
+    trace("x-ids+cwd");
     if (set_caps(a->uid == 0) < 0) child_fail(rfd, "caps", "set capabilities");
     if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) child_fail(rfd, "nnp", "no_new_privs");
     if (a->use_seccomp && prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &seccomp_prog) < 0)
         child_fail(rfd, "seccomp", "load filter");
     signal(SIGPIPE, SIG_DFL);
+    trace("x-caps+secc");
     extern char **environ;
     environ = a->envp;
     execvp(a->argv[0], a->argv);
@@ -737,6 +771,7 @@ static void do_exec(struct req *r) {
         reply_err(rid, "request", EINVAL, "exec needs argv, cwd, uid, gid");
         return;
     }
+    clock_gettime(CLOCK_MONOTONIC, &trace_t0);
     int rep[2];
     if (pipe2(rep, O_CLOEXEC) < 0) { reply_err(rid, "exec", errno, "pipe"); return; }
     /* Children forked now land in the sandbox's pid namespace; switch back right after. */
@@ -768,6 +803,7 @@ static void do_exec(struct req *r) {
         _exit(2);
     }
     close(rep[1]);
+    trace("x-parent");
     if (pid < 0) {
         close(rep[0]);
         reply_err(rid, "clone", e, "fork exec child");
@@ -792,6 +828,7 @@ static void finish_pending(int i) {
     buf[n] = 0;
     int success = (p.kind == P_EXEC && n == 0) || (p.kind == P_CREATE && n == 3 && strcmp(buf, "ok") == 0);
     if (success) {
+        trace("reply");
         reply_ok_pid(p.rid, p.pid, p.pidfd);
     } else if (n == 0) {
         kill(p.pid, SIGKILL);
@@ -852,7 +889,7 @@ static int recv_req(struct req *r, char *buf) {
 
 int main(int argc, char **argv) {
     if (argc < 2) {
-        fprintf(stderr, "usage: dsec-spawner SOCKET_FD  (started by the DSec runtime)\n");
+        fprintf(stderr, "usage: dsec-spawner SOCKET_FD [NETNS_POOL]  (started by the DSec runtime)\n");
         return 2;
     }
     sock_fd = atoi(argv[1]);
@@ -862,6 +899,10 @@ int main(int argc, char **argv) {
         fprintf(stderr, "dsec-spawner: cannot build seccomp filter\n");
         return 1;
     }
+    netpool_target = argc > 2 ? atoi(argv[2]) : 0;
+    if (netpool_target > 1024) netpool_target = 1024;
+    host_netns_fd = open("/proc/self/ns/net", O_RDONLY | O_CLOEXEC);
+    if (host_netns_fd < 0) netpool_target = 0;
     self_pidns_fd = open("/proc/self/ns/pid", O_RDONLY | O_CLOEXEC);
     if (self_pidns_fd < 0) { perror("dsec-spawner: open own pid namespace"); return 1; }
     struct rlimit rl;
@@ -885,10 +926,14 @@ int main(int argc, char **argv) {
             pfds[i + 2].fd = pend[i].fd;
             pfds[i + 2].events = POLLIN;
         }
-        int n = poll(pfds, (nfds_t)npend + 2, -1);
+        int n = poll(pfds, (nfds_t)npend + 2, netpool_n < netpool_target ? 0 : -1);
         if (n < 0) {
             if (errno == EINTR) continue;
             return 1;
+        }
+        if (n == 0) { /* idle: prepare a network namespace for a later create */
+            netpool_fill_one();
+            continue;
         }
         /* Report pipes first, so "ok" for an exec precedes its "exit" event. */
         for (int i = npend - 1; i >= 0; i--)
