@@ -342,8 +342,22 @@ class ContainerRuntime:
     def _new_id(self) -> str:
         return f"{self.id_prefix}-{secrets.token_hex(6)}"
 
+    async def _ensure_spawner(self) -> Spawner:
+        """The spawner, restarted if it died (sandboxes do not depend on it staying up)."""
+        if self.spawner is None:
+            raise HostError("the runtime is not started: use `async with ContainerRuntime(...)` or await start()")
+        if self.spawner.lost:
+            from dsec.backends.container.build import spawner_path
+
+            old = self.spawner
+            self.spawner = Spawner(spawner_path())
+            await self.spawner.start()
+            with contextlib.suppress(Exception):
+                await old.close()
+        return self.spawner
+
     async def create(self, spec: SandboxSpec, *, sandbox_id: str | None = None) -> SandboxRecord:
-        assert self.spawner is not None, "runtime not started"
+        spawner = await self._ensure_spawner()
         sid = sandbox_id or self._new_id()
         if not _ID_RE.match(sid):
             raise InvalidSpec(f"sandbox id {sid!r} must match {_ID_RE.pattern}", field="sandbox_id")
@@ -374,7 +388,7 @@ class ContainerRuntime:
                     *[("cg", str(d)) for d in cg_dirs],
                 ]
                 try:
-                    spawned = await self.spawner.spawn("create", fields)
+                    spawned = await spawner.spawn("create", fields)
                 except SpawnError as exc:
                     raise SandboxFailed(
                         f"sandbox {sid} failed to start at step {exc.stage!r}: {exc.detail} ({os.strerror(exc.errno)})",
@@ -590,7 +604,7 @@ class ContainerRuntime:
         seccomp: bool = True,
     ) -> Process:
         """Start ``argv`` in the sandbox with the given host fds as its stdio."""
-        assert self.spawner is not None, "runtime not started"
+        spawner = await self._ensure_spawner()
         rec = self._running(sandbox_id)
         if not argv or not argv[0]:
             raise InvalidSpec("empty command", field="cmd", sandbox_id=sandbox_id)
@@ -611,14 +625,14 @@ class ContainerRuntime:
         assert init_fd is not None
         started = time.monotonic()
         try:
-            spawned = await self.spawner.spawn("exec", fields, [init_fd, stdin, stdout, stderr])
+            spawned = await spawner.spawn("exec", fields, [init_fd, stdin, stdout, stderr])
         except SpawnError as exc:
             raise self._exec_error(sandbox_id, argv, cwd, uid, exc) from None
         finally:
             os.close(init_fd)
         os.close(spawned.pidfd)
         self.last_activity[sandbox_id] = time.monotonic()
-        return Process(sandbox_id, spawned.pid, self.spawner.exit_future(spawned.pid), started)
+        return Process(sandbox_id, spawned.pid, spawner.exit_future(spawned.pid), started)
 
     def _exec_error(self, sid: str, argv: Sequence[str], cwd: str, uid: int, exc: SpawnError) -> Exception:
         if exc.stage == "exec":

@@ -191,6 +191,12 @@ class Spawner:
         self.lost = True
         if self._sock is not None and self._loop is not None:
             self._loop.remove_reader(self._sock.fileno())
+        err = HostError("dsec-spawner exited unexpectedly; the runtime starts a new one on the next request")
         for fut in self._waiting.values():
             if not fut.done():
-                fut.set_exception(HostError("dsec-spawner exited unexpectedly"))
+                fut.set_exception(err)
+        # Exit statuses of processes it was watching are lost with it.
+        for pid, xfut in self._exits.items():
+            if not xfut.done():
+                xfut.set_exception(HostError(f"exit status of pid {pid} lost: dsec-spawner exited", pid=pid))
+                xfut.exception()  # mark retrieved: nobody may be waiting

@@ -245,7 +245,7 @@ static int build_seccomp(void) {
         "unshare", "setns", "acct", "quotactl", "quotactl_fd", "lookup_dcookie", "vhangup",
         "iopl", "ioperm", "syslog", "uselib", "io_uring_setup", "io_uring_enter",
         "io_uring_register", "fanotify_init", "kcmp", "process_madvise", "nfsservctl",
-        "pidfd_getfd", "personality", "mbind", "migrate_pages", "move_pages",
+        "pidfd_getfd", "mbind", "migrate_pages", "move_pages",
         "set_mempolicy", "get_mempolicy", "vm86", "vm86old", "_sysctl", "create_module",
         "get_kernel_syms", "query_module", "stime", "lsm_set_self_attr", NULL};
     for (int i = 0; deny[i]; i++) {
