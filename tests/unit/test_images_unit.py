@@ -16,7 +16,13 @@ import pytest
 
 from dsec.errors import ImageError, InvalidSpec, LayerInUse, LayerNotFound
 from dsec.images import Layer, LayerKind, LayerMounts, LocalLayerStore, UnsafeArchive, parse_ref
-from dsec.images.debootstrap import apt_sources, check_args, find_mirror, slim_rootfs
+from dsec.images.debootstrap import (
+    apt_sources,
+    check_args,
+    debootstrap_phase,
+    find_mirror,
+    slim_rootfs,
+)
 from dsec.images.erofs import EROFS_MAGIC, is_erofs
 from dsec.images.errors import LayerBuildError
 from dsec.images.sysmount import parse_mountinfo
@@ -331,15 +337,23 @@ def test_store_scratch_is_removed_even_on_error(tmp_path: Path) -> None:
     assert os.listdir(store.tmp_dir) == []
 
 
-def test_store_cleans_scratch_of_dead_processes(tmp_path: Path) -> None:
+def test_store_cleans_scratch_nobody_holds(tmp_path: Path) -> None:
     store = LocalLayerStore(tmp_path / "store")
-    dead = store.tmp_dir / "build-999999999-abc"
-    dead.mkdir()
-    (store.tmp_dir / "import-999999999-x.erofs").write_bytes(b"")
-    alive = store.tmp_dir / f"build-{os.getpid()}-abc"
-    alive.mkdir()
-    LocalLayerStore(tmp_path / "store")
-    assert sorted(os.listdir(store.tmp_dir)) == [alive.name]
+    old = 1_000_000_000
+    dead_dir = store.tmp_dir / "build-999999999-abc"
+    dead_dir.mkdir()
+    (dead_dir / "f").write_text("x")
+    dead_file = store.tmp_dir / "import-999999999-x.erofs"
+    dead_file.write_bytes(b"")
+    young = store.tmp_dir / "build-1-young"
+    young.mkdir()
+    for p in (dead_dir, dead_file):
+        os.utime(p, (old, old))
+    with store.scratch() as live:
+        os.utime(live, (old, old))
+        LocalLayerStore(tmp_path / "store")  # another process opening the store
+        assert sorted(os.listdir(store.tmp_dir)) == sorted([live.name, young.name])
+    assert os.listdir(store.tmp_dir) == [young.name]
 
 
 def test_layer_mounts_root_must_say_dsec(tmp_path: Path) -> None:
@@ -396,6 +410,18 @@ def test_debootstrap_argument_checks() -> None:
         check_args("bookworm", "huge", [])
     with pytest.raises(InvalidSpec):
         check_args("bookworm", "minbase", ["--force-yes"])
+
+
+@pytest.mark.parametrize(
+    ("line", "phase"),
+    [("I: Retrieving libacl1 2.3.1-3", "retrieve"), ("I: Validating libacl1 2.3.1-3", "validate"),
+     ("I: Extracting libacl1...", "extract"), ("I: Unpacking libc6:amd64...", "unpack"),
+     ("I: Configuring tzdata...", "configure"), ("I: Retrieving InRelease", None),
+     ("I: Unpacking required packages...", None), ("I: Unpacking the base system...", None),
+     ("I: Configuring required packages...", None), ("W: something", None)],
+)  # fmt: skip
+def test_debootstrap_progress_lines(line: str, phase: str | None) -> None:
+    assert debootstrap_phase(line) == phase
 
 
 def test_slim_rootfs(tmp_path: Path) -> None:

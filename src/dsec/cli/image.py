@@ -96,28 +96,39 @@ def _progress_display(enabled: bool) -> Iterator[Callable[[str, int, int | None]
     tasks: dict[str, Any] = {}
     last: list[str] = []
 
+    def detail(stage: str, done: int, total: int | None) -> str:
+        if stage == "unpack":
+            return _human(done) + (f" / {_human(total)}" if total else "")
+        if stage.startswith("debootstrap"):
+            return f"{done}" + (f"/{total} packages" if total else " packages")
+        return ""
+
+    def finish(stage: str) -> None:
+        task = progress.tasks[tasks[stage]]
+        done = int(task.completed)
+        total = int(task.total) if task.total is not None else max(done, 1)
+        progress.update(
+            tasks[stage],
+            completed=total,
+            total=total,
+            detail=detail(stage, done, None if stage.startswith("debootstrap") else total),
+        )
+
     def report(stage: str, done: int, total: int | None) -> None:
         if stage not in tasks:
             if last:
-                prev = tasks[last[-1]]
-                t = progress.tasks[prev].total
-                progress.update(prev, completed=t if t is not None else 1, total=t or 1)
+                finish(last[-1])
             tasks[stage] = progress.add_task(stage, total=total, detail="")
             last.append(stage)
-        if stage == "unpack":
-            detail = _human(done) + (f" / {_human(total)}" if total else "")
-        elif stage.startswith("debootstrap"):
-            detail = f"{done}" + (f"/{total} packages" if total else " packages")
-        else:
-            detail = ""
-        progress.update(tasks[stage], completed=done, total=total, detail=detail)
+        progress.update(
+            tasks[stage], completed=done, total=total, detail=detail(stage, done, total)
+        )
 
     try:
         with progress:
             yield report
             if last:
-                t = progress.tasks[tasks[last[-1]]].total
-                progress.update(tasks[last[-1]], completed=t or 1, total=t or 1)
+                finish(last[-1])
     finally:
         logger.removeHandler(handler)
         logger.setLevel(old_level)

@@ -207,13 +207,22 @@ def _du(p: Path) -> int:
     return total
 
 
+# One line per package: "I: Retrieving adduser 3.134", "I: Unpacking adduser...".
 _PHASES = (
-    ("I: Retrieving ", "retrieve"),
-    ("I: Validating ", "validate"),
-    ("I: Extracting ", "extract"),
-    ("I: Unpacking ", "unpack"),
-    ("I: Configuring ", "configure"),
+    (re.compile(r"^I: Retrieving \S+ \S+$"), "retrieve"),
+    (re.compile(r"^I: Validating \S+ \S+$"), "validate"),
+    (re.compile(r"^I: Extracting \S+\.\.\.$"), "extract"),
+    (re.compile(r"^I: Unpacking \S+\.\.\.$"), "unpack"),
+    (re.compile(r"^I: Configuring \S+\.\.\.$"), "configure"),
 )
+
+
+def debootstrap_phase(line: str) -> str | None:
+    """The per-package phase a debootstrap output line reports, if any."""
+    for pattern, phase in _PHASES:
+        if pattern.match(line):
+            return phase
+    return None
 
 
 def check_args(suite: str, variant: str, packages: Iterable[str]) -> list[str]:
@@ -294,16 +303,15 @@ def run_debootstrap(
         for line in proc.stdout:
             line = line.rstrip("\n")
             tail.append(line)
-            for prefix, phase in _PHASES:
-                if line.startswith(prefix) and not line.endswith("packages..."):
-                    counts[phase] = counts.get(phase, 0) + 1
-                    if phase == "validate":
-                        total = counts.get("retrieve")
-                    if progress is not None:
-                        n = counts[phase]
-                        t = None if phase == "retrieve" or total is None else max(total, n)
-                        progress(f"debootstrap: {phase}", n, t)
-                    break
+            phase = debootstrap_phase(line)
+            if phase is not None:
+                counts[phase] = counts.get(phase, 0) + 1
+                if phase == "validate":
+                    total = counts.get("retrieve")
+                if progress is not None:
+                    n = counts[phase]
+                    t = None if phase == "retrieve" or total is None else max(total, n)
+                    progress(f"debootstrap: {phase}", n, t)
         rc = proc.wait()
     finally:
         watchdog.cancel()

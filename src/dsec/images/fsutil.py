@@ -75,16 +75,6 @@ def sha256_file(path: Path, *, on_chunk: Callable[[int], None] | None = None) ->
     return h.hexdigest(), done
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)

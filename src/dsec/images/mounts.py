@@ -25,6 +25,7 @@ import re
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 from dsec.errors import ImageError, InvalidSpec, LayerNotFound
 
@@ -57,9 +58,8 @@ class LayerMounts:
         self.mount_root.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
         self._mounted: dict[str, Path] = {}
-        self._lock_fd: int | None = os.open(
-            self.mount_root / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600
-        )
+        # A file object (not a bare fd) so an instance dropped without close() frees it.
+        self._lock_file: BinaryIO | None = open(self.mount_root / ".lock", "ab")  # noqa: SIM115
 
     def __repr__(self) -> str:
         return f"LayerMounts({self.store!r}, {str(self.mount_root)!r})"
@@ -82,15 +82,16 @@ class LayerMounts:
     def _exclusive(self) -> Iterator[None]:
         """Serialise against threads (RLock) and other processes (flock on .lock)."""
         with self._lock:
-            if self._lock_fd is None:
+            if self._lock_file is None:
                 raise ImageError(
                     "this LayerMounts is closed; create a new one", path=str(self.mount_root)
                 )
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+            fd = self._lock_file.fileno()
+            fcntl.flock(fd, fcntl.LOCK_EX)
             try:
                 yield
             finally:
-                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+                fcntl.flock(fd, fcntl.LOCK_UN)
 
     # -- acquire / release ---------------------------------------------------
 
@@ -214,11 +215,13 @@ class LayerMounts:
     def close(self) -> None:
         """Unmount every unused layer; pinned ones stay mounted for the next adopt()."""
         with self._lock:
-            if self._lock_fd is None:
+            if self._lock_file is None:
                 return
-            self.unmount_unused()
-            os.close(self._lock_fd)
-            self._lock_fd = None
+            try:
+                self.unmount_unused()
+            finally:
+                self._lock_file.close()
+                self._lock_file = None
 
 
 __all__ = ["MOUNT_FLAGS", "LayerMounts"]

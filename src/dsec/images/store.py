@@ -22,6 +22,7 @@ from __future__ import annotations
 import abc
 import builtins
 import contextlib
+import fcntl
 import json
 import os
 import secrets
@@ -34,7 +35,7 @@ from pathlib import Path
 from dsec.errors import ImageError, InvalidSpec, LayerInUse, LayerNotFound
 
 from .erofs import is_erofs
-from .fsutil import CHUNK, fsync_dir, pid_alive, remove_tree, sha256_file
+from .fsutil import CHUNK, fsync_dir, remove_tree, sha256_file
 from .layer import (
     DIGEST_PREFIX,
     Layer,
@@ -73,6 +74,7 @@ CREATE TABLE IF NOT EXISTS pins (
 """
 
 _LIST_HINT = "see available layers with `dsec image ls`"
+_SCRATCH_GRACE_S = 60.0
 
 
 class LayerStore(abc.ABC):
@@ -313,14 +315,13 @@ class LocalLayerStore(LayerStore):
                 "build one with `dsec image build --from-dir DIR`",
                 path=str(path),
             )
-        staged = self._stage_blob(path, consume=consume)
-        try:
+        with self._stage_blob(path, consume=consume) as staged:
             hexd, size = sha256_file(staged)
             digest = DIGEST_PREFIX + hexd
             now = time.time()
             with self._write() as db:
                 row = db.execute(
-                    "SELECT kind, parents FROM layers WHERE digest = ?", (digest,)
+                    "SELECT kind, created_at, parents FROM layers WHERE digest = ?", (digest,)
                 ).fetchone()
                 if row is not None and row[0] != kind.value:
                     existing = db.execute(
@@ -333,9 +334,7 @@ class LocalLayerStore(LayerStore):
                         digest=digest,
                     )
                 target = self.blob_path(digest)
-                if target.is_file() and row is not None:
-                    staged.unlink()
-                else:
+                if row is None or not target.is_file():
                     os.chmod(staged, 0o444)
                     os.replace(staged, target)
                     fsync_dir(self.blob_dir)
@@ -345,38 +344,59 @@ class LocalLayerStore(LayerStore):
                         "VALUES (?, ?, ?, ?, ?)",
                         (digest, kind.value, size, now, json.dumps(parent_list)),
                     )
+                    created_at, stored_parents = now, parent_list
+                else:
+                    # Same bytes, same layer: its first record (time, lineage) stands.
+                    created_at, stored_parents = row[1], json.loads(row[2])
                 db.execute(
                     "INSERT INTO tags(name, tag, digest, updated_at) VALUES (?, ?, ?, ?) "
                     "ON CONFLICT(name, tag, digest) DO UPDATE SET updated_at = excluded.updated_at",
                     (name, tag, digest, now),
                 )
-        finally:
-            if staged.exists():
-                staged.unlink()
-        layer = self.get(digest)
-        # get() returns the newest tag of the digest, which is the one just written.
-        return layer
+        return Layer(
+            digest=digest,
+            name=name,
+            tag=tag,
+            kind=kind,
+            size=size,
+            created_at=created_at,
+            parents=tuple(stored_parents),
+        )
 
-    def _stage_blob(self, path: Path, *, consume: bool) -> Path:
-        """Put the bytes of ``path`` at a fresh name in tmp/ (same filesystem as blobs/)."""
+    @contextlib.contextmanager
+    def _stage_blob(self, path: Path, *, consume: bool) -> Iterator[Path]:
+        """Put the bytes of ``path`` at a fresh, locked name in tmp/ (same filesystem as blobs/).
+
+        The file is flock()ed while staged, which tells the scratch cleaner of
+        other processes (maybe in other pid namespaces) that it is in use.
+        Whatever is still there on exit is deleted.
+        """
         staged = self.tmp_dir / f"import-{os.getpid()}-{secrets.token_hex(6)}.erofs"
-        if consume:
-            try:
-                os.rename(path, staged)
-                return staged
-            except OSError:
-                pass  # another filesystem: copy instead
+        fd = -1
         try:
-            with open(path, "rb") as src, open(staged, "xb") as dst:
-                shutil.copyfileobj(src, dst, CHUNK)
-                dst.flush()
-                os.fsync(dst.fileno())
-        except BaseException:
+            if consume:
+                try:
+                    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                    fcntl.flock(fd, fcntl.LOCK_EX)  # the lock follows the inode
+                    os.rename(path, staged)
+                except OSError:
+                    if fd >= 0:
+                        os.close(fd)
+                        fd = -1
+            if fd < 0:
+                fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                with open(path, "rb") as src, open(fd, "wb", closefd=False) as dst:
+                    shutil.copyfileobj(src, dst, CHUNK)
+                    dst.flush()
+                    os.fsync(fd)
+                if consume:
+                    path.unlink(missing_ok=True)
+            yield staged
+        finally:
             staged.unlink(missing_ok=True)
-            raise
-        if consume:
-            path.unlink(missing_ok=True)
-        return staged
+            if fd >= 0:
+                os.close(fd)
 
     # -- removing ----------------------------------------------------------------
 
@@ -385,6 +405,11 @@ class LocalLayerStore(LayerStore):
         parsed = parse_ref(ref)
         trash: Path | None = None
         with self._write() as db:
+            if (
+                db.execute("SELECT 1 FROM layers WHERE digest = ?", (layer.digest,)).fetchone()
+                is None
+            ):
+                raise LayerNotFound(f"no layer {ref!r} in {self.root}: {_LIST_HINT}", ref=ref)
             pins = [
                 r[0]
                 for r in db.execute("SELECT holder FROM pins WHERE digest = ?", (layer.digest,))
@@ -455,10 +480,16 @@ class LocalLayerStore(LayerStore):
     def _scratch(self, purpose: str) -> Iterator[Path]:
         path = self.tmp_dir / f"{purpose}-{os.getpid()}-{secrets.token_hex(6)}"
         path.mkdir(mode=0o700)
+        # Held for the scratch's lifetime: the cleaner skips locked entries.
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
             yield path
         finally:
-            remove_tree(path)
+            try:
+                remove_tree(path)
+            finally:
+                os.close(fd)
 
     def scratch(self, purpose: str = "build") -> contextlib.AbstractContextManager[Path]:
         if not purpose.isidentifier():
@@ -466,16 +497,29 @@ class LocalLayerStore(LayerStore):
         return self._scratch(purpose)
 
     def _clean_dead_scratch(self) -> None:
-        """Remove tmp/ entries left by processes that no longer exist."""
+        """Remove tmp/ entries nobody holds (left by a crash).
+
+        Live builds and imports hold an flock on their entry, which works across
+        pid namespaces; the age check covers the instant between creating an
+        entry and locking it.
+        """
+        now = time.time()
         for entry in self.tmp_dir.iterdir():
-            parts = entry.name.split("-")
-            if len(parts) < 3 or not parts[1].isdigit():
+            try:
+                if now - entry.lstat().st_mtime < _SCRATCH_GRACE_S:
+                    continue
+                fd = os.open(entry, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except OSError:
                 continue
-            if not pid_alive(int(parts[1])):
-                try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # in use
+            else:
+                with contextlib.suppress(OSError, ImageError):
                     remove_tree(entry)
-                except (OSError, ImageError):
-                    continue  # leave it; `gc` reports what it could not clean
+            finally:
+                os.close(fd)
 
     def gc(self) -> builtins.list[Path]:
         """Delete blob files the index does not know (left by a crash); return them."""
