@@ -310,9 +310,9 @@ def test_store_refuses_non_erofs_and_bad_names(tmp_path: Path) -> None:
 def test_store_pins_block_removal_and_persist(tmp_path: Path) -> None:
     store = LocalLayerStore(tmp_path / "store")
     layer = store.add_erofs(_fake_erofs(tmp_path / "i", b"p"), name="p", tag="1", kind="toolkit")
-    store.pin(layer.digest, "sb-1")
-    store.pin(layer.digest, "sb-1")
-    store.pin(layer.digest, "sb-2")
+    assert store.pin(layer.digest, "sb-1") is True
+    assert store.pin(layer.digest, "sb-1") is False
+    assert store.pin(layer.digest, "sb-2") is True
     with pytest.raises(LayerInUse) as e:
         store.remove("p:1")
     assert e.value.fields["holders"] == ["sb-1", "sb-2"]

@@ -99,8 +99,7 @@ class LayerMounts:
         """Pin ``digest`` for ``holder`` and return its (shared, read-only) mountpoint."""
         check_digest(digest)
         with self._exclusive():
-            had_pin = holder in self.store.holders(digest)
-            self.store.pin(digest, holder)
+            new_pin = self.store.pin(digest, holder)
             try:
                 mp = self._mounted.get(digest)
                 if mp is None:
@@ -108,7 +107,7 @@ class LayerMounts:
                     self._mounted[digest] = mp
                 return mp
             except BaseException:
-                if not had_pin:
+                if new_pin:
                     self.store.unpin(digest, holder)
                 raise
 

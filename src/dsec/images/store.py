@@ -28,6 +28,7 @@ import os
 import secrets
 import shutil
 import sqlite3
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -127,8 +128,11 @@ class LayerStore(abc.ABC):
         """A local path whose bytes are the layer's EROFS image, for mounting."""
 
     @abc.abstractmethod
-    def pin(self, digest: str, holder: str) -> None:
-        """Record that ``holder`` uses ``digest``; idempotent. LayerNotFound if unknown."""
+    def pin(self, digest: str, holder: str) -> bool:
+        """Record that ``holder`` uses ``digest``; idempotent. LayerNotFound if unknown.
+
+        Returns True if the pin is new, False if ``holder`` already had it.
+        """
 
     @abc.abstractmethod
     def unpin(self, digest: str, holder: str) -> None:
@@ -158,6 +162,7 @@ class LocalLayerStore(LayerStore):
         self.blob_dir = self.root / "blobs" / "sha256"
         self.tmp_dir = self.root / "tmp"
         self.index_path = self.root / "index.db"
+        self._local = threading.local()
         try:
             self.blob_dir.mkdir(parents=True, exist_ok=True)
             self.tmp_dir.mkdir(mode=0o700, exist_ok=True)
@@ -181,13 +186,28 @@ class LocalLayerStore(LayerStore):
 
     @contextlib.contextmanager
     def _connect(self) -> Iterator[sqlite3.Connection]:
-        db = sqlite3.connect(self.index_path, timeout=30.0, isolation_level=None)
-        try:
+        """This thread's connection to the index, kept open.
+
+        Kept open on purpose: closing the last connection to a WAL database
+        checkpoints it, which made every pin cost milliseconds. A forked child
+        opens its own (an sqlite connection must not cross fork()).
+        """
+        db: sqlite3.Connection | None = getattr(self._local, "db", None)
+        if db is None or self._local.pid != os.getpid():
+            db = sqlite3.connect(
+                self.index_path, timeout=30.0, isolation_level=None, check_same_thread=True
+            )
             db.execute("PRAGMA synchronous=NORMAL")
             db.execute("PRAGMA foreign_keys=ON")
-            yield db
-        finally:
+            self._local.db, self._local.pid = db, os.getpid()
+        yield db
+
+    def close(self) -> None:
+        """Close this thread's index connection (others close when their thread ends)."""
+        db: sqlite3.Connection | None = getattr(self._local, "db", None)
+        if db is not None and self._local.pid == os.getpid():
             db.close()
+        self._local.db = None
 
     @contextlib.contextmanager
     def _write(self) -> Iterator[sqlite3.Connection]:
@@ -197,7 +217,8 @@ class LocalLayerStore(LayerStore):
             try:
                 yield db
             except BaseException:
-                db.execute("ROLLBACK")
+                if db.in_transaction:
+                    db.execute("ROLLBACK")
                 raise
             db.execute("COMMIT")
 
@@ -443,7 +464,7 @@ class LocalLayerStore(LayerStore):
 
     # -- pins ----------------------------------------------------------------
 
-    def pin(self, digest: str, holder: str) -> None:
+    def pin(self, digest: str, holder: str) -> bool:
         check_digest(digest)
         if not holder:
             raise InvalidSpec("a pin holder must be a non-empty string", field="holder")
@@ -452,10 +473,11 @@ class LocalLayerStore(LayerStore):
                 raise LayerNotFound(
                     f"cannot pin {digest}: no such layer in {self.root}: {_LIST_HINT}", ref=digest
                 )
-            db.execute(
+            cur = db.execute(
                 "INSERT OR IGNORE INTO pins(digest, holder, pinned_at) VALUES (?, ?, ?)",
                 (digest, holder, time.time()),
             )
+            return cur.rowcount == 1
 
     def unpin(self, digest: str, holder: str) -> None:
         check_digest(digest)
