@@ -24,7 +24,7 @@ fi
 stamp=.venv/.dsec-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null
-  .venv/bin/python -m pip install -q -e '.[dev]'
+  .venv/bin/python -m pip install -q -e '.[server,dev]'
   touch "$stamp"
 fi
 

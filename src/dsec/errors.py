@@ -87,7 +87,24 @@ class QuotaExceeded(DsecError, RuntimeError):
 
 
 class Backpressure(DsecError, RuntimeError):
+    """Too busy now; retry after ``retry_after`` seconds (HTTP 429)."""
+
     code = "backpressure"
+
+    def __init__(self, message: str, *, retry_after: float = 1.0, **fields: Any) -> None:
+        super().__init__(message, retry_after=retry_after, **fields)
+
+
+class AuthError(DsecError, PermissionError):
+    """Missing, malformed, expired or revoked credentials (HTTP 401)."""
+
+    code = "auth_error"
+
+
+class Forbidden(DsecError, PermissionError):
+    """Valid credentials that do not cover this resource (HTTP 403)."""
+
+    code = "forbidden"
 
 
 class HostError(DsecError, RuntimeError):
@@ -113,6 +130,8 @@ ERRORS_BY_CODE: dict[str, type[DsecError]] = {
         FileAccessError,
         QuotaExceeded,
         Backpressure,
+        AuthError,
+        Forbidden,
         HostError,
     )
 }

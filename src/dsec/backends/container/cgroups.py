@@ -195,6 +195,18 @@ class RuntimeCgroups:
                 time.sleep(delay)
                 delay = min(delay * 2, 0.05)
 
+    def limit_counters(self, sandbox_id: str) -> tuple[int, int]:
+        """(OOM kills, pids-limit hits): two small reads, cheap enough after every exec."""
+        oom = _read(self.parents["memory"] / sandbox_id / "memory.oom_control")
+        i = oom.find("oom_kill ")
+        kills = int(oom[i + 9 :].split()[0]) if i >= 0 else 0
+        try:
+            ev = _read(self.parents["pids"] / sandbox_id / "pids.events")
+            hits = int(ev.split()[1]) if ev.startswith("max") else 0
+        except OSError:
+            hits = 0
+        return kills, hits
+
     def stats(self, sandbox_id: str) -> CgroupStats:
         mem = self.parents["memory"] / sandbox_id
         pids = self.parents["pids"] / sandbox_id

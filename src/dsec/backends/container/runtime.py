@@ -82,6 +82,8 @@ class SandboxRecord:
     init_pid: int = 0
     init_start: int = 0
     reason: str = ""
+    meta: dict[str, Any] = field(default_factory=dict)
+    """Owner's data kept with the record (the edge keeps labels, TTL, project here)."""
     events: list[dict[str, Any]] = field(default_factory=list)
 
     @property
@@ -99,6 +101,7 @@ class SandboxRecord:
             "init_pid": self.init_pid,
             "init_start": self.init_start,
             "reason": self.reason,
+            "meta": self.meta,
         }
 
     @classmethod
@@ -113,6 +116,7 @@ class SandboxRecord:
             init_pid=int(d.get("init_pid", 0)),
             init_start=int(d.get("init_start", 0)),
             reason=str(d.get("reason", "")),
+            meta=dict(d.get("meta", {})),
         )
 
 
@@ -229,6 +233,7 @@ class ContainerRuntime:
         self._layer_paths: dict[str, Path] = {}
         self._resolved: dict[str, tuple[float, str]] = {}
         self._free_slots: list[int] = []
+        self._limits_seen: dict[str, list[int]] = {}
 
     # ----- lifecycle of the runtime itself -----
 
@@ -356,7 +361,9 @@ class ContainerRuntime:
                 await old.close()
         return self.spawner
 
-    async def create(self, spec: SandboxSpec, *, sandbox_id: str | None = None) -> SandboxRecord:
+    async def create(
+        self, spec: SandboxSpec, *, sandbox_id: str | None = None, meta: dict[str, Any] | None = None
+    ) -> SandboxRecord:
         spawner = await self._ensure_spawner()
         sid = sandbox_id or self._new_id()
         if not _ID_RE.match(sid):
@@ -365,7 +372,7 @@ class ContainerRuntime:
         if existing is not None:
             return existing  # idempotent
         layers = [self._resolve(ref) for ref in spec.image.layers_top_first()]
-        rec = SandboxRecord(sid, SandboxState.CREATING, spec, -1, layers, time.time())
+        rec = SandboxRecord(sid, SandboxState.CREATING, spec, -1, layers, time.time(), meta=dict(meta or {}))
         self.sandboxes[sid] = rec
         lock = self._locks.setdefault(sid, asyncio.Lock())
         async with lock:
@@ -424,6 +431,7 @@ class ContainerRuntime:
             self.sandboxes.pop(sandbox_id, None)
             self._locks.pop(sandbox_id, None)
             self.last_activity.pop(sandbox_id, None)
+            self._limits_seen.pop(sandbox_id, None)
             if left:
                 raise HostError(f"sandbox {sandbox_id}: could not remove {left}", sandbox_id=sandbox_id)
             return True
@@ -536,6 +544,36 @@ class ContainerRuntime:
         with contextlib.suppress(Exception):
             self._mounts.release(digest, self.holder)
 
+    def update(self, sandbox_id: str, *, spec: SandboxSpec | None = None, meta: dict[str, Any] | None = None) -> SandboxRecord:
+        """Change what the record says (not the running sandbox): a warm-pool sandbox taken
+        for a request gets that request's spec (same layers and resources) and metadata."""
+        rec = self._running(sandbox_id)
+        if spec is not None:
+            if spec.resources != rec.spec.resources or [self._resolve(r) for r in spec.image.layers_top_first()] != rec.layers:
+                raise InvalidSpec(
+                    f"sandbox {sandbox_id} runs other layers or resources than the new spec", field="spec", sandbox_id=sandbox_id
+                )
+            rec.spec = spec
+        if meta is not None:
+            rec.meta = meta
+        self._save(rec)
+        return rec
+
+    def _check_limits(self, rec: SandboxRecord) -> None:
+        """Turn new OOM kills and pids-limit hits into events (counters are cumulative)."""
+        try:
+            counters = self.cgroups.limit_counters(rec.id)
+        except (OSError, ValueError, IndexError):
+            return
+        seen = self._limits_seen.setdefault(rec.id, [0, 0])
+        for i, event in enumerate(("oom", "pids_limit")):
+            if counters[i] > seen[i]:
+                self._event(rec, event, count=counters[i] - seen[i])
+                seen[i] = counters[i]
+
+    def events(self, sandbox_id: str) -> list[dict[str, Any]]:
+        return list(self.get(sandbox_id).events)
+
     def _mark_failed(self, rec: SandboxRecord, reason: str) -> None:
         if can_move(rec.state, SandboxState.FAILED):
             self._move(rec, SandboxState.FAILED, reason=reason)
@@ -632,6 +670,7 @@ class ContainerRuntime:
             os.close(init_fd)
         os.close(spawned.pidfd)
         self.last_activity[sandbox_id] = time.monotonic()
+        self._event(rec, "exec_started", pid=spawned.pid, argv0=argv[0])
         return Process(sandbox_id, spawned.pid, spawner.exit_future(spawned.pid), started)
 
     def _exec_error(self, sid: str, argv: Sequence[str], cwd: str, uid: int, exc: SpawnError) -> Exception:
@@ -782,6 +821,13 @@ class ContainerRuntime:
             if self.spawner is not None:
                 self.spawner.forget_exit(proc.pid)
         self.last_activity[proc.sandbox_id] = time.monotonic()
+        rec = self.sandboxes.get(proc.sandbox_id)
+        if rec is not None:
+            self._event(rec, "exec_ended", pid=proc.pid, exit_code=ex.exit_code, signal=ex.signal,
+                        duration_s=round(time.monotonic() - proc.started_at, 6),
+                        timed_out=timed_out[0] if timed_out else None,
+                        output_truncated=caps[out_r].truncated or caps[err_r].truncated)
+            self._check_limits(rec)
         so, se = caps[out_r], caps[err_r]
         result = ExecResult(
             exit_code=ex.exit_code,

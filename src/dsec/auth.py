@@ -1,0 +1,82 @@
+"""Signed, short-lived tokens for the data path.
+
+The control plane mints a token scoped to one sandbox; the edge checks it with
+the shared key and no round trip. Format: ``dsec1.<payload b64url>.<hmac b64url>``
+where the payload is compact JSON ``{"sid", "prj", "exp", "scp"}`` and the MAC
+is HMAC-SHA256 over ``dsec1.<payload>``. Project API tokens are different:
+random strings stored hashed by the control plane (see dsec.control).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import secrets
+import time
+from dataclasses import dataclass
+
+from dsec.errors import AuthError, Forbidden
+
+PREFIX = "dsec1"
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+def _unb64(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+def new_key() -> bytes:
+    return secrets.token_bytes(32)
+
+
+@dataclass(frozen=True, slots=True)
+class Claims:
+    sandbox_id: str
+    project: str
+    expires_at: float
+    scope: str  # "sandbox" (data path) or "edge-admin" (control plane -> edge)
+
+
+def mint(key: bytes, *, sandbox_id: str, project: str, ttl_s: float = 3600.0, scope: str = "sandbox") -> tuple[str, float]:
+    exp = time.time() + ttl_s
+    payload = _b64(json.dumps({"sid": sandbox_id, "prj": project, "exp": round(exp, 3), "scp": scope},
+                              separators=(",", ":")).encode())
+    body = f"{PREFIX}.{payload}"
+    mac = _b64(hmac.new(key, body.encode(), hashlib.sha256).digest())
+    return f"{body}.{mac}", exp
+
+
+def verify(key: bytes, token: str, *, now: float | None = None) -> Claims:
+    """Check signature and expiry; raises AuthError with the reason."""
+    parts = token.split(".")
+    if len(parts) != 3 or parts[0] != PREFIX:
+        raise AuthError("malformed token: expected a dsec1 token from the control plane")
+    body = f"{parts[0]}.{parts[1]}"
+    want = hmac.new(key, body.encode(), hashlib.sha256).digest()
+    try:
+        got = _unb64(parts[2])
+        data = json.loads(_unb64(parts[1]))
+    except (ValueError, json.JSONDecodeError):
+        raise AuthError("malformed token") from None
+    if not hmac.compare_digest(want, got):
+        raise AuthError("token signature does not verify (wrong cluster key or tampered token)")
+    if float(data.get("exp", 0)) < (time.time() if now is None else now):
+        raise AuthError("token expired: ask the control plane for a fresh one (GET /v1/sandboxes/{id})")
+    return Claims(str(data["sid"]), str(data["prj"]), float(data["exp"]), str(data.get("scp", "sandbox")))
+
+
+def check_sandbox(claims: Claims, sandbox_id: str) -> None:
+    if claims.scope == "edge-admin":
+        return
+    if claims.scope != "sandbox" or claims.sandbox_id != sandbox_id:
+        raise Forbidden(f"this token is for sandbox {claims.sandbox_id}, not {sandbox_id}", sandbox_id=sandbox_id)
+
+
+def hash_api_token(token: str) -> str:
+    """Project API tokens are stored as SHA-256 (they are 256-bit random, so no KDF is needed)."""
+    return hashlib.sha256(token.encode()).hexdigest()
