@@ -1,0 +1,457 @@
+"""libdsec: the async SDK (the sync one in ``dsec.sdk.sync`` is derived from it).
+
+The control plane is asked to create, list and delete; its answer names the
+edge and carries a token scoped to the sandbox, and exec/file traffic then goes
+to the edge directly. One asyncio process can drive thousands of sandboxes:
+every call is a coroutine on pooled HTTP connections, no thread per sandbox.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import os
+import random
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+import httpx
+
+from dsec.errors import AuthError, Backpressure, DsecError, ExecTimeout, InvalidSpec, SandboxNotFound
+from dsec.sdk._http import make_http, raise_for_error, result_from_wire
+from dsec.spec import SandboxSpec
+from dsec.spec.api import (
+    BatchResult,
+    CreateBatch,
+    CreateSandbox,
+    ExecRequest,
+    ExecResultWire,
+    FileEntry,
+    Lifecycle,
+    SandboxInfo,
+    SessionRun,
+    StreamChunk,
+)
+from dsec.spec.results import ExecResult
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+UNSET: Final = _Unset()
+"""A left-out argument (its default applies); ``None`` means none, e.g. no timeout."""
+DEFAULT_EXEC_TIMEOUT: Final = 600.0
+
+
+@dataclass(frozen=True, slots=True)
+class OutputChunk:
+    stream: str  # "stdout" or "stderr"
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class CreateOutcome:
+    """One item of :meth:`AsyncClient.create_many`: a sandbox or the error that stopped it."""
+
+    index: int
+    sandbox: AsyncSandbox | None
+    error: DsecError | None
+
+    @property
+    def ok(self) -> bool:
+        return self.sandbox is not None
+
+
+def _labels_query(labels: Mapping[str, str] | None) -> list[tuple[str, str]]:
+    return [("label", f"{k}={v}") for k, v in (labels or {}).items()]
+
+
+class AsyncClient:
+    """Client of a DSec control plane. ``url``/``token`` default to $DSEC_URL/$DSEC_TOKEN."""
+
+    def __init__(
+        self,
+        url: str | None = None,
+        token: str | None = None,
+        *,
+        timeout: float = 60.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        url = url or os.environ.get("DSEC_URL") or "http://127.0.0.1:7070"
+        token = token or os.environ.get("DSEC_TOKEN")
+        if not token:
+            raise AuthError("no API token: pass token=... or set DSEC_TOKEN (`dsec token create` makes one)")
+        self.url = url.rstrip("/")
+        self._token = token
+        self._timeout = timeout
+        self._transport = transport
+        self._http = make_http(self.url, timeout=timeout, transport=transport)
+        self._http.headers["authorization"] = f"Bearer {token}"
+        self._edges: dict[str, httpx.AsyncClient] = {}
+        self._closed = False
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close connections (sandboxes keep running; close them first if you want them gone)."""
+        if self._closed:
+            return
+        self._closed = True
+        await self._http.aclose()
+        for c in self._edges.values():
+            await c.aclose()
+        self._edges.clear()
+
+    def _edge(self, url: str) -> httpx.AsyncClient:
+        client = self._edges.get(url)
+        if client is None:
+            client = make_http(url, timeout=self._timeout, transport=self._transport)
+            self._edges[url] = client
+        return client
+
+    async def _call(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        resp = await self._http.request(method, path, **kw)
+        raise_for_error(resp)
+        return resp
+
+    # ----- sandboxes -----
+
+    async def create(
+        self,
+        spec: SandboxSpec,
+        *,
+        labels: Mapping[str, str] | None = None,
+        task: str | None = None,
+        ttl_s: float = 3600.0,
+        idle_timeout_s: float | None = None,
+        request_id: str | None = None,
+    ) -> AsyncSandbox:
+        """Create one sandbox. Retried creates with the same ``request_id`` make one sandbox."""
+        body = CreateSandbox(
+            spec=spec, labels=dict(labels or {}), task=task,
+            lifecycle=Lifecycle(ttl_s=ttl_s, idle_timeout_s=idle_timeout_s),
+            request_id=request_id or uuid.uuid4().hex,
+        )
+        resp = await self._call("POST", "/v1/sandboxes", content=body.model_dump_json())
+        return AsyncSandbox(self, SandboxInfo.model_validate_json(resp.content))
+
+    async def create_many(
+        self,
+        spec: SandboxSpec,
+        n: int,
+        *,
+        concurrency: int = 64,
+        labels: Mapping[str, str] | None = None,
+        task: str | None = None,
+        ttl_s: float = 3600.0,
+        idle_timeout_s: float | None = None,
+        max_wait_s: float = 600.0,
+    ) -> AsyncIterator[CreateOutcome]:
+        """Create ``n`` sandboxes, yielding each as it becomes ready (not in order).
+
+        Backpressure (429) is honoured with jittered retries until ``max_wait_s``;
+        other failures are reported per item and never fail the batch.
+        """
+        if n < 0 or concurrency < 1:
+            raise InvalidSpec("n must be >= 0 and concurrency >= 1", field="n")
+        sem = asyncio.Semaphore(concurrency)
+        queue: asyncio.Queue[CreateOutcome] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        batch_id = uuid.uuid4().hex[:12]
+
+        async def one(i: int) -> None:
+            deadline = loop.time() + max_wait_s
+            attempt = 0
+            async with sem:
+                while True:
+                    try:
+                        sb = await self.create(spec, labels=labels, task=task, ttl_s=ttl_s,
+                                               idle_timeout_s=idle_timeout_s, request_id=f"{batch_id}-{i}")
+                        await queue.put(CreateOutcome(i, sb, None))
+                        return
+                    except Backpressure as exc:
+                        attempt += 1
+                        wait = min(30.0, float(getattr(exc, "retry_after", 1.0) or 1.0) * (1 + attempt * 0.5))
+                        wait *= random.uniform(0.5, 1.5)
+                        if loop.time() + wait > deadline:
+                            await queue.put(CreateOutcome(i, None, exc))
+                            return
+                        await asyncio.sleep(wait)
+                    except DsecError as exc:
+                        await queue.put(CreateOutcome(i, None, exc))
+                        return
+                    except httpx.HTTPError as exc:
+                        attempt += 1
+                        if attempt > 3 or loop.time() > deadline:
+                            await queue.put(CreateOutcome(i, None, DsecError(f"create failed: {exc!r}")))
+                            return
+                        await asyncio.sleep(random.uniform(0.1, 0.5) * attempt)
+
+        tasks = [asyncio.ensure_future(one(i)) for i in range(n)]
+        try:
+            for _ in range(n):
+                yield await queue.get()
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def create_batch(self, spec: SandboxSpec, count: int, *, labels: Mapping[str, str] | None = None,
+                           task: str | None = None, ttl_s: float = 3600.0) -> list[CreateOutcome]:
+        """Create ``count`` sandboxes in one request (the control plane fans out)."""
+        body = CreateBatch(spec=spec, count=count, labels=dict(labels or {}), task=task,
+                           lifecycle=Lifecycle(ttl_s=ttl_s), request_id=uuid.uuid4().hex)
+        resp = await self._call("POST", "/v1/sandboxes/batch", content=body.model_dump_json())
+        out: list[CreateOutcome] = []
+        for i, item in enumerate(BatchResult.model_validate_json(resp.content).items):
+            if item.sandbox is not None:
+                out.append(CreateOutcome(i, AsyncSandbox(self, item.sandbox), None))
+            else:
+                from dsec.errors import error_from_wire
+
+                out.append(CreateOutcome(i, None, error_from_wire(item.error or {})))
+        return out
+
+    async def connect(self, sandbox_id: str) -> AsyncSandbox:
+        """Re-attach to a sandbox from any process (fresh data-path token)."""
+        return AsyncSandbox(self, await self.info(sandbox_id))
+
+    async def info(self, sandbox_id: str) -> SandboxInfo:
+        resp = await self._call("GET", f"/v1/sandboxes/{sandbox_id}")
+        return SandboxInfo.model_validate_json(resp.content)
+
+    async def list(
+        self, *, labels: Mapping[str, str] | None = None, task: str | None = None, state: str | None = None
+    ) -> list[SandboxInfo]:
+        params = _labels_query(labels)
+        if task:
+            params.append(("task", task))
+        if state:
+            params.append(("state", state))
+        resp = await self._call("GET", "/v1/sandboxes", params=params)
+        data = resp.json()
+        items = data["items"] if isinstance(data, dict) else data
+        return [SandboxInfo.model_validate(x) for x in items]
+
+    async def delete(self, sandbox_id: str) -> None:
+        """Delete a sandbox; deleting one that is gone is fine."""
+        with contextlib.suppress(SandboxNotFound):
+            await self._call("DELETE", f"/v1/sandboxes/{sandbox_id}")
+
+    async def delete_where(self, *, labels: Mapping[str, str] | None = None, task: str | None = None) -> int:
+        params = _labels_query(labels)
+        if task:
+            params.append(("task", task))
+        if not params:
+            raise InvalidSpec("give labels or a task (use delete_all=True semantics via the CLI)", field="labels")
+        resp = await self._call("DELETE", "/v1/sandboxes", params=params)
+        return int(resp.json().get("deleted", 0))
+
+    async def delete_task(self, task: str) -> int:
+        return await self.delete_where(task=task)
+
+    async def _refresh(self, sb: AsyncSandbox) -> None:
+        sb.info = await self.info(sb.id)
+
+
+class AsyncSandbox:
+    """A handle on one sandbox. ``async with`` closes (deletes) it; closing twice is fine."""
+
+    def __init__(self, client: AsyncClient, info: SandboxInfo) -> None:
+        self._client = client
+        self.info = info
+        self.files = AsyncFiles(self)
+        self._closed = False
+
+    @property
+    def id(self) -> str:
+        return self.info.id
+
+    def __repr__(self) -> str:
+        return f"<AsyncSandbox {self.id} on {self.info.edge_id}>"
+
+    async def __aenter__(self) -> AsyncSandbox:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        await self._client.delete(self.id)
+
+    async def _request(self, method: str, path: str, *, retry_auth: bool = True, **kw: Any) -> httpx.Response:
+        http = self._client._edge(self.info.edge_url)
+        headers = {"authorization": f"Bearer {self.info.token}"}
+        resp = await http.request(method, f"/v1/sandboxes/{self.id}{path}", headers=headers, **kw)
+        if resp.status_code == 401 and retry_auth:
+            await self._client._refresh(self)  # expired data-path token: get a fresh one
+            return await self._request(method, path, retry_auth=False, **kw)
+        raise_for_error(resp)
+        return resp
+
+    async def exec(
+        self,
+        cmd: Sequence[str] | str,
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str = "/",
+        user: int | str = 0,
+        stdin: bytes | None = None,
+        timeout: float | None | _Unset = UNSET,
+        idle_timeout: float | None = None,
+    ) -> ExecResult:
+        """Run a command to completion. A timeout raises :class:`ExecTimeout` with ``.result``."""
+        req = self._exec_request(cmd, env, cwd, user, stdin, timeout, idle_timeout)
+        resp = await self._request("POST", "/exec", content=req.model_dump_json(), timeout=self._http_timeout(req))
+        return self._finish(result_from_wire(ExecResultWire.model_validate_json(resp.content)), req)
+
+    async def exec_stream(
+        self,
+        cmd: Sequence[str] | str,
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str = "/",
+        user: int | str = 0,
+        stdin: bytes | None = None,
+        timeout: float | None | _Unset = UNSET,
+        idle_timeout: float | None = None,
+    ) -> AsyncIterator[OutputChunk | ExecResult]:
+        """Yield :class:`OutputChunk` as output is produced, then the :class:`ExecResult`."""
+        req = self._exec_request(cmd, env, cwd, user, stdin, timeout, idle_timeout)
+        http = self._client._edge(self.info.edge_url)
+        headers = {"authorization": f"Bearer {self.info.token}"}
+        async with http.stream("POST", f"/v1/sandboxes/{self.id}/exec/stream", content=req.model_dump_json(),
+                               headers=headers, timeout=self._http_timeout(req)) as resp:
+            if resp.status_code >= 400:
+                await resp.aread()
+                raise_for_error(resp)
+            async for line in resp.aiter_lines():
+                if not line.strip():
+                    continue
+                chunk = StreamChunk.model_validate_json(line)
+                if chunk.kind in ("stdout", "stderr"):
+                    yield OutputChunk(chunk.kind, base64.b64decode(chunk.data_b64 or ""))
+                elif chunk.kind == "result" and chunk.result is not None:
+                    yield self._finish(result_from_wire(chunk.result), req)
+                    return
+                elif chunk.kind == "error":
+                    from dsec.errors import error_from_wire
+
+                    raise error_from_wire(chunk.error or {})
+
+    def _exec_request(self, cmd: Sequence[str] | str, env: Mapping[str, str] | None, cwd: str, user: int | str,
+                      stdin: bytes | None, timeout: float | None | _Unset, idle_timeout: float | None) -> ExecRequest:
+        return ExecRequest(
+            cmd=cmd if isinstance(cmd, str) else list(cmd), env=dict(env or {}), cwd=cwd, user=user,
+            stdin_b64=base64.b64encode(stdin).decode() if stdin else None,
+            timeout=DEFAULT_EXEC_TIMEOUT if isinstance(timeout, _Unset) else timeout, idle_timeout=idle_timeout,
+        )
+
+    @staticmethod
+    def _http_timeout(req: ExecRequest) -> httpx.Timeout:
+        limit = None if req.timeout is None else req.timeout + 30.0
+        return httpx.Timeout(limit, connect=10.0)
+
+    def _finish(self, result: ExecResult, req: ExecRequest) -> ExecResult:
+        if result.timed_out:
+            raise ExecTimeout(
+                f"command in sandbox {self.id} hit its {result.timed_out} and was killed",
+                sandbox_id=self.id, reason=result.timed_out, timeout=req.timeout, result=result,
+            )
+        return result
+
+    async def session(self) -> AsyncSession:
+        """A persistent shell: cwd, variables and functions carry from one command to the next."""
+        resp = await self._request("POST", "/sessions")
+        return AsyncSession(self, str(resp.json()["session_id"]))
+
+
+class AsyncSession:
+    def __init__(self, sandbox: AsyncSandbox, session_id: str) -> None:
+        self.sandbox = sandbox
+        self.id = session_id
+        self._closed = False
+
+    async def __aenter__(self) -> AsyncSession:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def run(self, command: str, *, timeout: float | None = DEFAULT_EXEC_TIMEOUT) -> ExecResult:
+        body = SessionRun(command=command, timeout=timeout)
+        resp = await self.sandbox._request(
+            "POST", f"/sessions/{self.id}/run", content=body.model_dump_json(),
+            timeout=httpx.Timeout(None if timeout is None else timeout + 30.0, connect=10.0),
+        )
+        result = result_from_wire(ExecResultWire.model_validate_json(resp.content))
+        if result.timed_out:
+            raise ExecTimeout(f"session command in {self.sandbox.id} timed out after {timeout} s",
+                              sandbox_id=self.sandbox.id, reason="timeout", timeout=timeout, result=result)
+        return result
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(DsecError):
+            await self.sandbox._request("DELETE", f"/sessions/{self.id}")
+
+
+class AsyncFiles:
+    """Files of one sandbox, confined to its root on the edge."""
+
+    def __init__(self, sandbox: AsyncSandbox) -> None:
+        self._sb = sandbox
+
+    async def read(self, path: str) -> bytes:
+        return (await self._sb._request("GET", "/files", params={"path": path})).content
+
+    async def read_text(self, path: str, encoding: str = "utf-8") -> str:
+        return (await self.read(path)).decode(encoding)
+
+    async def write(self, path: str, data: bytes | str, *, mode: int = 0o644) -> None:
+        content = data.encode() if isinstance(data, str) else data
+        await self._sb._request("PUT", "/files", params={"path": path, "mode": oct(mode)[2:]}, content=content)
+
+    async def append(self, path: str, data: bytes | str) -> None:
+        content = data.encode() if isinstance(data, str) else data
+        await self._sb._request("POST", "/files/append", params={"path": path}, content=content)
+
+    async def list(self, path: str = "/") -> list[FileEntry]:
+        resp = await self._sb._request("GET", "/files/list", params={"path": path})
+        return [FileEntry.model_validate(x) for x in resp.json()]
+
+    async def stat(self, path: str) -> FileEntry:
+        return FileEntry.model_validate_json((await self._sb._request("GET", "/files/stat", params={"path": path})).content)
+
+    async def mkdir(self, path: str, *, parents: bool = False) -> None:
+        await self._sb._request("POST", "/files/mkdir", params={"path": path, "parents": int(parents)})
+
+    async def remove(self, path: str, *, recursive: bool = False) -> None:
+        await self._sb._request("DELETE", "/files", params={"path": path, "recursive": int(recursive)})
+
+    async def rename(self, src: str, dst: str) -> None:
+        await self._sb._request("POST", "/files/rename", params={"src": src, "dst": dst})
+
+    async def upload(self, path: str, tar_bytes: bytes) -> int:
+        """Extract a tar archive into directory ``path`` in the sandbox."""
+        resp = await self._sb._request("PUT", "/files/tar", params={"path": path}, content=tar_bytes)
+        return int(json.loads(resp.content).get("entries", 0))
+
+    async def download(self, path: str = "/") -> bytes:
+        """A tar of ``path`` in the sandbox."""
+        return (await self._sb._request("GET", "/files/tar", params={"path": path})).content
