@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from dsec.spec import SandboxSpec, SandboxState
+from dsec.spec import ImageRef, Resources, SandboxSpec, SandboxState
 
 _LABEL_KEY = re.compile(r"^[a-z0-9]([a-z0-9._/-]{0,62})$")
 
@@ -48,6 +48,8 @@ class CreateSandbox(_Wire):
     task: str | None = None
     request_id: Annotated[str | None, Field(max_length=128)] = None
     """Client-chosen idempotency key: the same key creates at most one sandbox."""
+    edge_selector: dict[str, str] = Field(default_factory=dict)
+    """Placement: only edges whose labels include all of these (control plane only)."""
 
     @field_validator("labels")
     @classmethod
@@ -64,6 +66,8 @@ class CreateBatch(_Wire):
     labels: dict[str, str] = Field(default_factory=dict)
     task: str | None = None
     request_id: Annotated[str | None, Field(max_length=128)] = None
+    """Item ``i`` is created with the key ``<request_id>/<i>``: a retried batch creates no extra sandbox."""
+    edge_selector: dict[str, str] = Field(default_factory=dict)
 
     @field_validator("labels")
     @classmethod
@@ -86,6 +90,22 @@ class SandboxInfo(_Wire):
     created_at: float
     expires_at: float | None = None
     reason: str = ""
+    from_pool: bool = False
+    """The edge served this create from a warm pool."""
+    image: ImageRef | None = None
+    resources: Resources | None = None
+
+
+class EdgeCreateSandbox(CreateSandbox):
+    """Body of the edge's ``POST /v1/sandboxes`` (control plane -> edge).
+
+    ``id`` may be left out: the edge then picks ``<edge-id>-<12 hex>`` and may
+    serve the create from a warm pool (a pooled sandbox already has its id).
+    ``request_id`` makes the create idempotent on the edge too.
+    """
+
+    id: Annotated[str | None, Field(max_length=63)] = None
+    project: Annotated[str | None, Field(max_length=253)] = None
 
 
 class BatchItem(_Wire):
@@ -126,6 +146,21 @@ class StreamChunk(_Wire):
     data_b64: str | None = None
     result: ExecResultWire | None = None
     error: dict[str, Any] | None = None
+    dropped_bytes: int | None = None
+    """Output bytes of this stream not sent before this chunk (a reader slower than the
+    command); the final result still holds the capped head and tail."""
+
+
+class SessionOpen(_Wire):
+    """Optional body of ``POST /v1/sandboxes/{id}/sessions``."""
+
+    env: dict[str, str] = Field(default_factory=dict)
+    cwd: str = "/"
+    user: int | str = 0
+
+
+class SessionOpened(_Wire):
+    session_id: str
 
 
 class SessionRun(_Wire):
@@ -161,6 +196,11 @@ class EdgeHealth(_Wire):
     pools: dict[str, int] = Field(default_factory=dict)
     draining: bool = False
     labels: dict[str, str] = Field(default_factory=dict)
+    pool_targets: dict[str, int] = Field(default_factory=dict)
+    """Configured size of each warm pool (``pools`` holds the ready count)."""
+    host: dict[str, float] = Field(default_factory=dict)
+    """Node use: cpu_util (0..1 since the last report), load1, cpu_cores, memory_total,
+    memory_available, disk_total, disk_free (bytes, of the edge's state directory)."""
 
 
 # The one table from error code to HTTP status (the SDK maps back with ERRORS_BY_CODE).
@@ -182,4 +222,124 @@ STATUS_BY_CODE: dict[str, int] = {
     "image_error": 400,
     "host_error": 503,
     "dsec_error": 500,
+    # control plane: projects, tasks, tokens and edges (no SDK class yet: DsecError)
+    "not_found": 404,
+    "conflict": 409,
 }
+
+
+# ---------------------------------------------------------------------------
+# Control plane: IAM, tasks, edges, images (docs/CONTROL.md)
+
+NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,62}$"
+"""Projects and tasks: lowercase letters, digits and . _ - (max 63), like label keys."""
+EDGE_ID_PATTERN = r"^[a-z][a-z0-9]{0,7}$"
+"""Edge ids prefix sandbox ids (``<edge>-<12 hex>``), so they carry no '-'."""
+
+
+class Quota(_Wire):
+    """A project's share: concurrent sandboxes, cores, bytes of memory (all concrete)."""
+
+    sandboxes: Annotated[int, Field(ge=0, le=10**9)]
+    cpu: Annotated[float, Field(ge=0, le=10**9)]
+    """Cores (the sum of ``Resources.cpu`` of running sandboxes); kept exact to 1/1000."""
+    memory: Annotated[int, Field(ge=0, le=1 << 60)]
+
+
+class TaskQuota(_Wire):
+    """A task's ceiling inside its project; ``None`` leaves a dimension to the project."""
+
+    sandboxes: Annotated[int | None, Field(ge=0, le=10**9)] = None
+    cpu: Annotated[float | None, Field(ge=0, le=10**9)] = None
+    memory: Annotated[int | None, Field(ge=0, le=1 << 60)] = None
+
+
+class CreateProject(_Wire):
+    """Body of ``POST /v1/projects``: the quota is carved out of the parent's."""
+
+    name: Annotated[str, Field(pattern=NAME_PATTERN)]
+    parent: Annotated[str | None, Field(pattern=NAME_PATTERN)] = None
+    """Default: the caller's project."""
+    quota: Quota
+
+
+class UpdateProject(_Wire):
+    """Body of ``PATCH /v1/projects/{name}`` (only an ancestor's token may change it)."""
+
+    quota: Quota
+
+
+class ProjectInfo(_Wire):
+    name: str
+    parent: str | None
+    quota: Quota
+    used: Quota
+    """Held by this project's own sandboxes (creating or running)."""
+    reserved: Quota
+    """Carved out by the child projects (the sum of their quotas)."""
+    created_at: float
+
+
+class CreateToken(_Wire):
+    """Body of ``POST /v1/tokens``: a token for the caller's project or a descendant."""
+
+    project: Annotated[str | None, Field(pattern=NAME_PATTERN)] = None
+    name: Annotated[str, Field(max_length=128)] = ""
+
+
+class TokenInfo(_Wire):
+    id: str
+    project: str
+    name: str = ""
+    created_at: float
+    revoked_at: float | None = None
+    token: str | None = None
+    """The secret itself: only in the answer of ``POST /v1/tokens`` (stored hashed)."""
+
+
+class CreateTask(_Wire):
+    name: Annotated[str, Field(pattern=NAME_PATTERN)]
+    quota: TaskQuota = TaskQuota()
+
+
+class TaskInfo(_Wire):
+    name: str
+    project: str
+    quota: TaskQuota
+    used: Quota
+    created_at: float
+
+
+class DeleteResult(_Wire):
+    deleted: int
+
+
+class DrainEdge(_Wire):
+    draining: bool = True
+
+
+class EdgeInfo(_Wire):
+    id: str
+    url: str
+    status: Literal["alive", "dead"]
+    draining: bool
+    last_seen: float | None = None
+    registered_at: float
+    health: EdgeHealth | None = None
+    """The last report (heartbeat or the watcher's poll)."""
+    committed: Quota
+    """What the control plane has placed there (creating, running, stopping)."""
+
+
+class LayerInfo(_Wire):
+    """``GET /v1/images``: a layer reference and the edges that hold it."""
+
+    ref: str
+    edges: list[str]
+
+
+class Whoami(_Wire):
+    project: str
+    token_id: str
+    projects: list[str]
+    """The caller's project and its descendants."""

@@ -1,0 +1,210 @@
+"""Final admission: the edge refuses a create that would overcommit the node.
+
+Budgets are logical (the sum of what live sandboxes *requested*), not measured
+use: a sandbox may grow to its limits at any time, so the node must be able to
+hold every limit it accepted (cpu is the exception, overcommitted 8x by
+default because agents mostly idle).
+
+Warm-pool sandboxes are *reserved* capacity: they count toward the budgets, so
+a pool never makes the node overcommit, but a real create that only fits
+without them evicts as many pooled sandboxes as it needs (``check`` answers
+with the shortfall to free). A refill only happens when the pooled sandbox
+fits beside everything else. So pools take free room and give it back on
+demand; they never block a real create.
+
+Usage is tracked incrementally (reserve/claim/release), synchronously, so a
+check and its reservation cannot interleave with another create; ``resync``
+rebuilds it from the runtime's records (at start and now and then). Nothing
+here awaits or does I/O except :func:`resolve_budgets`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from dsec.edge.config import BYTES_PER_SANDBOX_SLOT, CPU_OVERCOMMIT, MEMORY_FRACTION, EdgeConfig
+from dsec.errors import Backpressure, QuotaExceeded
+from dsec.spec import Resources
+
+REASONS = ("count", "cpu", "memory", "disk")
+UID_SLOTS = 60000  # the runtime's uid ranges: a hard ceiling on sandboxes per node
+
+
+@dataclass(frozen=True, slots=True)
+class Budgets:
+    sandboxes: int
+    cpu: float
+    memory: int
+    disk: int
+
+
+def host_memory_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def resolve_budgets(config: EdgeConfig) -> Budgets:
+    """The configured budgets, with the unset ones derived from this machine."""
+    cores = os.cpu_count() or 1
+    mem = host_memory_bytes()
+    memory = config.memory_capacity if config.memory_capacity is not None else int(mem * MEMORY_FRACTION)
+    cpu = config.cpu_capacity if config.cpu_capacity is not None else cores * CPU_OVERCOMMIT
+    if config.disk_capacity is not None:
+        disk = config.disk_capacity
+    else:
+        probe = config.state_dir
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+        disk = shutil.disk_usage(probe).free
+    count = config.max_sandboxes if config.max_sandboxes is not None else min(
+        UID_SLOTS, max(16, mem // BYTES_PER_SANDBOX_SLOT)
+    )
+    return Budgets(sandboxes=count, cpu=cpu, memory=memory, disk=disk)
+
+
+@dataclass(slots=True)
+class Usage:
+    sandboxes: int = 0
+    cpu: float = 0.0
+    memory: int = 0
+    disk: int = 0
+
+    def add(self, res: Resources, sign: int = 1) -> None:
+        self.sandboxes += sign
+        self.cpu += sign * res.cpu
+        self.memory += sign * res.memory
+        self.disk += sign * res.disk
+
+    def plus(self, other: Usage) -> Usage:
+        return Usage(self.sandboxes + other.sandboxes, self.cpu + other.cpu,
+                     self.memory + other.memory, self.disk + other.disk)
+
+    @staticmethod
+    def of(res: Resources) -> Usage:
+        return Usage(1, res.cpu, res.memory, res.disk)
+
+
+_EPS = 1e-9
+
+
+def over(usage: Usage, budgets: Budgets) -> list[str]:
+    """The dimensions in which ``usage`` exceeds ``budgets``, in REASONS order."""
+    out = []
+    if usage.sandboxes > budgets.sandboxes:
+        out.append("count")
+    if usage.cpu > budgets.cpu + _EPS:
+        out.append("cpu")
+    if usage.memory > budgets.memory:
+        out.append("memory")
+    if usage.disk > budgets.disk:
+        out.append("disk")
+    return out
+
+
+class Admission:
+    """Committed resources of this edge, split into real sandboxes and pooled ones."""
+
+    def __init__(self, budgets: Budgets, *, retry_after_s: float = 1.0) -> None:
+        self.budgets = budgets
+        self.retry_after_s = retry_after_s
+        self._real: dict[str, Resources] = {}
+        self._pooled: dict[str, Resources] = {}
+        self.real = Usage()
+        self.pooled = Usage()
+
+    # -- bookkeeping --
+
+    def reserve(self, sandbox_id: str, res: Resources, *, pooled: bool = False) -> None:
+        self.release(sandbox_id)
+        if pooled:
+            self._pooled[sandbox_id] = res
+            self.pooled.add(res)
+        else:
+            self._real[sandbox_id] = res
+            self.real.add(res)
+
+    def claim(self, sandbox_id: str) -> None:
+        """A pooled sandbox became a real one (same resources)."""
+        res = self._pooled.pop(sandbox_id, None)
+        if res is not None:
+            self.pooled.add(res, -1)
+            self._real[sandbox_id] = res
+            self.real.add(res)
+
+    def release(self, sandbox_id: str) -> None:
+        res = self._real.pop(sandbox_id, None)
+        if res is not None:
+            self.real.add(res, -1)
+        res = self._pooled.pop(sandbox_id, None)
+        if res is not None:
+            self.pooled.add(res, -1)
+
+    def resync(self, live: Iterable[tuple[str, Resources, bool]]) -> None:
+        """Rebuild from ``(id, resources, pooled)`` of every sandbox that holds resources."""
+        self._real.clear()
+        self._pooled.clear()
+        self.real = Usage()
+        self.pooled = Usage()
+        for sid, res, pooled in live:
+            self.reserve(sid, res, pooled=pooled)
+
+    def holds(self, sandbox_id: str) -> bool:
+        return sandbox_id in self._real or sandbox_id in self._pooled
+
+    # -- decisions --
+
+    def check(self, res: Resources) -> Usage | None:
+        """Admit one sandbox of ``res``: None if it fits as things are, else the shortfall
+        that evicting pooled sandboxes must free. Raises when it cannot fit at all:
+        QuotaExceeded if it exceeds the node's whole budget (never fits here),
+        Backpressure if real sandboxes hold the room (retry later or elsewhere)."""
+        want = Usage.of(res)
+        alone = over(want, self.budgets)
+        if alone:
+            raise QuotaExceeded(
+                f"the request ({res.cpu:g} cpu, {res.memory} B memory, {res.disk} B disk) exceeds this "
+                f"edge's whole {alone[0]} budget; it can never be placed here",
+                reason=alone[0], reasons=alone, **self._figures(),
+            )
+        if not over(self.real.plus(self.pooled).plus(want), self.budgets):
+            return None
+        full = over(self.real.plus(want), self.budgets)
+        if full:
+            raise Backpressure(
+                f"edge is full ({full[0]}): {self._describe(full[0])}",
+                retry_after=self.retry_after_s, reason=full[0], reasons=full, **self._figures(),
+            )
+        total = self.real.plus(self.pooled).plus(want)
+        b = self.budgets
+        return Usage(
+            max(0, total.sandboxes - b.sandboxes), max(0.0, total.cpu - b.cpu),
+            max(0, total.memory - b.memory), max(0, total.disk - b.disk),
+        )
+
+    def fits_pooled(self, res: Resources) -> bool:
+        """Can one more pooled sandbox of ``res`` be made without overcommitting?"""
+        return not over(self.real.plus(self.pooled).plus(Usage.of(res)), self.budgets)
+
+    def _describe(self, reason: str) -> str:
+        b, u = self.budgets, self.real
+        return {
+            "count": f"{u.sandboxes} of {b.sandboxes} sandboxes",
+            "cpu": f"{u.cpu:g} of {b.cpu:g} cpu committed",
+            "memory": f"{u.memory} of {b.memory} B memory committed",
+            "disk": f"{u.disk} of {b.disk} B disk committed",
+        }[reason]
+
+    def _figures(self) -> dict[str, float | int]:
+        b, u = self.budgets, self.real
+        return {
+            "sandboxes": u.sandboxes, "capacity_sandboxes": b.sandboxes,
+            "cpu_committed": round(u.cpu, 6), "cpu_capacity": b.cpu,
+            "memory_committed": u.memory, "memory_capacity": b.memory,
+            "disk_committed": u.disk, "disk_capacity": b.disk,
+        }

@@ -1,0 +1,343 @@
+"""The edge agent's HTTP API (docs/API.md, "Edge agent"), a thin layer over EdgeService.
+
+Auth: every ``/v1`` call carries ``Authorization: Bearer <dsec1 token>``,
+checked with the cluster key and no round trip (:mod:`dsec.auth`). Creating,
+listing and the health report need an ``edge-admin`` token; a sandbox token
+reaches only its own sandbox. ``/metrics`` is open (scrapers carry no token).
+
+Errors: every DsecError becomes ``{"error": {...}}`` with the status of
+``STATUS_BY_CODE`` (429 with ``Retry-After``, 401 with ``WWW-Authenticate``);
+malformed input is a 422 ``invalid_spec`` naming the field. Bad input never
+yields a 500.
+
+Answers are serialised straight from the pydantic models (no second
+validation pass): the create and exec paths are latency-critical.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import TypeAdapter, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from dsec.auth import Claims, check_sandbox, verify
+from dsec.backends.container.fsops import FileInfo
+from dsec.edge.config import EdgeConfig
+from dsec.edge.service import EdgeService, error_body, result_to_wire
+from dsec.errors import AuthError, DsecError, Forbidden, InvalidSpec
+from dsec.spec.api import (
+    STATUS_BY_CODE,
+    EdgeCreateSandbox,
+    EdgeHealth,
+    ExecRequest,
+    ExecResultWire,
+    FileEntry,
+    SandboxInfo,
+    SessionOpen,
+    SessionOpened,
+    SessionRun,
+)
+
+log = logging.getLogger("dsec.edge.app")
+
+JSON = "application/json"
+NDJSON = "application/x-ndjson"
+_INFO_LIST = TypeAdapter(list[SandboxInfo])
+_ENTRY_LIST = TypeAdapter(list[FileEntry])
+_TOKEN_CACHE_MAX = 20000
+
+
+def _json(model: Any, status: int = 200) -> Response:
+    return Response(model.model_dump_json(), status_code=status, media_type=JSON)
+
+
+def _entry(info: FileInfo) -> FileEntry:
+    return FileEntry(path=info.path, name=info.name, type=info.type, size=info.size, mode=info.mode,
+                     uid=info.uid, gid=info.gid, mtime=info.mtime, target=info.target)
+
+
+def _field_of(loc: Sequence[Any]) -> str:
+    parts = [str(p) for p in loc]
+    if parts and parts[0] in ("body", "query", "path", "header"):
+        parts = parts[1:]
+    return ".".join(parts) or "body"
+
+
+def _validation_response(errors: Sequence[Any]) -> JSONResponse:
+    details = [
+        {"field": _field_of(e.get("loc", ())), "message": str(e.get("msg", "")), "type": str(e.get("type", ""))}
+        for e in errors
+    ]
+    first = details[0] if details else {"field": "body", "message": "invalid request"}
+    body = {"error": {
+        "code": "invalid_spec",
+        "message": f"{first['field']}: {first['message']}",
+        "field": first["field"],
+        "errors": details[:20],
+    }}
+    return JSONResponse(body, status_code=422)
+
+
+def _error_response(exc: DsecError) -> JSONResponse:
+    status = STATUS_BY_CODE.get(exc.code, 500)
+    headers: dict[str, str] = {}
+    if status == 429:
+        headers["Retry-After"] = str(max(1, math.ceil(float(getattr(exc, "retry_after", 1.0) or 1.0))))
+    elif status == 401:
+        headers["WWW-Authenticate"] = 'Bearer realm="dsec-edge"'
+    return JSONResponse(error_body(exc), status_code=status, headers=headers)
+
+
+class _Auth:
+    """Verifies bearer tokens; a verified token is cached (signature checked once)."""
+
+    def __init__(self, key: bytes) -> None:
+        self.key = key
+        self._cache: dict[str, Claims] = {}
+
+    def claims(self, request: Request) -> Claims:
+        header = request.headers.get("authorization")
+        if not header:
+            raise AuthError("missing Authorization: Bearer <token> (a dsec1 token from the control plane)")
+        scheme, _, token = header.strip().partition(" ")
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
+            raise AuthError("Authorization must be 'Bearer <token>'")
+        hit = self._cache.get(token)
+        if hit is not None:
+            if hit.expires_at >= time.time():
+                return hit
+            self._cache.pop(token, None)
+        claims = verify(self.key, token)
+        if len(self._cache) >= _TOKEN_CACHE_MAX:
+            self._cache.clear()
+        self._cache[token] = claims
+        return claims
+
+
+def _auth(request: Request) -> _Auth:
+    auth: _Auth = request.app.state.auth
+    return auth
+
+
+def _admin(request: Request) -> Claims:
+    claims = _auth(request).claims(request)
+    if claims.scope != "edge-admin":
+        raise Forbidden("this call needs an edge-admin token (sandbox tokens reach only their sandbox)")
+    return claims
+
+
+def _for_sandbox(sandbox_id: str, request: Request) -> Claims:
+    claims = _auth(request).claims(request)
+    check_sandbox(claims, sandbox_id)
+    return claims
+
+
+# Module level: with postponed annotations FastAPI resolves these names in the module's globals.
+Admin = Annotated[Claims, Depends(_admin)]
+Owner = Annotated[Claims, Depends(_for_sandbox)]
+FilePath = Annotated[str, Query(alias="path", min_length=1, max_length=4096)]
+Uid = Annotated[int, Query(ge=0, lt=65536)]
+Mode = Annotated[str, Query(pattern=r"^0?o?[0-7]{1,4}$")]
+Name = Annotated[str, Query(min_length=1, max_length=4096)]
+Labels = Annotated[list[str], Query()]
+
+
+def create_app(config: EdgeConfig, *, service: EdgeService | None = None) -> FastAPI:
+    """The edge's ASGI app. Its lifespan starts and stops the service (and so the runtime)
+    unless the caller passes a service it already started (``serve_edge`` does)."""
+    svc = service or EdgeService(config)
+    auth = _Auth(config.cluster_key)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        owned = not svc.started
+        if owned:
+            await svc.start()
+        try:
+            yield
+        finally:
+            if owned:
+                await svc.stop()
+
+    app = FastAPI(
+        title=f"DSec edge {config.edge_id}",
+        version="1",
+        lifespan=lifespan,
+        description="Node agent: sandboxes on this node, the data path (exec, sessions, files), health, metrics.",
+    )
+    app.state.edge = svc
+    app.state.auth = auth
+
+    # ------------------------------------------------------------ errors --
+
+    @app.exception_handler(DsecError)
+    async def _dsec_error(_req: Request, exc: DsecError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _request_invalid(_req: Request, exc: RequestValidationError) -> JSONResponse:
+        return _validation_response(exc.errors())
+
+    @app.exception_handler(ValidationError)
+    async def _model_invalid(_req: Request, exc: ValidationError) -> JSONResponse:
+        return _validation_response(exc.errors())
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_req: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return JSONResponse({"error": {"code": code, "message": str(exc.detail)}}, status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_req: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error")
+        return JSONResponse({"error": {"code": "dsec_error", "message": f"edge internal error: {exc!r}"}}, status_code=500)
+
+    # ------------------------------------------------------- sandboxes --
+
+    @app.post("/v1/sandboxes", status_code=201, response_model=SandboxInfo, tags=["sandboxes"])
+    async def create_sandbox(body: EdgeCreateSandbox, _c: Admin) -> Response:
+        return _json(await svc.create(body), 201)
+
+    @app.get("/v1/sandboxes", response_model=list[SandboxInfo], tags=["sandboxes"])
+    async def list_sandboxes(
+        _c: Admin,
+        label: Labels = [],  # noqa: B006 - FastAPI copies defaults
+        task: str | None = None,
+        state: str | None = None,
+    ) -> Response:
+        labels: dict[str, str] = {}
+        for item in label:
+            k, sep, v = item.partition("=")
+            if not sep or not k:
+                raise InvalidSpec(f"label filter {item!r} must be key=value", field="label")
+            labels[k] = v
+        return Response(_INFO_LIST.dump_json(svc.list(labels=labels, task=task, state=state)), media_type=JSON)
+
+    @app.get("/v1/sandboxes/{sandbox_id}", response_model=SandboxInfo, tags=["sandboxes"])
+    async def get_sandbox(sandbox_id: str, claims: Owner) -> Response:
+        return _json(svc.get(sandbox_id, with_token=claims.scope == "edge-admin"))
+
+    @app.delete("/v1/sandboxes/{sandbox_id}", status_code=204, tags=["sandboxes"])
+    async def delete_sandbox(sandbox_id: str, _c: Owner) -> Response:
+        await svc.destroy(sandbox_id, reason="deleted")
+        return Response(status_code=204)
+
+    @app.get("/v1/sandboxes/{sandbox_id}/events", tags=["sandboxes"])
+    async def sandbox_events(sandbox_id: str, _c: Owner) -> Response:
+        return Response(json.dumps(svc.event_log(sandbox_id), default=str), media_type=JSON)
+
+    # ------------------------------------------------------------ exec --
+
+    @app.post("/v1/sandboxes/{sandbox_id}/exec", response_model=ExecResultWire, tags=["exec"])
+    async def exec_command(sandbox_id: str, body: ExecRequest, _c: Owner) -> Response:
+        return _json(result_to_wire(await svc.exec(sandbox_id, body)))
+
+    @app.post("/v1/sandboxes/{sandbox_id}/exec/stream", tags=["exec"],
+              responses={200: {"content": {NDJSON: {}}, "description": "StreamChunk lines, the last one result/error"}})
+    async def exec_stream(sandbox_id: str, body: ExecRequest, _c: Owner) -> StreamingResponse:
+        lines = await svc.exec_stream(sandbox_id, body)
+        return StreamingResponse(lines, media_type=NDJSON, headers={"Cache-Control": "no-store"})
+
+    @app.post("/v1/sandboxes/{sandbox_id}/sessions", response_model=SessionOpened, tags=["sessions"])
+    async def open_session(sandbox_id: str, _c: Owner, body: SessionOpen | None = None) -> Response:
+        sid = await svc.open_session(sandbox_id, body or SessionOpen())
+        return _json(SessionOpened(session_id=sid))
+
+    @app.post("/v1/sandboxes/{sandbox_id}/sessions/{session_id}/run", response_model=ExecResultWire, tags=["sessions"])
+    async def session_run(sandbox_id: str, session_id: str, body: SessionRun, _c: Owner) -> Response:
+        return _json(result_to_wire(await svc.session_run(sandbox_id, session_id, body)))
+
+    @app.delete("/v1/sandboxes/{sandbox_id}/sessions/{session_id}", status_code=204, tags=["sessions"])
+    async def close_session(sandbox_id: str, session_id: str, _c: Owner) -> Response:
+        await svc.close_session(sandbox_id, session_id)
+        return Response(status_code=204)
+
+    # ----------------------------------------------------------- files --
+
+    @app.get("/v1/sandboxes/{sandbox_id}/files", tags=["files"],
+             responses={200: {"content": {"application/octet-stream": {}}}})
+    async def read_file(sandbox_id: str, path: FilePath, _c: Owner) -> Response:
+        data = await svc.files(sandbox_id, lambda fs: fs.read(path))
+        return Response(data, media_type="application/octet-stream")
+
+    @app.put("/v1/sandboxes/{sandbox_id}/files", status_code=204, tags=["files"])
+    async def write_file(sandbox_id: str, path: FilePath, request: Request, _c: Owner,
+                         mode: Mode = "644",
+                         user: Uid = 0,
+                         parents: bool = False) -> Response:
+        perm = int(mode.replace("o", ""), 8)
+        data = await request.body()
+        await svc.files(sandbox_id, lambda fs: fs.write(path, data, mode=perm, user=user, make_parents=parents))
+        return Response(status_code=204)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/files/append", status_code=204, tags=["files"])
+    async def append_file(sandbox_id: str, path: FilePath, request: Request, _c: Owner,
+                          user: Uid = 0) -> Response:
+        data = await request.body()
+        await svc.files(sandbox_id, lambda fs: fs.append(path, data, user=user))
+        return Response(status_code=204)
+
+    @app.get("/v1/sandboxes/{sandbox_id}/files/list", response_model=list[FileEntry], tags=["files"])
+    async def list_files(sandbox_id: str, path: FilePath, _c: Owner) -> Response:
+        infos = await svc.files(sandbox_id, lambda fs: fs.list(path))
+        return Response(_ENTRY_LIST.dump_json([_entry(i) for i in infos]), media_type=JSON)
+
+    @app.get("/v1/sandboxes/{sandbox_id}/files/stat", response_model=FileEntry, tags=["files"])
+    async def stat_file(sandbox_id: str, path: FilePath, _c: Owner) -> Response:
+        return _json(_entry(await svc.files(sandbox_id, lambda fs: fs.stat(path))))
+
+    @app.post("/v1/sandboxes/{sandbox_id}/files/mkdir", status_code=204, tags=["files"])
+    async def make_dir(sandbox_id: str, path: FilePath, _c: Owner, parents: bool = False,
+                       user: Uid = 0) -> Response:
+        await svc.files(sandbox_id, lambda fs: fs.mkdir(path, parents=parents, user=user))
+        return Response(status_code=204)
+
+    @app.delete("/v1/sandboxes/{sandbox_id}/files", status_code=204, tags=["files"])
+    async def remove_file(sandbox_id: str, path: FilePath, _c: Owner, recursive: bool = False) -> Response:
+        await svc.files(sandbox_id, lambda fs: fs.remove(path, recursive=recursive))
+        return Response(status_code=204)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/files/rename", status_code=204, tags=["files"])
+    async def rename_file(sandbox_id: str, _c: Owner,
+                          src: Name,
+                          dst: Name) -> Response:
+        await svc.files(sandbox_id, lambda fs: fs.rename(src, dst))
+        return Response(status_code=204)
+
+    @app.put("/v1/sandboxes/{sandbox_id}/files/tar", tags=["files"])
+    async def upload_tar(sandbox_id: str, path: FilePath, request: Request, _c: Owner,
+                         user: Uid = 0) -> Response:
+        data = await request.body()
+        entries = await svc.files(sandbox_id, lambda fs: fs.upload(path, data, user=user))
+        return JSONResponse({"entries": entries})
+
+    @app.get("/v1/sandboxes/{sandbox_id}/files/tar", tags=["files"],
+             responses={200: {"content": {"application/x-tar": {}}}})
+    async def download_tar(sandbox_id: str, path: FilePath, _c: Owner) -> Response:
+        data = await svc.files(sandbox_id, lambda fs: fs.download(path))
+        return Response(data, media_type="application/x-tar")
+
+    # ---------------------------------------------------- health, metrics --
+
+    @app.get("/v1/health", response_model=EdgeHealth, tags=["edge"])
+    async def health(_c: Admin) -> Response:
+        return _json(svc.health())
+
+    @app.get("/metrics", tags=["edge"], responses={200: {"content": {"text/plain": {}}}})
+    async def metrics() -> Response:
+        return Response(svc.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,174 @@
+"""Configuration of one edge agent: pure data, no I/O.
+
+Budgets left as ``None`` are derived from the machine when the edge starts
+(:func:`dsec.edge.admission.resolve_budgets`), so this module never probes
+the host. The cluster key travels as hex (environment or file) and is bytes
+here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
+
+from dsec.spec import ImageRef, Resources
+
+EDGE_ID_RE = re.compile(r"^[a-z][a-z0-9]{0,7}$")
+_RUNTIME_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
+_POOL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:+-]{0,127}$")
+
+CPU_OVERCOMMIT = 8.0
+"""Default cpu budget per host core: ~90% of sandboxes use <=5% of what they request."""
+MEMORY_FRACTION = 0.9
+"""Default memory budget: this share of the host's RAM (memory is the scarce resource)."""
+BYTES_PER_SANDBOX_SLOT = 8 * 1024 * 1024
+"""Default sandbox-count budget: one sandbox per this much host RAM (cap: the uid ranges)."""
+
+
+class _Config(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PoolConfig(_Config):
+    """Keep ``size`` sandboxes of this image and resources ready on the edge."""
+
+    image: ImageRef
+    resources: Resources = Resources()
+    size: Annotated[int, Field(ge=0, le=10000)] = 4
+    name: str | None = None
+    """Shown in metrics and in the health report; derived from image and resources if unset."""
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str | None) -> str | None:
+        if v is not None and not _POOL_NAME_RE.match(v):
+            raise ValueError(f"pool name {v!r}: letters, digits and . _ : + - (max 128)")
+        return v
+
+    def display_name(self) -> str:
+        if self.name:
+            return self.name
+        r = self.resources
+        layers = "+".join(self.image.layers_top_first()[::-1])
+        return f"{layers}/{r.cpu:g}cpu/{r.memory // (1024 * 1024)}MiB/{r.disk // (1024 * 1024)}MiBdisk"
+
+
+def _hex_key(value: Any) -> bytes:
+    if isinstance(value, bytes | bytearray):
+        key = bytes(value)
+    elif isinstance(value, str):
+        try:
+            key = bytes.fromhex(value.strip())
+        except ValueError:
+            raise ValueError("cluster_key must be hex (e.g. `python -c 'import secrets; print(secrets.token_hex(32))'`)") from None
+    else:
+        raise ValueError("cluster_key must be hex text or bytes")
+    if len(key) < 16:
+        raise ValueError("cluster_key must be at least 16 bytes (32 hex digits)")
+    return key
+
+
+class EdgeConfig(_Config):
+    """Everything one edge agent needs. ``python -m dsec.edge --config FILE`` reads it as JSON."""
+
+    edge_id: str
+    """Short name of this edge, also the prefix of its sandbox ids (``e1-3fa2b9c0d1e2``)."""
+    cluster_key: bytes
+    """HMAC key shared with the control plane (hex in files and DSEC_CLUSTER_KEY)."""
+    url: str | None = None
+    """Base URL the control plane and SDKs reach this edge at; default http://host:port."""
+    host: str = "127.0.0.1"
+    port: Annotated[int, Field(ge=0, le=65535)] = 7071
+    """0 picks a free port (serve_edge reports it in the handle's url)."""
+    state_dir: Path = Path("/var/lib/dsec")
+    """Records (``sandboxes/<runtime>``) and the layer store (``layers``)."""
+    run_dir: Path = Path("/run/dsec")
+    """Node-wide: several edges on one machine must share it (uid ranges are claimed here)."""
+    runtime_name: str | None = None
+    """Names the runtime's cgroups and records; default ``edge-<edge_id>``."""
+    labels: dict[str, str] = Field(default_factory=dict)
+
+    max_sandboxes: Annotated[int | None, Field(ge=0)] = None
+    cpu_capacity: Annotated[float | None, Field(ge=0)] = None
+    """Cores that requested sandbox cpu may add up to; default 8 x host cores."""
+    memory_capacity: Annotated[int | None, Field(ge=0)] = None
+    """Bytes; default 90% of host RAM."""
+    disk_capacity: Annotated[int | None, Field(ge=0)] = None
+    """Bytes of writable layers; default the free space of state_dir at start."""
+
+    pools: list[PoolConfig] = Field(default_factory=list)
+    pool_refill_per_s: Annotated[float, Field(gt=0, le=10000)] = 20.0
+    """Rate limit of background pool creates (token bucket, burst = max(1, rate / 4))."""
+    pool_refill_concurrency: Annotated[int, Field(ge=1, le=64)] = 2
+
+    watchdog_interval_s: Annotated[float, Field(gt=0, le=3600)] = 1.0
+    """How often TTL and idle timeouts are checked."""
+    tombstones: Annotated[int, Field(ge=0, le=1_000_000)] = 4096
+    """Event logs of this many destroyed sandboxes are kept (GET .../events after the end)."""
+    destroy_on_shutdown: bool = False
+    """False: sandboxes outlive an edge restart and are re-adopted. True for tests and `dsec up`."""
+
+    control_plane_url: str | None = None
+    heartbeat_interval_s: Annotated[float, Field(gt=0, le=3600)] = 5.0
+    retry_after_s: Annotated[float, Field(gt=0, le=3600)] = 1.0
+    """Retry-After of a 429 when admission refuses for lack of room."""
+
+    @field_validator("edge_id")
+    @classmethod
+    def _edge_id(cls, v: str) -> str:
+        if not EDGE_ID_RE.match(v):
+            raise ValueError(f"edge_id {v!r} must match {EDGE_ID_RE.pattern} (it prefixes sandbox ids)")
+        return v
+
+    @field_validator("runtime_name")
+    @classmethod
+    def _runtime_name(cls, v: str | None) -> str | None:
+        if v is not None and not _RUNTIME_NAME_RE.match(v):
+            raise ValueError(f"runtime_name {v!r} must match {_RUNTIME_NAME_RE.pattern}")
+        return v
+
+    @field_validator("cluster_key", mode="before")
+    @classmethod
+    def _key(cls, v: Any) -> bytes:
+        return _hex_key(v)
+
+    @field_serializer("cluster_key")
+    def _key_hex(self, v: bytes) -> str:
+        return v.hex()
+
+    @model_validator(mode="after")
+    def _unique_pools(self) -> EdgeConfig:
+        names = [p.display_name() for p in self.pools]
+        if len(names) != len(set(names)):
+            raise ValueError("two pools have the same name; give them distinct `name`s")
+        return self
+
+    @property
+    def runtime(self) -> str:
+        return self.runtime_name or f"edge-{self.edge_id}"
+
+    @property
+    def base_url(self) -> str:
+        return (self.url or f"http://{self.host}:{self.port}").rstrip("/")
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> EdgeConfig:
+        """Fill ``cluster_key`` from DSEC_CLUSTER_KEY (hex) or DSEC_CLUSTER_KEY_FILE when not given."""
+        data = dict(overrides)
+        if "cluster_key" not in data:
+            if os.environ.get("DSEC_CLUSTER_KEY"):
+                data["cluster_key"] = os.environ["DSEC_CLUSTER_KEY"]
+            elif os.environ.get("DSEC_CLUSTER_KEY_FILE"):
+                data["cluster_key"] = Path(os.environ["DSEC_CLUSTER_KEY_FILE"]).read_text().strip()
+        return cls.model_validate(data)

@@ -1,0 +1,80 @@
+"""Register with the control plane and report health every few seconds.
+
+The edge authenticates with an edge-admin token it mints from the cluster key
+(``sandbox_id`` = ``edge:<edge_id>``). The control plane being down is
+normal: failures are logged (once per outage) and retried; nothing on the
+edge waits for it (admission, TTL and the data path work without it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import TYPE_CHECKING
+
+import httpx
+
+from dsec.auth import mint
+
+if TYPE_CHECKING:
+    from dsec.edge.service import EdgeService
+
+log = logging.getLogger("dsec.edge.heartbeat")
+
+
+class Heartbeat:
+    def __init__(self, service: EdgeService, url: str) -> None:
+        self.service = service
+        self.url = url.rstrip("/")
+        self.registered = False
+        self.beats = 0
+        self.failures = 0
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="dsec-edge-heartbeat")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    def _headers(self) -> dict[str, str]:
+        cfg = self.service.config
+        token, _ = mint(cfg.cluster_key, sandbox_id=f"edge:{cfg.edge_id}", project="", ttl_s=300.0, scope="edge-admin")
+        return {"authorization": f"Bearer {token}", "content-type": "application/json"}
+
+    async def beat(self, http: httpx.AsyncClient) -> None:
+        body = self.service.health().model_dump_json()
+        edge_id = self.service.config.edge_id
+        if not self.registered:
+            resp = await http.post(f"{self.url}/v1/edges/register", content=body, headers=self._headers())
+            resp.raise_for_status()
+            self.registered = True
+            return
+        resp = await http.post(f"{self.url}/v1/edges/{edge_id}/heartbeat", content=body, headers=self._headers())
+        if resp.status_code == 404:  # the control plane forgot us (new store): register again
+            self.registered = False
+            await self.beat(http)
+            return
+        resp.raise_for_status()
+
+    async def _run(self) -> None:
+        interval = self.service.config.heartbeat_interval_s
+        async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, connect=5.0)) as http:
+            while True:
+                try:
+                    await self.beat(http)
+                    if self.failures:
+                        log.warning("control plane %s reachable again", self.url)
+                    self.failures = 0
+                    self.beats += 1
+                except (httpx.HTTPError, OSError) as exc:
+                    if self.failures == 0:
+                        log.warning("control plane %s unreachable: %r (will keep trying)", self.url, exc)
+                    self.failures += 1
+                    self.registered = self.registered and not isinstance(exc, httpx.HTTPStatusError)
+                await asyncio.sleep(interval if self.failures == 0 else min(interval, 2.0))

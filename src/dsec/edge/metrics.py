@@ -1,0 +1,135 @@
+"""Prometheus metrics of one edge, in a registry of its own (several edges can share a
+process, e.g. `dsec up` or a 3-edge benchmark, without clashing series).
+
+Counters and histograms are updated as things happen; gauges of state
+(sandboxes by state, pools, committed resources, host use) are computed at
+scrape time from the service, so they can never drift from the truth.
+
+| series | labels | what |
+|---|---|---|
+| dsec_edge_sandboxes | state | sandboxes by state (warm-pool sandboxes not included) |
+| dsec_edge_creates_total | result, source, reason | creates: ok/failed; cold/pool; failure code |
+| dsec_edge_create_seconds | source | create latency: cold, pool (a claim), refill (background) |
+| dsec_edge_destroys_total | reason | deleted, ttl_expired, idle_expired, failed, pool_evicted, ... |
+| dsec_edge_execs_total | kind, outcome | exec, stream, session; ok, nonzero, timeout, error |
+| dsec_edge_exec_seconds | kind | exec round trip on the edge |
+| dsec_edge_admission_refusals_total | reason | count, cpu, memory, disk |
+| dsec_edge_expirations_total | reason | ttl, idle, failed |
+| dsec_edge_limit_events_total | kind | oom, pids_limit seen after an exec |
+| dsec_edge_pool_ready / _target / _creating / _low_watermark | pool | warm pools; watermark = lowest ready count in the last 60 s |
+| dsec_edge_pool_claims_total | pool, result | hit, miss |
+| dsec_edge_pool_refills_total | pool, result | ok, failed |
+| dsec_edge_pool_evictions_total | pool | pooled sandboxes destroyed to make room |
+| dsec_edge_committed / dsec_edge_pool_reserved / dsec_edge_capacity | resource | cpu (cores), memory, disk (bytes), sandboxes |
+| dsec_edge_host_cpu_cores, _cpu_utilization, _load1 | | host cpu |
+| dsec_edge_host_memory_bytes, dsec_edge_host_disk_bytes | kind | total, available / free |
+| dsec_edge_sessions | | open shell sessions |
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from dsec.spec import SandboxState
+
+if TYPE_CHECKING:
+    from dsec.edge.service import EdgeService
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+EXEC_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0, 600.0)
+
+
+class EdgeMetrics:
+    def __init__(self, service: EdgeService) -> None:
+        r = self.registry = CollectorRegistry()
+        self.creates = Counter("dsec_edge_creates", "Sandbox creates", ["result", "source", "reason"], registry=r)
+        self.create_seconds = Histogram(
+            "dsec_edge_create_seconds", "Create latency on the edge", ["source"], buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.destroys = Counter("dsec_edge_destroys", "Sandboxes destroyed, by reason", ["reason"], registry=r)
+        self.execs = Counter("dsec_edge_execs", "Commands run", ["kind", "outcome"], registry=r)
+        self.exec_seconds = Histogram(
+            "dsec_edge_exec_seconds", "Command latency on the edge", ["kind"], buckets=EXEC_BUCKETS, registry=r
+        )
+        self.admission_refusals = Counter(
+            "dsec_edge_admission_refusals", "Creates refused by admission", ["reason"], registry=r
+        )
+        self.expirations = Counter("dsec_edge_expirations", "Sandboxes destroyed by the watchdog", ["reason"], registry=r)
+        self.limit_events = Counter("dsec_edge_limit_events", "OOM kills and pids-limit hits", ["kind"], registry=r)
+        self.pool_claims = Counter("dsec_edge_pool_claims", "Creates matching a warm pool", ["pool", "result"], registry=r)
+        self.pool_refills = Counter("dsec_edge_pool_refills", "Background pool creates", ["pool", "result"], registry=r)
+        self.pool_evictions = Counter(
+            "dsec_edge_pool_evictions", "Pooled sandboxes destroyed to make room", ["pool"], registry=r
+        )
+        for reason in ("count", "cpu", "memory", "disk"):
+            self.admission_refusals.labels(reason)
+        for source in ("cold", "pool"):
+            self.create_seconds.labels(source)
+            self.creates.labels("ok", source, "")
+        r.register(_StateCollector(service))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _StateCollector:
+    def __init__(self, service: EdgeService) -> None:
+        self.service = service
+
+    def collect(self) -> Iterable[Metric]:
+        svc = self.service
+        states = GaugeMetricFamily("dsec_edge_sandboxes", "Sandboxes by state (warm pools excluded)", labels=["state"])
+        counts = dict.fromkeys((s.value for s in SandboxState), 0)
+        pooled = svc.pools.pooled_ids
+        for rec in svc.runtime.list():
+            if rec.id not in pooled:
+                counts[rec.state.value] += 1
+        for state, n in counts.items():
+            states.add_metric([state], n)
+        yield states
+
+        ready = GaugeMetricFamily("dsec_edge_pool_ready", "Ready sandboxes in a warm pool", labels=["pool"])
+        target = GaugeMetricFamily("dsec_edge_pool_target", "Configured warm pool size", labels=["pool"])
+        creating = GaugeMetricFamily("dsec_edge_pool_creating", "Pool sandboxes being made", labels=["pool"])
+        low = GaugeMetricFamily("dsec_edge_pool_low_watermark", "Lowest ready count in the last 60 s", labels=["pool"])
+        for pool in svc.pools.pools:
+            ready.add_metric([pool.name], len(pool.ready))
+            target.add_metric([pool.name], pool.target)
+            creating.add_metric([pool.name], pool.creating)
+            low.add_metric([pool.name], pool.low_watermark())
+        yield from (ready, target, creating, low)
+
+        if svc.admission is not None:
+            adm = svc.admission
+            committed = GaugeMetricFamily("dsec_edge_committed", "Resources requested by live sandboxes", labels=["resource"])
+            reserved = GaugeMetricFamily("dsec_edge_pool_reserved", "Resources held by warm pools", labels=["resource"])
+            capacity = GaugeMetricFamily("dsec_edge_capacity", "Admission budgets", labels=["resource"])
+            b = adm.budgets
+            for name, used, pool_used, cap in (
+                ("sandboxes", adm.real.sandboxes, adm.pooled.sandboxes, b.sandboxes),
+                ("cpu", adm.real.cpu, adm.pooled.cpu, b.cpu),
+                ("memory", adm.real.memory, adm.pooled.memory, b.memory),
+                ("disk", adm.real.disk, adm.pooled.disk, b.disk),
+            ):
+                committed.add_metric([name], used)
+                reserved.add_metric([name], pool_used)
+                capacity.add_metric([name], cap)
+            yield from (committed, reserved, capacity)
+
+        host = svc.host.sample()
+        yield GaugeMetricFamily("dsec_edge_host_cpu_cores", "Host cpu cores", value=host["cpu_cores"])
+        yield GaugeMetricFamily("dsec_edge_host_cpu_utilization", "Busy share of all host cores (0..1)", value=host["cpu_util"])
+        yield GaugeMetricFamily("dsec_edge_host_load1", "Host 1-minute load average", value=host["load1"])
+        mem = GaugeMetricFamily("dsec_edge_host_memory_bytes", "Host memory", labels=["kind"])
+        mem.add_metric(["total"], host["memory_total"])
+        mem.add_metric(["available"], host["memory_available"])
+        yield mem
+        disk = GaugeMetricFamily("dsec_edge_host_disk_bytes", "Disk of the edge's state directory", labels=["kind"])
+        disk.add_metric(["total"], host["disk_total"])
+        disk.add_metric(["free"], host["disk_free"])
+        yield disk
+        yield GaugeMetricFamily("dsec_edge_sessions", "Open shell sessions", value=svc.session_count())

@@ -1,0 +1,639 @@
+"""The edge agent's core: this node's sandboxes behind admission, warm pools,
+lifecycle enforcement, event logs and metrics. No HTTP here (app.py is the
+thin HTTP layer over it), so the same object serves tests and embeddings.
+
+It owns one :class:`ContainerRuntime` (ids prefixed with the edge id). It
+never blocks the event loop: file operations run in worker threads, kernel
+work runs in the runtime's spawner. It never destroys a sandbox on its own
+except for TTL/idle expiry, failure, and pool upkeep, and says so in events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import builtins
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any, TypeVar
+
+from dsec.auth import mint
+from dsec.backends.container.fsops import SandboxFiles
+from dsec.backends.container.runtime import ContainerRuntime, SandboxRecord
+from dsec.backends.container.sessions import Session
+from dsec.edge.admission import Admission, Budgets, resolve_budgets
+from dsec.edge.config import EdgeConfig
+from dsec.edge.events import EventLog, Tombstone
+from dsec.edge.heartbeat import Heartbeat
+from dsec.edge.host import HostSampler
+from dsec.edge.lifecycle import Watchdog, lifecycle_meta
+from dsec.edge.metrics import EdgeMetrics
+from dsec.edge.pools import PoolManager
+from dsec.errors import (
+    Backpressure,
+    DsecError,
+    ExecTimeout,
+    HostError,
+    InvalidSpec,
+    QuotaExceeded,
+    SandboxNotFound,
+    SandboxStateError,
+    SessionClosed,
+)
+from dsec.spec import SandboxState
+from dsec.spec.api import (
+    EdgeCreateSandbox,
+    EdgeHealth,
+    ExecRequest,
+    ExecResultWire,
+    SandboxInfo,
+    SessionOpen,
+    SessionRun,
+    StreamChunk,
+)
+from dsec.spec.results import ExecResult
+
+log = logging.getLogger("dsec.edge")
+T = TypeVar("T")
+
+TOKEN_TTL_S = 3600.0
+STREAM_BUFFER_BYTES = 8 * 1024 * 1024
+"""Output queued for a slow /exec/stream reader before chunks are dropped (and counted)."""
+
+
+def result_to_wire(r: ExecResult) -> ExecResultWire:
+    return ExecResultWire(
+        exit_code=r.exit_code,
+        signal=r.signal,
+        stdout_b64=base64.b64encode(r.stdout).decode(),
+        stderr_b64=base64.b64encode(r.stderr).decode(),
+        stdout_bytes=r.stdout_bytes,
+        stderr_bytes=r.stderr_bytes,
+        truncated=r.truncated,
+        duration_s=r.duration_s,
+        timed_out=r.timed_out,
+    )
+
+
+def _jsonable(value: Any) -> Any:
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    if isinstance(value, ExecResult):
+        return result_to_wire(value).model_dump(mode="json")
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
+        return [_jsonable(v) for v in value]
+    return str(value)
+
+
+def error_body(exc: DsecError) -> dict[str, Any]:
+    """``{"error": ...}`` for the wire, with every field made JSON-safe."""
+    return {"error": _jsonable(exc.to_wire())}
+
+
+class EdgeService:
+    def __init__(self, config: EdgeConfig) -> None:
+        self.config = config
+        self.edge_id = config.edge_id
+        self.url = config.base_url
+        self.runtime = ContainerRuntime(
+            name=config.runtime, state_dir=config.state_dir, run_dir=config.run_dir, id_prefix=config.edge_id
+        )
+        self.budgets: Budgets | None = None
+        self.admission: Admission = Admission(Budgets(0, 0.0, 0, 0))
+        self.events = EventLog(tombstones=config.tombstones)
+        self.metrics = EdgeMetrics(self)
+        self.pools = PoolManager(self)
+        self.watchdog = Watchdog(self)
+        self.host = HostSampler(config.state_dir)
+        self.heartbeat: Heartbeat | None = None
+        self.started = False
+        self.draining = False
+        self._busy: dict[str, int] = {}
+        self._by_request: dict[str, str] = {}
+        self._pending_requests: dict[str, asyncio.Future[SandboxInfo]] = {}
+        self._sessions: dict[str, dict[str, Session]] = {}
+        self._limits_seen: dict[str, float] = {}
+        self._layers_cache: tuple[float, list[str]] = (0.0, [])
+        self._background: set[asyncio.Task[Any]] = set()
+
+    # ------------------------------------------------------------ lifecycle --
+
+    async def start(self) -> None:
+        if self.started:
+            return
+        self.budgets = await asyncio.to_thread(resolve_budgets, self.config)
+        self.admission = Admission(self.budgets, retry_after_s=self.config.retry_after_s)
+        await self.runtime.start()
+        for rec in self.runtime.list():
+            edge = rec.meta.get("edge") or {}
+            if edge.get("request_id"):
+                self._by_request[str(edge["request_id"])] = rec.id
+            if not edge.get("pool"):
+                self.events.add(rec.id, "adopted", expires_at=edge.get("expires_at"))
+        self.resync_admission()
+        await self.pools.start()
+        self.watchdog.start()
+        if self.config.control_plane_url:
+            self.heartbeat = Heartbeat(self, self.config.control_plane_url)
+            self.heartbeat.start()
+        self.started = True
+        adopted = self.runtime.reconciled.get("adopted", [])
+        log.info("edge %s up at %s: %d sandboxes re-adopted, budgets %s", self.edge_id, self.url, len(adopted), self.budgets)
+
+    async def stop(self, *, destroy_all: bool | None = None) -> None:
+        """Stop background work and the runtime. Sandboxes survive for the next start
+        (re-adopted with their TTLs) unless ``destroy_all`` (default: the config's
+        ``destroy_on_shutdown``)."""
+        if not self.started:
+            return
+        self.started = False
+        destroy = self.config.destroy_on_shutdown if destroy_all is None else destroy_all
+        if self.heartbeat is not None:
+            await self.heartbeat.stop()
+        await self.watchdog.stop()
+        await self.pools.stop()
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        for sessions in self._sessions.values():
+            for sess in sessions.values():
+                with contextlib.suppress(Exception):
+                    await sess.close()
+        self._sessions.clear()
+        await self.runtime.close(destroy_all=destroy)
+
+    def resync_admission(self) -> None:
+        """Rebuild admission's books from the records (at start: nothing is in flight)."""
+        self.admission.resync(
+            (r.id, r.spec.resources, bool((r.meta.get("edge") or {}).get("pool")))
+            for r in self.runtime.list() if r.state is not SandboxState.STOPPED
+        )
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # -------------------------------------------------------------- helpers --
+
+    def new_id(self) -> str:
+        return f"{self.edge_id}-{secrets.token_hex(6)}"
+
+    def is_busy(self, sandbox_id: str) -> bool:
+        return self._busy.get(sandbox_id, 0) > 0
+
+    def session_count(self) -> int:
+        return sum(len(s) for s in self._sessions.values())
+
+    def touch(self, sandbox_id: str) -> None:
+        if sandbox_id in self.runtime.sandboxes:
+            self.runtime.last_activity[sandbox_id] = time.monotonic()
+
+    @contextlib.contextmanager
+    def activity(self, sandbox_id: str) -> Iterator[None]:
+        """Marks the sandbox busy (never idle-expired) for the duration of a data-path call."""
+        self._busy[sandbox_id] = self._busy.get(sandbox_id, 0) + 1
+        self.touch(sandbox_id)
+        try:
+            yield
+        finally:
+            n = self._busy.get(sandbox_id, 1) - 1
+            if n <= 0:
+                self._busy.pop(sandbox_id, None)
+            else:
+                self._busy[sandbox_id] = n
+            self.touch(sandbox_id)
+
+    def record(self, sandbox_id: str) -> SandboxRecord:
+        """A sandbox the API may see (not a ready pool member); a clear 404 otherwise."""
+        rec = self.runtime.sandboxes.get(sandbox_id)
+        if rec is None or sandbox_id in self.pools.pooled_ids:
+            tomb = self.events.tombstone(sandbox_id)
+            if tomb is not None:
+                raise SandboxNotFound(
+                    f"sandbox {sandbox_id} was destroyed at {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(tomb.destroyed_at))} "
+                    f"UTC ({tomb.reason}); see GET /v1/sandboxes/{sandbox_id}/events",
+                    sandbox_id=sandbox_id, reason=tomb.reason,
+                )
+            raise SandboxNotFound(f"no sandbox {sandbox_id!r} on edge {self.edge_id}", sandbox_id=sandbox_id)
+        return rec
+
+    def info(self, rec: SandboxRecord, *, with_token: bool = False, from_pool: bool | None = None) -> SandboxInfo:
+        edge = rec.meta.get("edge") or {}
+        token = expires = None
+        if with_token:
+            ttl = TOKEN_TTL_S
+            if edge.get("expires_at"):
+                ttl = max(60.0, min(TOKEN_TTL_S, float(edge["expires_at"]) - time.time() + 60.0))
+            token, expires = mint(self.config.cluster_key, sandbox_id=rec.id,
+                                  project=str(edge.get("project") or ""), ttl_s=ttl)
+        return SandboxInfo(
+            id=rec.id, state=rec.state, edge_id=self.edge_id, edge_url=self.url,
+            token=token, token_expires_at=expires,
+            labels=dict(edge.get("labels") or {}), task=edge.get("task"), project=edge.get("project"),
+            created_at=float(edge.get("created_at") or rec.created_at), expires_at=edge.get("expires_at"),
+            reason=rec.reason, from_pool=bool(edge.get("from_pool")) if from_pool is None else from_pool,
+            image=rec.spec.image, resources=rec.spec.resources,
+        )
+
+    def tomb_info(self, tomb: Tombstone) -> SandboxInfo:
+        data = dict(tomb.info)
+        data.update(state=SandboxState.STOPPED, reason=tomb.reason, token=None, token_expires_at=None)
+        return SandboxInfo.model_validate(data)
+
+    # --------------------------------------------------------------- create --
+
+    async def create(self, req: EdgeCreateSandbox) -> SandboxInfo:
+        """Create (or return the one already made for ``req.request_id`` / ``req.id``)."""
+        rid = req.request_id
+        if rid is None:
+            return await self._create(req)
+        known = self._by_request.get(rid)
+        if known is not None and known in self.runtime.sandboxes:
+            return self.info(self.runtime.sandboxes[known], with_token=True)
+        pending = self._pending_requests.get(rid)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        fut: asyncio.Future[SandboxInfo] = asyncio.get_running_loop().create_future()
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no warning
+        self._pending_requests[rid] = fut
+        try:
+            info = await self._create(req)
+        except BaseException as exc:
+            if isinstance(exc, Exception):
+                fut.set_exception(exc)
+            else:
+                fut.cancel()
+            raise
+        else:
+            fut.set_result(info)
+            return info
+        finally:
+            self._pending_requests.pop(rid, None)
+
+    def _create_meta(self, req: EdgeCreateSandbox, now: float) -> dict[str, Any]:
+        return {"edge": {
+            "labels": dict(req.labels), "task": req.task, "project": req.project, "request_id": req.request_id,
+            **lifecycle_meta(now, req.lifecycle.ttl_s, req.lifecycle.idle_timeout_s),
+        }}
+
+    async def _create(self, req: EdgeCreateSandbox) -> SandboxInfo:
+        t0 = time.perf_counter()
+        if self.draining:
+            raise Backpressure(f"edge {self.edge_id} is draining", retry_after=self.config.retry_after_s, reason="draining")
+        if req.id is not None:
+            if not req.id.startswith(f"{self.edge_id}-") or len(req.id) <= len(self.edge_id) + 1:
+                raise InvalidSpec(f"sandbox id {req.id!r} must start with this edge's prefix {self.edge_id}-", field="id")
+            existing = self.runtime.sandboxes.get(req.id)
+            if existing is not None and req.id not in self.pools.pooled_ids:
+                return self.info(existing, with_token=True)
+        now = time.time()
+        if req.id is None and self.pools.pools:
+            taken = self.pools.take(req.spec, self._create_meta(req, now))
+            if taken is not None:
+                rec, pool = taken
+                self.admission.claim(rec.id)
+                return self._created(rec, req, "pool", t0, pool=pool.name)
+        res = req.spec.resources
+        try:
+            shortfall = self.admission.check(res)
+        except (Backpressure, QuotaExceeded) as exc:
+            reason = str(getattr(exc, "reason", "count"))
+            self.metrics.admission_refusals.labels(reason).inc()
+            self.metrics.creates.labels("failed", "cold", exc.code).inc()
+            raise
+        victims = self.pools.evict(shortfall) if shortfall is not None else []
+        for v in victims:
+            self.admission.release(v)
+        sid = req.id or self.new_id()
+        self.admission.reserve(sid, res)
+        try:
+            if victims:
+                await asyncio.gather(*(self.destroy(v, reason="pool_evicted", tombstone=False) for v in victims),
+                                     return_exceptions=True)
+            rec = await self.runtime.create(req.spec, sandbox_id=sid, meta=self._create_meta(req, now))
+        except DsecError as exc:
+            self.admission.release(sid)
+            self.metrics.creates.labels("failed", "cold", str(getattr(exc, "reason", "") or exc.code)).inc()
+            raise
+        except BaseException:
+            self.admission.release(sid)
+            raise
+        if sid not in self.runtime.sandboxes:  # deleted while being made
+            self.admission.release(sid)
+        return self._created(rec, req, "cold", t0)
+
+    def _created(self, rec: SandboxRecord, req: EdgeCreateSandbox, source: str, t0: float, *, pool: str = "") -> SandboxInfo:
+        elapsed = time.perf_counter() - t0
+        self.metrics.creates.labels("ok", source, "").inc()
+        self.metrics.create_seconds.labels(source).observe(elapsed)
+        if req.request_id:
+            self._by_request[req.request_id] = rec.id
+        edge = rec.meta.get("edge") or {}
+        self.events.add(rec.id, "created", source=source, pool=pool or None, latency_ms=round(elapsed * 1000, 3),
+                        expires_at=edge.get("expires_at"), idle_timeout_s=edge.get("idle_timeout_s"))
+        self.runtime.last_activity[rec.id] = time.monotonic()
+        return self.info(rec, with_token=True, from_pool=source == "pool")
+
+    # -------------------------------------------------------------- destroy --
+
+    async def destroy(self, sandbox_id: str, *, reason: str = "deleted", tombstone: bool = True) -> bool:
+        """Destroy a sandbox (idempotent: False if it was not there)."""
+        pooled = self.pools.forget(sandbox_id)
+        rec = self.runtime.sandboxes.get(sandbox_id)
+        if rec is None:
+            self.admission.release(sandbox_id)
+            return False
+        for sess in self._sessions.pop(sandbox_id, {}).values():
+            with contextlib.suppress(Exception):
+                await sess.close()
+        info = self.info(rec).model_dump(mode="json") if tombstone and not pooled else None
+        try:
+            done = await self.runtime.destroy(sandbox_id)
+        finally:
+            if sandbox_id not in self.runtime.sandboxes:
+                self.admission.release(sandbox_id)
+        if not done:
+            return False
+        self.metrics.destroys.labels(reason).inc()
+        edge = rec.meta.get("edge") or {}
+        if edge.get("request_id"):
+            self._by_request.pop(str(edge["request_id"]), None)
+        self._busy.pop(sandbox_id, None)
+        self._limits_seen.pop(sandbox_id, None)
+        self.events.add(sandbox_id, "destroyed", reason=reason)
+        if info is not None:
+            now = time.time()
+            self.events.bury(Tombstone(sandbox_id, reason, now, float(info["created_at"]),
+                                       self.events.merged(sandbox_id, list(rec.events)), info))
+        else:
+            self.events.forget(sandbox_id)
+        return True
+
+    async def expire(self, sandbox_id: str, why: str) -> None:
+        rec = self.runtime.sandboxes.get(sandbox_id)
+        if rec is None:
+            return
+        edge = rec.meta.get("edge") or {}
+        detail: dict[str, Any] = {}
+        if why == "ttl":
+            detail = {"ttl_s": edge.get("ttl_s"), "expires_at": edge.get("expires_at")}
+        elif why == "idle":
+            detail = {"idle_timeout_s": edge.get("idle_timeout_s")}
+        elif why == "failed":
+            detail = {"failure": rec.reason}
+        self.events.add(sandbox_id, f"{why}_expired" if why != "failed" else "failed", **detail)
+        self.metrics.expirations.labels(why).inc()
+        await self.destroy(sandbox_id, reason=f"{why}_expired" if why != "failed" else "failed")
+
+    # --------------------------------------------------------------- lookups --
+
+    def get(self, sandbox_id: str, *, with_token: bool = False) -> SandboxInfo:
+        try:
+            return self.info(self.record(sandbox_id), with_token=with_token)
+        except SandboxNotFound:
+            tomb = self.events.tombstone(sandbox_id)
+            if tomb is None or not tomb.info:
+                raise
+            return self.tomb_info(tomb)
+
+    def list(self, *, labels: dict[str, str] | None = None, task: str | None = None,
+             state: str | None = None) -> list[SandboxInfo]:
+        out = []
+        pooled = self.pools.pooled_ids
+        for rec in self.runtime.list():
+            if rec.id in pooled:
+                continue
+            edge = rec.meta.get("edge") or {}
+            if task is not None and edge.get("task") != task:
+                continue
+            if state is not None and rec.state.value != state:
+                continue
+            if labels and any((edge.get("labels") or {}).get(k) != v for k, v in labels.items()):
+                continue
+            out.append(self.info(rec))
+        return out
+
+    def event_log(self, sandbox_id: str) -> builtins.list[dict[str, Any]]:
+        rec = self.runtime.sandboxes.get(sandbox_id)
+        if rec is not None and sandbox_id not in self.pools.pooled_ids:
+            self._scan_limits(rec)
+            return self.events.merged(sandbox_id, list(rec.events))
+        tomb = self.events.tombstone(sandbox_id)
+        if tomb is not None:
+            return tomb.events
+        self.record(sandbox_id)  # raises the 404
+        return []
+
+    def health(self) -> EdgeHealth:
+        b = self.admission.budgets
+        real = self.admission.real
+        return EdgeHealth(
+            edge_id=self.edge_id, url=self.url, sandboxes=real.sandboxes, capacity_sandboxes=b.sandboxes,
+            cpu_committed=round(real.cpu, 6), cpu_capacity=b.cpu, memory_committed=real.memory,
+            memory_capacity=b.memory, disk_committed=real.disk, disk_capacity=b.disk,
+            layers=self._layers(), pools={p.name: len(p.ready) for p in self.pools.pools},
+            pool_targets={p.name: p.target for p in self.pools.pools}, draining=self.draining,
+            labels=dict(self.config.labels), host=self.host.sample(),
+        )
+
+    def _layers(self) -> builtins.list[str]:
+        now = time.monotonic()
+        if now - self._layers_cache[0] > 2.0:
+            out: set[str] = set()
+            try:
+                for layer in self.runtime.store.list():
+                    out.add(layer.digest)
+                    out.add(layer.ref)
+            except Exception as exc:  # a broken store must not break health
+                log.warning("cannot list layers: %r", exc)
+            self._layers_cache = (now, sorted(out))
+        return self._layers_cache[1]
+
+    # ------------------------------------------------------------------ exec --
+
+    def _exec_args(self, sandbox_id: str, req: ExecRequest) -> bytes | None:
+        rec = self.record(sandbox_id)
+        if rec.state is not SandboxState.RUNNING:
+            raise SandboxStateError(
+                f"sandbox {sandbox_id} is {rec.state.value}, not running" + (f" ({rec.reason})" if rec.reason else ""),
+                sandbox_id=sandbox_id, state=rec.state.value,
+            )
+        if req.stdin_b64 is None:
+            return None
+        try:
+            return base64.b64decode(req.stdin_b64, validate=True)
+        except (binascii.Error, ValueError):
+            raise InvalidSpec("stdin_b64 is not valid base64", field="stdin_b64") from None
+
+    async def exec(self, sandbox_id: str, req: ExecRequest, *, kind: str = "exec",
+                   on_output: Callable[[str, bytes], None] | None = None) -> ExecResult:
+        """Run a command to completion. A timeout is a result with ``timed_out`` set (what
+        the SDK expects), not an error: the partial output is worth having."""
+        stdin = self._exec_args(sandbox_id, req)
+        t0 = time.perf_counter()
+        outcome = "error"
+        try:
+            with self.activity(sandbox_id):
+                try:
+                    result = await self.runtime.exec(
+                        sandbox_id, req.cmd, env=req.env, cwd=req.cwd, user=req.user, stdin=stdin,
+                        timeout=req.timeout, idle_timeout=req.idle_timeout, on_output=on_output,
+                    )
+                except ExecTimeout as exc:
+                    partial = getattr(exc, "result", None)
+                    if not isinstance(partial, ExecResult):
+                        raise
+                    result = partial
+            outcome = "timeout" if result.timed_out else ("ok" if result.exit_code == 0 else "nonzero")
+            return result
+        finally:
+            self.metrics.execs.labels(kind, outcome).inc()
+            self.metrics.exec_seconds.labels(kind).observe(time.perf_counter() - t0)
+            rec = self.runtime.sandboxes.get(sandbox_id)
+            if rec is not None:
+                self._scan_limits(rec)
+
+    def _scan_limits(self, rec: SandboxRecord) -> None:
+        """Count the runtime's new OOM / pids-limit events (they appear after an exec)."""
+        since = self._limits_seen.get(rec.id, 0.0)
+        newest = since
+        for ev in reversed(rec.events):
+            t = float(ev.get("t", 0.0))
+            if t <= since:
+                break
+            newest = max(newest, t)
+            if ev.get("event") in ("oom", "pids_limit"):
+                self.metrics.limit_events.labels(str(ev["event"])).inc(int(ev.get("count", 1)))
+        self._limits_seen[rec.id] = newest
+
+    async def exec_stream(self, sandbox_id: str, req: ExecRequest) -> AsyncIterator[bytes]:
+        """NDJSON lines of :class:`StreamChunk`: output as produced, then the result (or
+        an error). Checks run before the first byte, so a bad request is a plain HTTP
+        error; cancelling the iteration (the client went away) kills the command."""
+        self._exec_args(sandbox_id, req)
+        return self._stream_lines(sandbox_id, req)
+
+    async def _stream_lines(self, sandbox_id: str, req: ExecRequest) -> AsyncIterator[bytes]:
+        queue: asyncio.Queue[tuple[str, bytes] | None] = asyncio.Queue()
+        queued = 0
+        dropped = {"stdout": 0, "stderr": 0}
+
+        def on_output(stream: str, chunk: bytes) -> None:
+            nonlocal queued
+            if queued + len(chunk) > STREAM_BUFFER_BYTES:
+                dropped[stream] += len(chunk)
+                return
+            queued += len(chunk)
+            queue.put_nowait((stream, chunk))
+
+        task = asyncio.ensure_future(self.exec(sandbox_id, req, kind="stream", on_output=on_output))
+        task.add_done_callback(lambda _t: queue.put_nowait(None))
+        try:
+            done = False
+            while not done:
+                items = [await queue.get()]
+                while not queue.empty():
+                    items.append(queue.get_nowait())
+                merged: list[tuple[str, bytearray]] = []
+                for it in items:
+                    if it is None:
+                        done = True
+                        continue
+                    queued -= len(it[1])
+                    if merged and merged[-1][0] == it[0]:
+                        merged[-1][1].extend(it[1])
+                    else:
+                        merged.append((it[0], bytearray(it[1])))
+                lines = []
+                for stream, data in merged:
+                    lost, dropped[stream] = dropped[stream], 0
+                    chunk = StreamChunk(kind="stdout" if stream == "stdout" else "stderr",
+                                        data_b64=base64.b64encode(data).decode(), dropped_bytes=lost or None)
+                    lines.append(chunk.model_dump_json(exclude_none=True))
+                if lines:
+                    yield ("\n".join(lines) + "\n").encode()
+            try:
+                final = StreamChunk(kind="result", result=result_to_wire(task.result()))
+            except DsecError as exc:
+                final = StreamChunk(kind="error", error=error_body(exc)["error"])
+            except Exception as exc:
+                log.exception("exec stream failed")
+                final = StreamChunk(kind="error", error={"code": "dsec_error", "message": f"edge error: {exc!r}"})
+            yield (final.model_dump_json(exclude_none=True) + "\n").encode()
+        finally:
+            if not task.done():
+                task.cancel()  # the runtime kills the command's process tree
+                with contextlib.suppress(BaseException):
+                    await task
+
+    # -------------------------------------------------------------- sessions --
+
+    async def open_session(self, sandbox_id: str, body: SessionOpen) -> str:
+        self.record(sandbox_id)
+        with self.activity(sandbox_id):
+            sess = await self.runtime.open_session(sandbox_id, env=body.env, cwd=body.cwd, user=body.user)
+        self._sessions.setdefault(sandbox_id, {})[sess.id] = sess
+        self.events.add(sandbox_id, "session_opened", session_id=sess.id)
+        return sess.id
+
+    def _session(self, sandbox_id: str, session_id: str) -> Session:
+        self.record(sandbox_id)
+        sess = self._sessions.get(sandbox_id, {}).get(session_id)
+        if sess is None:
+            raise SessionClosed(f"no open session {session_id!r} in sandbox {sandbox_id}",
+                                sandbox_id=sandbox_id, session_id=session_id)
+        return sess
+
+    async def session_run(self, sandbox_id: str, session_id: str, body: SessionRun) -> ExecResult:
+        sess = self._session(sandbox_id, session_id)
+        t0 = time.perf_counter()
+        outcome = "error"
+        try:
+            with self.activity(sandbox_id):
+                try:
+                    result = await sess.run(body.command, timeout=body.timeout,
+                                            output_cap=self.runtime.sandboxes[sandbox_id].spec.output_cap)
+                except ExecTimeout as exc:
+                    partial = getattr(exc, "result", None)
+                    if not isinstance(partial, ExecResult):
+                        raise
+                    result = partial
+                except SessionClosed:
+                    self._sessions.get(sandbox_id, {}).pop(session_id, None)
+                    raise
+            outcome = "timeout" if result.timed_out else ("ok" if result.exit_code == 0 else "nonzero")
+            return result
+        finally:
+            self.metrics.execs.labels("session", outcome).inc()
+            self.metrics.exec_seconds.labels("session").observe(time.perf_counter() - t0)
+
+    async def close_session(self, sandbox_id: str, session_id: str) -> None:
+        self.record(sandbox_id)
+        sess = self._sessions.get(sandbox_id, {}).pop(session_id, None)
+        if sess is None:
+            return  # idempotent
+        self.touch(sandbox_id)
+        await sess.close()
+        self.events.add(sandbox_id, "session_closed", session_id=session_id)
+
+    # ----------------------------------------------------------------- files --
+
+    async def files(self, sandbox_id: str, op: Callable[[SandboxFiles], T]) -> T:
+        """Run ``op`` on the sandbox's SandboxFiles in a worker thread (blocking syscalls)."""
+        self.record(sandbox_id)
+        with self.activity(sandbox_id):
+            fs = self.runtime.files(sandbox_id)
+            return await asyncio.to_thread(op, fs)
+
+    # ------------------------------------------------------------- utilities --
+
+    def require_running(self) -> None:
+        if not self.started:
+            raise HostError(f"edge {self.edge_id} is not running", edge_id=self.edge_id)

@@ -1,0 +1,83 @@
+"""An edge on a private event loop in a background thread, for synchronous callers
+(tests, notebooks, scripts that drive the edge with a sync HTTP client).
+
+    with EdgeThread(config) as edge:
+        httpx.post(f"{edge.url}/v1/sandboxes", headers=edge.admin_headers(), ...)
+
+Stopping waits for the edge to finish (the runtime closed, sandboxes kept or
+destroyed as asked). Never used by the edge itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from dsec.auth import mint
+from dsec.edge.config import EdgeConfig
+
+T = TypeVar("T")
+
+
+class EdgeThread:
+    def __init__(self, config: EdgeConfig, *, log_level: str = "warning") -> None:
+        self.config = config
+        self.log_level = log_level
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._main, name=f"edge-{config.edge_id}", daemon=True)
+        self._ready = threading.Event()
+        self.handle: Any = None
+        self.url = ""
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def start(self) -> EdgeThread:
+        from dsec.edge.server import serve_edge
+
+        self._thread.start()
+        self.handle = self.call(serve_edge(self.config, log_level=self.log_level))
+        self.url = self.handle.url
+        return self
+
+    @property
+    def service(self) -> Any:
+        return self.handle.service
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float = 120.0) -> T:
+        """Run ``coro`` on the edge's loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self, *, destroy_all: bool | None = None) -> None:
+        if self.handle is not None:
+            try:
+                self.call(self.handle.stop(destroy_all=destroy_all))
+            finally:
+                self.handle = None
+        if self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(10)
+        if not self.loop.is_running() and not self.loop.is_closed():
+            self.loop.close()
+
+    def __enter__(self) -> EdgeThread:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- tokens --
+
+    def admin_token(self, ttl_s: float = 3600.0) -> str:
+        token, _ = mint(self.config.cluster_key, sandbox_id="*", project="", ttl_s=ttl_s, scope="edge-admin")
+        return token
+
+    def admin_headers(self) -> dict[str, str]:
+        return {"authorization": f"Bearer {self.admin_token()}"}
+
+    def sandbox_headers(self, sandbox_id: str, ttl_s: float = 3600.0) -> dict[str, str]:
+        token, _ = mint(self.config.cluster_key, sandbox_id=sandbox_id, project="", ttl_s=ttl_s)
+        return {"authorization": f"Bearer {token}"}
