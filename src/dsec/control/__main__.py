@@ -1,0 +1,62 @@
+"""``python -m dsec.control``: run one control-plane replica in the foreground.
+
+Settings come from ``--config FILE`` (JSON of ControlConfig), then flags, then
+the environment (DSEC_CLUSTER_KEY / DSEC_CLUSTER_KEY_FILE, DSEC_CONTROL_DATA).
+SIGINT/SIGTERM stop it cleanly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from dsec.control.config import ControlConfig
+from dsec.control.server import serve_control
+
+
+def parse_args(argv: list[str] | None = None) -> ControlConfig:
+    ap = argparse.ArgumentParser(prog="python -m dsec.control", description="DSec control plane")
+    ap.add_argument("--config", type=Path, help="JSON file of ControlConfig fields")
+    ap.add_argument("--data-dir", type=Path)
+    ap.add_argument("--database-url", help="sqlite:///PATH (default under --data-dir) or postgresql://...")
+    ap.add_argument("--host")
+    ap.add_argument("--port", type=int)
+    ap.add_argument("--no-watcher", action="store_true", help="leave the watcher to other replicas")
+    ap.add_argument("--log-level", default=None)
+    a = ap.parse_args(argv)
+    data: dict[str, Any] = json.loads(a.config.read_text()) if a.config else {}
+    for name in ("data_dir", "database_url", "host", "port", "log_level"):
+        value = getattr(a, name)
+        if value is not None:
+            data[name] = value
+    if a.no_watcher:
+        data["watcher"] = False
+    return ControlConfig.model_validate(data)
+
+
+async def run(config: ControlConfig) -> None:
+    handle = await serve_control(config)
+    print(f"dsec control plane listening on {handle.url} (store: {config.db_url.split('@')[-1]})", file=sys.stderr)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    waiter = asyncio.create_task(handle.wait())
+    await asyncio.wait([asyncio.create_task(stop.wait()), waiter], return_when=asyncio.FIRST_COMPLETED)
+    await handle.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = parse_args(argv)
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    asyncio.run(run(config))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,360 @@
+"""The control plane's HTTP API (docs/API.md "Control plane", docs/CONTROL.md).
+
+Thin: every route authenticates, validates and hands over to service.py.
+Errors leave as ``{"error": exc.to_wire()}`` with the status of
+``dsec.spec.api.STATUS_BY_CODE``; a 429 carries ``Retry-After``; a malformed
+request is a 422 ``invalid_spec`` naming the offending field. Bad input never
+produces a 5xx.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel, ConfigDict
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from dsec.control import edges as edges_mod
+from dsec.control import iam
+from dsec.control.config import ControlConfig
+from dsec.control.iam import Principal
+from dsec.control.sandboxes import parse_label_filters
+from dsec.control.service import Control
+from dsec.errors import AuthError, DsecError, Forbidden, InvalidSpec
+from dsec.spec import SandboxState
+from dsec.spec.api import (
+    STATUS_BY_CODE,
+    BatchResult,
+    CreateBatch,
+    CreateProject,
+    CreateSandbox,
+    CreateTask,
+    CreateToken,
+    DeleteResult,
+    DrainEdge,
+    EdgeHealth,
+    EdgeInfo,
+    LayerInfo,
+    ProjectInfo,
+    SandboxInfo,
+    TaskInfo,
+    TokenInfo,
+    UpdateProject,
+    Whoami,
+)
+
+log = logging.getLogger("dsec.control.app")
+
+_bearer = HTTPBearer(auto_error=False, description="A project API token (dsk_...) or, for edges, an edge-admin dsec1 token")
+Bearer = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+
+
+class ErrorBody(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    code: str
+    message: str
+
+
+class ErrorEnvelope(BaseModel):
+    error: ErrorBody
+
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    s: {"model": ErrorEnvelope} for s in (401, 403, 404, 409, 422, 429)
+}
+
+
+def error_response(exc: DsecError) -> JSONResponse:
+    status = STATUS_BY_CODE.get(exc.code, 500)
+    headers: dict[str, str] = {}
+    if status == 429:
+        retry = float(exc.fields.get("retry_after", 1.0) or 1.0)
+        headers["Retry-After"] = str(max(1, math.ceil(retry)))
+    return JSONResponse({"error": exc.to_wire()}, status_code=status, headers=headers)
+
+
+def _field_of(loc: tuple[Any, ...] | list[Any]) -> str:
+    parts = [str(p) for p in loc]
+    if parts and parts[0] in ("body", "query", "path", "header"):
+        parts = parts[1:]
+    return ".".join(parts) or "body"
+
+
+# -------------------------------------------------------------- auth ----
+
+
+def ctl_of(request: Request) -> Control:
+    ctl: Control = request.app.state.ctl
+    return ctl
+
+
+Ctl = Annotated[Control, Depends(ctl_of)]
+
+
+def _token(cred: HTTPAuthorizationCredentials | None) -> str:
+    if cred is None or not cred.credentials:
+        raise AuthError("missing credentials: send 'Authorization: Bearer dsk_...'")
+    return cred.credentials
+
+
+async def caller(request: Request, cred: Bearer) -> Principal:
+    return await ctl_of(request).auth.project(_token(cred))
+
+
+async def edge_admin(request: Request, cred: Bearer) -> str:
+    return ctl_of(request).auth.edge_admin(_token(cred)).scope
+
+
+async def operator(request: Request, cred: Bearer) -> str:
+    """The root project's token, or an edge-admin token."""
+    tok = _token(cred)
+    ctl = ctl_of(request)
+    if tok.startswith("dsec1."):
+        ctl.auth.edge_admin(tok)
+        return "edge-admin"
+    who = await ctl.auth.project(tok)
+    if not who.is_root:
+        raise Forbidden("edges are managed with the root project's token or an edge-admin token")
+    return who.project
+
+
+Who = Annotated[Principal, Depends(caller)]
+
+
+EdgeAdmin = Annotated[str, Depends(edge_admin)]
+
+
+Operator = Annotated[str, Depends(operator)]
+
+
+def create_app(config: ControlConfig, *, control: Control | None = None) -> FastAPI:
+    """The ASGI app. Without ``control`` its lifespan starts (and stops) one from ``config``."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if control is not None:
+            app.state.ctl = control
+            yield
+            return
+        ctl = Control(config)
+        await ctl.start()
+        app.state.ctl = ctl
+        try:
+            yield
+        finally:
+            await ctl.stop()
+
+    app = FastAPI(
+        title="DSec control plane",
+        version="1",
+        description="Projects, tokens, tasks, sandboxes and edges. See docs/API.md and docs/CONTROL.md.",
+        lifespan=lifespan,
+        responses=_ERRORS,
+    )
+
+    # ------------------------------------------------------------ errors ----
+
+    @app.exception_handler(DsecError)
+    async def _dsec_error(request: Request, exc: DsecError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = [
+            {"field": _field_of(e.get("loc", ())), "message": str(e.get("msg", "")), "type": str(e.get("type", ""))}
+            for e in exc.errors()
+        ]
+        first = errors[0] if errors else {"field": "body", "message": "invalid request"}
+        return error_response(
+            InvalidSpec(f"{first['field']}: {first['message']}", field=first["field"], errors=errors[:20])
+        )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = "not_found" if exc.status_code == 404 else "dsec_error"
+        return JSONResponse(
+            {"error": {"code": code, "message": str(exc.detail), "status": exc.status_code}},
+            status_code=exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return JSONResponse(
+            {"error": {"code": "dsec_error", "message": f"internal error: {type(exc).__name__}"}}, status_code=500
+        )
+
+    # ------------------------------------------------------------ health ----
+
+    @app.get("/healthz", tags=["meta"])
+    async def healthz(ctl: Ctl) -> dict[str, Any]:
+        return await ctl.healthz()
+
+    @app.get("/v1/whoami", tags=["meta"])
+    async def whoami(ctl: Ctl, who: Who) -> Whoami:
+        names = await ctl.db.read(lambda s: [p.name for p in iam.list_projects(s, who)])
+        return Whoami(project=who.project, token_id=who.token_id, projects=names)
+
+    # --------------------------------------------------------- sandboxes ----
+
+    @app.post("/v1/sandboxes", status_code=201, tags=["sandboxes"])
+    async def create_sandbox(ctl: Ctl, who: Who, body: CreateSandbox) -> SandboxInfo:
+        return await ctl.sandboxes.create(who, body)
+
+    @app.post("/v1/sandboxes/batch", tags=["sandboxes"])
+    async def create_batch(ctl: Ctl, who: Who, body: CreateBatch) -> BatchResult:
+        if body.task is not None:
+            iam.check_name(body.task, "task")
+        return await ctl.sandboxes.create_batch(who, body)
+
+    @app.get("/v1/sandboxes", tags=["sandboxes"])
+    async def list_sandboxes(
+        ctl: Ctl,
+        who: Who,
+        label: Annotated[list[str], Query(description="k=v (equal) or k (present); repeatable")] = [],  # noqa: B006
+        task: Annotated[str | None, Query(max_length=63)] = None,
+        state: Annotated[list[SandboxState], Query(description="default: every state but stopped")] = [],  # noqa: B006
+        limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000,
+    ) -> list[SandboxInfo]:
+        return await ctl.sandboxes.list(
+            who, task=task, states=[s.value for s in state], labels=parse_label_filters(label), limit=limit
+        )
+
+    @app.get("/v1/sandboxes/{sandbox_id}", tags=["sandboxes"])
+    async def get_sandbox(ctl: Ctl, who: Who, sandbox_id: str) -> SandboxInfo:
+        return await ctl.sandboxes.get(who, sandbox_id)
+
+    @app.delete("/v1/sandboxes/{sandbox_id}", status_code=204, response_class=Response, tags=["sandboxes"])
+    async def delete_sandbox(ctl: Ctl, who: Who, sandbox_id: str) -> Response:
+        await ctl.sandboxes.delete(who, sandbox_id)
+        return Response(status_code=204)
+
+    @app.delete("/v1/sandboxes", tags=["sandboxes"])
+    async def delete_sandboxes(
+        ctl: Ctl,
+        who: Who,
+        label: Annotated[list[str], Query()] = [],  # noqa: B006
+        task: Annotated[str | None, Query(max_length=63)] = None,
+        state: Annotated[list[SandboxState], Query()] = [],  # noqa: B006
+        all: Annotated[bool, Query(description="every sandbox of the caller's projects")] = False,
+    ) -> DeleteResult:
+        n = await ctl.sandboxes.delete_where(
+            who, task=task, labels=parse_label_filters(label), states=[s.value for s in state], everything=all
+        )
+        return DeleteResult(deleted=n)
+
+    # ------------------------------------------------------------- tasks ----
+
+    @app.post("/v1/tasks", status_code=201, tags=["tasks"])
+    async def create_task(ctl: Ctl, who: Who, body: CreateTask) -> TaskInfo:
+        return await ctl.db.write(lambda s: iam.create_task(s, who, body.name, body.quota))
+
+    @app.get("/v1/tasks", tags=["tasks"])
+    async def list_tasks(ctl: Ctl, who: Who) -> list[TaskInfo]:
+        return await ctl.db.read(lambda s: iam.list_tasks(s, who))
+
+    @app.get("/v1/tasks/{name}", tags=["tasks"])
+    async def get_task(ctl: Ctl, who: Who, name: str) -> TaskInfo:
+        return await ctl.db.read(lambda s: iam.task_info(s, who, name))
+
+    @app.delete("/v1/tasks/{name}", tags=["tasks"])
+    async def delete_task(ctl: Ctl, who: Who, name: str) -> DeleteResult:
+        """Delete the task's sandboxes, then the task."""
+        await ctl.db.read(lambda s: iam.find_task(s, who, name))
+        n = await ctl.sandboxes.delete_where(who, task=name, labels={}, states=[], everything=False)
+
+        def txn(s: Any) -> None:
+            t = iam.find_task(s, who, name)
+            s.delete(t)
+
+        await ctl.db.write(txn)
+        return DeleteResult(deleted=n)
+
+    # ---------------------------------------------------------- projects ----
+
+    @app.post("/v1/projects", status_code=201, tags=["iam"])
+    async def create_project(ctl: Ctl, who: Who, body: CreateProject) -> ProjectInfo:
+        return await ctl.db.write(lambda s: iam.create_project(s, who, body.name, body.parent, body.quota))
+
+    @app.get("/v1/projects", tags=["iam"])
+    async def list_projects(ctl: Ctl, who: Who) -> list[ProjectInfo]:
+        return await ctl.db.read(lambda s: iam.list_projects(s, who))
+
+    @app.get("/v1/projects/{name}", tags=["iam"])
+    async def get_project(ctl: Ctl, who: Who, name: str) -> ProjectInfo:
+        return await ctl.db.read(lambda s: iam.project_info(s, iam.visible_project(s, who, name)))
+
+    @app.patch("/v1/projects/{name}", tags=["iam"])
+    async def update_project(ctl: Ctl, who: Who, name: str, body: UpdateProject) -> ProjectInfo:
+        return await ctl.db.write(lambda s: iam.update_project(s, who, name, body.quota))
+
+    @app.delete("/v1/projects/{name}", status_code=204, response_class=Response, tags=["iam"])
+    async def delete_project(ctl: Ctl, who: Who, name: str) -> Response:
+        await ctl.db.write(lambda s: iam.delete_project(s, who, name))
+        ctl.auth.forget_all()  # its tokens are gone
+        return Response(status_code=204)
+
+    # ------------------------------------------------------------ tokens ----
+
+    @app.post("/v1/tokens", status_code=201, tags=["iam"])
+    async def create_token(ctl: Ctl, who: Who, body: CreateToken) -> TokenInfo:
+        return await ctl.db.write(lambda s: iam.create_token(s, who, body.project, body.name))
+
+    @app.get("/v1/tokens", tags=["iam"])
+    async def list_tokens(ctl: Ctl, who: Who) -> list[TokenInfo]:
+        return await ctl.db.read(lambda s: iam.list_tokens(s, who))
+
+    @app.delete("/v1/tokens/{token_id}", status_code=204, response_class=Response, tags=["iam"])
+    async def revoke_token(ctl: Ctl, who: Who, token_id: str) -> Response:
+        h = await ctl.db.write(lambda s: iam.revoke_token(s, who, token_id))
+        ctl.auth.forget(h)
+        return Response(status_code=204)
+
+    # ------------------------------------------------------------ images ----
+
+    @app.get("/v1/images", tags=["images"])
+    async def list_images(ctl: Ctl, who: Who) -> list[LayerInfo]:
+        return await ctl.db.read(edges_mod.layers_txn)
+
+    # ------------------------------------------------------------- edges ----
+
+    @app.post("/v1/edges/register", tags=["edges"])
+    async def register_edge(
+        ctl: Ctl, body: EdgeHealth, _: EdgeAdmin
+    ) -> EdgeInfo:
+        info = await ctl.db.write(lambda s: edges_mod.record_health_txn(s, body))
+        ctl.directory.put(info.id, info.url)
+        return info
+
+    @app.post("/v1/edges/{edge_id}/heartbeat", tags=["edges"])
+    async def heartbeat(
+        ctl: Ctl, edge_id: str, body: EdgeHealth, _: EdgeAdmin
+    ) -> EdgeInfo:
+        if body.edge_id != edge_id:
+            raise InvalidSpec(f"the report is from edge {body.edge_id!r}, the path names {edge_id!r}", field="edge_id")
+        info = await ctl.db.write(lambda s: edges_mod.record_health_txn(s, body))
+        ctl.directory.put(info.id, info.url)
+        return info
+
+    @app.get("/v1/edges", tags=["edges"])
+    async def list_edges(ctl: Ctl, _: Operator) -> list[EdgeInfo]:
+        return await ctl.db.read(edges_mod.list_edges_txn)
+
+    @app.post("/v1/edges/{edge_id}/drain", tags=["edges"])
+    async def drain_edge(
+        ctl: Ctl, edge_id: str, _: Operator, body: DrainEdge | None = None
+    ) -> EdgeInfo:
+        draining = True if body is None else body.draining
+        return await ctl.db.write(lambda s: edges_mod.drain_txn(s, edge_id, draining))
+
+    return app
+

@@ -1,0 +1,166 @@
+"""Configuration of one control-plane replica: pure data, no I/O at import.
+
+Several replicas may share one PostgreSQL database (``database_url``); the
+default is an embedded SQLite file (WAL) under ``data_dir``. The cluster key
+is the HMAC key shared with every edge (hex in files and ``DSEC_CLUSTER_KEY``);
+:meth:`ControlConfig.resolve_cluster_key` reads it, or creates it (0600) under
+``data_dir`` when neither the config nor the environment gives one.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_serializer, field_validator
+
+from dsec.spec.api import NAME_PATTERN, Quota
+
+GiB = 1024**3
+
+
+def _default_data_dir() -> Path:
+    env = os.environ.get("DSEC_CONTROL_DATA")
+    if env:
+        return Path(env)
+    if os.geteuid() == 0:
+        return Path("/var/lib/dsec/control")
+    return Path.home() / ".local/share/dsec/control"
+
+
+class _Config(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PlacementConfig(_Config):
+    k: Annotated[int, Field(ge=1, le=64)] = 2
+    """Power-of-k choices: sample k feasible edges, take the least committed."""
+    max_attempts: Annotated[int, Field(ge=1, le=32)] = 3
+    """Edges tried per create when edges refuse admission (429) or cannot be reached."""
+    require_layers: bool = False
+    """True: only edges that already hold every layer of the image are candidates.
+    False: edges holding the layers are preferred; others may fetch them lazily."""
+    retry_after_s: Annotated[float, Field(gt=0, le=3600)] = 1.0
+    """Retry-After of a 429 when nothing fits."""
+
+
+class ControlConfig(_Config):
+    """Everything one control-plane replica needs."""
+
+    data_dir: Path = Field(default_factory=_default_data_dir)
+    database_url: str | None = None
+    """SQLAlchemy URL; default ``sqlite:///<data_dir>/control.db``. ``postgresql://...``
+    (psycopg 3) lets several replicas share the state."""
+    cluster_key: bytes | None = None
+    """HMAC key shared with the edges (hex); default DSEC_CLUSTER_KEY, DSEC_CLUSTER_KEY_FILE
+    or ``<data_dir>/cluster.key`` (created 0600 on first start)."""
+    host: str = "127.0.0.1"
+    port: Annotated[int, Field(ge=0, le=65535)] = 7070
+    """0 picks a free port (serve_control reports it in the handle's url)."""
+    public_url: str | None = None
+
+    placement: PlacementConfig = PlacementConfig()
+
+    sandbox_token_ttl_s: Annotated[float, Field(gt=0, le=7 * 86400)] = 3600.0
+    """Lifetime of the data-path token in each create/get answer."""
+    edge_admin_token_ttl_s: Annotated[float, Field(gt=60, le=7 * 86400)] = 3600.0
+
+    watcher: bool = True
+    """Run the watcher in this replica (replicas elect one leader through a lease row)."""
+    watcher_interval_s: Annotated[float, Field(gt=0, le=3600)] = 2.0
+    dead_after_misses: Annotated[int, Field(ge=1, le=1000)] = 3
+    reconcile_interval_s: Annotated[float, Field(gt=0, le=86400)] = 10.0
+    """How often each live edge's sandbox list is compared with the store."""
+    edge_lost_after_s: Annotated[float, Field(gt=0)] = 300.0
+    """Sandboxes of an edge dead this long are marked failed, and their quota returns."""
+    orphan_grace_s: Annotated[float, Field(ge=0)] = 60.0
+    reap_orphans: bool = True
+    """Delete sandboxes an edge holds that the store does not know (older than the grace)."""
+    retention_s: Annotated[float, Field(ge=0)] = 86400.0
+    """Stopped and failed sandboxes stay listable (and their request ids answered) this long."""
+
+    edge_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 60.0
+    """Per edge call; a create slower than this is tried on the next candidate."""
+    batch_concurrency: Annotated[int, Field(ge=1, le=4096)] = 64
+    db_threads: Annotated[int, Field(ge=1, le=256)] = 8
+    auth_cache_s: Annotated[float, Field(ge=0, le=300)] = 2.0
+    """API-token lookups are cached this long per replica; a revocation in this replica
+    applies at once, in the others within this delay."""
+
+    root_project: Annotated[str, Field(pattern=NAME_PATTERN)] = "root"
+    root_quota: Quota = Quota(sandboxes=1_000_000, cpu=1_000_000.0, memory=1 << 50)
+    bootstrap_token: SecretStr | None = None
+    """Admin token of the root project. Unset: one is generated on the first start."""
+    admin_token_file: Path | None = None
+    """Where the generated admin token is written (0600); default ``<data_dir>/admin.token``."""
+    log_level: str = "warning"
+
+    @field_validator("cluster_key", mode="before")
+    @classmethod
+    def _key(cls, v: Any) -> bytes | None:
+        return None if v is None else parse_key(v)
+
+    @field_serializer("cluster_key")
+    def _key_hex(self, v: bytes | None) -> str | None:
+        return None if v is None else v.hex()
+
+    @field_validator("bootstrap_token")
+    @classmethod
+    def _boot(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is not None and not v.get_secret_value().startswith("dsk_"):
+            raise ValueError("bootstrap_token must be a dsk_ API token")
+        return v
+
+    @property
+    def db_url(self) -> str:
+        if self.database_url:
+            return self.database_url
+        return f"sqlite:///{self.data_dir / 'control.db'}"
+
+    @property
+    def token_file(self) -> Path:
+        return self.admin_token_file or self.data_dir / "admin.token"
+
+    def resolve_cluster_key(self) -> bytes:
+        """The configured key, else $DSEC_CLUSTER_KEY(_FILE), else ``<data_dir>/cluster.key``."""
+        if self.cluster_key is not None:
+            return self.cluster_key
+        if os.environ.get("DSEC_CLUSTER_KEY"):
+            return parse_key(os.environ["DSEC_CLUSTER_KEY"])
+        if os.environ.get("DSEC_CLUSTER_KEY_FILE"):
+            return parse_key(Path(os.environ["DSEC_CLUSTER_KEY_FILE"]).read_text())
+        path = self.data_dir / "cluster.key"
+        if path.exists():
+            return parse_key(path.read_text())
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        write_secret(path, secrets.token_hex(32) + "\n")
+        return parse_key(path.read_text())
+
+
+def parse_key(value: Any) -> bytes:
+    if isinstance(value, bytes | bytearray):
+        key = bytes(value)
+    elif isinstance(value, str):
+        try:
+            key = bytes.fromhex(value.strip())
+        except ValueError:
+            raise ValueError("cluster_key must be hex (e.g. `python -c 'import secrets; print(secrets.token_hex(32))'`)") from None
+    else:
+        raise ValueError("cluster_key must be hex text or bytes")
+    if len(key) < 16:
+        raise ValueError("cluster_key must be at least 16 bytes (32 hex digits)")
+    return key
+
+
+def write_secret(path: Path, text: str) -> None:
+    """Create ``path`` with mode 0600 from the start (never world-readable, even briefly)."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.write(fd, text.encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)

@@ -1,0 +1,290 @@
+"""The control plane's store: SQLAlchemy models, the engine, migrations.
+
+All state of the control plane lives here, so API replicas are stateless and
+several of them can share one PostgreSQL database. The default is an embedded
+SQLite file in WAL mode with a busy timeout; write transactions on SQLite start
+with ``BEGIN IMMEDIATE`` so two writers queue on the lock instead of failing
+when a read snapshot would have to be upgraded.
+
+The engine is synchronous; :class:`Store` runs each transaction in a small
+thread pool, so the event loop never waits on the database. A transaction is a
+plain function of a ``Session`` (no awaits inside): it commits when it returns
+and rolls back when it raises. Write transactions that hit a lock timeout,
+a deadlock or a serialization failure are retried a few times.
+
+Counters (project/task usage, edge commitments) are kept on their rows and
+updated in the same transaction as the sandbox rows that change them; the
+watcher recomputes them from the sandbox rows now and then (see watcher.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import logging
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+import sqlalchemy as sa
+from sqlalchemy import event
+from sqlalchemy.engine import URL, Engine, make_url
+from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
+
+log = logging.getLogger("dsec.control.db")
+
+T = TypeVar("T")
+
+MIGRATIONS = Path(__file__).with_name("migrations")
+_PG_MIGRATE_LOCK = 0x64736563  # "dsec": pg_advisory_xact_lock key serializing replicas' migrations
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Project(Base):
+    __tablename__ = "projects"
+
+    id: Mapped[int] = mapped_column(sa.Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(sa.String(63), unique=True)
+    parent_id: Mapped[int | None] = mapped_column(sa.ForeignKey("projects.id"), index=True)
+    created_at: Mapped[float] = mapped_column(sa.Double)
+    # quota: cpu in millicores so sums are exact
+    quota_sandboxes: Mapped[int] = mapped_column(sa.BigInteger)
+    quota_cpu_m: Mapped[int] = mapped_column(sa.BigInteger)
+    quota_memory: Mapped[int] = mapped_column(sa.BigInteger)
+    # held by this project's own sandboxes (creating, running)
+    used_sandboxes: Mapped[int] = mapped_column(sa.BigInteger, default=0)
+    used_cpu_m: Mapped[int] = mapped_column(sa.BigInteger, default=0)
+    used_memory: Mapped[int] = mapped_column(sa.BigInteger, default=0)
+    # carved out by the children (sum of their quotas)
+    reserved_sandboxes: Mapped[int] = mapped_column(sa.BigInteger, default=0)
+    reserved_cpu_m: Mapped[int] = mapped_column(sa.BigInteger, default=0)
+    reserved_memory: Mapped[int] = mapped_column(sa.BigInteger, default=0)
+
+
+class ApiToken(Base):
+    __tablename__ = "api_tokens"
+
+    id: Mapped[str] = mapped_column(sa.String(32), primary_key=True)
+    project_id: Mapped[int] = mapped_column(sa.ForeignKey("projects.id", ondelete="CASCADE"), index=True)
+    hash: Mapped[str] = mapped_column(sa.String(64), unique=True)
+    name: Mapped[str] = mapped_column(sa.String(128), default="")
+    created_at: Mapped[float] = mapped_column(sa.Double)
+    revoked_at: Mapped[float | None] = mapped_column(sa.Double)
+
+
+class Task(Base):
+    __tablename__ = "tasks"
+    __table_args__ = (sa.UniqueConstraint("project_id", "name", name="uq_tasks_project_name"),)
+
+    id: Mapped[int] = mapped_column(sa.Integer, primary_key=True, autoincrement=True)
+    project_id: Mapped[int] = mapped_column(sa.ForeignKey("projects.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(sa.String(63))
+    created_at: Mapped[float] = mapped_column(sa.Double)
+    quota_sandboxes: Mapped[int | None] = mapped_column(sa.BigInteger)
+    quota_cpu_m: Mapped[int | None] = mapped_column(sa.BigInteger)
+    quota_memory: Mapped[int | None] = mapped_column(sa.BigInteger)
+    used_sandboxes: Mapped[int] = mapped_column(sa.BigInteger, default=0)
+    used_cpu_m: Mapped[int] = mapped_column(sa.BigInteger, default=0)
+    used_memory: Mapped[int] = mapped_column(sa.BigInteger, default=0)
+
+
+class SandboxRow(Base):
+    """One sandbox. ``key`` exists from the reservation on; ``id`` once the edge answered."""
+
+    __tablename__ = "sandboxes"
+    __table_args__ = (
+        sa.UniqueConstraint("project_id", "request_id", name="uq_sandboxes_project_request"),
+        sa.Index("ix_sandboxes_project_state", "project_id", "state"),
+        sa.Index("ix_sandboxes_edge_state", "edge_id", "state"),
+    )
+
+    key: Mapped[str] = mapped_column(sa.String(32), primary_key=True)
+    id: Mapped[str | None] = mapped_column(sa.String(63), unique=True)
+    edge_id: Mapped[str | None] = mapped_column(sa.String(16))
+    edge_url: Mapped[str] = mapped_column(sa.String(512), default="")
+    project_id: Mapped[int] = mapped_column(sa.ForeignKey("projects.id", ondelete="CASCADE"))
+    task_id: Mapped[int | None] = mapped_column(sa.ForeignKey("tasks.id", ondelete="SET NULL"), index=True)
+    task_name: Mapped[str | None] = mapped_column(sa.String(63))
+    labels: Mapped[dict[str, str]] = mapped_column(sa.JSON, default=dict)
+    state: Mapped[str] = mapped_column(sa.String(16), index=True)
+    spec: Mapped[dict[str, Any]] = mapped_column(sa.JSON)
+    lifecycle: Mapped[dict[str, Any]] = mapped_column(sa.JSON)
+    cpu_m: Mapped[int] = mapped_column(sa.BigInteger)
+    memory: Mapped[int] = mapped_column(sa.BigInteger)
+    disk: Mapped[int] = mapped_column(sa.BigInteger)
+    created_at: Mapped[float] = mapped_column(sa.Double)
+    updated_at: Mapped[float] = mapped_column(sa.Double, index=True)
+    expires_at: Mapped[float | None] = mapped_column(sa.Double)
+    request_id: Mapped[str | None] = mapped_column(sa.String(160))
+    request_hash: Mapped[str] = mapped_column(sa.String(64), default="")
+    reason: Mapped[str] = mapped_column(sa.Text, default="")
+
+
+class EdgeRow(Base):
+    __tablename__ = "edges"
+
+    id: Mapped[str] = mapped_column(sa.String(16), primary_key=True)
+    url: Mapped[str] = mapped_column(sa.String(512))
+    health: Mapped[dict[str, Any] | None] = mapped_column(sa.JSON)
+    registered_at: Mapped[float] = mapped_column(sa.Double)
+    last_seen: Mapped[float | None] = mapped_column(sa.Double)
+    status: Mapped[str] = mapped_column(sa.String(8), default="alive")
+    misses: Mapped[int] = mapped_column(sa.Integer, default=0)
+    draining: Mapped[bool] = mapped_column(sa.Boolean, default=False)
+    # what the control plane placed there (creating, running, stopping, failed)
+    committed_sandboxes: Mapped[int] = mapped_column(sa.BigInteger, default=0)
+    committed_cpu_m: Mapped[int] = mapped_column(sa.BigInteger, default=0)
+    committed_memory: Mapped[int] = mapped_column(sa.BigInteger, default=0)
+    committed_disk: Mapped[int] = mapped_column(sa.BigInteger, default=0)
+
+
+class Lease(Base):
+    """Leader election among replicas (the watcher runs in one of them)."""
+
+    __tablename__ = "leases"
+
+    name: Mapped[str] = mapped_column(sa.String(32), primary_key=True)
+    holder: Mapped[str] = mapped_column(sa.String(64))
+    expires_at: Mapped[float] = mapped_column(sa.Double)
+
+
+# ------------------------------------------------------------------ engine ----
+
+
+def normalize_url(url: str) -> URL:
+    """``postgresql://`` means psycopg 3 here (the only PostgreSQL driver we pin)."""
+    u = make_url(url)
+    if u.drivername in ("postgresql", "postgres"):
+        u = u.set(drivername="postgresql+psycopg")
+    return u
+
+
+def make_engine(url: str, *, pool_size: int = 8) -> Engine:
+    u = normalize_url(url)
+    if u.get_backend_name() == "sqlite":
+        if u.database and u.database != ":memory:":
+            Path(u.database).parent.mkdir(parents=True, exist_ok=True)
+        engine = sa.create_engine(
+            u,
+            connect_args={"timeout": 30.0, "check_same_thread": False},
+            pool_size=pool_size,
+            max_overflow=pool_size,
+        )
+        _sqlite_setup(engine)
+        return engine
+    return sa.create_engine(u, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True)
+
+
+def _sqlite_setup(engine: Engine) -> None:
+    @event.listens_for(engine, "connect")
+    def _connect(dbapi: Any, _record: Any) -> None:
+        dbapi.isolation_level = None  # we emit BEGIN ourselves (below)
+        cur = dbapi.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA synchronous=NORMAL")  # durable at checkpoints; WAL keeps it consistent
+        cur.execute("PRAGMA busy_timeout=30000")
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _begin(conn: sa.Connection) -> None:
+        write = conn.get_execution_options().get("dsec_write", False)
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
+
+
+def _retryable(exc: DBAPIError) -> bool:
+    text = str(exc.orig).lower() if exc.orig is not None else str(exc).lower()
+    return any(
+        s in text
+        for s in ("database is locked", "deadlock detected", "could not serialize", "busy")
+    )
+
+
+class Store:
+    """The engine plus a thread pool: ``await store.read(fn)`` / ``await store.write(fn)``."""
+
+    def __init__(self, url: str, *, threads: int = 8) -> None:
+        self.url = url
+        self.engine = make_engine(url, pool_size=threads)
+        self.dialect = self.engine.dialect.name
+        self._write_engine = self.engine.execution_options(dsec_write=True)
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="dsec-db")
+
+    @property
+    def is_sqlite(self) -> bool:
+        return self.dialect == "sqlite"
+
+    # -- transactions (sync, run in the pool) --
+
+    @contextlib.contextmanager
+    def session(self, *, write: bool) -> Iterator[Session]:
+        with Session(self._write_engine if write else self.engine, expire_on_commit=False) as s, s.begin():
+            yield s
+
+    def run_sync(self, fn: Callable[[Session], T], *, write: bool) -> T:
+        attempts = 5 if write else 2
+        for attempt in range(attempts):
+            try:
+                with self.session(write=write) as s:
+                    return fn(s)
+            except (OperationalError, DBAPIError) as exc:
+                if attempt == attempts - 1 or not _retryable(exc):
+                    raise
+                log.info("retrying a transaction after %s", exc.orig)
+                time.sleep(0.01 * 2**attempt)
+        raise AssertionError("unreachable")
+
+    async def read(self, fn: Callable[[Session], T]) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, lambda: self.run_sync(fn, write=False))
+
+    async def write(self, fn: Callable[[Session], T]) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, lambda: self.run_sync(fn, write=True))
+
+    # -- lifecycle --
+
+    def migrate(self) -> None:
+        """Bring the schema to the newest revision (alembic), once even with many replicas."""
+        from alembic import command
+        from alembic.config import Config
+
+        cfg = Config()
+        cfg.set_main_option("script_location", str(MIGRATIONS))
+        with self._migrate_lock(), self._write_engine.begin() as conn:
+            if self.dialect == "postgresql":
+                conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_PG_MIGRATE_LOCK})")
+            cfg.attributes["connection"] = conn
+            command.upgrade(cfg, "head")
+
+    @contextlib.contextmanager
+    def _migrate_lock(self) -> Iterator[None]:
+        """SQLite: a file lock beside the database (two processes starting at once)."""
+        u = normalize_url(self.url)
+        if not self.is_sqlite or not u.database or u.database == ":memory:":
+            yield
+            return
+        with open(f"{u.database}.migrate.lock", "a+") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    def schema_revision(self) -> str | None:
+        with self.engine.connect() as conn:
+            try:
+                return conn.exec_driver_sql("SELECT version_num FROM alembic_version").scalar()
+            except DBAPIError:
+                return None
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=False)
+        self.engine.dispose()

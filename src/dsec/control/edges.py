@@ -1,0 +1,302 @@
+"""Edges as the control plane sees them: the registry rows, the HTTP client, the directory.
+
+- :class:`EdgeClient` calls an edge's admin API (create, delete, list, health)
+  with an edge-admin ``dsec1`` token minted from the cluster key, and sorts
+  failures into "refused" (429: try another edge), "unreachable" (try another
+  edge; a timed-out create may have happened, the watcher reaps such orphans)
+  and typed errors from the edge.
+- :class:`EdgeDirectory` is each replica's cache of edge id -> URL. A sandbox
+  id carries its edge (``<edge>-<hex>``), so GET/DELETE route through this
+  cache without asking the store where the sandbox lives.
+- The ``*_txn`` functions run inside one store transaction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import time
+from typing import Any
+
+import httpx
+import sqlalchemy as sa
+from sqlalchemy.orm import Session
+
+from dsec import auth
+from dsec.control.db import EdgeRow, SandboxRow, Store
+from dsec.control.errors import NotFound
+from dsec.control.iam import Amount
+from dsec.control.placement import EdgeView, Room, layer_set, room_of_health
+from dsec.errors import Backpressure, DsecError, InvalidSpec, error_from_wire
+from dsec.spec.api import EDGE_ID_PATTERN, EdgeHealth, EdgeInfo, LayerInfo, SandboxInfo
+
+log = logging.getLogger("dsec.control.edges")
+
+_EDGE_ID = re.compile(EDGE_ID_PATTERN)
+
+
+def edge_of(sandbox_id: str) -> str:
+    """The edge a sandbox id names: everything before the first '-'."""
+    return sandbox_id.split("-", 1)[0]
+
+
+def check_edge_id(edge_id: str) -> str:
+    if not _EDGE_ID.match(edge_id):
+        raise InvalidSpec(
+            f"edge id {edge_id!r} must match {EDGE_ID_PATTERN} (it prefixes sandbox ids)", field="edge_id"
+        )
+    return edge_id
+
+
+# ------------------------------------------------------------------ client ----
+
+
+class EdgeUnreachable(DsecError):
+    """The edge did not answer (``maybe_done``: the request may still have happened)."""
+
+    code = "host_error"
+
+    def __init__(self, message: str, *, maybe_done: bool, **fields: Any) -> None:
+        super().__init__(message, **fields)
+        self.maybe_done = maybe_done
+
+
+class EdgeClient:
+    def __init__(self, key: bytes, *, timeout: float, token_ttl_s: float = 3600.0) -> None:
+        self._key = key
+        self._ttl = token_ttl_s
+        self._token: tuple[str, float] | None = None
+        self._http = httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout, connect=min(5.0, timeout)),
+            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256, keepalive_expiry=30.0),
+        )
+
+    def admin_token(self) -> str:
+        now = time.time()
+        if self._token is None or self._token[1] - now < self._ttl / 4:
+            self._token = auth.mint(self._key, sandbox_id="*", project="*", ttl_s=self._ttl, scope="edge-admin")
+        return self._token[0]
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _call(
+        self, method: str, url: str, *, json: Any = None, timeout: float | None = None
+    ) -> httpx.Response:
+        headers = {"authorization": f"Bearer {self.admin_token()}"}
+        kw: dict[str, Any] = {"headers": headers}
+        if json is not None:
+            kw["json"] = json
+        if timeout is not None:
+            kw["timeout"] = timeout
+        try:
+            return await self._http.request(method, url, **kw)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            raise EdgeUnreachable(f"edge at {url} refused the connection: {exc}", maybe_done=False, url=url) from None
+        except httpx.TransportError as exc:  # read timeout, reset...: the request may have happened
+            raise EdgeUnreachable(
+                f"edge at {url} did not answer: {type(exc).__name__} {exc}", maybe_done=True, url=url
+            ) from None
+
+    @staticmethod
+    def _raise(resp: httpx.Response, edge_id: str) -> None:
+        if resp.status_code < 400:
+            return
+        payload: dict[str, Any] | None = None
+        with contextlib.suppress(ValueError):
+            body = resp.json()
+            if isinstance(body, dict) and isinstance(body.get("error"), dict):
+                payload = dict(body["error"])
+        if payload is None:
+            if resp.status_code == 429:
+                raise Backpressure(f"edge {edge_id} is busy", retry_after=_retry_after(resp), edge_id=edge_id)
+            if resp.status_code >= 500:
+                raise EdgeUnreachable(
+                    f"edge {edge_id} failed with HTTP {resp.status_code}: {resp.text[:200]}",
+                    maybe_done=True, edge_id=edge_id,
+                )
+            raise DsecError(f"edge {edge_id} answered HTTP {resp.status_code}: {resp.text[:200]}", edge_id=edge_id)
+        if resp.status_code == 429:
+            payload.setdefault("retry_after", _retry_after(resp))
+        payload.setdefault("edge_id", edge_id)
+        raise error_from_wire(payload)
+
+    async def create(self, edge_id: str, url: str, body: dict[str, Any]) -> SandboxInfo:
+        resp = await self._call("POST", f"{url}/v1/sandboxes", json=body)
+        self._raise(resp, edge_id)
+        return SandboxInfo.model_validate_json(resp.content)
+
+    async def delete(self, edge_id: str, url: str, sandbox_id: str) -> None:
+        """Destroy on the edge; already gone is fine."""
+        resp = await self._call("DELETE", f"{url}/v1/sandboxes/{sandbox_id}")
+        if resp.status_code == 404:
+            return
+        self._raise(resp, edge_id)
+
+    async def list(self, edge_id: str, url: str) -> list[SandboxInfo]:
+        resp = await self._call("GET", f"{url}/v1/sandboxes")
+        self._raise(resp, edge_id)
+        data = resp.json()
+        items = data["items"] if isinstance(data, dict) else data
+        return [SandboxInfo.model_validate(x) for x in items]
+
+    async def health(self, edge_id: str, url: str, *, timeout: float | None = None) -> EdgeHealth:
+        resp = await self._call("GET", f"{url}/v1/health", timeout=timeout)
+        self._raise(resp, edge_id)
+        return EdgeHealth.model_validate_json(resp.content)
+
+
+def _retry_after(resp: httpx.Response) -> float:
+    try:
+        return float(resp.headers.get("retry-after", "1"))
+    except ValueError:
+        return 1.0
+
+
+# --------------------------------------------------------------- directory ----
+
+
+class EdgeDirectory:
+    """This replica's cache of edge id -> URL (edges rarely move; refreshed on a miss)."""
+
+    def __init__(self, store: Store, *, max_age_s: float = 5.0) -> None:
+        self._store = store
+        self._max_age = max_age_s
+        self._urls: dict[str, str] = {}
+        self._loaded = 0.0
+        self._lock = asyncio.Lock()
+
+    def put(self, edge_id: str, url: str) -> None:
+        self._urls[edge_id] = url
+
+    def forget(self, edge_id: str) -> None:
+        self._urls.pop(edge_id, None)
+
+    async def url(self, edge_id: str) -> str | None:
+        if edge_id not in self._urls or time.monotonic() - self._loaded > self._max_age:
+            await self.refresh()
+        return self._urls.get(edge_id)
+
+    async def refresh(self) -> None:
+        async with self._lock:
+            if time.monotonic() - self._loaded < 0.05:
+                return
+            rows = await self._store.read(lambda s: s.execute(sa.select(EdgeRow.id, EdgeRow.url)).tuples().all())
+            self._urls = dict(rows)
+            self._loaded = time.monotonic()
+
+
+# ------------------------------------------------------------ transactions ----
+
+
+def effective_draining(e: EdgeRow) -> bool:
+    return bool(e.draining or (e.health or {}).get("draining", False))
+
+
+def view_of(e: EdgeRow) -> EdgeView:
+    """Placement's view: capacity from the last report, committed = max(report, what we placed)."""
+    placed = Room(e.committed_sandboxes, e.committed_cpu_m, e.committed_memory, e.committed_disk)
+    if e.health is None:
+        return EdgeView(id=e.id, capacity=Room(), committed=placed, alive=False)
+    h = EdgeHealth.model_validate(e.health)
+    cap, reported = room_of_health(h)
+    return EdgeView(
+        id=e.id,
+        capacity=cap,
+        committed=reported.max_with(placed),
+        layers=layer_set(h.layers),
+        labels=dict(h.labels),
+        draining=effective_draining(e),
+        alive=e.status == "alive",
+    )
+
+
+def edge_info(e: EdgeRow) -> EdgeInfo:
+    return EdgeInfo(
+        id=e.id,
+        url=e.url,
+        status="alive" if e.status == "alive" else "dead",
+        draining=effective_draining(e),
+        last_seen=e.last_seen,
+        registered_at=e.registered_at,
+        health=EdgeHealth.model_validate(e.health) if e.health is not None else None,
+        committed=Amount(e.committed_sandboxes, e.committed_cpu_m, e.committed_memory).to_quota(),
+    )
+
+
+def record_health_txn(s: Session, health: EdgeHealth, *, now: float | None = None) -> EdgeInfo:
+    """Register or heartbeat: upsert the edge with its report; it is alive again."""
+    check_edge_id(health.edge_id)
+    if not health.url.startswith(("http://", "https://")):
+        raise InvalidSpec(f"edge url {health.url!r} must be http(s)://host:port", field="url")
+    now = time.time() if now is None else now
+    e = s.get(EdgeRow, health.edge_id, with_for_update=True)
+    if e is None:
+        e = EdgeRow(
+            id=health.edge_id, url=health.url.rstrip("/"), registered_at=now, status="alive", misses=0,
+            draining=False, committed_sandboxes=0, committed_cpu_m=0, committed_memory=0, committed_disk=0,
+        )
+        s.add(e)
+        log.info("edge %s registered at %s", health.edge_id, health.url)
+    elif e.status != "alive":
+        log.warning("edge %s is alive again", e.id)
+    e.url = health.url.rstrip("/")
+    e.health = health.model_dump(mode="json")
+    e.last_seen = now
+    e.status = "alive"
+    e.misses = 0
+    s.flush()
+    return edge_info(e)
+
+
+def list_edges_txn(s: Session) -> list[EdgeInfo]:
+    return [edge_info(e) for e in s.execute(sa.select(EdgeRow).order_by(EdgeRow.id)).scalars()]
+
+
+def get_edge(s: Session, edge_id: str) -> EdgeRow:
+    e = s.get(EdgeRow, edge_id)
+    if e is None:
+        raise NotFound(f"no edge {edge_id!r}", edge_id=edge_id)
+    return e
+
+
+def drain_txn(s: Session, edge_id: str, draining: bool) -> EdgeInfo:
+    e = get_edge(s, edge_id)
+    e.draining = draining
+    s.flush()
+    return edge_info(e)
+
+
+def edge_views_txn(s: Session) -> list[EdgeView]:
+    return [view_of(e) for e in s.execute(sa.select(EdgeRow)).scalars()]
+
+
+def layers_txn(s: Session) -> list[LayerInfo]:
+    held: dict[str, list[str]] = {}
+    for e in s.execute(sa.select(EdgeRow).where(EdgeRow.status == "alive").order_by(EdgeRow.id)).scalars():
+        for ref in (e.health or {}).get("layers", []):
+            held.setdefault(str(ref), []).append(e.id)
+    return [LayerInfo(ref=r, edges=ids) for r, ids in sorted(held.items())]
+
+
+def bump_edge(s: Session, edge_id: str, delta: Room) -> None:
+    if delta == Room():
+        return
+    s.execute(
+        sa.update(EdgeRow)
+        .where(EdgeRow.id == edge_id)
+        .values(
+            committed_sandboxes=EdgeRow.committed_sandboxes + delta.sandboxes,
+            committed_cpu_m=EdgeRow.committed_cpu_m + delta.cpu_m,
+            committed_memory=EdgeRow.committed_memory + delta.memory,
+            committed_disk=EdgeRow.committed_disk + delta.disk,
+        )
+    )
+
+
+def sandboxes_on(s: Session, edge_id: str, states: tuple[str, ...]) -> list[SandboxRow]:
+    return list(
+        s.execute(sa.select(SandboxRow).where(SandboxRow.edge_id == edge_id, SandboxRow.state.in_(states))).scalars()
+    )

@@ -1,0 +1,558 @@
+"""IAM: nested projects with carved quotas, API tokens, tasks.
+
+Quota model (docs/CONTROL.md): every project has a concrete quota
+(sandboxes, cpu, memory). A child's quota is *carved out* of its parent's:
+for every project P, ``used(P) + sum(quota(child) for child of P) <= quota(P)``
+in each dimension, where ``used(P)`` counts P's own sandboxes (creating or
+running). Because the invariant holds at every level, admitting a sandbox
+into P only has to check P itself (and its task): nothing above P can be
+overdrawn by it. A create therefore locks one project row, not the chain.
+
+A task is a named group inside one project with an optional ceiling per
+dimension; it is a cap, not a reservation (tasks come and go with training
+jobs, and reserving for them would strand quota).
+
+API tokens are ``dsk_`` + 32 random bytes (urlsafe), shown once and stored as
+SHA-256. A token acts for its project and every descendant, never upward or
+sideways. The arithmetic here is pure (unit-tested); the functions taking a
+``Session`` run inside one store transaction and never await.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import sqlalchemy as sa
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from dsec.auth import hash_api_token
+from dsec.control.db import ApiToken, Project, SandboxRow, Task
+from dsec.control.errors import Conflict, NotFound
+from dsec.errors import AuthError, Forbidden, InvalidSpec, QuotaExceeded
+from dsec.spec import Resources
+from dsec.spec.api import NAME_PATTERN, ProjectInfo, Quota, TaskInfo, TaskQuota, TokenInfo
+
+TOKEN_PREFIX = "dsk_"
+_NAME = re.compile(NAME_PATTERN)
+DIMENSIONS = ("sandboxes", "cpu", "memory")
+
+
+# ------------------------------------------------------------ arithmetic ----
+
+
+def cpu_to_m(cores: float) -> int:
+    """Cores -> millicores (exact integer sums); a positive request never rounds to 0."""
+    m = round(cores * 1000)
+    return max(m, 1) if cores > 0 else 0
+
+
+@dataclass(frozen=True, slots=True)
+class Amount:
+    """A vector of (sandboxes, millicores, bytes of memory)."""
+
+    sandboxes: int = 0
+    cpu_m: int = 0
+    memory: int = 0
+
+    def __add__(self, other: Amount) -> Amount:
+        return Amount(self.sandboxes + other.sandboxes, self.cpu_m + other.cpu_m, self.memory + other.memory)
+
+    def __sub__(self, other: Amount) -> Amount:
+        return Amount(self.sandboxes - other.sandboxes, self.cpu_m - other.cpu_m, self.memory - other.memory)
+
+    def __mul__(self, n: int) -> Amount:
+        return Amount(self.sandboxes * n, self.cpu_m * n, self.memory * n)
+
+    def get(self, dim: str) -> int:
+        return {"sandboxes": self.sandboxes, "cpu": self.cpu_m, "memory": self.memory}[dim]
+
+    @classmethod
+    def of_quota(cls, q: Quota) -> Amount:
+        return cls(q.sandboxes, cpu_to_m(q.cpu), q.memory)
+
+    @classmethod
+    def of_resources(cls, r: Resources, count: int = 1) -> Amount:
+        return cls(count, cpu_to_m(r.cpu) * count, r.memory * count)
+
+    def to_quota(self) -> Quota:
+        return Quota(sandboxes=max(self.sandboxes, 0), cpu=max(self.cpu_m, 0) / 1000, memory=max(self.memory, 0))
+
+    def exceeds(self, limit: Amount) -> list[str]:
+        """The dimensions in which this amount is above ``limit``."""
+        return [d for d in DIMENSIONS if self.get(d) > limit.get(d)]
+
+
+def _shown(dim: str, value: int) -> float | int:
+    return value / 1000 if dim == "cpu" else value
+
+
+def check_fits(
+    *, project: str, quota: Amount, used: Amount, reserved: Amount, want: Amount, what: str = "project"
+) -> None:
+    """Raise QuotaExceeded (with fields) unless ``used + reserved + want <= quota``."""
+    over = (used + reserved + want).exceeds(quota)
+    if not over:
+        return
+    dim = over[0]
+    available = quota.get(dim) - used.get(dim) - reserved.get(dim)
+    raise QuotaExceeded(
+        f"{what} {project!r} is over its {dim} quota: limit {_shown(dim, quota.get(dim))}, "
+        f"in use {_shown(dim, used.get(dim))}, carved out by sub-projects {_shown(dim, reserved.get(dim))}, "
+        f"requested {_shown(dim, want.get(dim))}",
+        project=project,
+        resource=dim,
+        limit=_shown(dim, quota.get(dim)),
+        used=_shown(dim, used.get(dim)),
+        reserved=_shown(dim, reserved.get(dim)),
+        requested=_shown(dim, want.get(dim)),
+        available=_shown(dim, max(available, 0)),
+        dimensions=over,
+    )
+
+
+def check_task_fits(*, task: str, project: str, quota: TaskQuota, used: Amount, want: Amount) -> None:
+    limit = task_limit(quota)
+    total = used + want
+    over = [d for d in DIMENSIONS if limit.get(d) is not None and total.get(d) > (limit.get(d) or 0)]
+    if not over:
+        return
+    dim = over[0]
+    cap = limit.get(dim) or 0
+    raise QuotaExceeded(
+        f"task {task!r} of project {project!r} is over its {dim} quota: limit {_shown(dim, cap)}, "
+        f"in use {_shown(dim, used.get(dim))}, requested {_shown(dim, want.get(dim))}",
+        project=project,
+        task=task,
+        resource=dim,
+        limit=_shown(dim, cap),
+        used=_shown(dim, used.get(dim)),
+        requested=_shown(dim, want.get(dim)),
+        available=_shown(dim, max(cap - used.get(dim), 0)),
+        dimensions=over,
+    )
+
+
+def task_limit(q: TaskQuota) -> dict[str, int | None]:
+    return {
+        "sandboxes": q.sandboxes,
+        "cpu": None if q.cpu is None else cpu_to_m(q.cpu),
+        "memory": q.memory,
+    }
+
+
+def check_child_quota(
+    *, parent: str, parent_quota: Amount, parent_used: Amount, parent_reserved: Amount,
+    old: Amount, new: Amount,
+) -> None:
+    """A child's quota moving from ``old`` to ``new`` must still fit in the parent's."""
+    check_fits(
+        project=parent, quota=parent_quota, used=parent_used, reserved=parent_reserved - old,
+        want=new, what="parent project",
+    )
+
+
+def check_child_covers_itself(*, project: str, new: Amount, used: Amount, reserved: Amount) -> None:
+    """Shrinking a project below what it uses or has carved out for its children is refused."""
+    below = (used + reserved).exceeds(new)
+    if below:
+        dim = below[0]
+        raise QuotaExceeded(
+            f"project {project!r} holds {_shown(dim, used.get(dim))} {dim} and has carved out "
+            f"{_shown(dim, reserved.get(dim))} for sub-projects: a quota of {_shown(dim, new.get(dim))} is too small",
+            project=project,
+            resource=dim,
+            limit=_shown(dim, new.get(dim)),
+            used=_shown(dim, used.get(dim)),
+            reserved=_shown(dim, reserved.get(dim)),
+            dimensions=below,
+        )
+
+
+# ------------------------------------------------------------ row helpers ----
+
+
+def quota_of(p: Project) -> Amount:
+    return Amount(p.quota_sandboxes, p.quota_cpu_m, p.quota_memory)
+
+
+def used_of(p: Project | Task) -> Amount:
+    return Amount(p.used_sandboxes, p.used_cpu_m, p.used_memory)
+
+
+def reserved_of(p: Project) -> Amount:
+    return Amount(p.reserved_sandboxes, p.reserved_cpu_m, p.reserved_memory)
+
+
+def task_quota_of(t: Task) -> TaskQuota:
+    return TaskQuota(
+        sandboxes=t.quota_sandboxes,
+        cpu=None if t.quota_cpu_m is None else t.quota_cpu_m / 1000,
+        memory=t.quota_memory,
+    )
+
+
+def bump_project(s: Session, project_id: int, delta: Amount) -> None:
+    if delta == Amount():
+        return
+    s.execute(
+        sa.update(Project)
+        .where(Project.id == project_id)
+        .values(
+            used_sandboxes=Project.used_sandboxes + delta.sandboxes,
+            used_cpu_m=Project.used_cpu_m + delta.cpu_m,
+            used_memory=Project.used_memory + delta.memory,
+        )
+    )
+
+
+def bump_task(s: Session, task_id: int | None, delta: Amount) -> None:
+    if task_id is None or delta == Amount():
+        return
+    s.execute(
+        sa.update(Task)
+        .where(Task.id == task_id)
+        .values(
+            used_sandboxes=Task.used_sandboxes + delta.sandboxes,
+            used_cpu_m=Task.used_cpu_m + delta.cpu_m,
+            used_memory=Task.used_memory + delta.memory,
+        )
+    )
+
+
+def _bump_reserved(s: Session, project_id: int, delta: Amount) -> None:
+    s.execute(
+        sa.update(Project)
+        .where(Project.id == project_id)
+        .values(
+            reserved_sandboxes=Project.reserved_sandboxes + delta.sandboxes,
+            reserved_cpu_m=Project.reserved_cpu_m + delta.cpu_m,
+            reserved_memory=Project.reserved_memory + delta.memory,
+        )
+    )
+
+
+def lock_project(s: Session, project_id: int) -> Project:
+    """The project row, locked for this transaction (SQLite: the write lock is already held)."""
+    p = s.execute(
+        sa.select(Project).where(Project.id == project_id).with_for_update().execution_options(populate_existing=True)
+    ).scalar_one_or_none()
+    if p is None:
+        raise NotFound(f"project #{project_id} no longer exists", project_id=project_id)
+    return p
+
+
+# ---------------------------------------------------------------- callers ----
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """Who is calling: a project token (acts for the project and its descendants)."""
+
+    project_id: int
+    project: str
+    token_id: str
+    is_root: bool
+
+
+def new_token_secret() -> str:
+    return TOKEN_PREFIX + secrets.token_urlsafe(32)
+
+
+def new_token_id() -> str:
+    return "tok_" + secrets.token_hex(8)
+
+
+def principal_for_token(s: Session, secret: str) -> Principal:
+    if not secret.startswith(TOKEN_PREFIX):
+        raise AuthError("not a project API token (expected 'Authorization: Bearer dsk_...')")
+    row = s.execute(
+        sa.select(ApiToken, Project).join(Project, Project.id == ApiToken.project_id)
+        .where(ApiToken.hash == hash_api_token(secret))
+    ).first()
+    if row is None:
+        raise AuthError("unknown API token")
+    tok, proj = row.tuple()
+    if tok.revoked_at is not None:
+        raise AuthError(f"API token {tok.id} was revoked", token_id=tok.id)
+    return Principal(project_id=proj.id, project=proj.name, token_id=tok.id, is_root=proj.parent_id is None)
+
+
+def subtree_ids(s: Session, root_id: int) -> list[int]:
+    """``root_id`` and every descendant (one recursive query, both SQLite and PostgreSQL)."""
+    tree = sa.select(Project.id).where(Project.id == root_id).cte("tree", recursive=True)
+    tree = tree.union_all(sa.select(Project.id).where(Project.parent_id == tree.c.id))
+    return list(s.execute(sa.select(tree.c.id)).scalars())
+
+
+def ancestors(s: Session, project_id: int) -> list[int]:
+    """``project_id`` and its ancestors up to the root, nearest first."""
+    up = sa.select(Project.id, Project.parent_id).where(Project.id == project_id).cte("up", recursive=True)
+    up = up.union_all(sa.select(Project.id, Project.parent_id).where(Project.id == up.c.parent_id))
+    return list(s.execute(sa.select(up.c.id)).scalars())
+
+
+def visible_project(s: Session, who: Principal, name: str, *, strict: bool = False) -> Project:
+    """The project called ``name`` if the caller may act on it (``strict``: only below its own)."""
+    p = s.execute(sa.select(Project).where(Project.name == name)).scalar_one_or_none()
+    if p is None or who.project_id not in ancestors(s, p.id):
+        raise NotFound(f"no project {name!r} under {who.project!r}", project=name)
+    if strict and p.id == who.project_id:
+        raise Forbidden(
+            f"a project cannot change or delete itself: use a token of an ancestor of {name!r}", project=name
+        )
+    return p
+
+
+def check_name(value: str, field: str) -> str:
+    if not _NAME.match(value):
+        raise InvalidSpec(
+            f"{field} {value!r}: lowercase letters, digits and . _ - (max 63, starting with a letter or digit)",
+            field=field,
+        )
+    return value
+
+
+# --------------------------------------------------------------- projects ----
+
+
+def project_info(s: Session, p: Project) -> ProjectInfo:
+    parent = s.get(Project, p.parent_id) if p.parent_id is not None else None
+    return ProjectInfo(
+        name=p.name,
+        parent=parent.name if parent else None,
+        quota=quota_of(p).to_quota(),
+        used=used_of(p).to_quota(),
+        reserved=reserved_of(p).to_quota(),
+        created_at=p.created_at,
+    )
+
+
+def bootstrap(s: Session, *, root: str, quota: Quota, token_secret: str | None) -> tuple[Project, str | None]:
+    """Make sure the root project exists with ``quota``; returns a new admin token if one was made.
+
+    ``token_secret`` given: ensure that token exists for the root project.
+    Not given: on the very first start (no token of the root at all) make one.
+    """
+    p = s.execute(sa.select(Project).where(Project.parent_id.is_(None), Project.name == root)).scalar_one_or_none()
+    now = time.time()
+    q = Amount.of_quota(quota)
+    if p is None:
+        if s.execute(sa.select(Project).where(Project.name == root)).scalar_one_or_none() is not None:
+            raise Conflict(f"project {root!r} exists but is not a root project", project=root)
+        p = Project(
+            name=root, parent_id=None, created_at=now,
+            quota_sandboxes=q.sandboxes, quota_cpu_m=q.cpu_m, quota_memory=q.memory,
+            used_sandboxes=0, used_cpu_m=0, used_memory=0,
+            reserved_sandboxes=0, reserved_cpu_m=0, reserved_memory=0,
+        )
+        s.add(p)
+        s.flush()
+    else:
+        p = lock_project(s, p.id)
+        check_child_covers_itself(project=root, new=q, used=used_of(p), reserved=reserved_of(p))
+        p.quota_sandboxes, p.quota_cpu_m, p.quota_memory = q.sandboxes, q.cpu_m, q.memory
+    made: str | None = None
+    if token_secret is not None:
+        h = hash_api_token(token_secret)
+        existing = s.execute(sa.select(ApiToken).where(ApiToken.hash == h)).scalar_one_or_none()
+        if existing is None:
+            s.add(ApiToken(id=new_token_id(), project_id=p.id, hash=h, name="bootstrap", created_at=now))
+        elif existing.project_id != p.id:
+            raise Conflict("bootstrap_token belongs to another project")
+    elif s.execute(sa.select(sa.func.count()).select_from(ApiToken).where(ApiToken.project_id == p.id)).scalar_one() == 0:
+        made = new_token_secret()
+        s.add(ApiToken(id=new_token_id(), project_id=p.id, hash=hash_api_token(made), name="admin", created_at=now))
+    return p, made
+
+
+def create_project(s: Session, who: Principal, name: str, parent: str | None, quota: Quota) -> ProjectInfo:
+    check_name(name, "name")
+    par = visible_project(s, who, parent or who.project)
+    if s.execute(sa.select(Project.id).where(Project.name == name)).first() is not None:
+        raise Conflict(f"project {name!r} exists already", project=name)
+    par = lock_project(s, par.id)
+    new = Amount.of_quota(quota)
+    check_child_quota(
+        parent=par.name, parent_quota=quota_of(par), parent_used=used_of(par),
+        parent_reserved=reserved_of(par), old=Amount(), new=new,
+    )
+    _bump_reserved(s, par.id, new)
+    p = Project(
+        name=name, parent_id=par.id, created_at=time.time(),
+        quota_sandboxes=new.sandboxes, quota_cpu_m=new.cpu_m, quota_memory=new.memory,
+        used_sandboxes=0, used_cpu_m=0, used_memory=0,
+        reserved_sandboxes=0, reserved_cpu_m=0, reserved_memory=0,
+    )
+    s.add(p)
+    s.flush()
+    return project_info(s, p)
+
+
+def update_project(s: Session, who: Principal, name: str, quota: Quota) -> ProjectInfo:
+    p = visible_project(s, who, name, strict=True)
+    assert p.parent_id is not None  # strict: the caller is a proper ancestor
+    par = lock_project(s, p.parent_id)
+    p = lock_project(s, p.id)
+    new, old = Amount.of_quota(quota), quota_of(p)
+    check_child_covers_itself(project=name, new=new, used=used_of(p), reserved=reserved_of(p))
+    check_child_quota(
+        parent=par.name, parent_quota=quota_of(par), parent_used=used_of(par),
+        parent_reserved=reserved_of(par), old=old, new=new,
+    )
+    _bump_reserved(s, par.id, new - old)
+    p.quota_sandboxes, p.quota_cpu_m, p.quota_memory = new.sandboxes, new.cpu_m, new.memory
+    s.flush()
+    return project_info(s, p)
+
+
+def delete_project(s: Session, who: Principal, name: str) -> None:
+    p = visible_project(s, who, name, strict=True)
+    assert p.parent_id is not None
+    par = lock_project(s, p.parent_id)
+    p = lock_project(s, p.id)
+    if s.execute(sa.select(Project.id).where(Project.parent_id == p.id).limit(1)).first() is not None:
+        raise Conflict(f"project {name!r} has sub-projects: delete them first", project=name)
+    live = s.execute(
+        sa.select(sa.func.count()).select_from(SandboxRow)
+        .where(SandboxRow.project_id == p.id, SandboxRow.state.in_(("creating", "running", "stopping")))
+    ).scalar_one()
+    if live:
+        raise Conflict(f"project {name!r} still has {live} sandboxes: delete them first", project=name, sandboxes=live)
+    _bump_reserved(s, par.id, Amount() - quota_of(p))
+    s.execute(sa.delete(SandboxRow).where(SandboxRow.project_id == p.id))
+    s.execute(sa.delete(Task).where(Task.project_id == p.id))
+    s.execute(sa.delete(ApiToken).where(ApiToken.project_id == p.id))
+    s.execute(sa.delete(Project).where(Project.id == p.id))
+
+
+def list_projects(s: Session, who: Principal) -> list[ProjectInfo]:
+    ids = subtree_ids(s, who.project_id)
+    rows = s.execute(sa.select(Project).where(Project.id.in_(ids)).order_by(Project.id)).scalars().all()
+    names = {p.id: p.name for p in rows}
+    return [
+        ProjectInfo(
+            name=p.name,
+            parent=names.get(p.parent_id) if p.parent_id is not None else None,
+            quota=quota_of(p).to_quota(),
+            used=used_of(p).to_quota(),
+            reserved=reserved_of(p).to_quota(),
+            created_at=p.created_at,
+        )
+        for p in rows
+    ]
+
+
+# ----------------------------------------------------------------- tokens ----
+
+
+def _token_info(t: ApiToken, project: str, secret: str | None = None) -> TokenInfo:
+    return TokenInfo(
+        id=t.id, project=project, name=t.name, created_at=t.created_at, revoked_at=t.revoked_at, token=secret
+    )
+
+
+def create_token(s: Session, who: Principal, project: str | None, name: str) -> TokenInfo:
+    p = visible_project(s, who, project or who.project)
+    secret = new_token_secret()
+    t = ApiToken(id=new_token_id(), project_id=p.id, hash=hash_api_token(secret), name=name, created_at=time.time())
+    s.add(t)
+    s.flush()
+    return _token_info(t, p.name, secret)
+
+
+def revoke_token(s: Session, who: Principal, token_id: str) -> str:
+    """Revoke (idempotent); returns the token's hash so caches can drop it."""
+    row = s.execute(
+        sa.select(ApiToken, Project).join(Project, Project.id == ApiToken.project_id).where(ApiToken.id == token_id)
+    ).first()
+    if row is None or who.project_id not in ancestors(s, row.tuple()[1].id):
+        raise NotFound(f"no token {token_id!r} visible to project {who.project!r}", token_id=token_id)
+    t = row.tuple()[0]
+    if t.revoked_at is None:
+        t.revoked_at = time.time()
+    return t.hash
+
+
+def list_tokens(s: Session, who: Principal) -> list[TokenInfo]:
+    ids = subtree_ids(s, who.project_id)
+    rows = s.execute(
+        sa.select(ApiToken, Project.name).join(Project, Project.id == ApiToken.project_id)
+        .where(ApiToken.project_id.in_(ids)).order_by(ApiToken.created_at)
+    ).all()
+    return [_token_info(t, name) for t, name in rows]
+
+
+# ------------------------------------------------------------------ tasks ----
+
+
+def _task_info(t: Task, project: str) -> TaskInfo:
+    return TaskInfo(
+        name=t.name, project=project, quota=task_quota_of(t), used=used_of(t).to_quota(), created_at=t.created_at
+    )
+
+
+def _set_task_quota(t: Task, q: TaskQuota) -> None:
+    lim = task_limit(q)
+    t.quota_sandboxes, t.quota_cpu_m, t.quota_memory = lim["sandboxes"], lim["cpu"], lim["memory"]
+
+
+def get_or_create_task(s: Session, project_id: int, name: str, *, lock: bool) -> Task:
+    """The task ``name`` of the project, made on first use (no ceiling of its own)."""
+    q = sa.select(Task).where(Task.project_id == project_id, Task.name == name)
+    if lock:
+        q = q.with_for_update()
+    t = s.execute(q.execution_options(populate_existing=True)).scalar_one_or_none()
+    if t is not None:
+        return t
+    t = Task(project_id=project_id, name=name, created_at=time.time(), used_sandboxes=0, used_cpu_m=0, used_memory=0)
+    try:
+        with s.begin_nested():
+            s.add(t)
+    except IntegrityError:  # a concurrent first use of the same name (PostgreSQL): take theirs
+        return s.execute(q.execution_options(populate_existing=True)).scalar_one()
+    return t
+
+
+def create_task(s: Session, who: Principal, name: str, quota: TaskQuota) -> TaskInfo:
+    check_name(name, "name")
+    existing = s.execute(
+        sa.select(Task).where(Task.project_id == who.project_id, Task.name == name).with_for_update()
+    ).scalar_one_or_none()
+    if existing is not None:
+        # PUT-like: creating an existing task sets its quota (a retried create is harmless)
+        _set_task_quota(existing, quota)
+        return _task_info(existing, who.project)
+    t = Task(project_id=who.project_id, name=name, created_at=time.time(), used_sandboxes=0, used_cpu_m=0, used_memory=0)
+    _set_task_quota(t, quota)
+    s.add(t)
+    s.flush()
+    return _task_info(t, who.project)
+
+
+def find_task(s: Session, who: Principal, name: str) -> Task:
+    t = s.execute(sa.select(Task).where(Task.project_id == who.project_id, Task.name == name)).scalar_one_or_none()
+    if t is None:
+        raise NotFound(f"no task {name!r} in project {who.project!r}", task=name)
+    return t
+
+
+def list_tasks(s: Session, who: Principal) -> list[TaskInfo]:
+    ids = subtree_ids(s, who.project_id)
+    rows = s.execute(
+        sa.select(Task, Project.name).join(Project, Project.id == Task.project_id)
+        .where(Task.project_id.in_(ids)).order_by(Task.created_at)
+    ).all()
+    return [_task_info(t, pname) for t, pname in rows]
+
+
+def task_info(s: Session, who: Principal, name: str) -> TaskInfo:
+    return _task_info(find_task(s, who, name), who.project)
+
+
+def project_names(s: Session, ids: Sequence[int]) -> dict[int, str]:
+    return dict(s.execute(sa.select(Project.id, Project.name).where(Project.id.in_(ids))).tuples().all())

@@ -1,0 +1,201 @@
+"""Placement: which edge gets a new sandbox. Pure functions, no I/O.
+
+Two steps (docs/CONTROL.md has the measurements behind the choice):
+
+1. Filter: live, not draining, labels match the request's ``edge_selector``,
+   enough free room in every dimension (sandbox count, cpu, memory, disk).
+   "Committed" is the larger of what the edge last reported and what the
+   control plane itself has placed there since (so a burst does not overfill
+   an edge between two health reports). Edges that already hold every layer
+   of the image form the first tier; the others (which would fetch the layers
+   lazily) are used only when no edge of the first tier fits.
+2. Choose with power-of-k choices: sample k feasible edges at random and take
+   the one whose dominant committed fraction after placement is lowest.
+
+The edge still has the final say (its admission may refuse with 429); the
+caller then excludes it and asks again, up to ``max_attempts`` edges.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from dsec.spec.api import EdgeHealth
+
+DIGEST_PREFIX = "sha256:"
+
+
+@dataclass(frozen=True, slots=True)
+class Room:
+    """A vector of (sandboxes, millicores, memory bytes, disk bytes)."""
+
+    sandboxes: int = 0
+    cpu_m: int = 0
+    memory: int = 0
+    disk: int = 0
+
+    def __add__(self, o: Room) -> Room:
+        return Room(self.sandboxes + o.sandboxes, self.cpu_m + o.cpu_m, self.memory + o.memory, self.disk + o.disk)
+
+    def __sub__(self, o: Room) -> Room:
+        return Room(self.sandboxes - o.sandboxes, self.cpu_m - o.cpu_m, self.memory - o.memory, self.disk - o.disk)
+
+    def max_with(self, o: Room) -> Room:
+        return Room(
+            max(self.sandboxes, o.sandboxes), max(self.cpu_m, o.cpu_m),
+            max(self.memory, o.memory), max(self.disk, o.disk),
+        )
+
+    def items(self) -> tuple[tuple[str, int], ...]:
+        return (("sandboxes", self.sandboxes), ("cpu", self.cpu_m), ("memory", self.memory), ("disk", self.disk))
+
+
+@dataclass(frozen=True, slots=True)
+class EdgeView:
+    """What placement knows about one edge."""
+
+    id: str
+    capacity: Room
+    committed: Room
+    layers: frozenset[str] = frozenset()
+    labels: Mapping[str, str] = field(default_factory=dict)
+    draining: bool = False
+    alive: bool = True
+
+    def free(self) -> Room:
+        return self.capacity - self.committed
+
+
+@dataclass(frozen=True, slots=True)
+class Demand:
+    need: Room
+    layers: tuple[str, ...] = ()
+    selector: Mapping[str, str] = field(default_factory=dict)
+
+
+def room_of_health(h: EdgeHealth) -> tuple[Room, Room]:
+    """(capacity, committed) from an edge's health report."""
+    cap = Room(h.capacity_sandboxes, round(h.cpu_capacity * 1000), h.memory_capacity, h.disk_capacity)
+    used = Room(h.sandboxes, round(h.cpu_committed * 1000), h.memory_committed, h.disk_committed)
+    return cap, used
+
+
+def normalize_ref(ref: str) -> str:
+    """``name`` means ``name:latest`` (as in the layer store); digests stay as they are."""
+    if ref.startswith(DIGEST_PREFIX) or ":" in ref:
+        return ref
+    return f"{ref}:latest"
+
+
+def layer_set(refs: Iterable[str]) -> frozenset[str]:
+    return frozenset(normalize_ref(r) for r in refs)
+
+
+def has_layers(edge: EdgeView, layers: Sequence[str]) -> bool:
+    return all(normalize_ref(r) in edge.layers for r in layers)
+
+
+def fits(edge: EdgeView, demand: Demand) -> bool:
+    if not edge.alive or edge.draining:
+        return False
+    if any(edge.labels.get(k) != v for k, v in demand.selector.items()):
+        return False
+    free = edge.free()
+    return all(f >= n for (_, f), (_, n) in zip(free.items(), demand.need.items(), strict=True))
+
+
+def load_after(edge: EdgeView, demand: Demand) -> float:
+    """Dominant committed fraction of the edge once this demand is placed (lower is better)."""
+    after = edge.committed + demand.need
+    worst = 0.0
+    for (_, c), (_, a) in zip(edge.capacity.items(), after.items(), strict=True):
+        if c > 0:
+            worst = max(worst, a / c)
+        elif a > 0:
+            return float("inf")
+    return worst
+
+
+def feasible(edges: Iterable[EdgeView], demand: Demand, *, require_layers: bool = False) -> list[EdgeView]:
+    """Edges that can hold the demand; those holding its layers first (the only tier if any fits)."""
+    fit = [e for e in edges if fits(e, demand)]
+    if not demand.layers:
+        return fit
+    local = [e for e in fit if has_layers(e, demand.layers)]
+    if local or require_layers:
+        return local
+    return fit
+
+
+def choose_power_of_k(cands: Sequence[EdgeView], demand: Demand, k: int, rng: random.Random) -> EdgeView:
+    sample = cands if len(cands) <= k else rng.sample(list(cands), k)
+    return min(sample, key=lambda e: (load_after(e, demand), e.id))
+
+
+def choose_least_loaded(cands: Sequence[EdgeView], demand: Demand, rng: random.Random) -> EdgeView:
+    return min(cands, key=lambda e: (load_after(e, demand), e.id))
+
+
+def choose_best_fit(cands: Sequence[EdgeView], demand: Demand, rng: random.Random) -> EdgeView:
+    """The tightest fit: the edge left fullest (classic bin packing)."""
+    return max(cands, key=lambda e: (load_after(e, demand), e.id))
+
+
+def choose_random(cands: Sequence[EdgeView], demand: Demand, rng: random.Random) -> EdgeView:
+    return rng.choice(list(cands))
+
+
+Chooser = Callable[[Sequence[EdgeView], Demand, random.Random], EdgeView]
+
+
+def power_of(k: int) -> Chooser:
+    def choose(cands: Sequence[EdgeView], demand: Demand, rng: random.Random) -> EdgeView:
+        return choose_power_of_k(cands, demand, k, rng)
+
+    return choose
+
+
+STRATEGIES: dict[str, Chooser] = {
+    "power-of-2": power_of(2),
+    "best-fit": choose_best_fit,
+    "random": choose_random,
+    "least-loaded": choose_least_loaded,
+}
+
+
+def place(
+    edges: Iterable[EdgeView], demand: Demand, *, k: int = 2, rng: random.Random | None = None,
+    exclude: frozenset[str] = frozenset(), require_layers: bool = False,
+) -> EdgeView | None:
+    """The edge to try next, or None when nothing (not yet excluded) can hold the demand."""
+    cands = feasible((e for e in edges if e.id not in exclude), demand, require_layers=require_layers)
+    if not cands:
+        return None
+    return choose_power_of_k(cands, demand, k, rng or random.Random())
+
+
+def why_nothing_fits(edges: Sequence[EdgeView], demand: Demand) -> str:
+    """A short human reason for a 429 (which filter removed the edges)."""
+    if not edges:
+        return "no edges registered"
+    alive = [e for e in edges if e.alive]
+    if not alive:
+        return "no live edges"
+    open_ = [e for e in alive if not e.draining]
+    if not open_:
+        return "every live edge is draining"
+    sel = [e for e in open_ if all(e.labels.get(k) == v for k, v in demand.selector.items())]
+    if not sel:
+        return f"no live edge matches the edge_selector {dict(demand.selector)}"
+    short: dict[str, int] = {}
+    for e in sel:
+        free = e.free()
+        for (dim, f), (_, n) in zip(free.items(), demand.need.items(), strict=True):
+            if f < n:
+                short[dim] = short.get(dim, 0) + 1
+    if short:
+        parts = ", ".join(f"{dim} on {n}" for dim, n in sorted(short.items()))
+        return f"no edge has room (short of {parts} of {len(sel)} edges)"
+    return "no edge holds the image layers"

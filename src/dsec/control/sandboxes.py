@@ -1,0 +1,624 @@
+"""Sandboxes: create (one, or a batch with per-item results), get, list, delete.
+
+A create is three short store transactions around the edge call, never one
+long one:
+
+1. *reserve*: answer a repeated ``request_id`` from its row (or wait while the
+   first call is still in flight); check the project's and the task's quota;
+   choose an edge (placement.py); insert the row in state ``creating`` and
+   charge the project, the task and the edge in the same transaction.
+2. call the edge. It refuses (429) or cannot be reached: move the reservation
+   to the next candidate (another transaction) and try again, up to
+   ``placement.max_attempts`` edges; nothing left: release and answer 429.
+3. *commit*: record the id the edge chose and its answer.
+
+Counters follow the sandbox state through one table (:data:`HOLDS_QUOTA`,
+:data:`HOLDS_EDGE`) and the shared transition table of ``dsec.spec``: a
+:class:`Ledger` sums the deltas of a transaction and writes them once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import random
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from dsec import auth
+from dsec.control.config import ControlConfig
+from dsec.control.db import EdgeRow, Project, SandboxRow, Store
+from dsec.control.edges import (
+    EdgeClient,
+    EdgeDirectory,
+    EdgeUnreachable,
+    bump_edge,
+    edge_of,
+    edge_views_txn,
+)
+from dsec.control.iam import (
+    Amount,
+    Principal,
+    ancestors,
+    bump_project,
+    bump_task,
+    check_fits,
+    check_name,
+    check_task_fits,
+    get_or_create_task,
+    lock_project,
+    quota_of,
+    reserved_of,
+    subtree_ids,
+    task_quota_of,
+    used_of,
+)
+from dsec.control.placement import Demand, EdgeView, Room, normalize_ref, place, why_nothing_fits
+from dsec.errors import (
+    Backpressure,
+    DsecError,
+    InvalidSpec,
+    LayerNotFound,
+    SandboxFailed,
+    SandboxNotFound,
+)
+from dsec.spec import SandboxState, can_move
+from dsec.spec.api import BatchItem, BatchResult, CreateBatch, CreateSandbox, SandboxInfo
+
+log = logging.getLogger("dsec.control.sandboxes")
+
+S = SandboxState
+HOLDS_QUOTA = frozenset({S.CREATING.value, S.RUNNING.value})
+"""States that count against the project's and the task's quota."""
+HOLDS_EDGE = frozenset({S.CREATING.value, S.RUNNING.value, S.STOPPING.value, S.FAILED.value})
+"""States that occupy room on the edge (until the edge confirms it is gone)."""
+LIVE = (S.CREATING.value, S.RUNNING.value, S.STOPPING.value, S.FAILED.value)
+PERMANENT_EDGE_ERRORS = frozenset({"invalid_spec"})
+"""Edge answers that another edge would give too: fail the create instead of moving on."""
+
+
+def amount_of(row: SandboxRow) -> Amount:
+    return Amount(1, row.cpu_m, row.memory)
+
+
+def room_of(row: SandboxRow) -> Room:
+    return Room(1, row.cpu_m, row.memory, row.disk)
+
+
+@dataclass
+class Ledger:
+    """Counter deltas of one transaction, written once at the end (one UPDATE per row touched)."""
+
+    projects: dict[int, Amount] = field(default_factory=dict)
+    tasks: dict[int, Amount] = field(default_factory=dict)
+    edges: dict[str, Room] = field(default_factory=dict)
+
+    def charge(self, row: SandboxRow, old: str | None, new: str | None, *, old_edge: str | None = None) -> None:
+        """Account for ``row`` moving from state ``old`` to ``new`` (None: no row)."""
+        q = (new in HOLDS_QUOTA) - (old in HOLDS_QUOTA)
+        if q:
+            a = amount_of(row) * q
+            self.projects[row.project_id] = self.projects.get(row.project_id, Amount()) + a
+            if row.task_id is not None:
+                self.tasks[row.task_id] = self.tasks.get(row.task_id, Amount()) + a
+        prev_edge = row.edge_id if old_edge is None else old_edge
+        if old in HOLDS_EDGE and prev_edge:
+            self.edges[prev_edge] = self.edges.get(prev_edge, Room()) - room_of(row)
+        if new in HOLDS_EDGE and row.edge_id:
+            self.edges[row.edge_id] = self.edges.get(row.edge_id, Room()) + room_of(row)
+
+    def flush(self, s: Session) -> None:
+        for pid, a in sorted(self.projects.items()):
+            bump_project(s, pid, a)
+        for tid, a in sorted(self.tasks.items()):
+            bump_task(s, tid, a)
+        for eid, r in sorted(self.edges.items()):
+            bump_edge(s, eid, r)
+        self.projects.clear()
+        self.tasks.clear()
+        self.edges.clear()
+
+
+def move(row: SandboxRow, target: SandboxState, ledger: Ledger, *, reason: str | None = None) -> None:
+    """Move ``row`` to ``target`` along the transition table (through ``stopping`` to reach ``stopped``)."""
+    cur = SandboxState(row.state)
+    if cur == target:
+        return
+    if not can_move(cur, target):
+        if target == S.STOPPED and can_move(cur, S.STOPPING):
+            move(row, S.STOPPING, ledger, reason=reason)
+            move(row, S.STOPPED, ledger, reason=reason)
+            return
+        raise DsecError(f"sandbox {row.id or row.key}: illegal move {cur.value} -> {target.value}")
+    ledger.charge(row, cur.value, target.value)
+    row.state = target.value
+    row.updated_at = time.time()
+    if reason is not None:
+        row.reason = reason
+
+
+def forget(s: Session, row: SandboxRow, ledger: Ledger) -> None:
+    """Drop a reservation that never became a sandbox (its counters return)."""
+    ledger.charge(row, row.state, None)
+    s.delete(row)
+
+
+def request_hash(req: CreateSandbox) -> str:
+    body = req.model_dump(mode="json", exclude={"request_id"})
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+# ---------------------------------------------------------------- results ----
+
+
+@dataclass(frozen=True)
+class Reserved:
+    key: str
+    edge_id: str
+    edge_url: str
+
+
+@dataclass(frozen=True)
+class Answered:
+    info: SandboxInfo
+
+
+@dataclass(frozen=True)
+class InFlight:
+    key: str
+
+
+class Sandboxes:
+    """The sandbox operations of one replica (all state is in the store)."""
+
+    def __init__(self, config: ControlConfig, store: Store, key: bytes, edges: EdgeClient, directory: EdgeDirectory) -> None:
+        self.config = config
+        self.store = store
+        self.key = key
+        self.edges = edges
+        self.directory = directory
+        self.rng = random.Random()
+
+    # -------------------------------------------------------------- info ----
+
+    def info(self, row: SandboxRow, project: str, *, token: bool, url: str | None = None) -> SandboxInfo:
+        tok: str | None = None
+        exp: float | None = None
+        if token and row.id and row.state in (S.CREATING.value, S.RUNNING.value):
+            tok, exp = auth.mint(self.key, sandbox_id=row.id, project=project, ttl_s=self.config.sandbox_token_ttl_s)
+        return SandboxInfo(
+            id=row.id or "",
+            state=SandboxState(row.state),
+            edge_id=row.edge_id or "",
+            edge_url=url or row.edge_url,
+            token=tok,
+            token_expires_at=exp,
+            labels=dict(row.labels or {}),
+            task=row.task_name,
+            project=project,
+            created_at=row.created_at,
+            expires_at=row.expires_at,
+            reason=row.reason,
+        )
+
+    async def _fresh_url(self, row_id: str, stored: str) -> str:
+        """The edge's current address (edges may move between restarts), routed by the id's prefix."""
+        return await self.directory.url(edge_of(row_id)) or stored
+
+    # ------------------------------------------------------------ create ----
+
+    def _demand(self, req: CreateSandbox) -> Demand:
+        r = req.spec.resources
+        return Demand(
+            need=Room(1, Amount.of_resources(r).cpu_m, r.memory, r.disk),
+            layers=tuple(req.spec.image.layers_top_first()),
+            selector=dict(req.edge_selector),
+        )
+
+    def _pick(
+        self, s: Session, demand: Demand, exclude: frozenset[str]
+    ) -> tuple[EdgeView | None, list[EdgeView]]:
+        views = edge_views_txn(s)
+        chosen = place(
+            views, demand, k=self.config.placement.k, rng=self.rng, exclude=exclude,
+            require_layers=self.config.placement.require_layers,
+        )
+        return chosen, views
+
+    @staticmethod
+    def _unknown_layer(views: Sequence[EdgeView], demand: Demand) -> LayerNotFound | None:
+        """No live edge holds a layer of the image (and edges do report layers): 404 with a hint."""
+        known = {ref for v in views if v.alive for ref in v.layers}
+        missing = [r for r in demand.layers if normalize_ref(r) not in known]
+        if not known or not missing:
+            return None
+        return LayerNotFound(
+            f"no live edge holds layer {missing[0]!r}: build or import it first "
+            f"(`dsec image build`; GET /v1/images lists the layers the edges hold)",
+            ref=missing[0],
+            layers=missing,
+        )
+
+    def _nothing_fits(self, views: Sequence[EdgeView], demand: Demand, tried: frozenset[str]) -> DsecError:
+        reason = why_nothing_fits(views, demand) if not tried else f"edges {sorted(tried)} refused or failed"
+        retry = self.config.placement.retry_after_s
+        return Backpressure(
+            f"no edge can take this sandbox now ({reason}); retry after {retry:g}s",
+            retry_after=retry,
+            reason=reason,
+        )
+
+    def _reserve_txn(self, s: Session, who: Principal, req: CreateSandbox, rhash: str, demand: Demand) -> Reserved | Answered | InFlight:
+        now = time.time()
+        if req.request_id is not None:
+            prev = s.execute(
+                sa.select(SandboxRow).where(SandboxRow.project_id == who.project_id, SandboxRow.request_id == req.request_id)
+            ).scalar_one_or_none()
+            if prev is not None:
+                return self._replay(prev, rhash, who)
+        # lock order everywhere: projects, tasks, edges (by id) - no deadlock between replicas
+        proj = lock_project(s, who.project_id)
+        task = get_or_create_task(s, who.project_id, req.task, lock=True) if req.task else None
+        want = Amount(1, demand.need.cpu_m, demand.need.memory)
+        check_fits(project=proj.name, quota=quota_of(proj), used=used_of(proj), reserved=reserved_of(proj), want=want)
+        if task is not None:
+            check_task_fits(task=task.name, project=proj.name, quota=task_quota_of(task), used=used_of(task), want=want)
+        chosen, views = self._pick(s, demand, frozenset())
+        unknown = self._unknown_layer(views, demand)
+        if unknown is not None:
+            raise unknown
+        if chosen is None:
+            raise self._nothing_fits(views, demand, frozenset())
+        edge = s.get(EdgeRow, chosen.id)
+        assert edge is not None
+        labels = {**req.spec.labels, **req.labels}
+        row = SandboxRow(
+            key=uuid.uuid4().hex, id=None, edge_id=chosen.id, edge_url=edge.url, project_id=proj.id,
+            task_id=task.id if task else None, task_name=task.name if task else None, labels=labels,
+            state=S.CREATING.value, spec=req.spec.model_dump(mode="json"),
+            lifecycle=req.lifecycle.model_dump(mode="json"), cpu_m=demand.need.cpu_m,
+            memory=demand.need.memory, disk=demand.need.disk, created_at=now, updated_at=now,
+            expires_at=now + req.lifecycle.ttl_s, request_id=req.request_id, request_hash=rhash, reason="",
+        )
+        try:
+            with s.begin_nested():
+                s.add(row)
+        except IntegrityError:  # the same request_id raced in from another replica (PostgreSQL)
+            return InFlight(key="")
+        ledger = Ledger()
+        ledger.charge(row, None, row.state)
+        ledger.flush(s)
+        return Reserved(key=row.key, edge_id=chosen.id, edge_url=edge.url)
+
+    def _replay(self, prev: SandboxRow, rhash: str, who: Principal) -> Answered | InFlight:
+        if prev.request_hash and prev.request_hash != rhash:
+            raise InvalidSpec(
+                f"request_id {prev.request_id!r} was used before with a different body", field="request_id"
+            )
+        if prev.id is None:
+            if prev.state == S.CREATING.value:
+                return InFlight(key=prev.key)
+            # deleted while it was being created: the first answer was (or will be) a failure
+            raise SandboxFailed(
+                f"the create with request_id {prev.request_id!r} was cancelled", reason=prev.reason or "cancelled"
+            )
+        return Answered(self.info(prev, who.project, token=True))
+
+    def _move_txn(self, s: Session, key: str, tried: frozenset[str], demand: Demand) -> Reserved | DsecError:
+        """Move a reservation to the next candidate, or release it (nothing left)."""
+        row = s.get(SandboxRow, key, with_for_update=True)
+        if row is None or row.state != S.CREATING.value:
+            return SandboxFailed("the sandbox was deleted while it was being created", reason="deleted")
+        chosen, views = self._pick(s, demand, tried)
+        ledger = Ledger()
+        if chosen is None:
+            forget(s, row, ledger)
+            ledger.flush(s)
+            return self._nothing_fits(views, demand, tried)
+        edge = s.get(EdgeRow, chosen.id)
+        assert edge is not None
+        old_edge = row.edge_id
+        row.edge_id, row.edge_url = chosen.id, edge.url
+        ledger.charge(row, row.state, row.state, old_edge=old_edge)
+        ledger.flush(s)
+        return Reserved(key=row.key, edge_id=chosen.id, edge_url=edge.url)
+
+    def _release_txn(self, s: Session, key: str) -> None:
+        row = s.get(SandboxRow, key, with_for_update=True)
+        if row is not None and row.id is None:
+            ledger = Ledger()
+            forget(s, row, ledger)
+            ledger.flush(s)
+
+    def _commit_txn(self, s: Session, key: str, got: SandboxInfo, who: Principal) -> SandboxInfo | None:
+        row = s.get(SandboxRow, key, with_for_update=True)
+        if row is None:
+            return None
+        if row.state != S.CREATING.value:  # deleted meanwhile: keep the id so the stop can finish
+            row.id = got.id
+            return None
+        row.id = got.id
+        row.edge_url = got.edge_url or row.edge_url
+        row.created_at = got.created_at or row.created_at
+        row.expires_at = got.expires_at if got.expires_at is not None else row.expires_at
+        row.reason = got.reason
+        ledger = Ledger()
+        if got.state in (S.RUNNING, S.FAILED):
+            move(row, got.state, ledger)
+        ledger.flush(s)
+        s.flush()
+        return self.info(row, who.project, token=True)
+
+    async def create(self, who: Principal, req: CreateSandbox) -> SandboxInfo:
+        if req.task is not None:
+            check_name(req.task, "task")
+        demand = self._demand(req)
+        rhash = request_hash(req)
+        deadline = time.monotonic() + self._create_budget()
+        while True:
+            r = await self.store.write(lambda s: self._reserve_txn(s, who, req, rhash, demand))
+            if isinstance(r, Answered):
+                return r.info
+            if isinstance(r, Reserved):
+                break
+            await self._wait_in_flight(who, req, deadline)
+        return await self._launch(who, req, r, demand)
+
+    def _create_budget(self) -> float:
+        return self.config.edge_timeout_s * self.config.placement.max_attempts + 5.0
+
+    async def _wait_in_flight(self, who: Principal, req: CreateSandbox, deadline: float) -> None:
+        """Another call with this request_id is creating it: wait until it is answered (or gone)."""
+        delay = 0.01
+        while time.monotonic() < deadline:
+            await asyncio.sleep(delay)
+            delay = min(delay * 1.5, 0.2)
+            state = await self.store.read(
+                lambda s: s.execute(
+                    sa.select(SandboxRow.state, SandboxRow.id).where(
+                        SandboxRow.project_id == who.project_id, SandboxRow.request_id == req.request_id
+                    )
+                ).first()
+            )
+            if state is None or state[0] != S.CREATING.value or state[1] is not None:
+                return
+        raise Backpressure(
+            f"a create with request_id {req.request_id!r} is still in flight; retry to get its answer",
+            retry_after=1.0,
+            reason="in_flight",
+        )
+
+    async def _launch(self, who: Principal, req: CreateSandbox, r: Reserved, demand: Demand) -> SandboxInfo:
+        tried: set[str] = set()
+        transient = False  # some edge refused or did not answer: a later retry may succeed
+        last: DsecError | None = None
+        body = req.model_dump(mode="json", exclude={"edge_selector", "request_id"})
+        body["request_id"] = r.key  # idempotent on the edge too: a retried call makes no second sandbox
+        body["project"] = who.project
+        attempts = self.config.placement.max_attempts
+        done = False
+        try:
+            while True:
+                try:
+                    got = await self.edges.create(r.edge_id, r.edge_url, body)
+                except Backpressure as exc:
+                    log.info("edge %s refused %s: %s", r.edge_id, r.key, exc.fields.get("reason", exc))
+                    transient, last = True, exc
+                except EdgeUnreachable as exc:
+                    log.warning("edge %s: %s", r.edge_id, exc)
+                    transient, last = True, exc
+                except DsecError as exc:
+                    if exc.code in PERMANENT_EDGE_ERRORS:
+                        raise
+                    log.warning("edge %s failed %s: %s; trying another edge", r.edge_id, r.key, exc)
+                    last = exc
+                else:
+                    done = True
+                    return await self._commit(who, r, got)
+                tried.add(r.edge_id)
+                nxt: Reserved | DsecError | None = None
+                if len(tried) < attempts:
+                    nxt = await self.store.write(
+                        partial(self._move_txn, key=r.key, tried=frozenset(tried), demand=demand)
+                    )
+                    if isinstance(nxt, Reserved):
+                        r = nxt
+                        continue
+                    done = True  # _move_txn released the reservation
+                if not transient and last is not None:
+                    raise last  # every edge gave the same kind of answer (e.g. layer_not_found)
+                retry = self.config.placement.retry_after_s
+                raise Backpressure(
+                    f"{len(tried)} edge(s) refused or failed this create ({', '.join(sorted(tried))}); "
+                    f"retry after {retry:g}s",
+                    retry_after=retry,
+                    reason="edges refused",
+                    edges=sorted(tried),
+                )
+        finally:
+            if not done:
+                await asyncio.shield(self.store.write(partial(self._release_txn, key=r.key)))
+
+    async def _commit(self, who: Principal, r: Reserved, got: SandboxInfo) -> SandboxInfo:
+        if not got.id.startswith(f"{r.edge_id}-"):
+            log.warning("edge %s returned id %s without its prefix: routing needs <edge>-<hex>", r.edge_id, got.id)
+        info = await self.store.write(partial(self._commit_txn, key=r.key, got=got, who=who))
+        if info is None:  # deleted while we were creating it
+            await self._edge_delete_quietly(r.edge_id, r.edge_url, got.id)
+            await self.store.write(partial(self._finish_stopped_txn, sandbox_id=got.id))
+            raise SandboxFailed("the sandbox was deleted while it was being created", sandbox_id=got.id)
+        return info
+
+    async def _edge_delete_quietly(self, edge_id: str, url: str, sandbox_id: str) -> bool:
+        try:
+            await self.edges.delete(edge_id, url, sandbox_id)
+            return True
+        except DsecError as exc:
+            log.warning("delete of %s on edge %s failed (the watcher retries): %s", sandbox_id, edge_id, exc)
+            return False
+
+    def _finish_stopped_txn(self, s: Session, sandbox_id: str) -> None:
+        row = s.execute(sa.select(SandboxRow).where(SandboxRow.id == sandbox_id).with_for_update()).scalar_one_or_none()
+        if row is not None and row.state == S.STOPPING.value:
+            ledger = Ledger()
+            move(row, S.STOPPED, ledger)
+            ledger.flush(s)
+
+    async def create_batch(self, who: Principal, req: CreateBatch) -> BatchResult:
+        sem = asyncio.Semaphore(self.config.batch_concurrency)
+
+        async def one(i: int) -> BatchItem:
+            item = CreateSandbox(
+                spec=req.spec, lifecycle=req.lifecycle, labels=req.labels, task=req.task,
+                request_id=f"{req.request_id}/{i}" if req.request_id is not None else None,
+                edge_selector=req.edge_selector,
+            )
+            async with sem:
+                try:
+                    return BatchItem(sandbox=await self.create(who, item))
+                except DsecError as exc:
+                    return BatchItem(error=exc.to_wire())
+                except Exception as exc:  # one item's surprise must not sink the batch
+                    log.exception("batch item %d failed", i)
+                    return BatchItem(error=DsecError(f"internal error: {type(exc).__name__}").to_wire())
+
+        return BatchResult(items=list(await asyncio.gather(*(one(i) for i in range(req.count)))))
+
+    # ---------------------------------------------------------- get/list ----
+
+    def _visible_row(self, s: Session, who: Principal, sandbox_id: str) -> tuple[SandboxRow, str]:
+        row = s.execute(sa.select(SandboxRow).where(SandboxRow.id == sandbox_id)).scalar_one_or_none()
+        if row is None or (row.project_id != who.project_id and who.project_id not in ancestors(s, row.project_id)):
+            raise SandboxNotFound(f"no sandbox {sandbox_id!r} in project {who.project!r}", sandbox_id=sandbox_id)
+        proj = s.get(Project, row.project_id)
+        return row, proj.name if proj else ""
+
+    async def get(self, who: Principal, sandbox_id: str) -> SandboxInfo:
+        if len(sandbox_id) > 63:
+            raise SandboxNotFound(f"no sandbox {sandbox_id[:70]!r}", sandbox_id=sandbox_id[:63])
+        row, project = await self.store.read(lambda s: self._visible_row(s, who, sandbox_id))
+        url = await self._fresh_url(sandbox_id, row.edge_url)
+        return self.info(row, project, token=True, url=url)
+
+    async def list(
+        self, who: Principal, *, task: str | None, states: Sequence[str], labels: dict[str, str | None], limit: int
+    ) -> list[SandboxInfo]:
+        def txn(s: Session) -> list[tuple[SandboxRow, str]]:
+            q = (
+                sa.select(SandboxRow, Project.name)
+                .join(Project, Project.id == SandboxRow.project_id)
+                .where(SandboxRow.project_id.in_(subtree_ids(s, who.project_id)), SandboxRow.id.is_not(None))
+            )
+            if task is not None:
+                q = q.where(SandboxRow.task_name == task)
+            q = q.where(SandboxRow.state.in_(states)) if states else q.where(SandboxRow.state != S.STOPPED.value)
+            return [tuple(r) for r in s.execute(q.order_by(SandboxRow.created_at, SandboxRow.key)).tuples()]  # type: ignore[misc]
+
+        rows = await self.store.read(txn)
+        out: list[SandboxInfo] = []
+        for row, project in rows:
+            if labels_match(row.labels or {}, labels):
+                url = await self._fresh_url(row.id or "", row.edge_url)
+                out.append(self.info(row, project, token=False, url=url))
+                if len(out) >= limit:
+                    break
+        return out
+
+    # ------------------------------------------------------------ delete ----
+
+    def _stop_txn(self, s: Session, who: Principal, sandbox_id: str) -> tuple[str, str] | None:
+        row, _ = self._visible_row(s, who, sandbox_id)
+        row = s.execute(
+            sa.select(SandboxRow).where(SandboxRow.key == row.key).with_for_update().execution_options(populate_existing=True)
+        ).scalar_one()
+        if row.state == S.STOPPED.value:
+            return None
+        ledger = Ledger()
+        move(row, S.STOPPING, ledger, reason="deleted")
+        ledger.flush(s)
+        return row.edge_id or edge_of(sandbox_id), row.edge_url
+
+    async def delete(self, who: Principal, sandbox_id: str) -> None:
+        if len(sandbox_id) > 63:
+            raise SandboxNotFound(f"no sandbox {sandbox_id[:70]!r}", sandbox_id=sandbox_id[:63])
+        target = await self.store.write(lambda s: self._stop_txn(s, who, sandbox_id))
+        if target is None:
+            return
+        edge_id, stored = target
+        url = await self._fresh_url(sandbox_id, stored)
+        if await self._edge_delete_quietly(edge_id, url, sandbox_id):
+            await self.store.write(lambda s: self._finish_stopped_txn(s, sandbox_id))
+
+    async def delete_where(
+        self, who: Principal, *, task: str | None, labels: dict[str, str | None], states: Sequence[str], everything: bool
+    ) -> int:
+        if task is None and not labels and not states and not everything:
+            raise InvalidSpec("give a task, labels or a state to delete by (or all=true)", field="task")
+
+        def txn(s: Session) -> list[tuple[str, str, str]]:
+            q = sa.select(SandboxRow).where(
+                SandboxRow.project_id.in_(subtree_ids(s, who.project_id)),
+                SandboxRow.state.in_(tuple(states) if states else LIVE),
+            )
+            if task is not None:
+                q = q.where(SandboxRow.task_name == task)
+            ledger = Ledger()
+            out: list[tuple[str, str, str]] = []
+            for row in s.execute(q.with_for_update()).scalars():
+                if not labels_match(row.labels or {}, labels) or row.state == S.STOPPED.value:
+                    continue
+                move(row, S.STOPPING, ledger, reason="deleted")
+                out.append((row.id or "", row.edge_id or "", row.edge_url))
+            ledger.flush(s)
+            return out
+
+        victims = await self.store.write(txn)
+        sem = asyncio.Semaphore(64)
+
+        async def one(sandbox_id: str, edge_id: str, stored: str) -> str | None:
+            if not sandbox_id:  # still being created: its create sees 'stopping' and cleans up
+                return None
+            async with sem:
+                url = await self._fresh_url(sandbox_id, stored)
+                return sandbox_id if await self._edge_delete_quietly(edge_id, url, sandbox_id) else None
+
+        gone = [x for x in await asyncio.gather(*(one(*v) for v in victims)) if x]
+
+        for i in range(0, len(gone), 500):
+            chunk = gone[i : i + 500]
+            await self.store.write(partial(_finish_many, ids=chunk))
+        return len(victims)
+
+
+def _finish_many(s: Session, ids: list[str]) -> None:
+    ledger = Ledger()
+    for row in s.execute(
+        sa.select(SandboxRow).where(SandboxRow.id.in_(ids), SandboxRow.state == S.STOPPING.value).with_for_update()
+    ).scalars():
+        move(row, S.STOPPED, ledger)
+    ledger.flush(s)
+
+
+def parse_label_filters(values: Sequence[str]) -> dict[str, str | None]:
+    """``k=v`` (equal) or ``k`` (present) -> {k: v or None}."""
+    out: dict[str, str | None] = {}
+    for v in values:
+        k, eq, val = v.partition("=")
+        if not k or len(k) > 63 or len(val) > 253 or "\0" in v:
+            raise InvalidSpec(f"label filter {v[:80]!r}: use key=value or key", field="label")
+        out[k] = val if eq else None
+    return out
+
+
+def labels_match(labels: dict[str, Any], want: dict[str, str | None]) -> bool:
+    return all((k in labels) if v is None else labels.get(k) == v for k, v in want.items())

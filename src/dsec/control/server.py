@@ -1,0 +1,84 @@
+"""Run a control-plane replica inside the current event loop (for ``dsec up`` and tests).
+
+``handle = await serve_control(config)`` starts the store, the watcher and a
+uvicorn server, and returns once it accepts connections; ``handle.url`` is
+where it listens (``port=0`` picks a free port); ``await handle.stop()``
+shuts it down. Signals are left to the caller (several servers may share one
+process), unlike ``uvicorn.run``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Generator
+
+import uvicorn
+from fastapi import FastAPI
+
+from dsec.control.app import create_app
+from dsec.control.config import ControlConfig
+from dsec.control.service import Control
+from dsec.errors import HostError
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield  # the embedding program owns SIGINT/SIGTERM
+
+
+class ControlHandle:
+    def __init__(self, control: Control, app: FastAPI, server: uvicorn.Server, task: asyncio.Task[None], url: str) -> None:
+        self.control = control
+        self.app = app
+        self.server = server
+        self._task = task
+        self.url = url
+
+    @property
+    def admin_token(self) -> str | None:
+        """The admin token made by this start (first start without a configured one), else None."""
+        return self.control.admin_token
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        if self._task.done():
+            await self.control.stop()
+            return
+        self.server.should_exit = True
+        try:
+            await asyncio.wait_for(asyncio.shield(self._task), timeout)
+        except TimeoutError:
+            self.server.force_exit = True
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._task, 5.0)
+        finally:
+            await self.control.stop()
+
+    async def wait(self) -> None:
+        """Until the server stops (by stop() or a fatal error)."""
+        await asyncio.shield(self._task)
+
+
+async def serve_control(config: ControlConfig) -> ControlHandle:
+    control = Control(config)
+    await control.start()  # migrations and bootstrap: errors reach the caller directly
+    try:
+        app = create_app(config, control=control)
+        uv = uvicorn.Config(
+            app, host=config.host, port=config.port, log_level=config.log_level, access_log=False,
+            lifespan="on", timeout_graceful_shutdown=5,
+        )
+        server = _Server(uv)
+        task = asyncio.create_task(server.serve(), name="dsec-control-http")
+        while not server.started:
+            if task.done():
+                exc = task.exception()
+                raise HostError(f"control plane HTTP server did not start on {config.host}:{config.port}: {exc or 'see the log'}")
+            await asyncio.sleep(0.01)
+    except BaseException:
+        await control.stop()
+        raise
+    sock = server.servers[0].sockets[0].getsockname()
+    url = config.public_url or f"http://{sock[0]}:{sock[1]}"
+    return ControlHandle(control, app, server, task, url.rstrip("/"))

@@ -1,0 +1,328 @@
+"""The watcher: keeps the store's picture of the edges and their sandboxes true.
+
+One replica at a time runs it (a lease row in the store elects the leader;
+another replica takes over when the lease lapses). Each round it:
+
+- polls every edge's ``GET /v1/health``; an edge that misses
+  ``dead_after_misses`` polls in a row is marked dead (placement skips it),
+  and one that answers again is alive again;
+- every ``reconcile_interval_s``, compares each live edge's sandbox list with
+  the store: sandboxes the edge no longer has are marked stopped (their quota
+  returns), deletions that did not reach the edge are retried, and sandboxes
+  the edge holds for a project but the store does not know (a create whose
+  answer was lost) are deleted after ``orphan_grace_s``;
+- marks the sandboxes of an edge dead for ``edge_lost_after_s`` stopped,
+  drops reservations whose create never finished, forgets stopped sandboxes
+  after ``retention_s``, and now and then recomputes every counter from the
+  sandbox rows (so a drift cannot last).
+
+It never blocks the event loop (store work runs in the store's threads) and
+never lets one failing edge stop the round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from dsec.control.config import ControlConfig
+from dsec.control.db import EdgeRow, Lease, Project, SandboxRow, Store, Task
+from dsec.control.edges import EdgeClient, EdgeDirectory, record_health_txn
+from dsec.control.sandboxes import HOLDS_EDGE, HOLDS_QUOTA, LIVE, Ledger, _finish_many, forget, move
+from dsec.errors import DsecError
+from dsec.spec import SandboxState
+from dsec.spec.api import EdgeHealth, SandboxInfo
+
+log = logging.getLogger("dsec.control.watcher")
+
+S = SandboxState
+LEASE = "watcher"
+RECOUNT_EVERY_S = 60.0
+
+
+class Watcher:
+    def __init__(
+        self, config: ControlConfig, store: Store, edges: EdgeClient, directory: EdgeDirectory,
+        *, create_budget_s: float,
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.edges = edges
+        self.directory = directory
+        self.holder = uuid.uuid4().hex
+        self.create_budget_s = create_budget_s
+        self._reconciled: dict[str, float] = {}
+        self._recounted = 0.0
+        self.rounds = 0
+
+    @property
+    def lease_ttl(self) -> float:
+        return max(3 * self.config.watcher_interval_s, 5.0)
+
+    async def run(self) -> None:
+        while True:
+            started = time.monotonic()
+            try:
+                await self.tick()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("watcher round failed")
+            await asyncio.sleep(max(0.0, self.config.watcher_interval_s - (time.monotonic() - started)))
+
+    async def release(self) -> None:
+        def txn(s: Session) -> None:
+            s.execute(sa.update(Lease).where(Lease.name == LEASE, Lease.holder == self.holder).values(expires_at=0.0))
+
+        with contextlib.suppress(Exception):
+            await self.store.write(txn)
+
+    # ---------------------------------------------------------------- round ----
+
+    async def tick(self, *, reconcile: bool = False) -> bool:
+        """One round; False when another replica holds the lease. ``reconcile``: list every edge now."""
+        if not await self.store.write(self._lease_txn):
+            return False
+        self.rounds += 1
+        edges = await self.store.read(
+            lambda s: [(e.id, e.url) for e in s.execute(sa.select(EdgeRow).order_by(EdgeRow.id)).scalars()]
+        )
+        polls = await asyncio.gather(*(self._poll(eid, url) for eid, url in edges))
+        alive = await self.store.write(lambda s: self._record_polls_txn(s, polls))
+        now = time.time()
+        due = [
+            (eid, url) for eid, url in alive
+            if reconcile or now - self._reconciled.get(eid, 0.0) >= self.config.reconcile_interval_s
+        ]
+        await asyncio.gather(*(self.reconcile(eid, url) for eid, url in due))
+        await self.store.write(self._housekeeping_txn)
+        if now - self._recounted >= RECOUNT_EVERY_S:
+            self._recounted = now
+            await self.store.write(recount_txn)
+        return True
+
+    def _lease_txn(self, s: Session) -> bool:
+        now = time.time()
+        lease = s.get(Lease, LEASE, with_for_update=True)
+        if lease is None:
+            try:
+                with s.begin_nested():
+                    s.add(Lease(name=LEASE, holder=self.holder, expires_at=now + self.lease_ttl))
+            except IntegrityError:
+                return False
+            return True
+        if lease.holder == self.holder or lease.expires_at < now:
+            if lease.holder != self.holder:
+                log.info("watcher lease taken over by %s", self.holder)
+            lease.holder = self.holder
+            lease.expires_at = now + self.lease_ttl
+            return True
+        return False
+
+    async def _poll(self, edge_id: str, url: str) -> tuple[str, EdgeHealth | None, str]:
+        try:
+            h = await self.edges.health(edge_id, url, timeout=max(1.0, self.config.watcher_interval_s))
+        except DsecError as exc:
+            return edge_id, None, str(exc)
+        except Exception as exc:  # a garbled answer counts as a miss
+            return edge_id, None, f"{type(exc).__name__}: {exc}"
+        if h.edge_id != edge_id:
+            return edge_id, None, f"answered as edge {h.edge_id!r}"
+        return edge_id, h, ""
+
+    def _record_polls_txn(self, s: Session, polls: Sequence[tuple[str, EdgeHealth | None, str]]) -> list[tuple[str, str]]:
+        alive: list[tuple[str, str]] = []
+        for edge_id, health, err in polls:
+            if health is not None:
+                try:
+                    info = record_health_txn(s, health)
+                except DsecError as exc:
+                    log.warning("edge %s sent an unusable health report: %s", edge_id, exc)
+                    continue
+                self.directory.put(edge_id, info.url)
+                alive.append((edge_id, info.url))
+                continue
+            e = s.get(EdgeRow, edge_id, with_for_update=True)
+            if e is None:
+                continue
+            e.misses += 1
+            if e.status == "alive" and e.misses >= self.config.dead_after_misses:
+                e.status = "dead"
+                log.warning("edge %s is dead after %d missed polls: %s", edge_id, e.misses, err)
+        return alive
+
+    # ------------------------------------------------------------ reconcile ----
+
+    async def reconcile(self, edge_id: str, url: str) -> None:
+        try:
+            listing = await self.edges.list(edge_id, url)
+        except Exception as exc:
+            log.warning("cannot list the sandboxes of edge %s: %s", edge_id, exc)
+            return
+        self._reconciled[edge_id] = time.time()
+        on_edge = {sb.id: sb for sb in listing}
+        doomed = await self.store.write(lambda s: self._reconcile_txn(s, edge_id, on_edge))
+        if not doomed:
+            return
+        sem = asyncio.Semaphore(32)
+
+        async def kill(sandbox_id: str) -> str | None:
+            async with sem:
+                try:
+                    await self.edges.delete(edge_id, url, sandbox_id)
+                    return sandbox_id
+                except DsecError as exc:
+                    log.warning("watcher: delete of %s on edge %s failed: %s", sandbox_id, edge_id, exc)
+                    return None
+
+        gone = [x for x in await asyncio.gather(*(kill(i) for i in doomed)) if x]
+        if gone:
+            await self.store.write(lambda s: _finish_many(s, gone))
+
+    def _reconcile_txn(self, s: Session, edge_id: str, on_edge: dict[str, SandboxInfo]) -> list[str]:
+        """Apply what the edge holds to the store; returns ids to delete on the edge."""
+        now = time.time()
+        ledger = Ledger()
+        doomed: list[str] = []
+        rows = s.execute(
+            sa.select(SandboxRow)
+            .where(SandboxRow.edge_id == edge_id, SandboxRow.id.is_not(None), SandboxRow.state.in_(LIVE))
+            .with_for_update()
+        ).scalars().all()
+        for row in rows:
+            assert row.id is not None
+            there = on_edge.get(row.id)
+            if row.state == S.STOPPING.value:
+                if there is None or there.state == S.STOPPED:
+                    move(row, S.STOPPED, ledger)
+                else:
+                    doomed.append(row.id)
+            elif there is None or there.state == S.STOPPED:
+                expired = row.expires_at is not None and now >= row.expires_at - 1.0
+                why = "expired (ttl)" if expired else f"gone from edge {edge_id} (idle timeout or destroyed there)"
+                move(row, S.STOPPED, ledger, reason=there.reason if there is not None and there.reason else why)
+            elif there.state == S.FAILED and row.state != S.FAILED.value:
+                move(row, S.FAILED, ledger, reason=there.reason or "failed on the edge")
+            elif there.state == S.RUNNING and row.state == S.CREATING.value:
+                move(row, S.RUNNING, ledger)
+        ledger.flush(s)
+        known = {row.id for row in rows}
+        unknown = [sid for sid in on_edge if sid not in known]
+        stopped: set[str] = set()
+        for i in range(0, len(unknown), 500):
+            stopped.update(
+                s.execute(sa.select(SandboxRow.id).where(SandboxRow.id.in_(unknown[i : i + 500]))).scalars()  # type: ignore[arg-type]
+            )
+        for sid in unknown:
+            sb = on_edge[sid]
+            if sb.state == S.STOPPED:
+                continue
+            if sid in stopped:  # the store says stopped or lost, the edge still has it
+                doomed.append(sid)
+            elif self.config.reap_orphans and sb.project is not None and sb.created_at < now - self.config.orphan_grace_s:
+                # a project's sandbox nobody knows: a create whose answer was lost
+                log.warning("edge %s holds orphan %s (project %s): deleting it", edge_id, sid, sb.project)
+                doomed.append(sid)
+        _recount_edge(s, edge_id)
+        return doomed
+
+    # --------------------------------------------------------- housekeeping ----
+
+    def _housekeeping_txn(self, s: Session) -> None:
+        now = time.time()
+        ledger = Ledger()
+        lost_before = now - self.config.edge_lost_after_s
+        lost = s.execute(
+            sa.select(EdgeRow.id).where(EdgeRow.status == "dead", EdgeRow.last_seen < lost_before)
+        ).scalars().all()
+        if lost:
+            for row in s.execute(
+                sa.select(SandboxRow).where(SandboxRow.edge_id.in_(lost), SandboxRow.state.in_(LIVE)).with_for_update()
+            ).scalars():
+                if row.id is None:
+                    forget(s, row, ledger)
+                else:
+                    move(row, S.STOPPED, ledger, reason=f"edge {row.edge_id} lost (no answer for {self.config.edge_lost_after_s:g}s)")
+        stale = now - 2 * self.create_budget_s
+        for row in s.execute(
+            sa.select(SandboxRow)
+            .where(SandboxRow.id.is_(None), SandboxRow.updated_at < stale, SandboxRow.state.in_(LIVE))
+            .with_for_update()
+        ).scalars():
+            log.warning("dropping reservation %s: its create never finished", row.key)
+            forget(s, row, ledger)
+        ledger.flush(s)
+        if self.config.retention_s >= 0:
+            s.execute(
+                sa.delete(SandboxRow).where(
+                    SandboxRow.state == S.STOPPED.value, SandboxRow.updated_at < now - self.config.retention_s
+                )
+            )
+
+
+# ---------------------------------------------------------------- recount ----
+
+
+def _sums(s: Session, key: Any, states: frozenset[str], *, disk: bool = False) -> dict[Any, tuple[int, ...]]:
+    cols: list[Any] = [key, sa.func.count(), sa.func.coalesce(sa.func.sum(SandboxRow.cpu_m), 0),
+                       sa.func.coalesce(sa.func.sum(SandboxRow.memory), 0)]
+    if disk:
+        cols.append(sa.func.coalesce(sa.func.sum(SandboxRow.disk), 0))
+    q = sa.select(*cols).where(SandboxRow.state.in_(tuple(states)), key.is_not(None)).group_by(key)
+    return {r[0]: tuple(int(x) for x in r[1:]) for r in s.execute(q)}
+
+
+def _recount_edge(s: Session, edge_id: str) -> None:
+    e = s.get(EdgeRow, edge_id, with_for_update=True)
+    if e is None:
+        return
+    q = sa.select(
+        sa.func.count(), sa.func.coalesce(sa.func.sum(SandboxRow.cpu_m), 0),
+        sa.func.coalesce(sa.func.sum(SandboxRow.memory), 0), sa.func.coalesce(sa.func.sum(SandboxRow.disk), 0),
+    ).where(SandboxRow.edge_id == edge_id, SandboxRow.state.in_(tuple(HOLDS_EDGE)))
+    n, cpu, mem, disk = (int(x) for x in s.execute(q).one())
+    e.committed_sandboxes, e.committed_cpu_m, e.committed_memory, e.committed_disk = n, cpu, mem, disk
+
+
+def recount_txn(s: Session) -> int:
+    """Recompute every counter from the sandbox rows; returns how many rows were off."""
+    fixed = 0
+    projects = s.execute(sa.select(Project).order_by(Project.id).with_for_update()).scalars().all()
+    used = _sums(s, SandboxRow.project_id, HOLDS_QUOTA)
+    reserved: dict[int, tuple[int, int, int]] = {}
+    for p in projects:
+        if p.parent_id is not None:
+            r = reserved.get(p.parent_id, (0, 0, 0))
+            reserved[p.parent_id] = (r[0] + p.quota_sandboxes, r[1] + p.quota_cpu_m, r[2] + p.quota_memory)
+    for p in projects:
+        u = used.get(p.id, (0, 0, 0))
+        r = reserved.get(p.id, (0, 0, 0))
+        now_vals = (p.used_sandboxes, p.used_cpu_m, p.used_memory, p.reserved_sandboxes, p.reserved_cpu_m, p.reserved_memory)
+        if now_vals != (*u, *r):
+            log.warning("project %s counters drifted: %s -> %s", p.name, now_vals, (*u, *r))
+            fixed += 1
+            p.used_sandboxes, p.used_cpu_m, p.used_memory = u
+            p.reserved_sandboxes, p.reserved_cpu_m, p.reserved_memory = r
+    tasks = s.execute(sa.select(Task).order_by(Task.id).with_for_update()).scalars().all()
+    tused = _sums(s, SandboxRow.task_id, HOLDS_QUOTA)
+    for t in tasks:
+        u = tused.get(t.id, (0, 0, 0))
+        if (t.used_sandboxes, t.used_cpu_m, t.used_memory) != u:
+            fixed += 1
+            t.used_sandboxes, t.used_cpu_m, t.used_memory = u
+    eused = _sums(s, SandboxRow.edge_id, HOLDS_EDGE, disk=True)
+    for e in s.execute(sa.select(EdgeRow).order_by(EdgeRow.id).with_for_update()).scalars():
+        u = eused.get(e.id, (0, 0, 0, 0))
+        if (e.committed_sandboxes, e.committed_cpu_m, e.committed_memory, e.committed_disk) != u:
+            fixed += 1
+            e.committed_sandboxes, e.committed_cpu_m, e.committed_memory, e.committed_disk = u
+    return fixed
