@@ -1,0 +1,708 @@
+"""Shared test machinery: markers, runtime fixtures, failure trails and the leak check.
+
+- ``@pytest.mark.root`` tests skip (with the reason) when not root or when the
+  host lacks a kernel feature the container runtime needs.
+- One busybox base layer is built per session; every runtime imports it into
+  its own store (a copy of a 2 MB file), so runtimes never share pins.
+- Runtimes are async; tests stay sync and drive them through
+  :meth:`RuntimeHarness.run` (one ``asyncio.Runner`` per runtime, so the
+  spawner's loop readers live as long as the runtime).
+- A failing test prints a trail: every sandbox it created, with its record's
+  events and cgroup stats.
+- At the end of the session a leak check fails the run if any mount, cgroup,
+  network namespace, process, record or uid-slot file of ours is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Coroutine, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+T = TypeVar("T")
+
+IS_ROOT = os.geteuid() == 0
+SESSION_TOKEN = secrets.token_hex(3)
+RT_PREFIX = f"t{SESSION_TOKEN}"
+"""Every runtime a test starts is named ``<RT_PREFIX>-<suffix>``; the leak check looks for it."""
+ENV_MARK = "DSEC_TEST_SESSION"
+"""Set in this process, so spawners (and their sandbox inits) carry it in their environ."""
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+CONTROLLERS = ("cpu", "memory", "pids", "freezer")
+MiB = 1024 * 1024
+
+
+# ---------------------------------------------------------------- markers ----
+
+
+def _host_problem() -> str | None:
+    """Why this host cannot run root tests, or None."""
+    if not IS_ROOT:
+        return "needs root (namespaces, cgroups, mounts)"
+    try:
+        from dsec.backends.container.cgroups import check_host as check_cgroups
+        from dsec.backends.container.hostcheck import check_host
+
+        check_host()
+        check_cgroups()
+    except Exception as exc:  # HostError, or an import problem on an odd host
+        return f"host cannot run sandboxes: {exc}"
+    return None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    os.environ[ENV_MARK] = SESSION_TOKEN
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not any(item.get_closest_marker("root") for item in items):
+        return
+    problem = _host_problem()
+    if problem is None:
+        return
+    skip = pytest.mark.skip(reason=problem)
+    for item in items:
+        if item.get_closest_marker("root"):
+            item.add_marker(skip)
+
+
+# ------------------------------------------------------------ host probes ----
+
+
+def mountinfo_lines() -> list[str]:
+    with open("/proc/self/mountinfo") as f:
+        return f.read().splitlines()
+
+
+def _mount_key(line: str) -> str:
+    """A mountinfo line without its mount ids (which change on remount)."""
+    return line.split(" ", 2)[2]
+
+
+def proc_comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def proc_state(pid: int) -> str:
+    try:
+        data = Path(f"/proc/{pid}/stat").read_bytes()
+        return data[data.rindex(b")") + 2 :].split()[0].decode()
+    except (OSError, ValueError, IndexError):
+        return ""
+
+
+def proc_status(pid: int) -> dict[str, str]:
+    out: dict[str, str] = {}
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            k, _, v = line.partition(":")
+            out[k] = v.strip()
+    return out
+
+
+def proc_cmdline(pid: int) -> list[str]:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return []
+    return [a.decode(errors="replace") for a in raw.split(b"\0") if a]
+
+
+def pid_alive(pid: int) -> bool:
+    """Exists and is not a zombie."""
+    st = proc_state(pid)
+    return st not in ("", "Z", "X")
+
+
+def all_pids() -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
+
+
+def _ours(pid: int) -> bool:
+    """A process started (directly or not) by this test session."""
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        env = b""
+    if f"{ENV_MARK}={SESSION_TOKEN}".encode() in env.split(b"\0"):
+        return True
+    try:
+        cg = Path(f"/proc/{pid}/cgroup").read_text()
+    except OSError:
+        return False
+    return f"/dsec/{RT_PREFIX}-" in cg
+
+
+def dsec_processes() -> dict[int, str]:
+    """Live dsec-spawner / dsec-init processes of this session: pid -> description."""
+    found: dict[int, str] = {}
+    for pid in all_pids():
+        comm = proc_comm(pid)
+        cmd = " ".join(proc_cmdline(pid))
+        is_dsec = comm in ("dsec-init", "dsec-spawner") or "dsec-spawner" in cmd
+        if is_dsec and pid_alive(pid) and _ours(pid):
+            found[pid] = f"pid {pid} comm={comm} state={proc_state(pid)} cmdline={cmd!r}"
+    return found
+
+
+def netns_names() -> set[str]:
+    try:
+        return {n for n in os.listdir("/run/netns") if "dsec" in n}
+    except OSError:
+        return set()
+
+
+def runtime_cgroups(prefix: str = RT_PREFIX) -> list[Path]:
+    """cgroup dirs of our runtimes (``dsec/<prefix>*``) in every controller hierarchy."""
+    out: list[Path] = []
+    for hier in CGROUP_ROOT.iterdir():
+        parent = hier / "dsec"
+        with contextlib.suppress(OSError):
+            out.extend(p for p in parent.iterdir() if p.is_dir() and p.name.startswith(prefix))
+    return sorted(out)
+
+
+def wait_until(pred: Callable[[], bool], timeout: float = 5.0, interval: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while True:
+        if pred():
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval)
+
+
+# --------------------------------------------------------------- the probe ----
+
+# A static helper uploaded into sandboxes: tries syscalls busybox cannot make and
+# prints "<op> <return value> <errno name>" per argument ("op" or "op=arg").
+PROBE_C = r"""
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/perf_event.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/mount.h>
+#include <sys/ptrace.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/sysmacros.h>
+#include <sys/uio.h>
+#include <sys/wait.h>
+#include <termios.h>
+#include <time.h>
+#include <unistd.h>
+
+static long op(const char *name, const char *arg) {
+    char buf[256];
+    if (!strcmp(name, "mount")) return mount("none", "/tmp", "tmpfs", 0, "size=1m");
+    if (!strcmp(name, "umount")) return umount2("/proc", MNT_DETACH);
+    if (!strcmp(name, "pivot_root")) return syscall(SYS_pivot_root, "/tmp", "/tmp");
+    if (!strcmp(name, "fsopen")) return syscall(SYS_fsopen, "tmpfs", 0);
+    if (!strcmp(name, "open_tree")) return syscall(SYS_open_tree, AT_FDCWD, "/", 1);
+    if (!strcmp(name, "unshare_user")) return unshare(CLONE_NEWUSER);
+    if (!strcmp(name, "unshare_mnt")) return unshare(CLONE_NEWNS);
+    if (!strcmp(name, "unshare_net")) return unshare(CLONE_NEWNET);
+    if (!strcmp(name, "clone_newuser") || !strcmp(name, "clone_newns")) {
+        long fl = !strcmp(name, "clone_newuser") ? CLONE_NEWUSER : CLONE_NEWNS;
+        long r = syscall(SYS_clone, fl | SIGCHLD, 0, 0, 0, 0);
+        if (r == 0) _exit(0);
+        if (r > 0) waitpid((pid_t)r, NULL, 0);
+        return r;
+    }
+    if (!strcmp(name, "clone3")) {
+        uint64_t args[11] = {0};
+        args[0] = CLONE_NEWUSER; args[4] = SIGCHLD;
+        long r = syscall(SYS_clone3, args, 88);
+        if (r == 0) _exit(0);
+        if (r > 0) waitpid((pid_t)r, NULL, 0);
+        return r;
+    }
+    if (!strcmp(name, "setns")) { int fd = open("/proc/self/ns/net", O_RDONLY); return setns(fd, 0); }
+    if (!strcmp(name, "keyctl")) return syscall(SYS_keyctl, 0, -3, 0);
+    if (!strcmp(name, "add_key")) return syscall(SYS_add_key, "user", "dsec", "x", 1, -3);
+    if (!strcmp(name, "request_key")) return syscall(SYS_request_key, "user", "dsec", NULL, 0);
+    if (!strcmp(name, "bpf")) return syscall(SYS_bpf, 0, NULL, 0);
+    if (!strcmp(name, "perf_event_open")) {
+        struct perf_event_attr a; memset(&a, 0, sizeof a);
+        a.type = PERF_TYPE_SOFTWARE; a.size = sizeof a; a.config = PERF_COUNT_SW_CPU_CLOCK;
+        return syscall(SYS_perf_event_open, &a, 0, -1, -1, 0);
+    }
+    if (!strcmp(name, "userfaultfd")) return syscall(SYS_userfaultfd, 0);
+    if (!strcmp(name, "kexec_load")) return syscall(SYS_kexec_load, 0, 0, NULL, 0);
+    if (!strcmp(name, "init_module")) return syscall(SYS_init_module, NULL, 0, "");
+    if (!strcmp(name, "finit_module")) return syscall(SYS_finit_module, -1, "", 0);
+    if (!strcmp(name, "delete_module")) return syscall(SYS_delete_module, "dsec_nonexistent", 0);
+    if (!strcmp(name, "reboot")) return syscall(SYS_reboot, 0, 0, 0, NULL);  /* bad magic: harmless */
+    if (!strcmp(name, "swapon")) return syscall(SYS_swapon, "/nonexistent", 0);
+    if (!strcmp(name, "clock_settime")) {
+        struct timespec ts; clock_gettime(CLOCK_REALTIME, &ts);
+        return syscall(SYS_clock_settime, CLOCK_REALTIME, &ts);
+    }
+    if (!strcmp(name, "settimeofday")) return syscall(SYS_settimeofday, NULL, NULL);
+    if (!strcmp(name, "open_by_handle_at")) return syscall(SYS_open_by_handle_at, AT_FDCWD, NULL, 0);
+    if (!strcmp(name, "io_uring_setup")) { char p[120] = {0}; return syscall(SYS_io_uring_setup, 1, p); }
+    if (!strcmp(name, "acct")) return syscall(SYS_acct, NULL);
+    if (!strcmp(name, "syslog")) return syscall(SYS_syslog, 10, NULL, 0);
+    if (!strcmp(name, "personality")) return syscall(SYS_personality, 0xffffffffUL);  /* query only */
+    if (!strcmp(name, "kcmp")) return syscall(SYS_kcmp, getpid(), getpid(), 0, 0, 0);
+    if (!strcmp(name, "kexec_file_load")) return syscall(SYS_kexec_file_load, -1, -1, 0, "", 0);
+    if (!strcmp(name, "name_to_handle_at")) return syscall(SYS_name_to_handle_at, AT_FDCWD, "/", NULL, NULL, 0);
+    if (!strcmp(name, "fanotify_init")) return syscall(SYS_fanotify_init, 0, 0);
+    if (!strcmp(name, "process_madvise")) return syscall(SYS_process_madvise, -1, NULL, 0, 0, 0);
+    if (!strcmp(name, "get_mempolicy")) { int m; return syscall(SYS_get_mempolicy, &m, NULL, 0, NULL, 0); }
+    if (!strcmp(name, "set_mempolicy")) return syscall(SYS_set_mempolicy, 0, NULL, 0);
+    if (!strcmp(name, "quotactl")) return syscall(SYS_quotactl, 0, "/", 0, NULL);
+    if (!strcmp(name, "swapoff")) return syscall(SYS_swapoff, "/nonexistent");
+    if (!strcmp(name, "io_uring_enter")) return syscall(SYS_io_uring_enter, -1, 0, 0, 0, NULL, 0);
+    if (!strcmp(name, "int80_getpid")) {
+        /* an i386 system call from a 64-bit process: the filter must kill it, not allow it */
+        long r;
+        __asm__ volatile("int $0x80" : "=a"(r) : "a"(20L) : "memory");
+        return r;
+    }
+    if (!strcmp(name, "af_packet")) return socket(AF_PACKET, SOCK_RAW, 0);
+    if (!strcmp(name, "raw_socket")) return socket(AF_INET, SOCK_RAW, 1);
+    if (!strcmp(name, "tiocsti")) { char c = 'x'; return ioctl(0, TIOCSTI, &c); }
+    if (!strcmp(name, "mknod")) return mknod("/tmp/dsec-probe-null", S_IFCHR | 0666, makedev(1, 3));
+    if (!strcmp(name, "setuid0")) return setuid(0);
+    /* the sandbox's init (pid 1) */
+    if (!strcmp(name, "ptrace_init")) return ptrace(PTRACE_ATTACH, 1, 0, 0);
+    if (!strcmp(name, "ptrace_seize_init")) return ptrace(PTRACE_SEIZE, 1, 0, 0);
+    if (!strcmp(name, "vm_read_init")) {
+        struct iovec l = {buf, 8}, r = {(void *)0x400000, 8};
+        return process_vm_readv(1, &l, 1, &r, 1, 0);
+    }
+    if (!strcmp(name, "pidfd_getfd_init")) {
+        long pfd = syscall(SYS_pidfd_open, 1, 0);
+        if (pfd < 0) return pfd;
+        return syscall(SYS_pidfd_getfd, pfd, 3, 0);
+    }
+    if (!strcmp(name, "pidfd_kill_init")) {
+        long pfd = syscall(SYS_pidfd_open, 1, 0);
+        if (pfd < 0) return pfd;
+        return syscall(SYS_pidfd_send_signal, pfd, SIGKILL, NULL, 0);
+    }
+    if (!strcmp(name, "kill_init")) return kill(1, arg ? atoi(arg) : SIGKILL);
+    if (!strcmp(name, "open_r") || !strcmp(name, "open_w")) {
+        int fd = open(arg, !strcmp(name, "open_r") ? O_RDONLY : O_WRONLY);
+        if (fd < 0) return -1;
+        if (!strcmp(name, "open_r")) { long n = read(fd, buf, sizeof buf); if (n < 0) return -1; }
+        return 0;
+    }
+    if (!strcmp(name, "readlink")) return readlink(arg, buf, sizeof buf);
+    if (!strcmp(name, "opendir")) return open(arg, O_RDONLY | O_DIRECTORY);
+    if (!strcmp(name, "access")) return access(arg, F_OK);
+    if (!strcmp(name, "chroot_escape")) {
+        /* the classic escape: chroot into a subdir, walk up from outside it, chroot "." */
+        mkdir("/tmp/dsec-chroot", 0700);
+        int keep = open("/", O_RDONLY | O_DIRECTORY);
+        if (chroot("/tmp/dsec-chroot") < 0) return -1;
+        if (fchdir(keep) < 0) return -1;
+        for (int i = 0; i < 64; i++) if (chdir("..") < 0) return -1;
+        if (chroot(".") < 0) return -1;
+        return access(arg, F_OK);
+    }
+    if (!strcmp(name, "alloc")) {
+        size_t mib = (size_t)atol(arg);
+        for (size_t i = 0; i < mib; i++) {
+            char *p = malloc(1 << 20);
+            if (!p) return -1;
+            memset(p, 1, 1 << 20);
+        }
+        return 0;
+    }
+    errno = EINVAL;
+    return -2;
+}
+
+int main(int argc, char **argv) {
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    for (int i = 1; i < argc; i++) {
+        char *shown = strdup(argv[i]);
+        char *name = argv[i], *arg = strchr(name, '=');
+        if (arg) *arg++ = 0;
+        errno = 0;
+        long r = op(name, arg);
+        const char *e = r < 0 ? strerrorname_np(errno) : "OK";
+        printf("%s %ld %s\n", shown, r, e ? e : "?");
+    }
+    return 0;
+}
+"""
+
+PROBE_PATH = "/usr/bin/dsec-probe"
+
+
+# ---------------------------------------------------------------- runtimes ----
+
+
+class RuntimeHarness:
+    """A started ContainerRuntime plus a private event loop and sync helpers."""
+
+    def __init__(self, name: str, base: Path, seed: Path, probe: Path | None = None) -> None:
+        self.name = name
+        self.base = base
+        self.state_dir = base / f"state-{name}"
+        self.run_dir = base / "run"  # shared: uid slot files are node-wide
+        self.seed = seed
+        self.probe_binary = probe
+        self.runner: asyncio.Runner | None = None
+        self.rt: Any = None
+        self.layer: Any = None
+
+    # -- lifecycle --
+
+    def prepare(self) -> RuntimeHarness:
+        """Make the runtime object and import the base layer, without starting it."""
+        from dsec.backends.container.runtime import ContainerRuntime
+
+        self.rt = ContainerRuntime(name=self.name, state_dir=self.state_dir, run_dir=self.run_dir)
+        self.layer = self.rt.store.add_erofs(self.seed, name="busybox", tag="test", kind="base")
+        return self
+
+    def start(self) -> RuntimeHarness:
+        if self.rt is None:
+            self.prepare()
+        self.runner = asyncio.Runner()
+        self.run(self.rt.start())
+        return self
+
+    def close(self, *, destroy_all: bool = True) -> None:
+        if self.runner is None:
+            return
+        try:
+            if self.rt is not None:
+                self.run(self.rt.close(destroy_all=destroy_all))
+        finally:
+            self.runner.close()
+            self.runner = None
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 120.0) -> T:
+        assert self.runner is not None, "runtime harness is closed"
+        return self.runner.run(asyncio.wait_for(coro, timeout))
+
+    # -- sandboxes --
+
+    def spec(self, *, env: dict[str, str] | None = None, output_cap: int | None = None, base: str = "busybox:test", **resources: Any) -> Any:
+        from dsec.spec import ImageRef, Resources, SandboxSpec
+
+        extra: dict[str, Any] = {}
+        if env is not None:
+            extra["env"] = env
+        if output_cap is not None:
+            extra["output_cap"] = output_cap
+        return SandboxSpec(image=ImageRef(base=base), resources=Resources(**resources), **extra)
+
+    def create(self, *, sandbox_id: str | None = None, **spec_kw: Any) -> Any:
+        rec = self.run(self.rt.create(self.spec(**spec_kw), sandbox_id=sandbox_id))
+        _TRAIL.append((self, rec.id))
+        return rec
+
+    def destroy(self, sid: str) -> bool:
+        return bool(self.run(self.rt.destroy(sid)))
+
+    @contextlib.contextmanager
+    def sandbox(self, **spec_kw: Any) -> Iterator[Any]:
+        rec = self.create(**spec_kw)
+        try:
+            yield rec
+        except BaseException:
+            # The trail is printed after the sandbox is gone: take it now.
+            _SNAPSHOTS[rec.id] = self.trail(rec.id)
+            raise
+        finally:
+            self.destroy(rec.id)
+
+    def sh(self, sid: str, cmd: str | list[str], **kw: Any) -> Any:
+        kw.setdefault("timeout", 60)
+        return self.run(self.rt.exec(sid, cmd, **kw))
+
+    def ok(self, sid: str, cmd: str | list[str], **kw: Any) -> str:
+        """Run and require exit 0; return stdout as text."""
+        r = self.sh(sid, cmd, **kw)
+        assert r.exit_code == 0, f"{cmd!r} in {sid}: exit={r.exit_code} signal={r.signal} stderr={r.stderr!r}"
+        return r.stdout.decode()
+
+    def probe(self, sid: str, *ops: str, user: int | str = 0) -> dict[str, tuple[int, str]]:
+        """Run the static probe inside ``sid``; op -> (return value, errno name or OK)."""
+        if self.probe_binary is None:
+            pytest.skip("the static probe could not be built (gcc -static)")
+        files = self.rt.files(sid)
+        if not files.exists(PROBE_PATH):
+            files.write(PROBE_PATH, self.probe_binary.read_bytes(), mode=0o755)
+        r = self.sh(sid, [PROBE_PATH, *ops], user=user)
+        assert r.exit_code == 0, f"probe failed: {r}"
+        out: dict[str, tuple[int, str]] = {}
+        for line in r.stdout.decode().splitlines():
+            name, ret, err = line.rsplit(" ", 2)
+            out[name] = (int(ret), err)
+        assert set(out) == set(ops), r.stdout
+        return out
+
+    # -- host-side views --
+
+    def pids(self, sid: str) -> list[int]:
+        return list(self.rt.cgroups.pids(sid))
+
+    def cgroup_dirs(self, sid: str) -> list[Path]:
+        return [p for p in (CGROUP_ROOT / c / "dsec" / self.name / sid for c in CONTROLLERS) if p.exists()]
+
+    def records(self) -> list[Path]:
+        d = self.state_dir / "sandboxes" / self.name
+        return sorted(d.glob("*.json")) if d.is_dir() else []
+
+    def slot_files(self) -> list[Path]:
+        d = self.run_dir / "uid-slots"
+        out = []
+        if d.is_dir():
+            for f in d.iterdir():
+                with contextlib.suppress(OSError):
+                    if f.read_text().split()[:1] == [self.name]:
+                        out.append(f)
+        return out
+
+    def layer_mounts(self) -> list[str]:
+        root = str(self.run_dir / self.name / "layers") + "/"
+        return [ln for ln in mountinfo_lines() if ln.split()[4].startswith(root)]
+
+    def inits(self) -> list[int]:
+        """Live dsec-init processes in this runtime's cgroups."""
+        out = []
+        for pid in all_pids():
+            if proc_comm(pid) == "dsec-init" and pid_alive(pid):
+                with contextlib.suppress(OSError):
+                    if f"/dsec/{self.name}/" in Path(f"/proc/{pid}/cgroup").read_text():
+                        out.append(pid)
+        return out
+
+    def leftovers(self) -> list[str]:
+        """Everything this runtime name still holds on the host (expected: nothing after close)."""
+        left = [f"cgroup {p}" for p in runtime_cgroups(self.name) if p.name == self.name]
+        left += [f"record {p}" for p in self.records()]
+        left += [f"uid slot {p}" for p in self.slot_files()]
+        left += [f"mount {ln}" for ln in self.layer_mounts()]
+        left += [f"process dsec-init pid {p}" for p in self.inits()]
+        return left
+
+    def trail(self, sid: str) -> str:
+        if sid in _SNAPSHOTS and (self.rt is None or sid not in self.rt.sandboxes):
+            return _SNAPSHOTS[sid] + "\n  (taken when the test failed; destroyed since)"
+        lines = [f"sandbox {sid} (runtime {self.name})"]
+        rec = self.rt.sandboxes.get(sid) if self.rt is not None else None
+        if rec is None:
+            lines.append("  not in the runtime any more (destroyed or never made)")
+        else:
+            lines.append(f"  state={rec.state.value} init_pid={rec.init_pid} uid_base={rec.uid_base} reason={rec.reason!r}")
+            try:
+                lines.append(f"  stats={self.rt.stats(sid)}")
+            except Exception as exc:
+                lines.append(f"  stats unavailable: {exc!r}")
+            for ev in rec.events[-20:]:
+                lines.append(f"  event {json.dumps(ev, default=str)}")
+        lines.append(f"  cgroup pids={self.pids(sid)}")
+        return "\n".join(lines)
+
+
+_TRAIL: list[tuple[RuntimeHarness, str]] = []
+_SNAPSHOTS: dict[str, str] = {}
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    _TRAIL.clear()
+    _SNAPSHOTS.clear()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call" and report.failed and _TRAIL:
+        texts = []
+        for harness, sid in _TRAIL:
+            try:
+                texts.append(harness.trail(sid))
+            except Exception as exc:  # the trail must never hide the failure
+                texts.append(f"sandbox {sid}: trail unavailable ({exc!r})")
+        report.sections.append(("dsec sandbox trail", "\n".join(texts)))
+
+
+# ---------------------------------------------------------------- fixtures ----
+
+
+@pytest.fixture(scope="session")
+def dsec_base() -> Iterator[Path]:
+    base = Path(tempfile.mkdtemp(prefix="dsec-test-"))
+    yield base
+    # Only remove when nothing is mounted below (the leak check unmounts what it can).
+    if not any(str(base) in ln for ln in mountinfo_lines()):
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _dsec_leak_check(dsec_base: Path) -> Iterator[None]:
+    """Fail the run if anything of ours outlives it: mounts, cgroups, netns, processes, files."""
+    before_mounts = {_mount_key(ln) for ln in mountinfo_lines() if "dsec" in ln}
+    before_netns = netns_names()
+    before_procs = set(dsec_processes()) if IS_ROOT else set()
+    yield
+    if not IS_ROOT:
+        return
+
+    def new_dsec_mounts() -> list[str]:
+        return [ln for ln in mountinfo_lines() if "dsec" in ln and _mount_key(ln) not in before_mounts]
+
+    def mounts() -> list[str]:
+        # Ours: under this session's directory, any test directory ("dsec-test-*", the
+        # convention of every test module), or the runtime's default directories.
+        # Other new "dsec" mounts come from tools running concurrently on a shared
+        # machine (benchmarks in /tmp/dsec-bench-*...): reported, not failed.
+        ours = (str(dsec_base), "/dsec-test", "/run/dsec/", "/var/lib/dsec/")
+        return [ln for ln in new_dsec_mounts() if any(o in ln for o in ours)]
+
+    def procs() -> dict[int, str]:
+        return {p: d for p, d in dsec_processes().items() if p not in before_procs}
+
+    def cgroups() -> list[Path]:
+        return runtime_cgroups(RT_PREFIX)
+
+    def files() -> list[Path]:
+        out = []
+        slots = dsec_base / "run" / "uid-slots"
+        if slots.is_dir():
+            out += list(slots.iterdir())
+        out += list(dsec_base.glob("state-*/sandboxes/*/*.json"))
+        return out
+
+    # Processes and cgroups go away asynchronously; give them a moment.
+    wait_until(lambda: not procs() and not cgroups(), timeout=5)
+    problems: list[str] = []
+    problems += [f"mount: {ln}" for ln in mounts()]
+    problems += [f"cgroup: {p}" for p in cgroups()]
+    problems += [f"process: {d}" for d in procs().values()]
+    problems += [f"netns: {n}" for n in sorted(netns_names() - before_netns)]
+    problems += [f"file: {p}" for p in files()]
+    foreign = [ln for ln in new_dsec_mounts() if ln not in mounts()]
+    if foreign:
+        warnings.warn(
+            "new 'dsec' mounts not made by this test run (another process on this host?):\n  "
+            + "\n  ".join(foreign),
+            stacklevel=1,
+        )
+    if problems:
+        _clean_up_leaks(dsec_base, procs(), cgroups(), mounts())
+        pytest.fail("host resources leaked by the test run:\n  " + "\n  ".join(problems), pytrace=False)
+
+
+def _clean_up_leaks(base: Path, procs: dict[int, str], cgroups: list[Path], mounts: list[str]) -> None:
+    """Best effort, after the failure is recorded, so one leak does not poison the next run."""
+    for pid in procs:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    for cg in sorted(cgroups, key=lambda p: -len(p.parts)):
+        for child in sorted(cg.rglob("*"), key=lambda p: -len(p.parts)):
+            if child.is_dir():
+                with contextlib.suppress(OSError):
+                    for pid in (child / "cgroup.procs").read_text().split():
+                        os.kill(int(pid), signal.SIGKILL)
+        for child in sorted((p for p in cg.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+            wait_until(lambda c=child: _rmdir(c), timeout=2)
+        wait_until(lambda c=cg: _rmdir(c), timeout=2)
+    for ln in mounts:
+        mp = ln.split()[4]
+        if str(base) in mp:
+            subprocess.run(["umount", "-l", mp], capture_output=True)
+
+
+def _rmdir(p: Path) -> bool:
+    try:
+        p.rmdir()
+        return True
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def busybox_seed(dsec_base: Path) -> Path:
+    """The busybox base layer, built once; runtimes import this EROFS file."""
+    if not IS_ROOT:
+        pytest.skip("needs root")
+    from dsec.errors import HostError
+    from dsec.images import LocalLayerStore, build_busybox
+
+    store = LocalLayerStore(dsec_base / "seed")
+    try:
+        layer = build_busybox(store, name="busybox", tag="test")
+    except HostError as exc:
+        pytest.skip(f"cannot build the busybox base layer: {exc}")
+    return Path(store.blob_path(layer.digest))
+
+
+@pytest.fixture(scope="session")
+def probe_binary(dsec_base: Path) -> Path | None:
+    src = dsec_base / "probe.c"
+    out = dsec_base / "dsec-probe"
+    src.write_text(PROBE_C)
+    gcc = shutil.which("gcc") or shutil.which("cc")
+    if gcc is None:
+        return None
+    proc = subprocess.run([gcc, "-static", "-O2", "-o", str(out), str(src)], capture_output=True, text=True)
+    return out if proc.returncode == 0 else None
+
+
+@pytest.fixture(scope="session")
+def make_runtime(dsec_base: Path, busybox_seed: Path, probe_binary: Path | None) -> Callable[[str], RuntimeHarness]:
+    """Factory: ``make_runtime("suffix")`` -> a harness (not started) for runtime ``<prefix>-suffix``."""
+
+    def make(suffix: str) -> RuntimeHarness:
+        name = f"{RT_PREFIX}-{suffix}"
+        assert re.fullmatch(r"[a-z0-9][a-z0-9_-]{0,31}", name), name
+        return RuntimeHarness(name, dsec_base, busybox_seed, probe_binary)
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def rtx(request: pytest.FixtureRequest, make_runtime: Callable[[str], RuntimeHarness]) -> Iterator[RuntimeHarness]:
+    """One started runtime per test module; on the way out it must leave nothing behind."""
+    suffix = request.module.__name__.rsplit(".", 1)[-1].removeprefix("test_runtime_")[:12]
+    h = make_runtime(suffix).start()
+    try:
+        yield h
+    finally:
+        h.close()
+    left = h.leftovers()
+    assert not left, f"runtime {h.name} left after close(): {left}"
+
+
+@pytest.fixture
+def sb(rtx: RuntimeHarness) -> Iterator[Any]:
+    """A default sandbox for one test, destroyed afterwards."""
+    with rtx.sandbox() as rec:
+        yield rec
