@@ -12,6 +12,16 @@ from __future__ import annotations
 from typing import Any
 
 
+def _jsonable(v: Any) -> bool:
+    if v is None or isinstance(v, str | int | float | bool):
+        return True
+    if isinstance(v, list | tuple):
+        return all(_jsonable(x) for x in v)
+    if isinstance(v, dict):
+        return all(isinstance(k, str) and _jsonable(x) for k, x in v.items())
+    return False
+
+
 class DsecError(Exception):
     """Root of every DSec error."""
 
@@ -25,7 +35,10 @@ class DsecError(Exception):
             setattr(self, key, value)
 
     def to_wire(self) -> dict[str, Any]:
-        return {"code": self.code, "message": self.message, **self.fields}
+        """JSON-safe form: fields that are not plain JSON values (e.g. a partial
+        ExecResult on ExecTimeout) are left out; the API sends those separately."""
+        return {"code": self.code, "message": self.message,
+                **{k: v for k, v in self.fields.items() if _jsonable(v)}}
 
 
 class InvalidSpec(DsecError, ValueError):

@@ -82,6 +82,20 @@ def test_timeout_kills_the_whole_tree(rtx: RuntimeHarness, sb) -> None:
     assert rtx.ok(sb.id, "echo alive").strip() == "alive"
 
 
+def test_timeout_kills_detached_processes_too(rtx: RuntimeHarness, sb) -> None:
+    """A process that leaves the process group and the tree (setsid + orphaned) is still
+    the command's: it sits in the command's own freezer cgroup, which a timeout empties.
+    Background jobs of a command that ended normally are left alone."""
+    rtx.sh(sb.id, "setsid sleep 1201 & sleep 1202 & echo ok", timeout=10)
+    with pytest.raises(ExecTimeout):
+        rtx.sh(sb.id, "setsid sh -c 'sleep 1301' & (setsid sleep 1302 &) ; sleep 1300", timeout=1.0)
+
+    def sleeping() -> set[str]:
+        return {c[-1] for c in _cmdlines(rtx, sb.id).values() if c and c[0] == "sleep"}
+
+    assert wait_until(lambda: sleeping() == {"1201", "1202"}, timeout=3), sleeping()
+
+
 def test_idle_timeout(rtx: RuntimeHarness, sb) -> None:
     t0 = time.monotonic()
     with pytest.raises(ExecTimeout) as ei:

@@ -274,12 +274,6 @@ def test_symlink_race_never_reaches_the_host(rtx: RuntimeHarness, sb, host_secre
     rtx.sh(sb.id, "kill -9 -1")  # stop the flipper (root inside may kill its own processes)
 
 
-@pytest.mark.xfail(
-    reason="BUG: fsops.openat2() retries only EINTR; with RESOLVE_IN_ROOT the kernel answers EAGAIN "
-    "when any rename or mount happens on the host while a '..' is resolved, so files API calls on "
-    "paths through a '..' symlink fail spuriously (the man page says: retry)",
-    strict=True,
-)
 def test_dotdot_symlink_survives_host_renames(rtx: RuntimeHarness, sb, dsec_base: Path) -> None:
     f = rtx.rt.files(sb.id)
     rtx.ok(sb.id, "ln -s ../../../../ /tmp/up")
@@ -343,11 +337,6 @@ def test_upload_refuses_garbage(rtx: RuntimeHarness, sb) -> None:
         rtx.rt.files(sb.id).upload("/dest", b"this is not a tar archive at all" * 100)
 
 
-@pytest.mark.xfail(
-    reason="BUG: fsops.SandboxFiles.upload() creates the target directory (self.mkdir) before "
-    "checking the members, so a refused upload still writes a directory",
-    strict=True,
-)
 def test_refused_upload_creates_no_target_directory(rtx: RuntimeHarness, sb) -> None:
     f = rtx.rt.files(sb.id)
     with pytest.raises(FileAccessError):
@@ -355,11 +344,6 @@ def test_refused_upload_creates_no_target_directory(rtx: RuntimeHarness, sb) -> 
     assert not f.exists("/never")
 
 
-@pytest.mark.xfail(
-    reason="BUG: fsops.SandboxFiles.upload() checks only member names; a hard link's linkname "
-    "may point outside the extracted tree (its docstring promises it may not)",
-    strict=True,
-)
 def test_upload_hardlink_outside_the_tree_is_refused(rtx: RuntimeHarness, sb) -> None:
     f = rtx.rt.files(sb.id)
     with pytest.raises(FileAccessError):
@@ -371,11 +355,6 @@ def test_upload_hardlink_outside_the_tree_is_refused(rtx: RuntimeHarness, sb) ->
 
 
 @pytest.mark.parametrize("op", ["read", "append"])
-@pytest.mark.xfail(
-    reason="BUG: fsops read()/append() open the final component without O_NONBLOCK or a type "
-    "check first; a FIFO made inside the sandbox blocks the host-side call until a writer/reader appears",
-    strict=True,
-)
 def test_fifo_made_inside_does_not_hang_the_host(rtx: RuntimeHarness, sb, op: str) -> None:
     f = rtx.rt.files(sb.id)
     rtx.ok(sb.id, "mkfifo /tmp/fifo")
@@ -399,12 +378,6 @@ def test_fifo_made_inside_does_not_hang_the_host(rtx: RuntimeHarness, sb, op: st
     assert isinstance(outcome.get("error"), FileAccessError)
 
 
-@pytest.mark.xfail(
-    reason="BUG: fsops.SandboxFiles.read() raises FileAccessError('not a regular file' / 'over the "
-    "limit') inside a `try: ... except OSError` block; FileAccessError subclasses OSError, so it is "
-    "re-wrapped by _fail() into the message '...: failed' with errno None",
-    strict=True,
-)
 def test_read_errors_say_what_is_wrong(rtx: RuntimeHarness, sb) -> None:
     f = rtx.rt.files(sb.id)
     with pytest.raises(FileAccessError) as ei:

@@ -114,12 +114,6 @@ def test_create_and_destroy_are_idempotent_and_complete(rtx: RuntimeHarness) -> 
     assert rtx.destroy(rec2.id)
 
 
-@pytest.mark.xfail(
-    reason="BUG: ContainerRuntime.destroy() moves the record RUNNING -> STOPPING and never to "
-    "STOPPED, so the transition table's terminal state is unreachable and a caller holding the "
-    "record sees 'stopping' forever",
-    strict=True,
-)
 def test_destroyed_sandbox_ends_stopped(rtx: RuntimeHarness) -> None:
     rec = rtx.create()
     rtx.destroy(rec.id)

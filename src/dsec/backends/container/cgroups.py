@@ -162,11 +162,62 @@ class RuntimeCgroups:
         except OSError:
             pass
 
+    # Each command gets its own freezer cgroup below the sandbox's, so a timeout
+    # kills everything it started, even processes that left its process group
+    # (setsid + double fork): cgroup membership cannot be shed from inside.
+
+    def track_dir(self, sandbox_id: str, name: str) -> Path:
+        return self.parents["freezer"] / sandbox_id / name
+
+    def make_track(self, sandbox_id: str, name: str) -> Path:
+        d = self.track_dir(sandbox_id, name)
+        d.mkdir()
+        return d
+
+    def kill_tracked(self, track: Path) -> None:
+        self.kill_tracked_path(track)
+
+    @staticmethod
+    def kill_tracked_path(track: Path) -> None:
+        """SIGKILL every process of one command (frozen first, so none forks meanwhile)."""
+        state = track / "freezer.state"
+        try:
+            _write(state, "FROZEN")
+        except OSError:
+            return
+        try:
+            for _ in range(3):
+                pids = [int(x) for x in _read(track / "cgroup.procs").split()]
+                if not pids:
+                    break
+                for pid in pids:
+                    try:
+                        os.kill(pid, 9)
+                    except ProcessLookupError:
+                        pass
+        finally:
+            try:
+                _write(state, "THAWED")
+            except OSError:
+                pass
+
+    def drop_track(self, track: Path) -> bool:
+        """Remove a command's cgroup if nothing of it still runs (background jobs keep it)."""
+        try:
+            track.rmdir()
+            return True
+        except OSError:
+            return False
+
     def remove(self, sandbox_id: str, *, timeout: float = 5.0) -> list[Path]:
         """Remove the sandbox's cgroups; returns the directories that could not be removed."""
         left: list[Path] = []
         for parent in self.parents.values():
             d = parent / sandbox_id
+            if d.is_dir():
+                for sub in os.scandir(d):
+                    if sub.is_dir(follow_symlinks=False):
+                        self._rmdir(Path(sub.path), timeout=timeout)
             if not self._rmdir(d, timeout=timeout):
                 left.append(d)
         return left

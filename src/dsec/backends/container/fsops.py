@@ -43,13 +43,16 @@ class _OpenHow(ctypes.Structure):
 
 def openat2(dirfd: int, path: str, flags: int, mode: int = 0, resolve: int = _RESOLVE) -> int:
     how = _OpenHow(flags | os.O_CLOEXEC, mode, resolve)
-    while True:
+    # RESOLVE_IN_ROOT answers EAGAIN when a rename or mount anywhere raced a ".."
+    # lookup: the kernel asks for a retry (openat2(2)).
+    for _ in range(1000):
         fd = _libc.syscall(_SYS_OPENAT2, dirfd, path.encode(), ctypes.byref(how), ctypes.sizeof(how))
         if fd >= 0:
             return int(fd)
         err = ctypes.get_errno()
-        if err != errno.EINTR:
+        if err not in (errno.EINTR, errno.EAGAIN):
             raise OSError(err, os.strerror(err), path)
+    raise OSError(errno.EAGAIN, "path resolution kept racing with renames; try again", path)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,31 +130,51 @@ class SandboxFiles:
 
     # -- reading --
 
+    def _open_regular(self, root: int, rel: str, path: str, flags: int, op: str) -> int:
+        """Open a regular file without ever blocking: a FIFO made inside the sandbox
+        must not hang the host (O_NONBLOCK on open, then the type is checked)."""
+        fd = openat2(root, rel or ".", flags | os.O_NONBLOCK)
+        st = os.fstat(fd)
+        if not stat_mod.S_ISREG(st.st_mode):
+            os.close(fd)
+            raise FileAccessError(
+                f"{op} {path!r} in sandbox {self.sandbox_id}: not a regular file ({_kind(st.st_mode)})",
+                sandbox_id=self.sandbox_id, path=path,
+            )
+        os.set_blocking(fd, True)
+        return fd
+
     def read(self, path: str, *, max_bytes: int = MAX_READ) -> bytes:
         rel = _norm(path)
         root = self._root()
         try:
-            fd = openat2(root, rel or ".", os.O_RDONLY)
+            fd = self._open_regular(root, rel, path, os.O_RDONLY, "read")
         except OSError as exc:
+            if isinstance(exc, FileAccessError):
+                raise
             raise self._fail(exc, path, "read") from None
         finally:
             os.close(root)
         try:
-            st = os.fstat(fd)
-            if not stat_mod.S_ISREG(st.st_mode):
-                raise FileAccessError(f"read {path!r}: not a regular file", sandbox_id=self.sandbox_id, path=path)
-            if st.st_size > max_bytes:
+            size = os.fstat(fd).st_size
+            if size > max_bytes:
                 raise FileAccessError(
-                    f"read {path!r}: {st.st_size} bytes is over the {max_bytes}-byte limit; use download()",
+                    f"read {path!r}: {size} bytes is over the {max_bytes}-byte limit; use download()",
                     sandbox_id=self.sandbox_id, path=path,
                 )
             chunks = []
+            total = 0
             while True:
                 b = os.read(fd, 1 << 20)
                 if not b:
                     break
+                total += len(b)
+                if total > max_bytes:
+                    raise FileAccessError(f"read {path!r}: grew past {max_bytes} bytes while read", sandbox_id=self.sandbox_id, path=path)
                 chunks.append(b)
             return b"".join(chunks)
+        except FileAccessError:
+            raise
         except OSError as exc:
             raise self._fail(exc, path, "read") from None
         finally:
@@ -243,9 +266,14 @@ class SandboxFiles:
         try:
             parent, name = self._parent(root, rel, path)
             try:
-                fd = os.open(name, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=parent)
+                fd = os.open(name, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
+                             0o644, dir_fd=parent)
             finally:
                 os.close(parent)
+            if not stat_mod.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                raise FileAccessError(f"append {path!r}: not a regular file", sandbox_id=self.sandbox_id, path=path)
+            os.set_blocking(fd, True)
             try:
                 if os.fstat(fd).st_uid == 0:
                     os.fchown(fd, *self._owner(user))
@@ -254,6 +282,8 @@ class SandboxFiles:
                     view = view[os.write(fd, view):]
             finally:
                 os.close(fd)
+        except FileAccessError:
+            raise
         except OSError as exc:
             raise self._fail(exc, path, "append") from None
         finally:
@@ -391,7 +421,6 @@ class SandboxFiles:
         """
         fobj = io.BytesIO(tar_data) if isinstance(tar_data, bytes | bytearray) else tar_data
         base = _norm(path)
-        self.mkdir("/" + base, parents=True, user=user)
         try:
             tar = tarfile.open(fileobj=fobj, mode="r:*")
         except tarfile.TarError as exc:
@@ -399,16 +428,27 @@ class SandboxFiles:
         count = 0
         total = 0
         with tar:
-            members = tar.getmembers()
+            try:
+                members = tar.getmembers()
+            except tarfile.TarError as exc:
+                raise InvalidSpec(f"upload: corrupt tar archive ({exc})", field="tar") from None
+
+            def escapes(name: str) -> bool:
+                norm = posixpath.normpath(name)
+                return name.startswith("/") or norm == ".." or norm.startswith("../")
+
             for m in members:
-                name = posixpath.normpath(m.name)
-                if m.name.startswith("/") or name == ".." or name.startswith("../"):
+                if escapes(m.name):
                     raise FileAccessError(f"upload: member {m.name!r} escapes the target directory", sandbox_id=self.sandbox_id, path=m.name)
+                if m.islnk() and escapes(m.linkname):
+                    raise FileAccessError(f"upload: hard link {m.name!r} -> {m.linkname!r} points outside the archive", sandbox_id=self.sandbox_id, path=m.name)
                 if not (m.isreg() or m.isdir() or m.issym() or m.islnk()):
                     raise FileAccessError(f"upload: member {m.name!r} is a device or special file", sandbox_id=self.sandbox_id, path=m.name)
                 total += m.size
                 if total > max_bytes:
                     raise FileAccessError(f"upload: archive expands past {max_bytes} bytes", sandbox_id=self.sandbox_id, path=path)
+            # Checked: only now is anything written.
+            self.mkdir("/" + base, parents=True, user=user)
             for m in members:
                 name = posixpath.normpath(m.name)
                 if name == ".":

@@ -184,13 +184,19 @@ class Process:
     exited: asyncio.Future[ChildExit]
     started_at: float
 
+    track: Path | None = None
+    """The command's own freezer cgroup: every process it started, detached or not."""
+
     def kill(self, *, tree: bool = True) -> None:
-        if not self.exited.done():
-            if tree:
+        """SIGKILL the process; with ``tree``, everything it started (its cgroup, group and descendants)."""
+        if tree:
+            if self.track is not None:
+                cgroups.RuntimeCgroups.kill_tracked_path(self.track)
+            if not self.exited.done():
                 kill_tree(self.pid)
-            else:
-                with contextlib.suppress(OSError):
-                    os.kill(self.pid, signal.SIGKILL)
+        elif not self.exited.done():
+            with contextlib.suppress(OSError):
+                os.kill(self.pid, signal.SIGKILL)
 
 
 class ContainerRuntime:
@@ -234,6 +240,7 @@ class ContainerRuntime:
         self._resolved: dict[str, tuple[float, str]] = {}
         self._free_slots: list[int] = []
         self._limits_seen: dict[str, list[int]] = {}
+        self._track_seq = 0
 
     # ----- lifecycle of the runtime itself -----
 
@@ -428,6 +435,8 @@ class ContainerRuntime:
                 with contextlib.suppress(Exception):
                     await sess.close()
             left = await self._teardown(rec)
+            if not left:
+                self._move(rec, SandboxState.STOPPED, save=False)  # the record file is gone
             self.sandboxes.pop(sandbox_id, None)
             self._locks.pop(sandbox_id, None)
             self.last_activity.pop(sandbox_id, None)
@@ -640,8 +649,12 @@ class ContainerRuntime:
         cwd: str = "/",
         user: int | str = 0,
         seccomp: bool = True,
+        tracked: bool = True,
     ) -> Process:
-        """Start ``argv`` in the sandbox with the given host fds as its stdio."""
+        """Start ``argv`` in the sandbox with the given host fds as its stdio.
+
+        ``tracked`` puts the command in its own freezer cgroup so that
+        :meth:`Process.kill` reaches every process it started."""
         spawner = await self._ensure_spawner()
         rec = self._running(sandbox_id)
         if not argv or not argv[0]:
@@ -657,7 +670,13 @@ class ContainerRuntime:
         fields: list[tuple[str, str]] = [("a", a) for a in argv]
         fields += [("e", f"{k}={v}") for k, v in merged.items()]
         fields += [("cwd", cwd), ("uid", str(uid)), ("gid", str(gid)), ("seccomp", "1" if seccomp else "0")]
-        fields += [("cg", str(d)) for d in self.cgroups.dirs(sandbox_id)]
+        cg_dirs = self.cgroups.dirs(sandbox_id)
+        track: Path | None = None
+        if tracked:
+            self._track_seq += 1
+            track = self.cgroups.make_track(sandbox_id, f"x{self._track_seq}")
+            cg_dirs = [d for d in cg_dirs if d != self.cgroups.parents["freezer"] / sandbox_id] + [track]
+        fields += [("cg", str(d)) for d in cg_dirs]
         fields += [("rl", f"7:{res.nofile}:{res.nofile}")]  # RLIMIT_NOFILE
         init_fd = self._open_init(rec)
         assert init_fd is not None
@@ -665,13 +684,19 @@ class ContainerRuntime:
         try:
             spawned = await spawner.spawn("exec", fields, [init_fd, stdin, stdout, stderr])
         except SpawnError as exc:
+            if track is not None:
+                self.cgroups.drop_track(track)
             raise self._exec_error(sandbox_id, argv, cwd, uid, exc) from None
+        except BaseException:
+            if track is not None:
+                self.cgroups.drop_track(track)
+            raise
         finally:
             os.close(init_fd)
         os.close(spawned.pidfd)
         self.last_activity[sandbox_id] = time.monotonic()
         self._event(rec, "exec_started", pid=spawned.pid, argv0=argv[0])
-        return Process(sandbox_id, spawned.pid, spawner.exit_future(spawned.pid), started)
+        return Process(sandbox_id, spawned.pid, spawner.exit_future(spawned.pid), started, track)
 
     def _exec_error(self, sid: str, argv: Sequence[str], cwd: str, uid: int, exc: SpawnError) -> Exception:
         if exc.stage == "exec":
@@ -820,6 +845,8 @@ class ContainerRuntime:
                 os.close(fd)
             if self.spawner is not None:
                 self.spawner.forget_exit(proc.pid)
+            if proc.track is not None:
+                self.cgroups.drop_track(proc.track)  # stays while background jobs run
         self.last_activity[proc.sandbox_id] = time.monotonic()
         rec = self.sandboxes.get(proc.sandbox_id)
         if rec is not None:
