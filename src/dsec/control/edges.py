@@ -183,7 +183,7 @@ class EdgeDirectory:
         async with self._lock:
             if time.monotonic() - self._loaded < 0.05:
                 return
-            rows = await self._store.read(lambda s: s.execute(sa.select(EdgeRow.id, EdgeRow.url)).tuples().all())
+            rows = await self._store.read(lambda s: [(i, u) for i, u in s.execute(sa.select(EdgeRow.id, EdgeRow.url))])
             self._urls = dict(rows)
             self._loaded = time.monotonic()
 

@@ -276,7 +276,7 @@ def principal_for_token(s: Session, secret: str) -> Principal:
     ).first()
     if row is None:
         raise AuthError("unknown API token")
-    tok, proj = row.tuple()
+    tok, proj = row
     if tok.revoked_at is not None:
         raise AuthError(f"API token {tok.id} was revoked", token_id=tok.id)
     return Principal(project_id=proj.id, project=proj.name, token_id=tok.id, is_root=proj.parent_id is None)
@@ -470,9 +470,9 @@ def revoke_token(s: Session, who: Principal, token_id: str) -> str:
     row = s.execute(
         sa.select(ApiToken, Project).join(Project, Project.id == ApiToken.project_id).where(ApiToken.id == token_id)
     ).first()
-    if row is None or who.project_id not in ancestors(s, row.tuple()[1].id):
+    if row is None or who.project_id not in ancestors(s, row[1].id):
         raise NotFound(f"no token {token_id!r} visible to project {who.project!r}", token_id=token_id)
-    t = row.tuple()[0]
+    t = row[0]
     if t.revoked_at is None:
         t.revoked_at = time.time()
     return t.hash
@@ -555,4 +555,4 @@ def task_info(s: Session, who: Principal, name: str) -> TaskInfo:
 
 
 def project_names(s: Session, ids: Sequence[int]) -> dict[int, str]:
-    return dict(s.execute(sa.select(Project.id, Project.name).where(Project.id.in_(ids))).tuples().all())
+    return {i: n for i, n in s.execute(sa.select(Project.id, Project.name).where(Project.id.in_(ids)))}

@@ -102,17 +102,29 @@ def fits(edge: EdgeView, demand: Demand) -> bool:
         return False
     if any(edge.labels.get(k) != v for k, v in demand.selector.items()):
         return False
-    free = edge.free()
-    return all(f >= n for (_, f), (_, n) in zip(free.items(), demand.need.items(), strict=True))
+    cap, used, need = edge.capacity, edge.committed, demand.need  # spelled out: this runs per edge per create
+    return (
+        used.sandboxes + need.sandboxes <= cap.sandboxes
+        and used.cpu_m + need.cpu_m <= cap.cpu_m
+        and used.memory + need.memory <= cap.memory
+        and used.disk + need.disk <= cap.disk
+    )
 
 
 def load_after(edge: EdgeView, demand: Demand) -> float:
     """Dominant committed fraction of the edge once this demand is placed (lower is better)."""
-    after = edge.committed + demand.need
+    cap, used, need = edge.capacity, edge.committed, demand.need
     worst = 0.0
-    for (_, c), (_, a) in zip(edge.capacity.items(), after.items(), strict=True):
+    for c, a in (
+        (cap.sandboxes, used.sandboxes + need.sandboxes),
+        (cap.cpu_m, used.cpu_m + need.cpu_m),
+        (cap.memory, used.memory + need.memory),
+        (cap.disk, used.disk + need.disk),
+    ):
         if c > 0:
-            worst = max(worst, a / c)
+            f = a / c
+            if f > worst:
+                worst = f
         elif a > 0:
             return float("inf")
     return worst

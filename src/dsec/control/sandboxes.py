@@ -522,7 +522,7 @@ class Sandboxes:
             if task is not None:
                 q = q.where(SandboxRow.task_name == task)
             q = q.where(SandboxRow.state.in_(states)) if states else q.where(SandboxRow.state != S.STOPPED.value)
-            return [tuple(r) for r in s.execute(q.order_by(SandboxRow.created_at, SandboxRow.key)).tuples()]  # type: ignore[misc]
+            return [(row, name) for row, name in s.execute(q.order_by(SandboxRow.created_at, SandboxRow.key))]
 
         rows = await self.store.read(txn)
         out: list[SandboxInfo] = []
