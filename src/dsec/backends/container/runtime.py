@@ -241,6 +241,7 @@ class ContainerRuntime:
         self._free_slots: list[int] = []
         self._limits_seen: dict[str, list[int]] = {}
         self._track_seq = 0
+        self._boot = secrets.token_hex(3)
 
     # ----- lifecycle of the runtime itself -----
 
@@ -673,8 +674,8 @@ class ContainerRuntime:
         cg_dirs = self.cgroups.dirs(sandbox_id)
         track: Path | None = None
         if tracked:
-            self._track_seq += 1
-            track = self.cgroups.make_track(sandbox_id, f"x{self._track_seq}")
+            self._track_seq += 1  # unique across runtime restarts: leftovers of a re-adopted sandbox stay
+            track = self.cgroups.make_track(sandbox_id, f"x{self._boot}{self._track_seq}")
             cg_dirs = [d for d in cg_dirs if d != self.cgroups.parents["freezer"] / sandbox_id] + [track]
         fields += [("cg", str(d)) for d in cg_dirs]
         fields += [("rl", f"7:{res.nofile}:{res.nofile}")]  # RLIMIT_NOFILE
