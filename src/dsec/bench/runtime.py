@@ -37,7 +37,42 @@ def _ensure_pid_max(need: int, say: Progress) -> None:
         say(f"raised kernel.pid_max from {cur} to {path.read_text().strip()} for this run")
 
 
-async def _dsec_side(rootfs: Path, work: Path, *, n_lat: int, n_keep: int, n_exec: int, say: Progress) -> dict[str, float]:
+def debian_rootfs(cache: Path, say: Progress) -> Path:
+    """A Debian bookworm minbase rootfs with python3, made once and cached (debootstrap, ~1 min)."""
+    from dsec.images.debootstrap import find_mirror, run_debootstrap, slim_rootfs
+
+    target = cache / "debian-bookworm-python3"
+    done = target / ".dsec-complete"
+    if done.exists():
+        return target
+    if target.exists():
+        import shutil
+
+        shutil.rmtree(target)
+    say(f"building a Debian rootfs for the benchmark in {target} (debootstrap, once)")
+    cache.mkdir(parents=True, exist_ok=True)
+    run_debootstrap(target, suite="bookworm", variant="minbase", packages=("python3",), mirror=find_mirror("bookworm"))
+    slim_rootfs(target)
+    done.write_text("ok\n")
+    return target
+
+
+async def _dsec_latency(rt: Any, spec: Any, n: int) -> tuple[list[float], list[float]]:
+    lat: list[float] = []
+    full: list[float] = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        sb = await rt.create(spec)
+        await rt.exec(sb.id, ["/bin/true"])
+        t1 = time.perf_counter()
+        await rt.destroy(sb.id)
+        lat.append((t1 - t0) * 1000)
+        full.append((time.perf_counter() - t0) * 1000)
+    return lat, full
+
+
+async def _dsec_side(rootfs: Path, work: Path, *, n_lat: int, n_keep: int, n_exec: int, say: Progress,
+                     debian: Path | None = None) -> dict[str, float]:
     from dsec.backends.container.runtime import ContainerRuntime
     from dsec.images.build import build_from_dir
     from dsec.spec import ImageRef, Resources, SandboxSpec
@@ -56,15 +91,22 @@ async def _dsec_side(rootfs: Path, work: Path, *, n_lat: int, n_keep: int, n_exe
             await rt.destroy(sb.id)
 
         say(f"dsec: create + first exec, {n_lat} samples")
-        lat: list[float] = []
-        for _ in range(n_lat):
-            t0 = time.perf_counter()
-            sb = await rt.create(spec)
-            await rt.exec(sb.id, ["/bin/true"])
-            lat.append((time.perf_counter() - t0) * 1000)
-            await rt.destroy(sb.id)
+        lat, full = await _dsec_latency(rt, spec, n_lat)
         out["create_p50_ms"] = percentile(lat, 50)
         out["create_p95_ms"] = percentile(lat, 95)
+        # `crun run` and bwrap also tear the sandbox down before they return:
+        # this is the like-for-like figure.
+        out["create_exec_destroy_p50_ms"] = percentile(full, 50)
+        out["create_exec_destroy_p95_ms"] = percentile(full, 95)
+
+        if debian is not None:
+            say(f"dsec: create + first exec on the Debian rootfs, {n_lat} samples")
+            deb = await asyncio.to_thread(build_from_dir, rt.store, debian, name="bench-debian", tag="latest", kind="base")
+            deb_spec = SandboxSpec(image=ImageRef(base=deb.digest), resources=spec.resources)
+            await _dsec_latency(rt, deb_spec, 3)
+            dlat, dfull = await _dsec_latency(rt, deb_spec, n_lat)
+            out["debian_create_p50_ms"] = percentile(dlat, 50)
+            out["debian_create_exec_destroy_p50_ms"] = percentile(dfull, 50)
 
         say(f"dsec: exec round trip, {n_exec} samples")
         sb = await rt.create(spec)
@@ -150,7 +192,8 @@ async def _dsec_side(rootfs: Path, work: Path, *, n_lat: int, n_keep: int, n_exe
     return out
 
 
-def run(*, quick: bool = False, n_keep: int | None = None, say: Progress = print) -> dict[str, Any]:
+def run(*, quick: bool = False, n_keep: int | None = None, debian: bool | None = None,
+        cache_dir: Path | None = None, say: Progress = print) -> dict[str, Any]:
     from dsec.bench import baselines
 
     n_lat = 30 if quick else 200
@@ -162,7 +205,17 @@ def run(*, quick: bool = False, n_keep: int | None = None, say: Progress = print
     with tempfile.TemporaryDirectory(prefix="dsec-bench-") as tmp:
         work = Path(tmp)
         rootfs = baselines.prepare_busybox_rootfs(work / "rootfs")
-        results.update(asyncio.run(_dsec_side(rootfs, work, n_lat=n_lat, n_keep=keep, n_exec=n_exec, say=say)))
+        deb_root = None
+        if debian if debian is not None else not quick:
+            cache = cache_dir or Path(os.environ.get("DSEC_STATE_DIR", "/var/lib/dsec")) / "cache"
+            deb_root = debian_rootfs(cache, say)
+        results.update(asyncio.run(_dsec_side(rootfs, work, n_lat=n_lat, n_keep=keep, n_exec=n_exec, say=say,
+                                              debian=deb_root)))
+        if deb_root is not None:
+            say(f"crun and bwrap: create + first exec on the Debian rootfs, {n_lat} samples")
+            results["debian_crun_create_p50_ms"] = percentile(baselines.crun_create_latency(deb_root, n_lat), 50)
+            results["debian_bwrap_create_p50_ms"] = percentile(baselines.bwrap_create_latency(deb_root, n_lat), 50)
+            results["debian_create_p50_vs_crun"] = results["debian_create_p50_ms"] / results["debian_crun_create_p50_ms"]
 
         say(f"crun: create + first exec, {n_lat} samples")
         crun_lat = baselines.crun_create_latency(rootfs, n_lat)
@@ -185,6 +238,8 @@ def run(*, quick: bool = False, n_keep: int | None = None, say: Progress = print
         results["bwrap_create_rate_last_decile_ratio"] = br.get("last_decile_ratio", float("nan"))
 
     results["create_p50_vs_crun"] = results["create_p50_ms"] / results["crun_create_p50_ms"]
+    results["create_exec_destroy_p50_vs_crun"] = results["create_exec_destroy_p50_ms"] / results["crun_create_p50_ms"]
+    results["create_p50_vs_bwrap"] = results["create_p50_ms"] / results["bwrap_create_p50_ms"]
     results["create_rate_vs_crun"] = results["create_rate"] / results["crun_create_rate"]
     results["exec_p50_vs_crun"] = results["exec_p50_ms"] / results["crun_exec_p50_ms"]
     results["cpus"] = os.cpu_count() or 0

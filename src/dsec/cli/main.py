@@ -62,11 +62,13 @@ def _print_table(title: str, results: dict[str, Any]) -> None:
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the flat JSON here.")
 @click.option("-n", "--keep", "n_keep", type=click.IntRange(10, 20000), default=None,
               help="Sandboxes for the create-and-keep and idle-memory figures (default 2,000; 200 with --quick).")
-def bench_runtime(quick: bool, json_path: Path | None, n_keep: int | None) -> None:
+@click.option("--debian/--no-debian", default=None,
+              help="Also measure on a Debian rootfs (default: on, except with --quick). Built once with debootstrap.")
+def bench_runtime(quick: bool, json_path: Path | None, n_keep: int | None, debian: bool | None) -> None:
     """Create latency, sustained create rate, idle memory, exec round trip, teardown: DSec vs crun vs bwrap."""
     from dsec.bench.runtime import run
 
-    results = run(quick=quick, n_keep=n_keep, say=lambda m: console.print(f"[dim]{m}[/dim]"))
+    results = run(quick=quick, n_keep=n_keep, debian=debian, say=lambda m: console.print(f"[dim]{m}[/dim]"))
     _print_table("dsec bench runtime", results)
     if json_path:
         json_path.write_text(json.dumps(results, indent=2, sort_keys=True))
