@@ -43,6 +43,11 @@ except ImportError:  # pragma: no cover - only while the image CLI is missing
     pass
 
 
+from dsec.cli.service import register as _register_service  # noqa: E402
+
+_register_service(main)
+
+
 @main.group()
 def bench() -> None:
     """Benchmarks: figures beside named baselines, measured in the same run."""

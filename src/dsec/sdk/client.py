@@ -27,14 +27,19 @@ from dsec.spec import SandboxSpec
 from dsec.spec.api import (
     BatchResult,
     CreateBatch,
+    CreateProject,
     CreateSandbox,
+    CreateToken,
     ExecRequest,
     ExecResultWire,
     FileEntry,
     Lifecycle,
+    ProjectInfo,
+    Quota,
     SandboxInfo,
     SessionRun,
     StreamChunk,
+    TokenInfo,
 )
 from dsec.spec.results import ExecResult
 
@@ -66,6 +71,9 @@ class CreateOutcome:
     @property
     def ok(self) -> bool:
         return self.sandbox is not None
+
+
+_JSON = {"content-type": "application/json"}
 
 
 def _labels_query(labels: Mapping[str, str] | None) -> list[tuple[str, str]]:
@@ -142,7 +150,7 @@ class AsyncClient:
             lifecycle=Lifecycle(ttl_s=ttl_s, idle_timeout_s=idle_timeout_s),
             request_id=request_id or uuid.uuid4().hex,
         )
-        resp = await self._call("POST", "/v1/sandboxes", content=body.model_dump_json())
+        resp = await self._call("POST", "/v1/sandboxes", content=body.model_dump_json(), headers=_JSON)
         return AsyncSandbox(self, SandboxInfo.model_validate_json(resp.content))
 
     async def create_many(
@@ -211,7 +219,7 @@ class AsyncClient:
         """Create ``count`` sandboxes in one request (the control plane fans out)."""
         body = CreateBatch(spec=spec, count=count, labels=dict(labels or {}), task=task,
                            lifecycle=Lifecycle(ttl_s=ttl_s), request_id=uuid.uuid4().hex)
-        resp = await self._call("POST", "/v1/sandboxes/batch", content=body.model_dump_json())
+        resp = await self._call("POST", "/v1/sandboxes/batch", content=body.model_dump_json(), headers=_JSON)
         out: list[CreateOutcome] = []
         for i, item in enumerate(BatchResult.model_validate_json(resp.content).items):
             if item.sandbox is not None:
@@ -260,6 +268,31 @@ class AsyncClient:
     async def delete_task(self, task: str) -> int:
         return await self.delete_where(task=task)
 
+    # ----- IAM (projects and tokens) -----
+
+    async def create_project(self, name: str, *, quota: Mapping[str, float], parent: str | None = None) -> ProjectInfo:
+        """A sub-project whose quota (sandboxes, cpu, memory) is carved out of its parent's."""
+        body = CreateProject(name=name, parent=parent, quota=Quota.model_validate(dict(quota)))
+        resp = await self._call("POST", "/v1/projects", content=body.model_dump_json(), headers=_JSON)
+        return ProjectInfo.model_validate_json(resp.content)
+
+    async def list_projects(self) -> list[ProjectInfo]:
+        data = (await self._call("GET", "/v1/projects")).json()
+        return [ProjectInfo.model_validate(x) for x in (data["items"] if isinstance(data, dict) else data)]
+
+    async def create_token(self, *, project: str | None = None, name: str = "") -> TokenInfo:
+        """A new API token (its secret is in ``.token``, shown this once)."""
+        body = CreateToken(project=project, name=name)
+        return TokenInfo.model_validate_json((await self._call("POST", "/v1/tokens", content=body.model_dump_json(), headers=_JSON)).content)
+
+    async def revoke_token(self, token_id: str) -> None:
+        await self._call("DELETE", f"/v1/tokens/{token_id}")
+
+    async def edges(self) -> list[dict[str, Any]]:
+        data = (await self._call("GET", "/v1/edges")).json()
+        items: list[dict[str, Any]] = data["items"] if isinstance(data, dict) else data
+        return items
+
     async def _refresh(self, sb: AsyncSandbox) -> None:
         sb.info = await self.info(sb.id)
 
@@ -294,8 +327,9 @@ class AsyncSandbox:
 
     async def _request(self, method: str, path: str, *, retry_auth: bool = True, **kw: Any) -> httpx.Response:
         http = self._client._edge(self.info.edge_url)
-        headers = {"authorization": f"Bearer {self.info.token}"}
-        resp = await http.request(method, f"/v1/sandboxes/{self.id}{path}", headers=headers, **kw)
+        extra = {k: v for k, v in kw.items() if k != "headers"}
+        headers = {"authorization": f"Bearer {self.info.token}", **kw.get("headers", {})}
+        resp = await http.request(method, f"/v1/sandboxes/{self.id}{path}", headers=headers, **extra)
         if resp.status_code == 401 and retry_auth:
             await self._client._refresh(self)  # expired data-path token: get a fresh one
             return await self._request(method, path, retry_auth=False, **kw)
@@ -315,7 +349,7 @@ class AsyncSandbox:
     ) -> ExecResult:
         """Run a command to completion. A timeout raises :class:`ExecTimeout` with ``.result``."""
         req = self._exec_request(cmd, env, cwd, user, stdin, timeout, idle_timeout)
-        resp = await self._request("POST", "/exec", content=req.model_dump_json(), timeout=self._http_timeout(req))
+        resp = await self._request("POST", "/exec", content=req.model_dump_json(), headers=_JSON, timeout=self._http_timeout(req))
         return self._finish(result_from_wire(ExecResultWire.model_validate_json(resp.content)), req)
 
     async def exec_stream(
@@ -332,7 +366,7 @@ class AsyncSandbox:
         """Yield :class:`OutputChunk` as output is produced, then the :class:`ExecResult`."""
         req = self._exec_request(cmd, env, cwd, user, stdin, timeout, idle_timeout)
         http = self._client._edge(self.info.edge_url)
-        headers = {"authorization": f"Bearer {self.info.token}"}
+        headers = {"authorization": f"Bearer {self.info.token}", **_JSON}
         async with http.stream("POST", f"/v1/sandboxes/{self.id}/exec/stream", content=req.model_dump_json(),
                                headers=headers, timeout=self._http_timeout(req)) as resp:
             if resp.status_code >= 400:
@@ -394,7 +428,7 @@ class AsyncSession:
     async def run(self, command: str, *, timeout: float | None = DEFAULT_EXEC_TIMEOUT) -> ExecResult:
         body = SessionRun(command=command, timeout=timeout)
         resp = await self.sandbox._request(
-            "POST", f"/sessions/{self.id}/run", content=body.model_dump_json(),
+            "POST", f"/sessions/{self.id}/run", content=body.model_dump_json(), headers=_JSON,
             timeout=httpx.Timeout(None if timeout is None else timeout + 30.0, connect=10.0),
         )
         result = result_from_wire(ExecResultWire.model_validate_json(resp.content))

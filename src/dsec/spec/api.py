@@ -128,8 +128,8 @@ class ExecRequest(_Wire):
 
 
 class ExecResultWire(_Wire):
-    exit_code: int | None
-    signal: int | None
+    exit_code: int | None = None
+    signal: int | None = None
     stdout_b64: str
     stderr_b64: str
     stdout_bytes: int

@@ -1,0 +1,360 @@
+"""CLI commands that talk to a running DSec (``dsec up`` or a cluster) through the SDK."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import sys
+import tarfile
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+console = Console(stderr=True)
+out = Console()
+
+_SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)?$", re.I)
+
+
+def parse_size(text: str) -> int:
+    """'512M', '2G', '1.5GiB', '1048576' -> bytes (powers of 1024)."""
+    m = _SIZE.match(text.strip())
+    if not m:
+        raise click.BadParameter(f"{text!r} is not a size (try 512M, 2G)")
+    mult = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2).lower()]
+    return int(float(m.group(1)) * mult)
+
+
+def parse_kv(items: tuple[str, ...], what: str) -> dict[str, str]:
+    outd: dict[str, str] = {}
+    for item in items:
+        k, sep, v = item.partition("=")
+        if not sep or not k:
+            raise click.BadParameter(f"{what} {item!r} must be KEY=VALUE")
+        outd[k] = v
+    return outd
+
+
+def client() -> Any:
+    """A sync SDK client from $DSEC_URL/$DSEC_TOKEN, falling back to the local all-in-one's admin token."""
+    from dsec.cli.up import admin_token_path, data_dir_default
+    from dsec.sdk import Client
+
+    token = os.environ.get("DSEC_TOKEN")
+    if not token:
+        path = admin_token_path(data_dir_default())
+        if path.exists() and os.access(path, os.R_OK):
+            token = path.read_text().strip()
+    return Client(os.environ.get("DSEC_URL"), token)
+
+
+def _spec(image: str, workspace: str | None, toolkit: tuple[str, ...], cpu: float | None, memory: str | None,
+          disk: str | None, env: tuple[str, ...]) -> Any:
+    from dsec.spec import ImageRef, Resources, SandboxSpec
+
+    res: dict[str, Any] = {}
+    if cpu is not None:
+        res["cpu"] = cpu
+    if memory:
+        res["memory"] = parse_size(memory)
+    if disk:
+        res["disk"] = parse_size(disk)
+    return SandboxSpec(image=ImageRef(base=image, workspace=workspace, toolkits=toolkit),
+                       resources=Resources(**res), env=parse_kv(env, "--env"))
+
+
+def sandbox_options(f: Any) -> Any:
+    for opt in reversed([
+        click.option("--workspace", default=None, help="Workspace layer (NAME[:TAG])."),
+        click.option("--toolkit", multiple=True, help="Toolkit layer; repeat for several."),
+        click.option("--cpu", type=float, default=None, help="CPU cores (quota)."),
+        click.option("--memory", default=None, help="Memory limit, e.g. 512M, 2G."),
+        click.option("--disk", default=None, help="Writable-layer quota, e.g. 1G."),
+        click.option("--ttl", type=float, default=3600.0, show_default=True, help="Maximum lifetime, seconds."),
+        click.option("--env", "-e", multiple=True, help="KEY=VALUE for every command; repeat."),
+        click.option("--label", "-l", multiple=True, help="KEY=VALUE label; repeat."),
+        click.option("--task", default=None, help="Task (training job) this sandbox belongs to."),
+    ]):
+        f = opt(f)
+    return f
+
+
+def _stream_exec(sb: Any, cmd: list[str], timeout: float | None) -> int:
+    from dsec.errors import ExecTimeout
+    from dsec.sdk import OutputChunk
+
+    argv: list[str] | str = cmd[0] if len(cmd) == 1 and " " in cmd[0] else cmd
+    try:
+        for item in sb.exec_stream(argv, timeout=timeout):
+            if isinstance(item, OutputChunk):
+                stream = sys.stdout if item.stream == "stdout" else sys.stderr
+                stream.buffer.write(item.data)
+                stream.flush()
+            else:
+                if item.truncated:
+                    console.print(f"[yellow]output truncated ({item.stdout_bytes} bytes of stdout in all)[/yellow]")
+                return int(item.exit_code if item.exit_code is not None else 128 + (item.signal or 0))
+    except ExecTimeout as exc:
+        console.print(f"[red]{exc}[/red]")
+        return 124
+    return 0
+
+
+def register(main: click.Group) -> None:
+    @main.command()
+    @click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+                  help="State directory (default $DSEC_STATE_DIR or /var/lib/dsec).")
+    @click.option("--port", type=int, default=7070, show_default=True, help="Control-plane port.")
+    @click.option("--edges", type=click.IntRange(1, 16), default=1, show_default=True, help="Edge agents to run.")
+    @click.option("--host", default="127.0.0.1", show_default=True)
+    @click.option("--detach", is_flag=True, help="Run in the background; log to <data-dir>/up.log.")
+    def up(data_dir: Path | None, port: int, edges: int, host: str, detach: bool) -> None:
+        """All-in-one on this machine: control plane + edge(s) + SQLite. Ctrl-C stops it cleanly."""
+        import asyncio
+
+        from dsec.cli.up import data_dir_default, run_foreground
+
+        data = data_dir or data_dir_default()
+        if detach:
+            _detach(data, port, edges, host)
+            return
+        asyncio.run(run_foreground(data, port=port, edges=edges, host=host, say=lambda m: console.print(m)))
+
+    @main.command(context_settings={"ignore_unknown_options": True})
+    @click.argument("image")
+    @sandbox_options
+    @click.option("--timeout", type=float, default=600.0, show_default=True)
+    @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
+    def run(image: str, workspace: str | None, toolkit: tuple[str, ...], cpu: float | None, memory: str | None,
+            disk: str | None, ttl: float, env: tuple[str, ...], label: tuple[str, ...], task: str | None,
+            timeout: float, cmd: tuple[str, ...]) -> None:
+        """Create a sandbox, run CMD, print its output, destroy it; exit with CMD's code."""
+        spec = _spec(image, workspace, toolkit, cpu, memory, disk, env)
+        with client() as c, c.create(spec, labels=parse_kv(label, "--label"), task=task, ttl_s=ttl) as sb:
+            code = _stream_exec(sb, list(cmd), timeout)
+        sys.exit(code)
+
+    @main.command()
+    @click.argument("image")
+    @sandbox_options
+    @click.option("--json", "as_json", is_flag=True)
+    def create(image: str, workspace: str | None, toolkit: tuple[str, ...], cpu: float | None, memory: str | None,
+               disk: str | None, ttl: float, env: tuple[str, ...], label: tuple[str, ...], task: str | None,
+               as_json: bool) -> None:
+        """Create a sandbox and print its id."""
+        spec = _spec(image, workspace, toolkit, cpu, memory, disk, env)
+        with client() as c:
+            sb = c.create(spec, labels=parse_kv(label, "--label"), task=task, ttl_s=ttl)
+            out.print_json(sb.info.model_dump_json(exclude={"token"})) if as_json else print(sb.id)
+
+    @main.command("exec", context_settings={"ignore_unknown_options": True})
+    @click.argument("sandbox_id")
+    @click.option("--timeout", type=float, default=600.0, show_default=True)
+    @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
+    def exec_(sandbox_id: str, timeout: float, cmd: tuple[str, ...]) -> None:
+        """Run CMD in a sandbox, streaming its output; exit with its code."""
+        with client() as c:
+            sys.exit(_stream_exec(c.connect(sandbox_id), list(cmd), timeout))
+
+    @main.command()
+    @click.argument("sandbox_id")
+    def shell(sandbox_id: str) -> None:
+        """An interactive shell session (state persists between lines; Ctrl-D ends it)."""
+        with client() as c:
+            sb = c.connect(sandbox_id)
+            with sb.session() as sess:
+                while True:
+                    try:
+                        line = input(f"{sandbox_id}$ " if sys.stdin.isatty() else "")
+                    except EOFError:
+                        break
+                    if not line.strip():
+                        continue
+                    res = sess.run(line, timeout=None)
+                    sys.stdout.buffer.write(res.stdout)
+                    sys.stderr.buffer.write(res.stderr)
+                    sys.stdout.flush()
+
+    @main.command()
+    @click.argument("src")
+    @click.argument("dst")
+    def cp(src: str, dst: str) -> None:
+        """Copy files in or out: dsec cp ./dir ID:/path  |  dsec cp ID:/path ./local"""
+        with client() as c:
+            if ":" in src and not Path(src).exists():
+                sid, _, path = src.partition(":")
+                sb = c.connect(sid)
+                info = sb.files.stat(path)
+                if info.type == "dir":
+                    data = sb.files.download(path)
+                    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+                        tar.extractall(dst, filter="data")
+                else:
+                    target = Path(dst) / Path(path).name if Path(dst).is_dir() else Path(dst)
+                    target.write_bytes(sb.files.read(path))
+            elif ":" in dst:
+                sid, _, path = dst.partition(":")
+                sb = c.connect(sid)
+                local = Path(src)
+                if local.is_dir():
+                    buf = io.BytesIO()
+                    with tarfile.open(fileobj=buf, mode="w") as tar:
+                        tar.add(local, arcname=".")
+                    sb.files.upload(path, buf.getvalue())
+                else:
+                    sb.files.write(path, local.read_bytes(), mode=local.stat().st_mode & 0o777)
+            else:
+                raise click.UsageError("one side must be SANDBOX_ID:/path")
+
+    @main.command("ls")
+    @click.option("--json", "as_json", is_flag=True)
+    @click.option("--label", "-l", multiple=True)
+    @click.option("--task", default=None)
+    @click.option("--state", default=None)
+    def ls_(as_json: bool, label: tuple[str, ...], task: str | None, state: str | None) -> None:
+        """List sandboxes."""
+        with client() as c:
+            items = c.list(labels=parse_kv(label, "--label"), task=task, state=state)
+        if as_json:
+            print(json.dumps([i.model_dump(mode="json", exclude={"token"}) for i in items], indent=2))
+            return
+        t = Table()
+        for col in ("id", "state", "edge", "task", "labels", "age"):
+            t.add_column(col)
+        now = time.time()
+        for i in items:
+            t.add_row(i.id, i.state.value, i.edge_id, i.task or "", ",".join(f"{k}={v}" for k, v in i.labels.items()),
+                      f"{now - i.created_at:.0f}s")
+        out.print(t)
+
+    @main.command("rm")
+    @click.argument("ids", nargs=-1)
+    @click.option("--task", default=None, help="Every sandbox of this task.")
+    @click.option("--label", "-l", multiple=True, help="Every sandbox with these labels.")
+    @click.option("--all", "all_", is_flag=True, help="Every sandbox the token can see.")
+    def rm(ids: tuple[str, ...], task: str | None, label: tuple[str, ...], all_: bool) -> None:
+        """Destroy sandboxes."""
+        with client() as c:
+            n = 0
+            for sid in ids:
+                c.delete(sid)
+                n += 1
+            if task or label:
+                n += c.delete_where(labels=parse_kv(label, "--label"), task=task)
+            if all_:
+                for info in c.list():
+                    c.delete(info.id)
+                    n += 1
+        console.print(f"removed {n}")
+
+    @main.command()
+    @click.option("--interval", type=float, default=1.0)
+    @click.option("--once", is_flag=True, help="Print one table and exit.")
+    def top(interval: float, once: bool) -> None:
+        """Live table of sandboxes and node use."""
+        from rich.live import Live
+
+        def render(c: Any) -> Table:
+            t = Table(title=f"dsec top — {time.strftime('%H:%M:%S')}")
+            for col in ("edge", "sandboxes", "cpu committed", "memory committed", "pools"):
+                t.add_column(col)
+            for e in c.edges():
+                h = e.get("health") or e
+                t.add_row(str(e.get("id", h.get("edge_id"))), f"{h.get('sandboxes', '?')}/{h.get('capacity_sandboxes', '?')}",
+                          f"{h.get('cpu_committed', 0):.1f}/{h.get('cpu_capacity', 0):.0f}",
+                          f"{h.get('memory_committed', 0) / 2**30:.1f}/{h.get('memory_capacity', 0) / 2**30:.0f} GiB",
+                          ", ".join(f"{k}:{v}" for k, v in (h.get("pools") or {}).items()))
+            states: dict[str, int] = {}
+            for i in c.list():
+                states[i.state.value] = states.get(i.state.value, 0) + 1
+            t.caption = "sandboxes: " + (", ".join(f"{k} {v}" for k, v in sorted(states.items())) or "none")
+            return t
+
+        with client() as c:
+            if once:
+                out.print(render(c))
+                return
+            with Live(render(c), console=out, refresh_per_second=4) as live:
+                try:
+                    while True:
+                        time.sleep(interval)
+                        live.update(render(c))
+                except KeyboardInterrupt:
+                    pass
+
+    @main.group()
+    def token() -> None:
+        """API tokens."""
+
+    @token.command("create")
+    @click.option("--project", default=None)
+    @click.option("--name", default="")
+    def token_create(project: str | None, name: str) -> None:
+        with client() as c:
+            info = c.create_token(project=project, name=name)
+        console.print(f"token {info.id} for project {info.project} (shown once):")
+        print(info.token)
+
+    @token.command("revoke")
+    @click.argument("token_id")
+    def token_revoke(token_id: str) -> None:
+        with client() as c:
+            c.revoke_token(token_id)
+        console.print(f"revoked {token_id}")
+
+    @main.group()
+    def project() -> None:
+        """Projects (nested, with quotas carved out of the parent's)."""
+
+    @project.command("create")
+    @click.argument("name")
+    @click.option("--parent", default=None)
+    @click.option("--quota", required=True, help="sandboxes=N,cpu=C,memory=SIZE  e.g. sandboxes=100,cpu=50,memory=64G")
+    def project_create(name: str, parent: str | None, quota: str) -> None:
+        q: dict[str, float] = {}
+        for part in quota.split(","):
+            k, _, v = part.partition("=")
+            k = k.strip()
+            if k == "memory":
+                q[k] = parse_size(v)
+            elif k in ("sandboxes", "cpu"):
+                q[k] = float(v) if k == "cpu" else int(v)
+            else:
+                raise click.BadParameter(f"unknown quota key {k!r}: use sandboxes, cpu, memory")
+        with client() as c:
+            info = c.create_project(name, quota=q, parent=parent)
+        out.print_json(info.model_dump_json())
+
+
+def _detach(data: Path, port: int, edges: int, host: str) -> None:
+    import subprocess
+
+    import httpx
+
+    data.mkdir(parents=True, exist_ok=True)
+    log = open(data / "up.log", "ab")  # noqa: SIM115 - handed to the child
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dsec.cli.main", "up", "--data-dir", str(data), "--port", str(port),
+         "--edges", str(edges), "--host", host],
+        stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True,
+    )
+    (data / "up.pid").write_text(f"{proc.pid}\n")
+    url = f"http://{host}:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise click.ClickException(f"dsec up exited with {proc.returncode}; see {data / 'up.log'}")
+        try:
+            if httpx.get(url + "/healthz", timeout=1).status_code == 200:
+                console.print(f"dsec up: running as pid {proc.pid} at {url} (log {data / 'up.log'}; stop: kill {proc.pid})")
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise click.ClickException(f"dsec up did not become healthy in 60 s; see {data / 'up.log'}")
