@@ -81,12 +81,22 @@ def bench_runtime(quick: bool, json_path: Path | None, n_keep: int | None, debia
 
 
 @main.command()
-@click.option("-n", "count", type=click.IntRange(1, 5000), default=100, show_default=True, help="Sandboxes to start.")
+@click.option("-n", "count", type=click.IntRange(1, 5000), default=None, help="Rollouts / sandboxes (default 64; 100 with --runtime-only).")
 @click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="State directory (default $DSEC_STATE_DIR or /var/lib/dsec).")
-def demo(count: int, state_dir: Path | None) -> None:
-    """The runtime demo: build a base layer, start N sandboxes, run a command in each, clean up."""
-    asyncio.run(_demo(count, state_dir))
+@click.option("--runtime-only", is_flag=True, help="The node-runtime demo (busybox, no service, no network needed).")
+def demo(count: int | None, state_dir: Path | None, runtime_only: bool) -> None:
+    """The main job: agent rollouts through the SDK against the all-in-one (control plane + edge)."""
+    if runtime_only:
+        asyncio.run(_demo(count or 100, state_dir))
+        return
+    from dsec.cli.up import data_dir_default
+    from dsec.demo.rollouts import run_demo
+
+    rollouts = asyncio.run(run_demo(state_dir or data_dir_default(), n=count or 64, say=lambda m: console.print(m)))
+    failed = [r for r in rollouts if r.error]
+    if failed:
+        raise DsecError(f"{len(failed)} of {len(rollouts)} rollouts failed")
 
 
 async def _demo(count: int, state_dir: Path | None) -> None:
