@@ -80,6 +80,20 @@ def bench_runtime(quick: bool, json_path: Path | None, n_keep: int | None, debia
         console.print(f"wrote {json_path}")
 
 
+@bench.command("service")
+@click.option("--quick", is_flag=True, help="Fewer samples; 200 sandboxes instead of 1,000.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the flat JSON here.")
+def bench_service(quick: bool, json_path: Path | None) -> None:
+    """SDK against the all-in-one (1 and 3 edges) beside direct runtime calls."""
+    from dsec.bench.service import run
+
+    results = run(quick=quick, say=lambda m: console.print(f"[dim]{m}[/dim]"))
+    _print_table("dsec bench service", results)
+    if json_path:
+        json_path.write_text(json.dumps(results, indent=2, sort_keys=True))
+        console.print(f"wrote {json_path}")
+
+
 @main.command()
 @click.option("-n", "count", type=click.IntRange(1, 5000), default=None, help="Rollouts / sandboxes (default 64; 100 with --runtime-only).")
 @click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path), default=None,

@@ -1,0 +1,248 @@
+"""``dsec bench service``: the SDK against the all-in-one, beside direct runtime calls.
+
+Same process, same machine, same busybox layer: the direct runtime figures
+are the baseline the service overhead is measured against.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from dsec.bench.stats import percentile
+
+Say = Callable[[str], None]
+
+
+def _spec(memory_mib: int = 32, cpu: float = 0.1) -> Any:
+    from dsec.spec import ImageRef, Resources, SandboxSpec
+
+    return SandboxSpec(image=ImageRef(base="busybox:latest"),
+                       resources=Resources(cpu=cpu, memory=memory_mib << 20, disk=16 << 20, pids=64))
+
+
+async def _direct(work: Path, n: int, say: Say) -> dict[str, float]:
+    from dsec.backends.container.runtime import ContainerRuntime
+    from dsec.images.build import build_busybox
+
+    out: dict[str, float] = {}
+    async with ContainerRuntime(name="bench-direct", state_dir=work / "direct", run_dir=work / "run") as rt:
+        await asyncio.to_thread(build_busybox, rt.store, name="busybox", tag="latest")
+        spec = _spec()
+        for _ in range(3):
+            await rt.destroy((await rt.create(spec)).id)
+        say(f"direct runtime: create, {n} samples")
+        lat = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            sb = await rt.create(spec)
+            lat.append((time.perf_counter() - t0) * 1000)
+            await rt.destroy(sb.id)
+        out["direct_create_p50_ms"] = percentile(lat, 50)
+        out["direct_create_p99_ms"] = percentile(lat, 99)
+        sb = await rt.create(spec)
+        ex = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            await rt.exec(sb.id, ["true"])
+            ex.append((time.perf_counter() - t0) * 1000)
+        out["direct_exec_p50_ms"] = percentile(ex, 50)
+        await rt.destroy(sb.id)
+    return out
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        return int(sk.getsockname()[1])
+
+
+class _Procs:
+    """The control plane and each edge as their own processes, as in a deployment."""
+
+    def __init__(self) -> None:
+        self.procs: list[Any] = []
+        self.url = ""
+        self.admin_token = ""
+
+    async def start(self, data: Path, edges: int, pools: list[dict[str, Any]], edge_overrides: dict[str, Any]) -> None:
+        import json
+        import subprocess
+        import sys
+
+        import httpx
+
+        (data / "control").mkdir(parents=True, exist_ok=True)
+        port = _free_port()
+        log = open(data / "control.log", "ab")  # noqa: SIM115 - owned by the child
+        self.procs.append(subprocess.Popen(
+            [sys.executable, "-m", "dsec.control", "--data-dir", str(data / "control"), "--port", str(port)],
+            stdout=log, stderr=log, stdin=subprocess.DEVNULL))
+        self.url = f"http://127.0.0.1:{port}"
+        await self._healthy(self.url + "/healthz")
+        self.admin_token = (data / "control" / "admin.token").read_text().strip()
+        for i in range(edges):
+            eid = f"e{i + 1}"
+            state = data if i == 0 else data / "edges" / eid
+            cfg = {"edge_id": eid, "cluster_key": (data / "control" / "cluster.key").read_text().strip(),
+                   "port": _free_port(), "state_dir": str(state), "runtime_name": f"bench-{eid}",
+                   "control_plane_url": self.url, "destroy_on_shutdown": True, "pools": pools, **edge_overrides}
+            cfg_path = data / f"{eid}.json"
+            cfg_path.write_text(json.dumps(cfg))
+            elog = open(data / f"{eid}.log", "ab")  # noqa: SIM115
+            self.procs.append(subprocess.Popen([sys.executable, "-m", "dsec.edge", "--config", str(cfg_path)],
+                                               stdout=elog, stderr=elog, stdin=subprocess.DEVNULL))
+            await self._healthy(f"http://127.0.0.1:{cfg['port']}/metrics")
+        async with httpx.AsyncClient(base_url=self.url, headers={"authorization": f"Bearer {self.admin_token}"}) as h:
+            for _ in range(200):
+                body = (await h.get("/v1/edges")).json()
+                items = body["items"] if isinstance(body, dict) else body
+                if len(items) >= edges:
+                    break
+                await asyncio.sleep(0.1)
+
+    async def _healthy(self, url: str) -> None:
+        import httpx
+
+        for _ in range(300):
+            if any(p.poll() is not None for p in self.procs):
+                raise RuntimeError(f"a DSec process exited while starting (see the logs next to {url})")
+            with contextlib.suppress(httpx.HTTPError):
+                async with httpx.AsyncClient() as h:
+                    if (await h.get(url, timeout=1)).status_code < 500:
+                        return
+            await asyncio.sleep(0.1)
+        raise RuntimeError(f"{url} did not come up")
+
+    async def stop(self) -> None:
+        import signal
+
+        for p in reversed(self.procs):  # edges first: they destroy their sandboxes
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+            await asyncio.to_thread(p.wait, 60)
+
+
+async def _service(work: Path, *, edges: int, n: int, many: int, concurrent: int, execs_each: int,
+                   say: Say) -> dict[str, float]:
+    from dsec.images.build import build_busybox
+    from dsec.images.store import LocalLayerStore
+    from dsec.sdk import AsyncClient
+
+    data = work / f"svc{edges}"
+    for i in range(edges):
+        state = data if i == 0 else data / "edges" / f"e{i + 1}"
+        store = LocalLayerStore(state / "layers")
+        await asyncio.to_thread(build_busybox, store, name="busybox", tag="latest")
+    pool_spec = _spec(memory_mib=48)
+    pools = [{"image": pool_spec.image.model_dump(), "resources": pool_spec.resources.model_dump(), "size": 8}]
+    cluster = _Procs()
+    out: dict[str, float] = {}
+    tag = f"{edges}edge"
+    try:
+        await cluster.start(data, edges, pools, {"cpu_capacity": 4000.0, "max_sandboxes": 6000})
+        async with AsyncClient(cluster.url, cluster.admin_token, timeout=300) as c:
+            spec = _spec()
+            for _ in range(3):
+                await (await c.create(spec)).close()
+            say(f"service ({edges} edge): SDK create (cold), {n} samples")
+            lat = []
+            for _ in range(n):
+                t0 = time.perf_counter()
+                sb = await c.create(spec)
+                lat.append((time.perf_counter() - t0) * 1000)
+                await sb.close()
+            out[f"sdk_create_p50_ms_{tag}"] = percentile(lat, 50)
+            out[f"sdk_create_p99_ms_{tag}"] = percentile(lat, 99)
+
+            say(f"service ({edges} edge): SDK create from a warm pool, {n} samples")
+            warm = []
+            await asyncio.sleep(1.0)
+            for _ in range(n):
+                await _wait_pool(c, 1)
+                t0 = time.perf_counter()
+                sb = await c.create(pool_spec)
+                warm.append((time.perf_counter() - t0) * 1000)
+                await sb.close()
+            out[f"warm_create_p50_ms_{tag}"] = percentile(warm, 50)
+
+            say(f"service ({edges} edge): SDK exec round trip, {n} samples")
+            sb = await c.create(spec)
+            ex = []
+            for _ in range(n):
+                t0 = time.perf_counter()
+                await sb.exec(["true"])
+                ex.append((time.perf_counter() - t0) * 1000)
+            out[f"sdk_exec_p50_ms_{tag}"] = percentile(ex, 50)
+            await sb.close()
+
+            say(f"service ({edges} edge): create_many({many})")
+            t0 = time.perf_counter()
+            made = [o async for o in c.create_many(spec, many, concurrency=64, labels={"bench": "many"})]
+            out[f"create_many_{many}_per_s_{tag}"] = len([o for o in made if o.ok]) / (time.perf_counter() - t0)
+            out[f"create_many_errors_{tag}"] = len([o for o in made if not o.ok])
+            await asyncio.gather(*(o.sandbox.close() for o in made if o.sandbox), return_exceptions=True)
+
+            say(f"service ({edges} edge): {concurrent} sandboxes x {execs_each} execs from one asyncio client")
+            made = [o async for o in c.create_many(spec, concurrent, concurrency=64, labels={"bench": "conc"})]
+            boxes = [o.sandbox for o in made if o.sandbox]
+            errors = len(made) - len(boxes)
+            t0 = time.perf_counter()
+
+            async def drive(box: Any) -> int:
+                bad = 0
+                for _ in range(execs_each):
+                    try:
+                        r = await box.exec(["true"], timeout=120)
+                        bad += r.exit_code != 0
+                    except Exception:
+                        bad += 1
+                return bad
+
+            errors += sum(await asyncio.gather(*(drive(b) for b in boxes)))
+            dt = time.perf_counter() - t0
+            out[f"concurrent_errors_{tag}"] = errors
+            out[f"concurrent_execs_per_s_{tag}"] = len(boxes) * execs_each / dt
+            await asyncio.gather(*(b.close() for b in boxes), return_exceptions=True)
+    finally:
+        await cluster.stop()
+    return out
+
+
+async def _wait_pool(c: Any, need: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(Exception):
+            for e in await c.edges():
+                h = e.get("health") or e
+                if sum((h.get("pools") or {}).values()) >= need:
+                    return
+        await asyncio.sleep(0.05)
+
+
+def run(*, quick: bool = False, say: Say = print) -> dict[str, Any]:
+    n = 30 if quick else 200
+    many = 200 if quick else 1000
+    concurrent = 200 if quick else 1000
+    execs_each = 5 if quick else 20
+    results: dict[str, Any] = {"quick": quick}
+    with tempfile.TemporaryDirectory(prefix="dsec-bench-svc-") as tmp:
+        work = Path(tmp)
+        results.update(asyncio.run(_direct(work, n, say)))
+        for edges in (1, 3):
+            results.update(asyncio.run(_service(work, edges=edges, n=n, many=many, concurrent=concurrent,
+                                                execs_each=execs_each, say=say)))
+    # The issue's named keys are the 1-edge figures; the 3-edge ones carry their suffix.
+    for key in ("sdk_create_p50_ms", "sdk_create_p99_ms", "warm_create_p50_ms", "sdk_exec_p50_ms", "concurrent_errors"):
+        results[key] = results[f"{key}_1edge"]
+    results["create_many_1000_per_s"] = results[f"create_many_{many}_per_s_1edge"]
+    results["sdk_create_overhead_ratio"] = results["sdk_create_p50_ms"] / results["direct_create_p50_ms"]
+    results["sdk_exec_overhead_ratio"] = results["sdk_exec_p50_ms"] / results["direct_exec_p50_ms"]
+    return results
