@@ -20,6 +20,7 @@ import contextlib
 import json
 import logging
 import math
+import re
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Annotated, Any
@@ -67,11 +68,16 @@ def _entry(info: FileInfo) -> FileEntry:
                      uid=info.uid, gid=info.gid, mtime=info.mtime, target=info.target)
 
 
+_UNION_TAG = re.compile(r"^([a-z_-]+\[.*\]|str|int|float|bool|bytes|none|list|dict)$")
+
+
 def _field_of(loc: Sequence[Any]) -> str:
+    """``("body", "spec", "resources", "cpu")`` -> ``spec.resources.cpu``; union member
+    tags pydantic puts in the path (``list[str]``) are not fields and are dropped."""
     parts = [str(p) for p in loc]
     if parts and parts[0] in ("body", "query", "path", "header"):
         parts = parts[1:]
-    return ".".join(parts) or "body"
+    return ".".join(p for p in parts if not _UNION_TAG.match(p)) or "body"
 
 
 def _validation_response(errors: Sequence[Any]) -> JSONResponse:

@@ -39,7 +39,7 @@ class EventLog:
         self._limit = tombstones
 
     def add(self, sandbox_id: str, event: str, **data: Any) -> dict[str, Any]:
-        item = {"t": time.time(), "event": event, "source": "edge", **data}
+        item = {"t": time.time(), "event": event, "origin": "edge", **data}
         log = self._logs.setdefault(sandbox_id, [])
         log.append(item)
         if len(log) > MAX_EVENTS:
@@ -47,7 +47,7 @@ class EventLog:
         return item
 
     def merged(self, sandbox_id: str, runtime_events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        rt = [{**e, "source": "runtime"} for e in runtime_events]
+        rt = [{**e, "origin": "runtime"} for e in runtime_events]
         return sorted(rt + self._logs.get(sandbox_id, []), key=lambda e: float(e.get("t", 0.0)))
 
     def forget(self, sandbox_id: str) -> None:

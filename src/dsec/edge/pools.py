@@ -73,11 +73,16 @@ class WarmPool:
     def low_watermark(self) -> int:
         """The lowest ready count over the last minute (0 means a claim found it empty
         or nearly so: the pool is too small for the create rate)."""
-        now = time.monotonic()
-        levels = [n for t, n in self._levels if t >= now - WATERMARK_WINDOW_S]
-        if self._levels and self._levels[0][0] < now - WATERMARK_WINDOW_S:
-            levels.append(self._levels[0][1])
-        levels.append(len(self.ready))
+        cutoff = time.monotonic() - WATERMARK_WINDOW_S
+        levels = [len(self.ready)]
+        before: int | None = None  # the level when the window opened
+        for t, n in self._levels:
+            if t < cutoff:
+                before = n
+            else:
+                levels.append(n)
+        if before is not None:
+            levels.append(before)
         return min(levels)
 
 

@@ -92,8 +92,13 @@ def _jsonable(value: Any) -> Any:
 
 
 def error_body(exc: DsecError) -> dict[str, Any]:
-    """``{"error": ...}`` for the wire, with every field made JSON-safe."""
-    return {"error": _jsonable(exc.to_wire())}
+    """``{"error": ...}`` for the wire. ``to_wire`` drops fields that are not plain JSON;
+    a partial ExecResult is sent in its wire form and anything else as text."""
+    body = dict(exc.to_wire())
+    for key, value in exc.fields.items():
+        if key not in body:
+            body[key] = _jsonable(value)
+    return {"error": _jsonable(body)}
 
 
 class EdgeService:
@@ -570,6 +575,7 @@ class EdgeService:
         finally:
             if not task.done():
                 task.cancel()  # the runtime kills the command's process tree
+                self.events.add(sandbox_id, "exec_cancelled", reason="client_disconnected")
                 with contextlib.suppress(BaseException):
                     await task
 
