@@ -55,6 +55,8 @@ class WarmPool:
         self.failures = 0
         self.last_error = ""
         self.retry_at = 0.0
+        self.blocked = False
+        """Below target because the edge's budgets have no room for more (logged once)."""
         self._levels: deque[tuple[float, int]] = deque([(time.monotonic(), 0)])
 
     @property
@@ -263,8 +265,14 @@ class PoolManager:
             if pool.layers is None or pool.retry_at > now:
                 continue
             have = len(pool.ready) + pool.creating
-            if have >= pool.target or not self.service.admission.fits_pooled(pool.cfg.resources):
+            if have >= pool.target:
                 continue
+            if not self.service.admission.fits_pooled(pool.cfg.resources):
+                if not pool.blocked:
+                    pool.blocked = True
+                    log.info("pool %s held at %d of %d: the edge's budgets are taken", pool.name, have, pool.target)
+                continue
+            pool.blocked = False
             if best is None or have / pool.target < (len(best.ready) + best.creating) / best.target:
                 best = pool
         return best

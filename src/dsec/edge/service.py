@@ -139,8 +139,6 @@ class EdgeService:
             edge = rec.meta.get("edge") or {}
             if edge.get("request_id"):
                 self._by_request[str(edge["request_id"])] = rec.id
-            if not edge.get("pool"):
-                self.events.add(rec.id, "adopted", expires_at=edge.get("expires_at"))
         self.resync_admission()
         await self.pools.start()
         self.watchdog.start()
@@ -296,7 +294,9 @@ class EdgeService:
             if not req.id.startswith(f"{self.edge_id}-") or len(req.id) <= len(self.edge_id) + 1:
                 raise InvalidSpec(f"sandbox id {req.id!r} must start with this edge's prefix {self.edge_id}-", field="id")
             existing = self.runtime.sandboxes.get(req.id)
-            if existing is not None and req.id not in self.pools.pooled_ids:
+            if existing is not None:
+                if req.id in self.pools.pooled_ids:
+                    raise InvalidSpec(f"sandbox id {req.id!r} is taken; leave `id` out", field="id")
                 return self.info(existing, with_token=True)
         now = time.time()
         if req.id is None and self.pools.pools:
