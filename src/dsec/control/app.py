@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, Query, Request, Response
+from fastapi import Body, Depends, FastAPI, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dsec.control import edges as edges_mod
-from dsec.control import iam
+from dsec.control import iam, validate
 from dsec.control.config import ControlConfig
 from dsec.control.iam import Principal
 from dsec.control.sandboxes import parse_label_filters
@@ -135,6 +135,30 @@ EdgeAdmin = Annotated[str, Depends(edge_admin)]
 Operator = Annotated[str, Depends(operator)]
 
 
+_SPEC_EXAMPLE = {"image": {"base": "busybox:latest"}, "resources": {"cpu": 0.5, "memory": 268435456}}
+CreateBody = Annotated[CreateSandbox, Body(openapi_examples={
+    "minimal": {"summary": "one sandbox", "value": {"spec": _SPEC_EXAMPLE}},
+    "labelled": {"summary": "in a task, with labels and an idempotency key", "value": {
+        "spec": _SPEC_EXAMPLE, "labels": {"job": "demo"}, "task": "demo", "request_id": "demo-0",
+        "lifecycle": {"ttl_s": 900, "idle_timeout_s": 300}}},
+})]
+BatchBody = Annotated[CreateBatch, Body(openapi_examples={
+    "four": {"summary": "four sandboxes of one spec", "value": {"spec": _SPEC_EXAMPLE, "count": 4, "task": "demo"}},
+})]
+
+
+def _check_create(body: CreateSandbox | CreateBatch) -> None:
+    validate.finite(body.model_dump(mode="python"))
+    validate.text(body.request_id, "request_id", max_len=128)
+    if body.task is not None:
+        iam.check_name(body.task, "task")
+
+
+def _check_health(body: EdgeHealth) -> None:
+    validate.finite(body.model_dump(mode="python"))
+    validate.text(body.url, "url", max_len=512)
+
+
 def create_app(config: ControlConfig, *, control: Control | None = None) -> FastAPI:
     """The ASGI app. Without ``control`` its lifespan starts (and stops) one from ``config``."""
 
@@ -207,13 +231,13 @@ def create_app(config: ControlConfig, *, control: Control | None = None) -> Fast
     # --------------------------------------------------------- sandboxes ----
 
     @app.post("/v1/sandboxes", status_code=201, tags=["sandboxes"])
-    async def create_sandbox(ctl: Ctl, who: Who, body: CreateSandbox) -> SandboxInfo:
+    async def create_sandbox(ctl: Ctl, who: Who, body: CreateBody) -> SandboxInfo:
+        _check_create(body)
         return await ctl.sandboxes.create(who, body)
 
     @app.post("/v1/sandboxes/batch", tags=["sandboxes"])
-    async def create_batch(ctl: Ctl, who: Who, body: CreateBatch) -> BatchResult:
-        if body.task is not None:
-            iam.check_name(body.task, "task")
+    async def create_batch(ctl: Ctl, who: Who, body: BatchBody) -> BatchResult:
+        _check_create(body)
         return await ctl.sandboxes.create_batch(who, body)
 
     @app.get("/v1/sandboxes", tags=["sandboxes"])
@@ -226,16 +250,16 @@ def create_app(config: ControlConfig, *, control: Control | None = None) -> Fast
         limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000,
     ) -> list[SandboxInfo]:
         return await ctl.sandboxes.list(
-            who, task=task, states=[s.value for s in state], labels=parse_label_filters(label), limit=limit
+            who, task=validate.name_filter(task, "task"), states=[s.value for s in state], labels=parse_label_filters(label), limit=limit
         )
 
     @app.get("/v1/sandboxes/{sandbox_id}", tags=["sandboxes"])
     async def get_sandbox(ctl: Ctl, who: Who, sandbox_id: str) -> SandboxInfo:
-        return await ctl.sandboxes.get(who, sandbox_id)
+        return await ctl.sandboxes.get(who, validate.sandbox_id(sandbox_id))
 
     @app.delete("/v1/sandboxes/{sandbox_id}", status_code=204, response_class=Response, tags=["sandboxes"])
     async def delete_sandbox(ctl: Ctl, who: Who, sandbox_id: str) -> Response:
-        await ctl.sandboxes.delete(who, sandbox_id)
+        await ctl.sandboxes.delete(who, validate.sandbox_id(sandbox_id))
         return Response(status_code=204)
 
     @app.delete("/v1/sandboxes", tags=["sandboxes"])
@@ -248,7 +272,7 @@ def create_app(config: ControlConfig, *, control: Control | None = None) -> Fast
         all: Annotated[bool, Query(description="every sandbox of the caller's projects")] = False,
     ) -> DeleteResult:
         n = await ctl.sandboxes.delete_where(
-            who, task=task, labels=parse_label_filters(label), states=[s.value for s in state], everything=all
+            who, task=validate.name_filter(task, "task"), labels=parse_label_filters(label), states=[s.value for s in state], everything=all
         )
         return DeleteResult(deleted=n)
 
@@ -264,11 +288,13 @@ def create_app(config: ControlConfig, *, control: Control | None = None) -> Fast
 
     @app.get("/v1/tasks/{name}", tags=["tasks"])
     async def get_task(ctl: Ctl, who: Who, name: str) -> TaskInfo:
+        validate.name_in_path(name, "task")
         return await ctl.db.read(lambda s: iam.task_info(s, who, name))
 
     @app.delete("/v1/tasks/{name}", tags=["tasks"])
     async def delete_task(ctl: Ctl, who: Who, name: str) -> DeleteResult:
         """Delete the task's sandboxes, then the task."""
+        validate.name_in_path(name, "task")
         await ctl.db.read(lambda s: iam.find_task(s, who, name))
         n = await ctl.sandboxes.delete_where(who, task=name, labels={}, states=[], everything=False)
 
@@ -291,14 +317,17 @@ def create_app(config: ControlConfig, *, control: Control | None = None) -> Fast
 
     @app.get("/v1/projects/{name}", tags=["iam"])
     async def get_project(ctl: Ctl, who: Who, name: str) -> ProjectInfo:
+        validate.name_in_path(name, "project")
         return await ctl.db.read(lambda s: iam.project_info(s, iam.visible_project(s, who, name)))
 
     @app.patch("/v1/projects/{name}", tags=["iam"])
     async def update_project(ctl: Ctl, who: Who, name: str, body: UpdateProject) -> ProjectInfo:
+        validate.name_in_path(name, "project")
         return await ctl.db.write(lambda s: iam.update_project(s, who, name, body.quota))
 
     @app.delete("/v1/projects/{name}", status_code=204, response_class=Response, tags=["iam"])
     async def delete_project(ctl: Ctl, who: Who, name: str) -> Response:
+        validate.name_in_path(name, "project")
         await ctl.db.write(lambda s: iam.delete_project(s, who, name))
         ctl.auth.forget_all()  # its tokens are gone
         return Response(status_code=204)
@@ -307,6 +336,7 @@ def create_app(config: ControlConfig, *, control: Control | None = None) -> Fast
 
     @app.post("/v1/tokens", status_code=201, tags=["iam"])
     async def create_token(ctl: Ctl, who: Who, body: CreateToken) -> TokenInfo:
+        validate.text(body.name, "name", max_len=128)
         return await ctl.db.write(lambda s: iam.create_token(s, who, body.project, body.name))
 
     @app.get("/v1/tokens", tags=["iam"])
@@ -315,6 +345,7 @@ def create_app(config: ControlConfig, *, control: Control | None = None) -> Fast
 
     @app.delete("/v1/tokens/{token_id}", status_code=204, response_class=Response, tags=["iam"])
     async def revoke_token(ctl: Ctl, who: Who, token_id: str) -> Response:
+        validate.token_id(token_id)
         h = await ctl.db.write(lambda s: iam.revoke_token(s, who, token_id))
         ctl.auth.forget(h)
         return Response(status_code=204)
@@ -331,6 +362,7 @@ def create_app(config: ControlConfig, *, control: Control | None = None) -> Fast
     async def register_edge(
         ctl: Ctl, body: EdgeHealth, _: EdgeAdmin
     ) -> EdgeInfo:
+        _check_health(body)
         info = await ctl.db.write(lambda s: edges_mod.record_health_txn(s, body))
         ctl.directory.put(info.id, info.url)
         return info
@@ -341,6 +373,7 @@ def create_app(config: ControlConfig, *, control: Control | None = None) -> Fast
     ) -> EdgeInfo:
         if body.edge_id != edge_id:
             raise InvalidSpec(f"the report is from edge {body.edge_id!r}, the path names {edge_id!r}", field="edge_id")
+        _check_health(body)
         info = await ctl.db.write(lambda s: edges_mod.record_health_txn(s, body))
         ctl.directory.put(info.id, info.url)
         return info
@@ -353,6 +386,7 @@ def create_app(config: ControlConfig, *, control: Control | None = None) -> Fast
     async def drain_edge(
         ctl: Ctl, edge_id: str, _: Operator, body: DrainEdge | None = None
     ) -> EdgeInfo:
+        validate.edge_id_in_path(edge_id)
         draining = True if body is None else body.draining
         return await ctl.db.write(lambda s: edges_mod.drain_txn(s, edge_id, draining))
 

@@ -504,8 +504,6 @@ class Sandboxes:
         return row, proj.name if proj else ""
 
     async def get(self, who: Principal, sandbox_id: str) -> SandboxInfo:
-        if len(sandbox_id) > 63:
-            raise SandboxNotFound(f"no sandbox {sandbox_id[:70]!r}", sandbox_id=sandbox_id[:63])
         row, project = await self.store.read(lambda s: self._visible_row(s, who, sandbox_id))
         url = await self._fresh_url(sandbox_id, row.edge_url)
         return self.info(row, project, token=True, url=url)
@@ -549,8 +547,6 @@ class Sandboxes:
         return row.edge_id or edge_of(sandbox_id), row.edge_url
 
     async def delete(self, who: Principal, sandbox_id: str) -> None:
-        if len(sandbox_id) > 63:
-            raise SandboxNotFound(f"no sandbox {sandbox_id[:70]!r}", sandbox_id=sandbox_id[:63])
         target = await self.store.write(lambda s: self._stop_txn(s, who, sandbox_id))
         if target is None:
             return

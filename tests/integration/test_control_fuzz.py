@@ -1,0 +1,108 @@
+"""Fuzz the control plane's OpenAPI contract with schemathesis: no 5xx, no leaked sandbox.
+
+A real server (SQLite store; PostgreSQL too with DSEC_FUZZ_POSTGRESQL=1) with a roomy stub edge; schemathesis runs as a
+subprocess (its CLI bounds the run: examples per operation, a time budget)
+with the root project's admin token, so it reaches every operation past
+authentication. Afterwards every sandbox is deleted through the API and the
+stub edge must hold none: nothing created by the fuzzer outlives the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import test_control_support as support
+from test_control_support import cluster
+
+from dsec import auth
+
+pytestmark = [pytest.mark.anyio, pytest.mark.slow]
+
+anyio_backend = support.anyio_backend
+pg_cluster = support.pg_cluster
+db_url = support.db_url
+
+MAX_EXAMPLES = int(os.environ.get("DSEC_FUZZ_EXAMPLES", "50"))
+MAX_TIME_S = int(os.environ.get("DSEC_FUZZ_SECONDS", "90"))
+EDGE_ONLY = {"POST /v1/edges/register", "POST /v1/edges/{edge_id}/heartbeat"}
+
+
+async def test_schemathesis_finds_no_server_errors(db_url: str, tmp_path: Path) -> None:
+    exe = Path(sys.executable).with_name("schemathesis")
+    if not exe.exists():
+        pytest.skip("schemathesis is not installed (pip install -e '.[dev]')")
+    if db_url.startswith("postgresql") and not os.environ.get("DSEC_FUZZ_POSTGRESQL"):
+        pytest.skip("set DSEC_FUZZ_POSTGRESQL=1 to fuzz on PostgreSQL too (doubles the run)")
+    # layers=[]: the edge reports none, so any well-formed image reference is placed
+    edges = [{"capacity_sandboxes": 100_000, "cpu_capacity": 1e6, "memory_capacity": 1 << 50,
+              "disk_capacity": 1 << 50, "layers": []}]
+    async with cluster(db_url, tmp_path, edges=edges, watcher=True,
+                       watcher_interval_s=1.0, root_quota={"sandboxes": 100_000, "cpu": 1e6, "memory": 1 << 50}) as cl:
+        c = cl.client()
+        spec = (await c.get("/openapi.json")).json()
+        # the fuzzer must not revoke the very token it fuzzes with (revocation has its own tests)
+        revoke = spec["paths"]["/v1/tokens/{token_id}"]["delete"]["operationId"]
+        text, report = await _schemathesis(exe, cl.url, cl.admin_token, tmp_path / "project",
+                                           "--exclude-operation-id", revoke)
+        # with the root project's token, only the edges' own endpoints refuse it
+        refused = set(re.findall(r"^  - (\S+ \S+)$", text.split("401 Unauthorized", 1)[-1].split("\n\n")[0], re.M))
+        assert refused <= EDGE_ONLY, refused
+        # the edges' endpoints, with an edge-admin token (few examples: they register fuzzed edges)
+        tok, _ = auth.mint(cl.key, sandbox_id="*", project="*", scope="edge-admin")
+        await _schemathesis(exe, cl.url, tok, tmp_path / "edge", "--include-path-regex", "^/v1/edges/",
+                            examples=20, seconds=30)
+        await c.post("/v1/edges/e1/drain", json={"draining": False})
+        await cl.edges[0].register(cl.url)
+
+        # whatever the fuzzer created is gone after one delete-all (no leak on the edge)
+        r = await c.delete("/v1/sandboxes", params={"all": "true"})
+        assert r.status_code == 200, r.text
+        await cl.tick()
+        edge = cl.edges[0]
+        assert edge.live_ids() == set(), f"sandboxes left on the edge: {sorted(edge.live_ids())[:10]}"
+        root = (await c.get("/v1/projects/root")).json()
+        assert root["used"]["sandboxes"] == 0
+        assert edge.creates > 0, "the fuzzer never got a create through"
+        assert json.loads(report.read_text())["test_cases"]["generated"] > 1000
+
+
+async def _schemathesis(exe: Path, url: str, token: str, out: Path, *extra: str, examples: int = MAX_EXAMPLES,
+                        seconds: int = MAX_TIME_S) -> tuple[str, Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    report = out / "report.json"
+    proc = await asyncio.create_subprocess_exec(
+        str(exe), "run", f"{url}/openapi.json",
+        "--checks", "not_a_server_error",
+        "--max-examples", str(examples),
+        "--max-time", str(seconds),
+        "--phases", "examples,coverage,fuzzing",
+        "--workers", "4",
+        "--request-timeout", "20",
+        "--generation-database", "none",
+        "--seed", "7",
+        "--no-color",
+        "-H", f"Authorization: Bearer {token}",
+        "--report", "json", "--report-json-path", str(report),
+        *extra,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )
+    raw, _ = await proc.communicate()
+    text = raw.decode(errors="replace")
+    (out / "schemathesis.log").write_text(text)
+    summary = json.loads(report.read_text()) if report.exists() else None
+    assert summary is not None, f"schemathesis wrote no report:\n{text[-8000:]}"
+    assert summary["failures"] == [] and summary["test_cases"]["with_failures"] == 0, (
+        f"schemathesis found server errors (log in {out}):\n{text[-8000:]}")
+    if proc.returncode != 0:
+        # Only a known crash inside the generator is tolerated: CPython 3.11.7's ast.parse
+        # ("AST constructor recursion depth mismatch") when hypothesis describes a lambda. It
+        # ends one operation's coverage phase early; fuzzing still covers that operation.
+        known = text.count("AST constructor recursion depth mismatch")
+        assert summary["errors"] and known >= len(summary["errors"]), f"schemathesis errors:\n{text[-8000:]}"
+    return text, report

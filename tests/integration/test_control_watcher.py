@@ -1,0 +1,250 @@
+"""The watcher (dead edges, reconcile, orphans, lost edges, drift), the store, and stateless replicas."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import sqlalchemy as sa
+import test_control_support as support
+from test_control_support import SPEC, cluster
+
+from dsec.control.db import EdgeRow, Project, SandboxRow, Store
+from dsec.control.watcher import Watcher, recount_txn
+
+pytestmark = pytest.mark.anyio
+
+anyio_backend = support.anyio_backend
+pg_cluster = support.pg_cluster
+db_url = support.db_url
+
+
+async def create(c: httpx.AsyncClient, **kw: Any) -> dict[str, Any]:
+    r = await c.post("/v1/sandboxes", json={"spec": SPEC, **kw})
+    assert r.status_code == 201, r.text
+    return dict(r.json())
+
+
+async def used(c: httpx.AsyncClient, project: str = "root") -> int:
+    return int((await c.get(f"/v1/projects/{project}")).json()["used"]["sandboxes"])
+
+
+async def edge_status(c: httpx.AsyncClient) -> dict[str, tuple[str, int]]:
+    return {e["id"]: (e["status"], e["committed"]["sandboxes"]) for e in (await c.get("/v1/edges")).json()}
+
+
+async def test_dead_edges_are_skipped_and_come_back(db_url: str, tmp_path: Path) -> None:
+    async with cluster(db_url, tmp_path, edges=[{}], dead_after_misses=2) as cl:
+        c = cl.client()
+        edge = cl.edges[0]
+        edge.fail_health = True
+        await cl.tick()
+        assert (await edge_status(c))["e1"][0] == "alive"  # one miss is not death
+        await cl.tick()
+        assert (await edge_status(c))["e1"][0] == "dead"
+        r = await c.post("/v1/sandboxes", json={"spec": SPEC})
+        assert r.status_code == 429 and r.json()["error"]["reason"] == "no live edges"
+        edge.fail_health = False
+        await cl.tick()
+        assert (await edge_status(c))["e1"][0] == "alive"
+        await create(c)
+        # an edge that stops answering at all is a miss too
+        await edge.stop()
+        await cl.tick()
+        await cl.tick()
+        assert (await edge_status(c))["e1"][0] == "dead"
+
+
+async def test_reconcile_stops_what_the_edge_no_longer_has(db_url: str, tmp_path: Path) -> None:
+    async with cluster(db_url, tmp_path) as cl:
+        c = cl.client()
+        edge = cl.edges[0]
+        sbs = [await create(c, task="t") for _ in range(3)]
+        assert await used(c) == 3
+        edge.drop(sbs[0]["id"])  # its TTL ran out on the edge, or it crashed
+        await cl.tick()
+        got = (await c.get(f"/v1/sandboxes/{sbs[0]['id']}")).json()
+        assert got["state"] == "stopped" and "gone from edge e1" in got["reason"]
+        assert await used(c) == 2
+        assert (await c.get("/v1/tasks/t")).json()["used"]["sandboxes"] == 2
+        assert (await edge_status(c))["e1"] == ("alive", 2)
+        assert {s["id"] for s in (await c.get("/v1/sandboxes")).json()} == {sbs[1]["id"], sbs[2]["id"]}
+
+
+async def test_delete_while_the_edge_is_down_finishes_later(db_url: str, tmp_path: Path) -> None:
+    async with cluster(db_url, tmp_path) as cl:
+        c = cl.client()
+        edge = cl.edges[0]
+        sb = await create(c)
+        await edge.stop()
+        r = await c.delete(f"/v1/sandboxes/{sb['id']}")
+        assert r.status_code == 204  # accepted: the quota returns now, the edge is told later
+        assert await used(c) == 0
+        got = (await c.get(f"/v1/sandboxes/{sb['id']}")).json()
+        assert got["state"] == "stopping" and got["token"] is None
+        assert sb["id"] in edge.sandboxes
+        await edge.start()  # back, at a new address: it registers again
+        await edge.register(cl.url)
+        await cl.tick()
+        assert sb["id"] not in edge.sandboxes
+        assert (await c.get(f"/v1/sandboxes/{sb['id']}")).json()["state"] == "stopped"
+        assert (await edge_status(c))["e1"] == ("alive", 0)
+        # the moved edge's new address is what create and get answer from now on
+        sb2 = await create(c)
+        assert sb2["edge_url"] == edge.url
+        assert (await c.get(f"/v1/sandboxes/{sb2['id']}")).json()["edge_url"] == edge.url
+
+
+async def test_orphans_are_reaped_after_the_grace(db_url: str, tmp_path: Path) -> None:
+    async with cluster(db_url, tmp_path, orphan_grace_s=30.0) as cl:
+        c = cl.client()
+        edge = cl.edges[0]
+        mine = await create(c)
+        old_orphan = edge.adopt_orphan(project="root", age_s=3600)
+        young_orphan = edge.adopt_orphan(project="root", age_s=1)  # may be a create still in flight
+        pooled = edge.adopt_orphan(project=None, age_s=3600)  # type: ignore[arg-type]  # a warm-pool member
+        await cl.tick()
+        assert old_orphan not in edge.sandboxes
+        assert {mine["id"], young_orphan, pooled} <= set(edge.sandboxes)
+
+
+async def test_a_lost_edge_gives_the_quota_back(db_url: str, tmp_path: Path) -> None:
+    async with cluster(db_url, tmp_path, edges=[{}, {}], dead_after_misses=1, edge_lost_after_s=0.3) as cl:
+        c = cl.client()
+        e1 = cl.edges[0]
+        on_e1 = [s for s in [await create(c) for _ in range(6)] if s["edge_id"] == "e1"]
+        assert on_e1, "power-of-2 over two empty edges uses both"
+        e1.fail_health = True
+        await cl.tick()
+        await asyncio.sleep(0.4)
+        await cl.tick()
+        for s in on_e1:
+            got = (await c.get(f"/v1/sandboxes/{s['id']}")).json()
+            assert got["state"] == "stopped" and "edge e1 lost" in got["reason"]
+        assert await used(c) == 6 - len(on_e1)
+        # when it comes back, what it still holds is deleted there (the store gave it up)
+        e1.fail_health = False
+        await cl.tick()
+        assert e1.live_ids() == set()
+
+
+async def test_stale_reservations_and_drift_are_repaired(db_url: str, tmp_path: Path) -> None:
+    async with cluster(db_url, tmp_path) as cl:
+        c = cl.client()
+        ctl = cl.control
+        await create(c)
+        # a replica crashed between reserving and asking the edge: the reservation holds quota
+        from dsec.control.iam import principal_for_token
+        from dsec.control.sandboxes import request_hash
+        from dsec.spec.api import CreateSandbox
+
+        who = await ctl.db.read(lambda s: principal_for_token(s, cl.admin_token))
+        req = CreateSandbox.model_validate({"spec": SPEC})
+        sb = ctl.sandboxes
+        await ctl.db.write(lambda s: sb._reserve_txn(s, who, req, request_hash(req), sb._demand(req)))
+        assert await used(c) == 2
+        await ctl.db.write(lambda s: s.execute(sa.update(SandboxRow).where(SandboxRow.id.is_(None))
+                                               .values(updated_at=time.time() - 3600)))
+        await cl.tick()
+        assert await used(c) == 1
+        assert (await edge_status(c))["e1"] == ("alive", 1)
+        # counters that drifted (a bug, a manual edit) are recomputed from the sandbox rows
+        await ctl.db.write(lambda s: s.execute(sa.update(Project).values(used_sandboxes=42, reserved_cpu_m=7)))
+        await ctl.db.write(lambda s: s.execute(sa.update(EdgeRow).values(committed_memory=1)))
+        assert await used(c) == 42
+        assert await ctl.db.write(recount_txn) == 2
+        assert await used(c) == 1
+        assert (await c.get("/v1/projects/root")).json()["reserved"]["cpu"] == 0
+        assert await ctl.db.write(recount_txn) == 0
+
+
+async def test_one_watcher_at_a_time(db_url: str, tmp_path: Path) -> None:
+    async with cluster(db_url, tmp_path) as cl:
+        ctl = cl.control
+        assert ctl.watcher is not None
+        other = Watcher(ctl.config, ctl.db, ctl.edge_client, ctl.directory, create_budget_s=10)
+        assert await ctl.watcher.tick()
+        assert not await other.tick()  # the lease is held
+        await ctl.watcher.release()
+        assert await other.tick()
+        assert not await ctl.watcher.tick()
+
+
+async def test_background_watcher_and_heartbeats(db_url: str, tmp_path: Path) -> None:
+    cfg = {"watcher": True, "watcher_interval_s": 0.1, "reconcile_interval_s": 0.1}
+    async with cluster(db_url, tmp_path, **cfg) as cl:
+        c = cl.client()
+        edge = cl.edges[0]
+        sb = await create(c)
+        edge.drop(sb["id"])
+        for _ in range(100):
+            if (await c.get(f"/v1/sandboxes/{sb['id']}")).json()["state"] == "stopped":
+                break
+            await asyncio.sleep(0.05)
+        else:
+            pytest.fail("the background watcher did not notice the sandbox was gone")
+        edge.capacity_sandboxes = 7
+        await edge.heartbeat(cl.url)
+        listed = (await c.get("/v1/edges")).json()[0]
+        assert listed["health"]["capacity_sandboxes"] == 7 and listed["last_seen"] > time.time() - 5
+        from dsec import auth
+
+        tok, _ = auth.mint(cl.key, sandbox_id="*", project="*", scope="edge-admin")
+        r = await c.post("/v1/edges/e2/heartbeat", content=edge.health().model_dump_json(),
+                         headers={"authorization": f"Bearer {tok}", "content-type": "application/json"})
+        assert r.status_code == 422 and r.json()["error"]["field"] == "edge_id"
+
+
+async def test_replicas_are_stateless(db_url: str, tmp_path: Path) -> None:
+    """Two API replicas on one store: anything done through one is visible through the other."""
+    from dsec.control import ControlConfig, serve_control
+
+    async with cluster(db_url, tmp_path, edges=[{"create_delay_s": 0.3}]) as cl:
+        cfg = cl.control.config.model_copy(update={"data_dir": tmp_path / "replica-b", "port": 0})
+        b = await serve_control(ControlConfig.model_validate(cfg.model_dump()))
+        try:
+            assert b.admin_token is None  # the store was bootstrapped already
+            ca = cl.client()
+            cb = httpx.AsyncClient(base_url=b.url, headers={"authorization": f"Bearer {cl.admin_token}"}, timeout=30)
+            cl.clients.append(cb)
+            # one request id retried on the other replica while the first is in flight
+            ra, rb = await asyncio.gather(
+                ca.post("/v1/sandboxes", json={"spec": SPEC, "request_id": "x"}),
+                cb.post("/v1/sandboxes", json={"spec": SPEC, "request_id": "x"}),
+            )
+            assert ra.status_code == rb.status_code == 201 and ra.json()["id"] == rb.json()["id"]
+            assert cl.edges[0].creates == 1
+            sid = ra.json()["id"]
+            assert (await cb.get(f"/v1/sandboxes/{sid}")).json()["edge_url"] == cl.edges[0].url
+            tok = (await ca.post("/v1/tokens", json={})).json()
+            assert (await cb.delete(f"/v1/tokens/{tok['id']}")).status_code == 204
+            assert (await cb.delete(f"/v1/sandboxes/{sid}")).status_code == 204
+            assert (await ca.get(f"/v1/sandboxes/{sid}")).json()["state"] == "stopped"
+        finally:
+            await b.stop()
+
+
+async def test_migrations_are_idempotent_and_match_the_models(db_url: str) -> None:
+    from alembic.autogenerate import compare_metadata
+    from alembic.migration import MigrationContext
+
+    from dsec.control.db import Base
+
+    store = Store(db_url, threads=2)
+    try:
+        store.migrate()
+        store.migrate()  # a second replica starting: nothing to do
+        assert store.schema_revision() == "0001"
+        with store.engine.connect() as conn:
+            diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), Base.metadata)
+        assert diff == []
+        if store.is_sqlite:
+            with store.engine.connect() as conn:
+                assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+                assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 30000
+    finally:
+        store.close()
