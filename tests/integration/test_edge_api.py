@@ -187,6 +187,18 @@ def test_stream_disconnect_kills_the_command(edge: EdgeThread, api: httpx.Client
         api.delete(f"/v1/sandboxes/{sid}")
 
 
+def test_exec_disconnect_kills_the_command(edge: EdgeThread, api: httpx.Client) -> None:
+    sid = create(api)["id"]
+    try:
+        rt = edge.service.runtime
+        with edge.client(timeout=0.5) as c, pytest.raises(httpx.ReadTimeout):
+            c.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "sleep 60"})
+        assert wait_until(lambda: len(rt.cgroups.pids(sid)) == 1, timeout=5), rt.cgroups.pids(sid)
+        assert 'dsec_edge_execs_total{kind="exec",outcome="cancelled"}' in api.get("/metrics").text
+    finally:
+        api.delete(f"/v1/sandboxes/{sid}")
+
+
 def test_auth(edge: EdgeThread, api: httpx.Client) -> None:
     a, b = create(api)["id"], create(api)["id"]
     try:

@@ -16,14 +16,15 @@ validation pass): the create and exec paths are latency-critical.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
 import math
 import re
 import time
-from collections.abc import AsyncIterator, Sequence
-from typing import Annotated, Any
+from collections.abc import AsyncIterator, Coroutine, Sequence
+from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -51,6 +52,7 @@ from dsec.spec.api import (
 )
 
 log = logging.getLogger("dsec.edge.app")
+T = TypeVar("T")
 
 JSON = "application/json"
 NDJSON = "application/x-ndjson"
@@ -130,6 +132,28 @@ class _Auth:
             self._cache.clear()
         self._cache[token] = claims
         return claims
+
+
+async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T | None:
+    """Await ``work``, cancelling it if the client goes away first (for exec: the command's
+    process tree is killed rather than left running for a caller who gave up)."""
+    task = asyncio.ensure_future(work)
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        left = not task.done()
+        if left:
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+    return None if left else task.result()  # None: the client left, nobody reads the answer
 
 
 def _auth(request: Request) -> _Auth:
@@ -248,8 +272,11 @@ def create_app(config: EdgeConfig, *, service: EdgeService | None = None) -> Fas
     # ------------------------------------------------------------ exec --
 
     @app.post("/v1/sandboxes/{sandbox_id}/exec", response_model=ExecResultWire, tags=["exec"])
-    async def exec_command(sandbox_id: str, body: ExecRequest, _c: Owner) -> Response:
-        return _json(result_to_wire(await svc.exec(sandbox_id, body)))
+    async def exec_command(sandbox_id: str, body: ExecRequest, request: Request, _c: Owner) -> Response:
+        result = await _unless_disconnected(request, svc.exec(sandbox_id, body))
+        if result is None:
+            return Response(status_code=499)  # client closed the request (nginx's code)
+        return _json(result_to_wire(result))
 
     @app.post("/v1/sandboxes/{sandbox_id}/exec/stream", tags=["exec"],
               responses={200: {"content": {NDJSON: {}}, "description": "StreamChunk lines, the last one result/error"}})

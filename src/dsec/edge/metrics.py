@@ -11,7 +11,7 @@ scrape time from the service, so they can never drift from the truth.
 | dsec_edge_creates_total | result, source, reason | creates: ok/failed; cold/pool; failure code |
 | dsec_edge_create_seconds | source | create latency: cold, pool (a claim), refill (background) |
 | dsec_edge_destroys_total | reason | deleted, ttl_expired, idle_expired, failed, pool_evicted, ... |
-| dsec_edge_execs_total | kind, outcome | exec, stream, session; ok, nonzero, timeout, error |
+| dsec_edge_execs_total | kind, outcome | exec, stream, session; ok, nonzero, timeout, error, cancelled |
 | dsec_edge_exec_seconds | kind | exec round trip on the edge |
 | dsec_edge_admission_refusals_total | reason | count, cpu, memory, disk |
 | dsec_edge_expirations_total | reason | ttl, idle, failed |

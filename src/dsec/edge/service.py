@@ -498,6 +498,9 @@ class EdgeService:
                     result = partial
             outcome = "timeout" if result.timed_out else ("ok" if result.exit_code == 0 else "nonzero")
             return result
+        except asyncio.CancelledError:
+            outcome = "cancelled"  # the client went away; the runtime killed the command
+            raise
         finally:
             self.metrics.execs.labels(kind, outcome).inc()
             self.metrics.exec_seconds.labels(kind).observe(time.perf_counter() - t0)
