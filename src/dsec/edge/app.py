@@ -161,14 +161,15 @@ def _auth(request: Request) -> _Auth:
     return auth
 
 
-def _admin(request: Request) -> Claims:
+# async on purpose: FastAPI runs a sync dependency in a worker thread (a thread hop per request).
+async def _admin(request: Request) -> Claims:
     claims = _auth(request).claims(request)
     if claims.scope != "edge-admin":
         raise Forbidden("this call needs an edge-admin token (sandbox tokens reach only their sandbox)")
     return claims
 
 
-def _for_sandbox(sandbox_id: str, request: Request) -> Claims:
+async def _for_sandbox(sandbox_id: str, request: Request) -> Claims:
     claims = _auth(request).claims(request)
     check_sandbox(claims, sandbox_id)
     return claims
