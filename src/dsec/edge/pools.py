@@ -38,6 +38,10 @@ log = logging.getLogger("dsec.edge.pools")
 
 PoolKey = tuple[tuple[str, ...], Resources]
 WATERMARK_WINDOW_S = 60.0
+REFILL_QUIET_S = 0.02
+"""A refill starts only this long after the last claim: a create's synchronous kernel work
+(cgroups, uid slot) would otherwise delay the answer to the claim that woke it (measured:
+warm create p50 over HTTP 5.3-6.4 ms -> 4.0-4.3 ms), and a burst of claims is served first."""
 _NAME_TTL_S = 1.0  # a name:tag is re-resolved after this long (digests never change)
 
 
@@ -103,6 +107,7 @@ class PoolManager:
         self._last_refill = time.monotonic()
         self._slots = asyncio.Semaphore(cfg.pool_refill_concurrency)
         self._wake = asyncio.Event()
+        self._last_claim = 0.0
         self._task: asyncio.Task[None] | None = None
         self._jobs: set[asyncio.Task[Any]] = set()
 
@@ -208,6 +213,7 @@ class PoolManager:
             self.service.metrics.pool_claims.labels(pool.name, "miss").inc()
             return None
         finally:
+            self._last_claim = time.monotonic()
             pool.note_level()
             self._wake.set()
 
@@ -289,6 +295,10 @@ class PoolManager:
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), timeout=0.5)
+                continue
+            quiet = self._last_claim + REFILL_QUIET_S - now
+            if quiet > 0:
+                await asyncio.sleep(quiet)
                 continue
             self._tokens = min(self._burst, self._tokens + (now - self._last_refill) * self._rate)
             self._last_refill = now
