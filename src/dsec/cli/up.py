@@ -59,7 +59,7 @@ async def start_cluster(
     """Start a control plane on ``port`` and ``edges`` edges (ports picked freely)."""
     from dsec.control.config import ControlConfig
     from dsec.control.server import serve_control
-    from dsec.edge.config import EdgeConfig
+    from dsec.edge.config import EdgeConfig, PoolConfig
     from dsec.edge.server import serve_edge
 
     data_dir = data_dir.absolute()
@@ -76,7 +76,7 @@ async def start_cluster(
             ecfg = EdgeConfig(
                 edge_id=edge_id, cluster_key=key, host=host, port=edge_port, state_dir=state,
                 runtime_name=f"up-{edge_id}", control_plane_url=control.url, destroy_on_shutdown=True,
-                pools=pools or [], **(edge_overrides or {}),
+                pools=[PoolConfig.model_validate(p) for p in pools or []], **(edge_overrides or {}),
             )
             started.append(await serve_edge(ecfg))
         await _wait_registered(control, [e.edge_id for e in started])

@@ -388,7 +388,7 @@ class ContainerRuntime:
                 # No record until the init runs: until then every host resource is
                 # found by name (cgroups, uid slot file) and the reconciler removes it.
                 rec.slot = self._claim_slot(sid)
-                cg_dirs = self.cgroups.create(sid, spec.resources)
+                cg_dirs = await asyncio.to_thread(self.cgroups.create, sid, spec.resources)
                 lowers = [str(await self._use_layer(d, sid)) for d in layers]
                 res = spec.resources
                 fields = [
@@ -598,6 +598,10 @@ class ContainerRuntime:
 
     def list(self) -> list[SandboxRecord]:
         return list(self.sandboxes.values())
+
+    def require_running(self, sandbox_id: str) -> SandboxRecord:
+        """The record of a running sandbox; SandboxNotFound / SandboxStateError otherwise."""
+        return self._running(sandbox_id)
 
     def _running(self, sandbox_id: str) -> SandboxRecord:
         rec = self.get(sandbox_id)
@@ -832,6 +836,10 @@ class ContainerRuntime:
                 on_readable(fd)
         except asyncio.CancelledError:
             proc.kill(tree=True)
+            rec = self.sandboxes.get(proc.sandbox_id)
+            if rec is not None:
+                self._event(rec, "exec_ended", pid=proc.pid, exit_code=None, signal=signal.SIGKILL,
+                            duration_s=round(time.monotonic() - proc.started_at, 6), cancelled=True)
             raise
         finally:
             if timer is not None:
@@ -981,6 +989,14 @@ class ContainerRuntime:
         await sess.start(env=dict(env or {}), cwd=cwd, user=user)
         self._sessions.setdefault(sandbox_id, {})[sess.id] = sess
         return sess
+
+    async def close_session(self, sandbox_id: str, session_id: str) -> bool:
+        """Kill a session's shell and everything it started; False if there was no such session."""
+        sess = self._sessions.get(sandbox_id, {}).pop(session_id, None)
+        if sess is None:
+            return False
+        await sess.close()
+        return True
 
     def sessions(self, sandbox_id: str) -> list[Session]:
         return list(self._sessions.get(sandbox_id, {}).values())

@@ -57,6 +57,7 @@ class Session:
         self._fds: list[int] = []
         self._streams: dict[int, _Stream] = {}
         self._lock = asyncio.Lock()
+        self._resync: asyncio.Future[None] | None = None
         self.closed = False
 
     async def start(self, *, env: dict[str, str] | None = None, cwd: str = "/", user: int | str = 0) -> None:
@@ -107,6 +108,10 @@ class Session:
         if "\0" in command:
             raise InvalidSpec("command contains a NUL byte", field="command")
         async with self._lock:
+            if self._resync is not None:
+                with contextlib.suppress(Exception):
+                    await self._resync
+                self._resync = None
             if self.closed or self._proc is None or self._proc.exited.done():
                 self.closed = True
                 raise SessionClosed(f"session {self.id} of sandbox {self.sandbox_id} has ended", sandbox_id=self.sandbox_id, session_id=self.id)
@@ -146,6 +151,12 @@ class Session:
                 waits = [asyncio.ensure_future(s.changed.wait()) for s in self._streams.values()]
                 try:
                     await asyncio.wait(waits, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+                except asyncio.CancelledError:
+                    # The caller gave up: kill the command and let the shell reach its end
+                    # marker in the background, so the next run() stays in step.
+                    self._kill_command()
+                    self._resync = asyncio.ensure_future(self._drain(marker))
+                    raise
                 finally:
                     for w in waits:
                         w.cancel()
@@ -171,6 +182,27 @@ class Session:
                     sandbox_id=self.sandbox_id, timeout=timeout, reason="timeout", result=result,
                 )
             return result
+
+    async def _drain(self, marker: bytes) -> None:
+        """After a cancelled run: wait (bounded) for the markers and drop that output."""
+        out_fd, err_fd = self._fds
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if self._find(self._streams[out_fd], marker) is not None and self._find(self._streams[err_fd], marker) is not None:
+                self._take(self._streams[out_fd], marker, with_rc=True)
+                self._take(self._streams[err_fd], marker, with_rc=False)
+                return
+            if self._proc is None or self._proc.exited.done():
+                return
+            for s in self._streams.values():
+                s.changed.clear()
+            waits = [asyncio.ensure_future(s.changed.wait()) for s in self._streams.values()]
+            try:
+                await asyncio.wait(waits, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waits:
+                    w.cancel()
+        self.closed = True  # never came back in step: refuse further runs
 
     @staticmethod
     def _find(stream: _Stream, marker: bytes) -> int | None:
@@ -217,6 +249,7 @@ class Session:
 
     async def close(self) -> None:
         """Kill the shell and everything it started. Idempotent."""
+        self.runtime._sessions.get(self.sandbox_id, {}).pop(self.id, None)
         if self._proc is not None and not self._proc.exited.done():
             self._proc.kill(tree=True)
             with contextlib.suppress(Exception):
