@@ -91,9 +91,14 @@ def _field_of(loc: tuple[Any, ...] | list[Any]) -> str:
 # -------------------------------------------------------------- auth ----
 
 
-def ctl_of(request: Request) -> Control:
+def _ctl(request: Request) -> Control:
     ctl: Control = request.app.state.ctl
     return ctl
+
+
+async def ctl_of(request: Request) -> Control:
+    # async on purpose: FastAPI runs a plain-def dependency in a worker thread, per request
+    return _ctl(request)
 
 
 Ctl = Annotated[Control, Depends(ctl_of)]
@@ -106,17 +111,17 @@ def _token(cred: HTTPAuthorizationCredentials | None) -> str:
 
 
 async def caller(request: Request, cred: Bearer) -> Principal:
-    return await ctl_of(request).auth.project(_token(cred))
+    return await _ctl(request).auth.project(_token(cred))
 
 
 async def edge_admin(request: Request, cred: Bearer) -> str:
-    return ctl_of(request).auth.edge_admin(_token(cred)).scope
+    return _ctl(request).auth.edge_admin(_token(cred)).scope
 
 
 async def operator(request: Request, cred: Bearer) -> str:
     """The root project's token, or an edge-admin token."""
     tok = _token(cred)
-    ctl = ctl_of(request)
+    ctl = _ctl(request)
     if tok.startswith("dsec1."):
         ctl.auth.edge_admin(tok)
         return "edge-admin"

@@ -18,6 +18,7 @@ import contextlib
 import logging
 import re
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -25,7 +26,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from dsec import auth
-from dsec.control.db import EdgeRow, SandboxRow, Store
+from dsec.control.db import EDGES, EdgeRow, SandboxRow, Store
 from dsec.control.errors import NotFound
 from dsec.control.iam import Amount
 from dsec.control.placement import EdgeView, Room, layer_set, room_of_health
@@ -64,14 +65,33 @@ class EdgeUnreachable(DsecError):
 
 
 class EdgeClient:
-    def __init__(self, key: bytes, *, timeout: float, token_ttl_s: float = 3600.0) -> None:
+    """Calls to the edges: one small connection pool per edge, a bounded number in flight.
+
+    httpcore's pool walks every connection on each request, so one big shared
+    pool gets slower the more edges and concurrent calls it carries; a pool per
+    edge, with at most ``per_edge`` calls in flight (the rest queue here), stays
+    fast under a burst.
+    """
+
+    def __init__(self, key: bytes, *, timeout: float, token_ttl_s: float = 3600.0, per_edge: int = 16) -> None:
         self._key = key
         self._ttl = token_ttl_s
+        self._timeout = timeout
+        self._per_edge = per_edge
         self._token: tuple[str, float] | None = None
-        self._http = httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout, connect=min(5.0, timeout)),
-            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256, keepalive_expiry=30.0),
-        )
+        self._pools: dict[str, tuple[httpx.AsyncClient, asyncio.Semaphore]] = {}
+
+    def _pool(self, base: str) -> tuple[httpx.AsyncClient, asyncio.Semaphore]:
+        pool = self._pools.get(base)
+        if pool is None:
+            client = httpx.AsyncClient(
+                timeout=httpx.Timeout(self._timeout, connect=min(5.0, self._timeout)),
+                limits=httpx.Limits(
+                    max_connections=self._per_edge, max_keepalive_connections=self._per_edge, keepalive_expiry=30.0
+                ),
+            )
+            pool = self._pools[base] = (client, asyncio.Semaphore(self._per_edge))
+        return pool
 
     def admin_token(self) -> str:
         now = time.time()
@@ -80,10 +100,12 @@ class EdgeClient:
         return self._token[0]
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        pools, self._pools = self._pools, {}
+        for client, _ in pools.values():
+            await client.aclose()
 
     async def _call(
-        self, method: str, url: str, *, json: Any = None, timeout: float | None = None
+        self, method: str, base: str, path: str, *, json: Any = None, timeout: float | None = None
     ) -> httpx.Response:
         headers = {"authorization": f"Bearer {self.admin_token()}"}
         kw: dict[str, Any] = {"headers": headers}
@@ -91,8 +113,11 @@ class EdgeClient:
             kw["json"] = json
         if timeout is not None:
             kw["timeout"] = timeout
+        url = f"{base}{path}"
+        client, sem = self._pool(base)
         try:
-            return await self._http.request(method, url, **kw)
+            async with sem:
+                return await client.request(method, url, **kw)
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             raise EdgeUnreachable(f"edge at {url} refused the connection: {exc}", maybe_done=False, url=url) from None
         except httpx.TransportError as exc:  # read timeout, reset...: the request may have happened
@@ -124,26 +149,26 @@ class EdgeClient:
         raise error_from_wire(payload)
 
     async def create(self, edge_id: str, url: str, body: dict[str, Any]) -> SandboxInfo:
-        resp = await self._call("POST", f"{url}/v1/sandboxes", json=body)
+        resp = await self._call("POST", url, "/v1/sandboxes", json=body)
         self._raise(resp, edge_id)
         return SandboxInfo.model_validate_json(resp.content)
 
     async def delete(self, edge_id: str, url: str, sandbox_id: str) -> None:
         """Destroy on the edge; already gone is fine."""
-        resp = await self._call("DELETE", f"{url}/v1/sandboxes/{sandbox_id}")
+        resp = await self._call("DELETE", url, f"/v1/sandboxes/{sandbox_id}")
         if resp.status_code == 404:
             return
         self._raise(resp, edge_id)
 
     async def list(self, edge_id: str, url: str) -> list[SandboxInfo]:
-        resp = await self._call("GET", f"{url}/v1/sandboxes")
+        resp = await self._call("GET", url, "/v1/sandboxes")
         self._raise(resp, edge_id)
         data = resp.json()
         items = data["items"] if isinstance(data, dict) else data
         return [SandboxInfo.model_validate(x) for x in items]
 
     async def health(self, edge_id: str, url: str, *, timeout: float | None = None) -> EdgeHealth:
-        resp = await self._call("GET", f"{url}/v1/health", timeout=timeout)
+        resp = await self._call("GET", url, "/v1/health", timeout=timeout)
         self._raise(resp, edge_id)
         return EdgeHealth.model_validate_json(resp.content)
 
@@ -281,19 +306,81 @@ def layers_txn(s: Session) -> list[LayerInfo]:
     return [LayerInfo(ref=r, edges=ids) for r, ids in sorted(held.items())]
 
 
+_ED = EDGES
+_BUMP_EDGE = (
+    sa.update(_ED)
+    .where(_ED.c.id == sa.bindparam("b_id"))
+    .values(
+        committed_sandboxes=_ED.c.committed_sandboxes + sa.bindparam("b_n"),
+        committed_cpu_m=_ED.c.committed_cpu_m + sa.bindparam("b_cpu"),
+        committed_memory=_ED.c.committed_memory + sa.bindparam("b_mem"),
+        committed_disk=_ED.c.committed_disk + sa.bindparam("b_disk"),
+    )
+)
+
+
 def bump_edge(s: Session, edge_id: str, delta: Room) -> None:
     if delta == Room():
         return
-    s.execute(
-        sa.update(EdgeRow)
-        .where(EdgeRow.id == edge_id)
-        .values(
-            committed_sandboxes=EdgeRow.committed_sandboxes + delta.sandboxes,
-            committed_cpu_m=EdgeRow.committed_cpu_m + delta.cpu_m,
-            committed_memory=EdgeRow.committed_memory + delta.memory,
-            committed_disk=EdgeRow.committed_disk + delta.disk,
-        )
+    s.connection().execute(
+        _BUMP_EDGE,
+        {"b_id": edge_id, "b_n": delta.sandboxes, "b_cpu": delta.cpu_m, "b_mem": delta.memory, "b_disk": delta.disk},
     )
+
+
+_Q_VIEWS = sa.select(
+    _ED.c.id, _ED.c.url, _ED.c.status, _ED.c.draining, _ED.c.committed_sandboxes, _ED.c.committed_cpu_m,
+    _ED.c.committed_memory, _ED.c.committed_disk, sa.cast(_ED.c.health, sa.Text).label("health"),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class _Parsed:
+    capacity: Room
+    reported: Room
+    layers: frozenset[str]
+    labels: dict[str, str]
+    draining: bool
+
+
+class HealthCache:
+    """Parsed health reports by edge, re-parsed only when the report's text changes.
+
+    Placement runs on every create and looks at every edge; parsing each
+    report's JSON and model every time would cost more than the rest of it.
+    """
+
+    def __init__(self) -> None:
+        self._by_edge: dict[str, tuple[str, _Parsed]] = {}
+
+    def parsed(self, edge_id: str, text: str | None) -> _Parsed | None:
+        if text is None:
+            return None
+        hit = self._by_edge.get(edge_id)
+        if hit is not None and hit[0] == text:
+            return hit[1]
+        h = EdgeHealth.model_validate_json(text)
+        cap, reported = room_of_health(h)
+        p = _Parsed(cap, reported, layer_set(h.layers), dict(h.labels), h.draining)
+        self._by_edge[edge_id] = (text, p)
+        return p
+
+
+def load_views(s: Session, cache: HealthCache) -> list[tuple[EdgeView, str]]:
+    """Every edge as placement sees it, with its URL (one query, reports parsed once)."""
+    out: list[tuple[EdgeView, str]] = []
+    for r in s.connection().execute(_Q_VIEWS):
+        placed = Room(r.committed_sandboxes, r.committed_cpu_m, r.committed_memory, r.committed_disk)
+        p = cache.parsed(r.id, r.health)
+        if p is None:
+            view = EdgeView(id=r.id, capacity=Room(), committed=placed, alive=False)
+        else:
+            view = EdgeView(
+                id=r.id, capacity=p.capacity, committed=p.reported.max_with(placed), layers=p.layers,
+                labels=p.labels, draining=bool(r.draining) or p.draining, alive=r.status == "alive",
+            )
+        out.append((view, r.url))
+    return out
 
 
 def sandboxes_on(s: Session, edge_id: str, states: tuple[str, ...]) -> list[SandboxRow]:

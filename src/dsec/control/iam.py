@@ -31,7 +31,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from dsec.auth import hash_api_token
-from dsec.control.db import ApiToken, Project, SandboxRow, Task
+from dsec.control.db import PROJECTS, TASKS, ApiToken, Project, SandboxRow, Task
 from dsec.control.errors import Conflict, NotFound
 from dsec.errors import AuthError, Forbidden, InvalidSpec, QuotaExceeded
 from dsec.spec import Resources
@@ -196,44 +196,57 @@ def task_quota_of(t: Task) -> TaskQuota:
     )
 
 
-def bump_project(s: Session, project_id: int, delta: Amount) -> None:
-    if delta == Amount():
-        return
-    s.execute(
-        sa.update(Project)
-        .where(Project.id == project_id)
-        .values(
-            used_sandboxes=Project.used_sandboxes + delta.sandboxes,
-            used_cpu_m=Project.used_cpu_m + delta.cpu_m,
-            used_memory=Project.used_memory + delta.memory,
-        )
+_PJ = PROJECTS
+_TK = TASKS
+_BUMP_PROJECT = (
+    sa.update(_PJ)
+    .where(_PJ.c.id == sa.bindparam("b_id"))
+    .values(
+        used_sandboxes=_PJ.c.used_sandboxes + sa.bindparam("b_n"),
+        used_cpu_m=_PJ.c.used_cpu_m + sa.bindparam("b_cpu"),
+        used_memory=_PJ.c.used_memory + sa.bindparam("b_mem"),
     )
+)
+_BUMP_TASK = (
+    sa.update(_TK)
+    .where(_TK.c.id == sa.bindparam("b_id"))
+    .values(
+        used_sandboxes=_TK.c.used_sandboxes + sa.bindparam("b_n"),
+        used_cpu_m=_TK.c.used_cpu_m + sa.bindparam("b_cpu"),
+        used_memory=_TK.c.used_memory + sa.bindparam("b_mem"),
+    )
+)
+_BUMP_RESERVED = (
+    sa.update(_PJ)
+    .where(_PJ.c.id == sa.bindparam("b_id"))
+    .values(
+        reserved_sandboxes=_PJ.c.reserved_sandboxes + sa.bindparam("b_n"),
+        reserved_cpu_m=_PJ.c.reserved_cpu_m + sa.bindparam("b_cpu"),
+        reserved_memory=_PJ.c.reserved_memory + sa.bindparam("b_mem"),
+    )
+)
+# Counters move by relative UPDATEs built once (statement construction dominates otherwise).
+# ORM objects of these rows loaded earlier in the transaction do not see the change:
+# re-read with lock_project() (populate_existing) when you need the new values.
+
+
+def _bump(s: Session, stmt: sa.Update, row_id: int, delta: Amount) -> None:
+    s.connection().execute(stmt, {"b_id": row_id, "b_n": delta.sandboxes, "b_cpu": delta.cpu_m, "b_mem": delta.memory})
+
+
+def bump_project(s: Session, project_id: int, delta: Amount) -> None:
+    if delta != Amount():
+        _bump(s, _BUMP_PROJECT, project_id, delta)
 
 
 def bump_task(s: Session, task_id: int | None, delta: Amount) -> None:
-    if task_id is None or delta == Amount():
-        return
-    s.execute(
-        sa.update(Task)
-        .where(Task.id == task_id)
-        .values(
-            used_sandboxes=Task.used_sandboxes + delta.sandboxes,
-            used_cpu_m=Task.used_cpu_m + delta.cpu_m,
-            used_memory=Task.used_memory + delta.memory,
-        )
-    )
+    if task_id is not None and delta != Amount():
+        _bump(s, _BUMP_TASK, task_id, delta)
 
 
 def _bump_reserved(s: Session, project_id: int, delta: Amount) -> None:
-    s.execute(
-        sa.update(Project)
-        .where(Project.id == project_id)
-        .values(
-            reserved_sandboxes=Project.reserved_sandboxes + delta.sandboxes,
-            reserved_cpu_m=Project.reserved_cpu_m + delta.cpu_m,
-            reserved_memory=Project.reserved_memory + delta.memory,
-        )
-    )
+    if delta != Amount():
+        _bump(s, _BUMP_RESERVED, project_id, delta)
 
 
 def lock_project(s: Session, project_id: int) -> Project:

@@ -32,19 +32,19 @@ from functools import partial
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from dsec import auth
 from dsec.control.config import ControlConfig
-from dsec.control.db import EdgeRow, Project, SandboxRow, Store
+from dsec.control.db import PROJECTS, SANDBOXES, TASKS, Project, SandboxRow, Store
 from dsec.control.edges import (
     EdgeClient,
     EdgeDirectory,
     EdgeUnreachable,
+    HealthCache,
     bump_edge,
     edge_of,
-    edge_views_txn,
+    load_views,
 )
 from dsec.control.iam import (
     Amount,
@@ -56,12 +56,7 @@ from dsec.control.iam import (
     check_name,
     check_task_fits,
     get_or_create_task,
-    lock_project,
-    quota_of,
-    reserved_of,
     subtree_ids,
-    task_quota_of,
-    used_of,
 )
 from dsec.control.placement import Demand, EdgeView, Room, normalize_ref, place, why_nothing_fits
 from dsec.errors import (
@@ -73,7 +68,7 @@ from dsec.errors import (
     SandboxNotFound,
 )
 from dsec.spec import SandboxState, can_move
-from dsec.spec.api import BatchItem, BatchResult, CreateBatch, CreateSandbox, SandboxInfo
+from dsec.spec.api import BatchItem, BatchResult, CreateBatch, CreateSandbox, SandboxInfo, TaskQuota
 
 log = logging.getLogger("dsec.control.sandboxes")
 
@@ -85,6 +80,36 @@ HOLDS_EDGE = frozenset({S.CREATING.value, S.RUNNING.value, S.STOPPING.value, S.F
 LIVE = (S.CREATING.value, S.RUNNING.value, S.STOPPING.value, S.FAILED.value)
 PERMANENT_EDGE_ERRORS = frozenset({"invalid_spec"})
 """Edge answers that another edge would give too: fail the create instead of moving on."""
+
+
+_SB, _PJ, _TK = SANDBOXES, PROJECTS, TASKS
+_Q_PROJECT = (
+    sa.select(
+        _PJ.c.name, _PJ.c.quota_sandboxes, _PJ.c.quota_cpu_m, _PJ.c.quota_memory, _PJ.c.used_sandboxes,
+        _PJ.c.used_cpu_m, _PJ.c.used_memory, _PJ.c.reserved_sandboxes, _PJ.c.reserved_cpu_m, _PJ.c.reserved_memory,
+    )
+    .where(_PJ.c.id == sa.bindparam("pid"))
+    .with_for_update()
+)
+_Q_PREV = sa.select(_SB.c.key).where(_SB.c.project_id == sa.bindparam("pid"), _SB.c.request_id == sa.bindparam("rid"))
+_Q_TASK = (
+    sa.select(
+        _TK.c.id, _TK.c.quota_sandboxes, _TK.c.quota_cpu_m, _TK.c.quota_memory, _TK.c.used_sandboxes,
+        _TK.c.used_cpu_m, _TK.c.used_memory,
+    )
+    .where(_TK.c.project_id == sa.bindparam("pid"), _TK.c.name == sa.bindparam("name"))
+    .with_for_update()
+)
+_INSERT = sa.insert(_SB)
+_COMMIT = (
+    sa.update(_SB)
+    .where(_SB.c.key == sa.bindparam("k"), _SB.c.state == S.CREATING.value)
+    .values(
+        id=sa.bindparam("c_id"), edge_url=sa.bindparam("c_url"), created_at=sa.bindparam("c_created"),
+        expires_at=sa.bindparam("c_expires"), reason=sa.bindparam("c_reason"), state=sa.bindparam("c_state"),
+        updated_at=sa.bindparam("c_now"),
+    )
+)
 
 
 def amount_of(row: SandboxRow) -> Amount:
@@ -166,6 +191,10 @@ class Reserved:
     key: str
     edge_id: str
     edge_url: str
+    labels: dict[str, str] = field(default_factory=dict)
+    task: str | None = None
+    created_at: float = 0.0
+    expires_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -188,6 +217,7 @@ class Sandboxes:
         self.edges = edges
         self.directory = directory
         self.rng = random.Random()
+        self.health = HealthCache()
 
     # -------------------------------------------------------------- info ----
 
@@ -227,13 +257,14 @@ class Sandboxes:
 
     def _pick(
         self, s: Session, demand: Demand, exclude: frozenset[str]
-    ) -> tuple[EdgeView | None, list[EdgeView]]:
-        views = edge_views_txn(s)
+    ) -> tuple[EdgeView | None, list[EdgeView], dict[str, str]]:
+        loaded = load_views(s, self.health)
+        views = [v for v, _ in loaded]
         chosen = place(
             views, demand, k=self.config.placement.k, rng=self.rng, exclude=exclude,
             require_layers=self.config.placement.require_layers,
         )
-        return chosen, views
+        return chosen, views, {v.id: url for v, url in loaded}
 
     @staticmethod
     def _unknown_layer(views: Sequence[EdgeView], demand: Demand) -> LayerNotFound | None:
@@ -258,49 +289,73 @@ class Sandboxes:
             reason=reason,
         )
 
-    def _reserve_txn(self, s: Session, who: Principal, req: CreateSandbox, rhash: str, demand: Demand) -> Reserved | Answered | InFlight:
+    def _reserve_txn(
+        self, s: Session, who: Principal, req: CreateSandbox, rhash: str, demand: Demand
+    ) -> Reserved | Answered | InFlight:
+        """Check quotas, choose an edge and charge everything, in one transaction (the hot path).
+
+        Built from Core statements prepared once: this runs for every sandbox
+        of every burst. Lock order everywhere: projects, tasks, edges.
+        """
+        conn = s.connection()
         now = time.time()
+        p = conn.execute(_Q_PROJECT, {"pid": who.project_id}).first()  # locked first: serializes
+        if p is None:  # the keys of one project, so a request_id is never reserved twice
+            raise SandboxFailed(f"project {who.project!r} no longer exists", reason="project deleted")
         if req.request_id is not None:
-            prev = s.execute(
-                sa.select(SandboxRow).where(SandboxRow.project_id == who.project_id, SandboxRow.request_id == req.request_id)
-            ).scalar_one_or_none()
+            prev = conn.execute(_Q_PREV, {"pid": who.project_id, "rid": req.request_id}).first()
             if prev is not None:
-                return self._replay(prev, rhash, who)
-        # lock order everywhere: projects, tasks, edges (by id) - no deadlock between replicas
-        proj = lock_project(s, who.project_id)
-        task = get_or_create_task(s, who.project_id, req.task, lock=True) if req.task else None
+                return self._replay(s, prev.key, rhash, who)
+        t = None
+        if req.task:
+            t = conn.execute(_Q_TASK, {"pid": who.project_id, "name": req.task}).first()
+            if t is None:
+                get_or_create_task(s, who.project_id, req.task, lock=True)
+                t = conn.execute(_Q_TASK, {"pid": who.project_id, "name": req.task}).one()
         want = Amount(1, demand.need.cpu_m, demand.need.memory)
-        check_fits(project=proj.name, quota=quota_of(proj), used=used_of(proj), reserved=reserved_of(proj), want=want)
-        if task is not None:
-            check_task_fits(task=task.name, project=proj.name, quota=task_quota_of(task), used=used_of(task), want=want)
-        chosen, views = self._pick(s, demand, frozenset())
+        check_fits(
+            project=p.name, quota=Amount(p.quota_sandboxes, p.quota_cpu_m, p.quota_memory),
+            used=Amount(p.used_sandboxes, p.used_cpu_m, p.used_memory),
+            reserved=Amount(p.reserved_sandboxes, p.reserved_cpu_m, p.reserved_memory), want=want,
+        )
+        if t is not None:
+            tq = TaskQuota(
+                sandboxes=t.quota_sandboxes, memory=t.quota_memory,
+                cpu=None if t.quota_cpu_m is None else t.quota_cpu_m / 1000,
+            )
+            check_task_fits(
+                task=str(req.task), project=p.name, quota=tq,
+                used=Amount(t.used_sandboxes, t.used_cpu_m, t.used_memory), want=want,
+            )
+        chosen, views, urls = self._pick(s, demand, frozenset())
         unknown = self._unknown_layer(views, demand)
         if unknown is not None:
             raise unknown
         if chosen is None:
             raise self._nothing_fits(views, demand, frozenset())
-        edge = s.get(EdgeRow, chosen.id)
-        assert edge is not None
+        key = uuid.uuid4().hex
         labels = {**req.spec.labels, **req.labels}
-        row = SandboxRow(
-            key=uuid.uuid4().hex, id=None, edge_id=chosen.id, edge_url=edge.url, project_id=proj.id,
-            task_id=task.id if task else None, task_name=task.name if task else None, labels=labels,
-            state=S.CREATING.value, spec=req.spec.model_dump(mode="json"),
-            lifecycle=req.lifecycle.model_dump(mode="json"), cpu_m=demand.need.cpu_m,
-            memory=demand.need.memory, disk=demand.need.disk, created_at=now, updated_at=now,
-            expires_at=now + req.lifecycle.ttl_s, request_id=req.request_id, request_hash=rhash, reason="",
+        expires = now + req.lifecycle.ttl_s
+        conn.execute(_INSERT, {
+            "key": key, "id": None, "edge_id": chosen.id, "edge_url": urls[chosen.id],
+            "project_id": who.project_id, "task_id": t.id if t is not None else None, "task_name": req.task,
+            "labels": labels, "state": S.CREATING.value, "spec": req.spec.model_dump(mode="json"),
+            "lifecycle": req.lifecycle.model_dump(mode="json"), "cpu_m": demand.need.cpu_m,
+            "memory": demand.need.memory, "disk": demand.need.disk, "created_at": now, "updated_at": now,
+            "expires_at": expires, "request_id": req.request_id, "request_hash": rhash, "reason": "",
+        })
+        bump_project(s, who.project_id, want)
+        if t is not None:
+            bump_task(s, t.id, want)
+        bump_edge(s, chosen.id, demand.need)
+        return Reserved(
+            key=key, edge_id=chosen.id, edge_url=urls[chosen.id], labels=labels, task=req.task,
+            created_at=now, expires_at=expires,
         )
-        try:
-            with s.begin_nested():
-                s.add(row)
-        except IntegrityError:  # the same request_id raced in from another replica (PostgreSQL)
-            return InFlight(key="")
-        ledger = Ledger()
-        ledger.charge(row, None, row.state)
-        ledger.flush(s)
-        return Reserved(key=row.key, edge_id=chosen.id, edge_url=edge.url)
 
-    def _replay(self, prev: SandboxRow, rhash: str, who: Principal) -> Answered | InFlight:
+    def _replay(self, s: Session, key: str, rhash: str, who: Principal) -> Answered | InFlight:
+        prev = s.get(SandboxRow, key)
+        assert prev is not None
         if prev.request_hash and prev.request_hash != rhash:
             raise InvalidSpec(
                 f"request_id {prev.request_id!r} was used before with a different body", field="request_id"
@@ -319,19 +374,20 @@ class Sandboxes:
         row = s.get(SandboxRow, key, with_for_update=True)
         if row is None or row.state != S.CREATING.value:
             return SandboxFailed("the sandbox was deleted while it was being created", reason="deleted")
-        chosen, views = self._pick(s, demand, tried)
+        chosen, views, urls = self._pick(s, demand, tried)
         ledger = Ledger()
         if chosen is None:
             forget(s, row, ledger)
             ledger.flush(s)
             return self._nothing_fits(views, demand, tried)
-        edge = s.get(EdgeRow, chosen.id)
-        assert edge is not None
         old_edge = row.edge_id
-        row.edge_id, row.edge_url = chosen.id, edge.url
+        row.edge_id, row.edge_url = chosen.id, urls[chosen.id]
         ledger.charge(row, row.state, row.state, old_edge=old_edge)
         ledger.flush(s)
-        return Reserved(key=row.key, edge_id=chosen.id, edge_url=edge.url)
+        return Reserved(
+            key=row.key, edge_id=chosen.id, edge_url=row.edge_url, labels=dict(row.labels or {}),
+            task=row.task_name, created_at=row.created_at, expires_at=row.expires_at,
+        )
 
     def _release_txn(self, s: Session, key: str) -> None:
         row = s.get(SandboxRow, key, with_for_update=True)
@@ -339,6 +395,26 @@ class Sandboxes:
             ledger = Ledger()
             forget(s, row, ledger)
             ledger.flush(s)
+
+    def _commit_fast_txn(self, s: Session, r: Reserved, got: SandboxInfo, who: Principal) -> SandboxInfo | None:
+        """creating -> running (or still creating): no counter moves, so one UPDATE does it."""
+        if got.state not in (S.RUNNING, S.CREATING):
+            return self._commit_txn(s, r.key, got, who)
+        created = got.created_at or r.created_at
+        expires = got.expires_at if got.expires_at is not None else r.expires_at
+        url = got.edge_url or r.edge_url
+        res = s.connection().execute(_COMMIT, {
+            "k": r.key, "c_id": got.id, "c_url": url, "c_created": created, "c_expires": expires,
+            "c_reason": got.reason, "c_state": got.state.value, "c_now": time.time(),
+        })
+        if res.rowcount != 1:  # deleted while we were creating it: the careful path
+            return self._commit_txn(s, r.key, got, who)
+        tok, exp = auth.mint(self.key, sandbox_id=got.id, project=who.project, ttl_s=self.config.sandbox_token_ttl_s)
+        return SandboxInfo(
+            id=got.id, state=got.state, edge_id=r.edge_id, edge_url=url, token=tok, token_expires_at=exp,
+            labels=dict(r.labels), task=r.task, project=who.project, created_at=created, expires_at=expires,
+            reason=got.reason,
+        )
 
     def _commit_txn(self, s: Session, key: str, got: SandboxInfo, who: Principal) -> SandboxInfo | None:
         row = s.get(SandboxRow, key, with_for_update=True)
@@ -366,7 +442,7 @@ class Sandboxes:
         rhash = request_hash(req)
         deadline = time.monotonic() + self._create_budget()
         while True:
-            r = await self.store.write(lambda s: self._reserve_txn(s, who, req, rhash, demand))
+            r = await self.store.write_grouped(partial(self._reserve_txn, who=who, req=req, rhash=rhash, demand=demand))
             if isinstance(r, Answered):
                 return r.info
             if isinstance(r, Reserved):
@@ -428,7 +504,7 @@ class Sandboxes:
                 tried.add(r.edge_id)
                 nxt: Reserved | DsecError | None = None
                 if len(tried) < attempts:
-                    nxt = await self.store.write(
+                    nxt = await self.store.write_grouped(
                         partial(self._move_txn, key=r.key, tried=frozenset(tried), demand=demand)
                     )
                     if isinstance(nxt, Reserved):
@@ -447,12 +523,12 @@ class Sandboxes:
                 )
         finally:
             if not done:
-                await asyncio.shield(self.store.write(partial(self._release_txn, key=r.key)))
+                await asyncio.shield(self.store.write_grouped(partial(self._release_txn, key=r.key)))
 
     async def _commit(self, who: Principal, r: Reserved, got: SandboxInfo) -> SandboxInfo:
         if not got.id.startswith(f"{r.edge_id}-"):
             log.warning("edge %s returned id %s without its prefix: routing needs <edge>-<hex>", r.edge_id, got.id)
-        info = await self.store.write(partial(self._commit_txn, key=r.key, got=got, who=who))
+        info = await self.store.write_grouped(partial(self._commit_fast_txn, r=r, got=got, who=who))
         if info is None:  # deleted while we were creating it
             await self._edge_delete_quietly(r.edge_id, r.edge_url, got.id)
             await self.store.write(partial(self._finish_stopped_txn, sandbox_id=got.id))
