@@ -87,7 +87,8 @@ def test_round_trip_through_the_sdk(svc: Harness) -> None:
                     tar.addfile(info, io.BytesIO(b"x=1"))
                 assert await sb.files.upload("/src", buf.getvalue()) >= 1
                 assert (await sb.exec("cat /src/pkg/x.py")).stdout == b"x=1"
-                names = tarfile.open(fileobj=io.BytesIO(await sb.files.download("/src"))).getnames()
+                with tarfile.open(fileobj=io.BytesIO(await sb.files.download("/src"))) as tar:
+                    names = tar.getnames()
                 assert any(n.endswith("x.py") for n in names)
                 async with await sb.session() as sess:
                     await sess.run("cd /tmp && export X=42")

@@ -26,7 +26,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from dsec import auth
-from dsec.control.db import EDGES, EdgeRow, SandboxRow, Store
+from dsec.control.db import EDGES, EdgeRow, Store
 from dsec.control.errors import NotFound
 from dsec.control.iam import Amount
 from dsec.control.placement import EdgeView, Room, layer_set, room_of_health
@@ -73,7 +73,7 @@ class EdgeClient:
     fast under a burst.
     """
 
-    def __init__(self, key: bytes, *, timeout: float, token_ttl_s: float = 3600.0, per_edge: int = 16) -> None:
+    def __init__(self, key: bytes, *, timeout: float, token_ttl_s: float = 3600.0, per_edge: int = 4) -> None:
         self._key = key
         self._ttl = token_ttl_s
         self._timeout = timeout
@@ -220,24 +220,6 @@ def effective_draining(e: EdgeRow) -> bool:
     return bool(e.draining or (e.health or {}).get("draining", False))
 
 
-def view_of(e: EdgeRow) -> EdgeView:
-    """Placement's view: capacity from the last report, committed = max(report, what we placed)."""
-    placed = Room(e.committed_sandboxes, e.committed_cpu_m, e.committed_memory, e.committed_disk)
-    if e.health is None:
-        return EdgeView(id=e.id, capacity=Room(), committed=placed, alive=False)
-    h = EdgeHealth.model_validate(e.health)
-    cap, reported = room_of_health(h)
-    return EdgeView(
-        id=e.id,
-        capacity=cap,
-        committed=reported.max_with(placed),
-        layers=layer_set(h.layers),
-        labels=dict(h.labels),
-        draining=effective_draining(e),
-        alive=e.status == "alive",
-    )
-
-
 def edge_info(e: EdgeRow) -> EdgeInfo:
     return EdgeInfo(
         id=e.id,
@@ -292,10 +274,6 @@ def drain_txn(s: Session, edge_id: str, draining: bool) -> EdgeInfo:
     e.draining = draining
     s.flush()
     return edge_info(e)
-
-
-def edge_views_txn(s: Session) -> list[EdgeView]:
-    return [view_of(e) for e in s.execute(sa.select(EdgeRow)).scalars()]
 
 
 def layers_txn(s: Session) -> list[LayerInfo]:
@@ -381,9 +359,3 @@ def load_views(s: Session, cache: HealthCache) -> list[tuple[EdgeView, str]]:
             )
         out.append((view, r.url))
     return out
-
-
-def sandboxes_on(s: Session, edge_id: str, states: tuple[str, ...]) -> list[SandboxRow]:
-    return list(
-        s.execute(sa.select(SandboxRow).where(SandboxRow.edge_id == edge_id, SandboxRow.state.in_(states))).scalars()
-    )

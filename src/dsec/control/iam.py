@@ -23,7 +23,6 @@ from __future__ import annotations
 import re
 import secrets
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import sqlalchemy as sa
@@ -565,7 +564,3 @@ def list_tasks(s: Session, who: Principal) -> list[TaskInfo]:
 
 def task_info(s: Session, who: Principal, name: str) -> TaskInfo:
     return _task_info(find_task(s, who, name), who.project)
-
-
-def project_names(s: Session, ids: Sequence[int]) -> dict[int, str]:
-    return {i: n for i, n in s.execute(sa.select(Project.id, Project.name).where(Project.id.in_(ids)))}

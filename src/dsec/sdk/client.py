@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import builtins
 import contextlib
 import json
 import os
@@ -21,7 +22,14 @@ from typing import Any, Final
 
 import httpx
 
-from dsec.errors import AuthError, Backpressure, DsecError, ExecTimeout, InvalidSpec, SandboxNotFound
+from dsec.errors import (
+    AuthError,
+    Backpressure,
+    DsecError,
+    ExecTimeout,
+    InvalidSpec,
+    SandboxNotFound,
+)
 from dsec.sdk._http import make_http, raise_for_error, result_from_wire
 from dsec.spec import SandboxSpec
 from dsec.spec.api import (
@@ -215,7 +223,7 @@ class AsyncClient:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def create_batch(self, spec: SandboxSpec, count: int, *, labels: Mapping[str, str] | None = None,
-                           task: str | None = None, ttl_s: float = 3600.0) -> list[CreateOutcome]:
+                           task: str | None = None, ttl_s: float = 3600.0) -> builtins.list[CreateOutcome]:
         """Create ``count`` sandboxes in one request (the control plane fans out)."""
         body = CreateBatch(spec=spec, count=count, labels=dict(labels or {}), task=task,
                            lifecycle=Lifecycle(ttl_s=ttl_s), request_id=uuid.uuid4().hex)
@@ -240,7 +248,7 @@ class AsyncClient:
 
     async def list(
         self, *, labels: Mapping[str, str] | None = None, task: str | None = None, state: str | None = None
-    ) -> list[SandboxInfo]:
+    ) -> builtins.list[SandboxInfo]:
         params = _labels_query(labels)
         if task:
             params.append(("task", task))
@@ -276,7 +284,7 @@ class AsyncClient:
         resp = await self._call("POST", "/v1/projects", content=body.model_dump_json(), headers=_JSON)
         return ProjectInfo.model_validate_json(resp.content)
 
-    async def list_projects(self) -> list[ProjectInfo]:
+    async def list_projects(self) -> builtins.list[ProjectInfo]:
         data = (await self._call("GET", "/v1/projects")).json()
         return [ProjectInfo.model_validate(x) for x in (data["items"] if isinstance(data, dict) else data)]
 
@@ -288,7 +296,7 @@ class AsyncClient:
     async def revoke_token(self, token_id: str) -> None:
         await self._call("DELETE", f"/v1/tokens/{token_id}")
 
-    async def edges(self) -> list[dict[str, Any]]:
+    async def edges(self) -> builtins.list[dict[str, Any]]:
         data = (await self._call("GET", "/v1/edges")).json()
         items: list[dict[str, Any]] = data["items"] if isinstance(data, dict) else data
         return items
@@ -344,7 +352,7 @@ class AsyncSandbox:
         cwd: str = "/",
         user: int | str = 0,
         stdin: bytes | None = None,
-        timeout: float | None | _Unset = UNSET,
+        timeout: float | _Unset | None = UNSET,
         idle_timeout: float | None = None,
     ) -> ExecResult:
         """Run a command to completion. A timeout raises :class:`ExecTimeout` with ``.result``."""
@@ -360,7 +368,7 @@ class AsyncSandbox:
         cwd: str = "/",
         user: int | str = 0,
         stdin: bytes | None = None,
-        timeout: float | None | _Unset = UNSET,
+        timeout: float | _Unset | None = UNSET,
         idle_timeout: float | None = None,
     ) -> AsyncIterator[OutputChunk | ExecResult]:
         """Yield :class:`OutputChunk` as output is produced, then the :class:`ExecResult`."""
@@ -387,7 +395,7 @@ class AsyncSandbox:
                     raise error_from_wire(chunk.error or {})
 
     def _exec_request(self, cmd: Sequence[str] | str, env: Mapping[str, str] | None, cwd: str, user: int | str,
-                      stdin: bytes | None, timeout: float | None | _Unset, idle_timeout: float | None) -> ExecRequest:
+                      stdin: bytes | None, timeout: float | _Unset | None, idle_timeout: float | None) -> ExecRequest:
         return ExecRequest(
             cmd=cmd if isinstance(cmd, str) else list(cmd), env=dict(env or {}), cwd=cwd, user=user,
             stdin_b64=base64.b64encode(stdin).decode() if stdin else None,

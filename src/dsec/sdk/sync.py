@@ -28,7 +28,7 @@ class _Portal:
         self._thread = threading.Thread(target=self.loop.run_forever, name="dsec-sdk-loop", daemon=True)
         self._thread.start()
 
-    def call(self, coro: Coroutine[Any, Any, T]) -> T:
+    def call(self, coro: Coroutine[Any, Any, T] | Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
     def iterate(self, agen: AsyncIterator[T]) -> Iterator[T]:

@@ -90,7 +90,7 @@ class SandboxSpec(_Model):
         return v
 
 
-class SandboxState(str, enum.Enum):
+class SandboxState(enum.StrEnum):
     CREATING = "creating"
     RUNNING = "running"
     STOPPING = "stopping"

@@ -7,6 +7,7 @@ module writes under /sys/fs/cgroup.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import time
@@ -99,10 +100,8 @@ class RuntimeCgroups:
                 # Children must be charged to (and limited by) their parents.
                 use_h = path / "memory.use_hierarchy"
                 if use_h.exists() and _read(use_h).strip() != "1":
-                    try:
+                    with contextlib.suppress(OSError):
                         _write(use_h, "1")
-                    except OSError:
-                        pass
 
     def dirs(self, sandbox_id: str) -> list[Path]:
         return [p / sandbox_id for p in self.parents.values()]
@@ -148,19 +147,13 @@ class RuntimeCgroups:
 
     def kill_all(self, sandbox_id: str) -> None:
         """SIGKILL every task in the sandbox's cgroup (frozen first, so nothing forks meanwhile)."""
-        try:
+        with contextlib.suppress(OSError):
             self.freeze(sandbox_id, True)
-        except OSError:
-            pass
         for pid in self.pids(sandbox_id):
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, 9)
-            except ProcessLookupError:
-                pass
-        try:
+        with contextlib.suppress(OSError):
             self.freeze(sandbox_id, False)
-        except OSError:
-            pass
 
     # Each command gets its own freezer cgroup below the sandbox's, so a timeout
     # kills everything it started, even processes that left its process group
@@ -191,15 +184,11 @@ class RuntimeCgroups:
                 if not pids:
                     break
                 for pid in pids:
-                    try:
+                    with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, 9)
-                    except ProcessLookupError:
-                        pass
         finally:
-            try:
+            with contextlib.suppress(OSError):
                 _write(state, "THAWED")
-            except OSError:
-                pass
 
     def drop_track(self, track: Path) -> bool:
         """Remove a command's cgroup if nothing of it still runs (background jobs keep it)."""
@@ -225,10 +214,8 @@ class RuntimeCgroups:
     def remove_parents(self) -> None:
         for path in self.parents.values():
             for p in (path, path.parent):
-                try:
+                with contextlib.suppress(OSError):
                     p.rmdir()
-                except OSError:
-                    pass
 
     @staticmethod
     def _rmdir(d: Path, *, timeout: float = 5.0) -> bool:

@@ -411,7 +411,7 @@ class SandboxFiles:
             fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
             with os.fdopen(fd, "rb") as f:
                 info.size = os.fstat(f.fileno()).st_size
-                yield info, f  # type: ignore[misc]
+                yield info, f
 
     def upload(self, path: str, tar_data: bytes | BinaryIO, *, user: int = 0, max_bytes: int = 1 << 32) -> int:
         """Extract a tar into directory ``path`` (created if missing). Returns the entries written.
@@ -422,7 +422,7 @@ class SandboxFiles:
         fobj = io.BytesIO(tar_data) if isinstance(tar_data, bytes | bytearray) else tar_data
         base = _norm(path)
         try:
-            tar = tarfile.open(fileobj=fobj, mode="r:*")
+            tar = tarfile.open(fileobj=fobj, mode="r:*")  # noqa: SIM115 - closed by the with below
         except tarfile.TarError as exc:
             raise InvalidSpec(f"upload: not a tar archive ({exc})", field="tar") from None
         count = 0

@@ -15,6 +15,7 @@ docs/RUNTIME.md, "Reconcile").
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 import dataclasses
 import itertools
@@ -133,6 +134,11 @@ def _spec_json(spec: SandboxSpec) -> dict[str, Any]:
     dumped = spec.model_dump(mode="json")
     _SPEC_JSON[id(spec)] = (spec, dumped)
     return dumped
+
+
+def _set_done(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 def _proc_start_time(pid: int) -> int:
@@ -491,8 +497,8 @@ class ContainerRuntime:
                 signal.pidfd_send_signal(fd, signal.SIGKILL)
             # A pidfd polls readable once the process has exited (after its namespace is emptied).
             loop = asyncio.get_running_loop()
-            done = loop.create_future()
-            loop.add_reader(fd, lambda: done.done() or done.set_result(None))
+            done: asyncio.Future[None] = loop.create_future()
+            loop.add_reader(fd, _set_done, done)
             try:
                 await asyncio.wait_for(done, 10)
             except TimeoutError:
@@ -545,12 +551,13 @@ class ContainerRuntime:
 
     async def _use_layer(self, digest: str, sandbox_id: str) -> Path:
         users = self._layer_users.setdefault(digest, set())
-        path = self._layer_paths.get(digest)
-        if path is None:
-            path = await asyncio.to_thread(self._mounts.acquire, digest, self.holder)
-            self._layer_paths[digest] = path
+        known = self._layer_paths.get(digest)
+        if known is None:
+            mounted: Path = await asyncio.to_thread(self._mounts.acquire, digest, self.holder)
+            self._layer_paths[digest] = mounted
+            known = mounted
         users.add(sandbox_id)
-        return path
+        return known
 
     async def _unuse_layer(self, digest: str, sandbox_id: str) -> None:
         users = self._layer_users.get(digest)
@@ -597,7 +604,7 @@ class ContainerRuntime:
                 self._event(rec, event, count=counters[i] - seen[i])
                 seen[i] = counters[i]
 
-    def events(self, sandbox_id: str) -> list[dict[str, Any]]:
+    def events(self, sandbox_id: str) -> builtins.list[dict[str, Any]]:
         return list(self.get(sandbox_id).events)
 
     def _mark_failed(self, rec: SandboxRecord, reason: str) -> None:
@@ -612,7 +619,7 @@ class ContainerRuntime:
             raise SandboxNotFound(f"no sandbox {sandbox_id!r} on this node", sandbox_id=sandbox_id)
         return rec
 
-    def list(self) -> list[SandboxRecord]:
+    def list(self) -> builtins.list[SandboxRecord]:
         return list(self.sandboxes.values())
 
     def require_running(self, sandbox_id: str) -> SandboxRecord:
@@ -743,7 +750,7 @@ class ContainerRuntime:
         cwd: str = "/",
         user: int | str = 0,
         stdin: bytes | None = None,
-        timeout: float | None | _Unset = UNSET,
+        timeout: float | _Unset | None = UNSET,
         idle_timeout: float | None = None,
         on_output: OutputCallback | None = None,
         output_cap: int | None = None,
@@ -919,8 +926,8 @@ class ContainerRuntime:
                         n = os.write(fd, view)
                         view = view[n:]
                     except BlockingIOError:
-                        ready = loop.create_future()
-                        loop.add_writer(fd, lambda: ready.done() or ready.set_result(None))
+                        ready: asyncio.Future[None] = loop.create_future()
+                        loop.add_writer(fd, _set_done, ready)
                         try:
                             await ready
                         finally:
@@ -932,7 +939,7 @@ class ContainerRuntime:
 
     # ----- reconcile after a crash -----
 
-    async def _reconcile(self) -> dict[str, list[str]]:
+    async def _reconcile(self) -> dict[str, builtins.list[str]]:
         """Re-adopt running sandboxes whose init survived; destroy everything else."""
         adopted: list[str] = []
         destroyed: list[str] = []
@@ -1014,7 +1021,7 @@ class ContainerRuntime:
         await sess.close()
         return True
 
-    def sessions(self, sandbox_id: str) -> list[Session]:
+    def sessions(self, sandbox_id: str) -> builtins.list[Session]:
         return list(self._sessions.get(sandbox_id, {}).values())
 
     # ----- introspection -----

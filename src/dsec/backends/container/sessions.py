@@ -28,6 +28,11 @@ if TYPE_CHECKING:
 _SHELL = "if command -v bash >/dev/null 2>&1; then exec bash --noprofile --norc; else exec sh; fi"
 
 
+def _set_done(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
 def _quote(cmd: str) -> str:
     return "'" + cmd.replace("'", "'\"'\"'") + "'"
 
@@ -240,8 +245,8 @@ class Session:
             try:
                 view = view[os.write(self._stdin, view):]
             except BlockingIOError:
-                ready = loop.create_future()
-                loop.add_writer(self._stdin, lambda: ready.done() or ready.set_result(None))
+                ready: asyncio.Future[None] = loop.create_future()
+                loop.add_writer(self._stdin, _set_done, ready)
                 try:
                     await ready
                 finally:

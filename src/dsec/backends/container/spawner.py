@@ -152,7 +152,7 @@ class Spawner:
         if reply[0] == "ok":
             assert fd is not None, "spawner replied ok without a pidfd"
             return Spawned(pid=int(reply[3]), pidfd=fd)
-        stage, err, msg = (reply[2:] + ["?", "0", ""])[:3]
+        stage, err, msg = ([*reply[2:], "?", "0", ""])[:3]
         raise SpawnError(stage, int(err or 0), msg)
 
     def _on_readable(self) -> None:
