@@ -143,15 +143,41 @@ def register(main: click.Group) -> None:
     @main.command()
     @click.argument("image")
     @sandbox_options
+    @click.option("--count", "-n", type=click.IntRange(1, 100000), default=1, show_default=True,
+                  help="Create this many (with backpressure-aware retries and a progress bar).")
+    @click.option("--concurrency", type=click.IntRange(1, 4096), default=64, show_default=True)
     @click.option("--json", "as_json", is_flag=True)
     def create(image: str, workspace: str | None, toolkit: tuple[str, ...], cpu: float | None, memory: str | None,
                disk: str | None, ttl: float, env: tuple[str, ...], label: tuple[str, ...], task: str | None,
-               as_json: bool) -> None:
-        """Create a sandbox and print its id."""
+               count: int, concurrency: int, as_json: bool) -> None:
+        """Create sandboxes and print their ids (one per line)."""
         spec = _spec(image, workspace, toolkit, cpu, memory, disk, env)
+        labels = parse_kv(label, "--label")
         with client() as c:
-            sb = c.create(spec, labels=parse_kv(label, "--label"), task=task, ttl_s=ttl)
-            out.print_json(sb.info.model_dump_json(exclude={"token"})) if as_json else print(sb.id)
+            if count == 1:
+                sb = c.create(spec, labels=labels, task=task, ttl_s=ttl)
+                out.print_json(sb.info.model_dump_json(exclude={"token"})) if as_json else print(sb.id)
+                return
+            from rich.progress import Progress
+
+            ok: list[Any] = []
+            failed: list[Any] = []
+            with Progress(console=console, transient=True) as bar:
+                job = bar.add_task(f"creating {count} sandboxes", total=count)
+                for o in c.create_many(spec, count, concurrency=concurrency, labels=labels, task=task, ttl_s=ttl):
+                    (ok if o.ok else failed).append(o)
+                    bar.advance(job)
+            if as_json:
+                print(json.dumps({"ids": [o.sandbox.id for o in ok],
+                                  "errors": [{"index": o.index, **o.error.to_wire()} for o in failed]}, indent=2))
+            else:
+                for o in ok:
+                    print(o.sandbox.id)
+            for o in failed[:10]:
+                console.print(f"[red]#{o.index}: {o.error}[/red]")
+            if failed:
+                console.print(f"[red]{len(failed)} of {count} creates failed[/red]")
+                sys.exit(1)
 
     @main.command("exec", context_settings={"ignore_unknown_options": True})
     @click.argument("sandbox_id")

@@ -1,0 +1,121 @@
+"""The `dsec` command against a real all-in-one (`dsec up` in its own process)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.root
+DSEC = [sys.executable, "-m", "dsec.cli.main"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def up() -> Iterator[dict[str, str]]:
+    with tempfile.TemporaryDirectory(prefix="dsec-test-cli-") as tmp:
+        data = Path(tmp)
+        env = {**os.environ, "DSEC_STATE_DIR": str(data)}
+        build = subprocess.run([*DSEC, "image", "build", "--busybox", "--name", "busybox", "--tag", "latest", "-q"],
+                               env=env, capture_output=True, text=True, timeout=120)
+        assert build.returncode == 0, build.stderr
+        port = _free_port()
+        log = open(data / "up.log", "wb")  # noqa: SIM115 - closed below
+        proc = subprocess.Popen([*DSEC, "up", "--data-dir", str(data), "--port", str(port)], env=env,
+                                stdout=log, stderr=log)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    if httpx.get(url + "/healthz", timeout=1).status_code == 200 and (data / "control/admin.token").exists():
+                        break
+                except httpx.HTTPError:
+                    pass
+                assert proc.poll() is None, (data / "up.log").read_text()
+                assert time.monotonic() < deadline, "dsec up did not start"
+                time.sleep(0.2)
+            time.sleep(0.5)  # the edge registers
+            env.update(DSEC_URL=url, DSEC_TOKEN=(data / "control/admin.token").read_text().strip())
+            yield env
+        finally:
+            proc.send_signal(signal.SIGINT)  # Ctrl-C: a clean stop that destroys the sandboxes
+            try:
+                assert proc.wait(60) == 0, (data / "up.log").read_text()
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                log.close()
+
+
+def dsec(env: dict[str, str], *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*DSEC, *args], env=env, capture_output=True, text=True, input=stdin, timeout=120)
+
+
+def test_run_exits_with_the_command_code(up: dict[str, str]) -> None:
+    r = dsec(up, "run", "busybox", "--", "sh", "-c", "echo out; echo err >&2; exit 7")
+    assert r.returncode == 7, r.stderr
+    assert r.stdout == "out\n" and "err" in r.stderr
+
+
+def test_create_exec_cp_shell_ls_rm(up: dict[str, str], tmp_path: Path) -> None:
+    sid = dsec(up, "create", "busybox", "--label", "who=cli").stdout.strip()
+    assert sid.startswith("e1-")
+    assert dsec(up, "exec", sid, "--", "hostname").stdout.strip() == sid
+    (tmp_path / "in.txt").write_text("payload")
+    assert dsec(up, "cp", str(tmp_path / "in.txt"), f"{sid}:/tmp/in.txt").returncode == 0
+    assert dsec(up, "exec", sid, "--", "cat", "/tmp/in.txt").stdout == "payload"
+    assert dsec(up, "cp", f"{sid}:/tmp/in.txt", str(tmp_path / "back.txt")).returncode == 0
+    assert (tmp_path / "back.txt").read_text() == "payload"
+    sh = dsec(up, "shell", sid, stdin="cd /tmp\nexport X=5\npwd; echo $X\n")
+    assert sh.stdout.splitlines()[-2:] == ["/tmp", "5"]
+    listed = json.loads(dsec(up, "ls", "--json", "--label", "who=cli").stdout)
+    assert [i["id"] for i in listed] == [sid]
+    assert dsec(up, "rm", sid).returncode == 0
+    assert not [i for i in json.loads(dsec(up, "ls", "--json", "--state", "running").stdout) if i["id"] == sid]
+
+
+def test_batch_create_and_rm_by_label(up: dict[str, str]) -> None:
+    r = dsec(up, "create", "busybox", "-n", "5", "--label", "batch=cli", "--json")
+    assert r.returncode == 0, r.stderr
+    ids = json.loads(r.stdout)["ids"]
+    assert len(set(ids)) == 5
+    assert dsec(up, "rm", "--label", "batch=cli").returncode == 0
+    assert not json.loads(dsec(up, "ls", "--json", "--label", "batch=cli", "--state", "running").stdout)
+
+
+def test_errors_are_one_clear_line(up: dict[str, str]) -> None:
+    r = dsec(up, "run", "no-such-image", "--", "true")
+    assert r.returncode == 1
+    assert "error:" in r.stderr and "no-such-image" in r.stderr and "Traceback" not in r.stderr
+    bad = dsec({**up, "DSEC_TOKEN": "dsk_" + "x" * 43}, "ls")
+    assert bad.returncode == 1 and "Traceback" not in bad.stderr
+
+
+def test_tokens_and_projects(up: dict[str, str]) -> None:
+    r = dsec(up, "project", "create", "clip", "--quota", "sandboxes=1,cpu=2,memory=1G")
+    assert r.returncode == 0, r.stderr
+    tok = dsec(up, "token", "create", "--project", "clip")
+    assert tok.returncode == 0, tok.stderr
+    secret = tok.stdout.strip()
+    env = {**up, "DSEC_TOKEN": secret}
+    first = dsec(env, "create", "busybox")
+    assert first.returncode == 0, first.stderr
+    over = dsec(env, "create", "busybox")
+    assert over.returncode == 1 and "quota" in over.stderr.lower()
+    assert dsec(env, "rm", "--all").returncode == 0
