@@ -98,7 +98,8 @@ def test_exec_result_helpers() -> None:
 
 LEGAL = {
     ("creating", "running"), ("creating", "failed"), ("creating", "stopping"),
-    ("running", "stopping"), ("running", "failed"),
+    ("running", "stopping"), ("running", "failed"), ("running", "paused"),
+    ("paused", "running"), ("paused", "stopping"), ("paused", "failed"),
     ("stopping", "stopped"), ("stopping", "failed"),
     ("failed", "stopping"),
 }
@@ -136,7 +137,7 @@ def test_state_graph_shape() -> None:
                     reach.add(nxt)
                     todo.append(nxt)
         assert SandboxState.STOPPED in reach, s
-    assert [s.value for s in SandboxState] == ["creating", "running", "stopping", "stopped", "failed"]
+    assert [s.value for s in SandboxState] == ["creating", "running", "stopping", "stopped", "failed", "paused"]
 
 
 def test_runtime_refuses_illegal_moves(tmp_path) -> None:

@@ -66,8 +66,8 @@ class Watchdog:
             return None  # ready in a warm pool: its lifetime starts when claimed
         if rec.state is SandboxState.FAILED:
             return "failed"
-        if rec.state is not SandboxState.RUNNING:
-            return None
+        if rec.state not in (SandboxState.RUNNING, SandboxState.PAUSED):
+            return None  # paused time counts: TTL and idle clocks run on while paused
         expires = edge.get("expires_at")
         if expires is not None and now >= float(expires):
             return "ttl"

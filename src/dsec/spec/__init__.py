@@ -96,12 +96,15 @@ class SandboxState(enum.StrEnum):
     STOPPING = "stopping"
     STOPPED = "stopped"
     FAILED = "failed"
+    PAUSED = "paused"
+    """Frozen, its memory pushed to swap; any exec, file or session call resumes it."""
 
 
 # The only legal moves; the runtime and the reconciler both reason from this table.
 TRANSITIONS: dict[SandboxState, frozenset[SandboxState]] = {
     SandboxState.CREATING: frozenset({SandboxState.RUNNING, SandboxState.FAILED, SandboxState.STOPPING}),
-    SandboxState.RUNNING: frozenset({SandboxState.STOPPING, SandboxState.FAILED}),
+    SandboxState.RUNNING: frozenset({SandboxState.PAUSED, SandboxState.STOPPING, SandboxState.FAILED}),
+    SandboxState.PAUSED: frozenset({SandboxState.RUNNING, SandboxState.STOPPING, SandboxState.FAILED}),
     SandboxState.STOPPING: frozenset({SandboxState.STOPPED, SandboxState.FAILED}),
     SandboxState.FAILED: frozenset({SandboxState.STOPPING}),
     SandboxState.STOPPED: frozenset(),

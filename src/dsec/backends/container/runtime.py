@@ -31,11 +31,14 @@ from pathlib import Path
 from typing import Any, Final
 
 from dsec.backends.container import cgroups
+from dsec.backends.container import pause as pausing
 from dsec.backends.container.fsops import SandboxFiles
 from dsec.backends.container.output import BoundedCapture, ExecResult
 from dsec.backends.container.sessions import Session
 from dsec.backends.container.spawner import ChildExit, Spawner, SpawnError
+from dsec.backends.container.zram import ZramStats, ZramSwap
 from dsec.errors import (
+    DsecError,
     ExecError,
     ExecTimeout,
     HostError,
@@ -141,6 +144,11 @@ def _set_done(fut: asyncio.Future[None]) -> None:
         fut.set_result(None)
 
 
+def _is_paused(rec: SandboxRecord) -> bool:
+    """(A function, so type checkers do not keep a narrowing across awaits that change the state.)"""
+    return rec.state is SandboxState.PAUSED
+
+
 def _proc_start_time(pid: int) -> int:
     """Start time (clock ticks since boot) of ``pid``: with the pid, a unique process identity."""
     with open(f"/proc/{pid}/stat", "rb") as f:
@@ -205,6 +213,30 @@ class Process:
                 os.kill(self.pid, signal.SIGKILL)
 
 
+@dataclass(frozen=True, slots=True)
+class PauseResult:
+    """What :meth:`ContainerRuntime.pause` did."""
+
+    sandbox_id: str
+    freeze_s: float
+    """Seconds until every process was frozen."""
+    reclaim: pausing.ReclaimStats | None
+    """Memory pushed out to swap (None: reclaim skipped, or the sandbox was resumed meanwhile)."""
+    seconds: float
+    """The whole pause."""
+
+
+@dataclass(slots=True)
+class GroupOutcome:
+    """Result of a group pause or resume: per sandbox, done, skipped (already there) or failed."""
+
+    done: builtins.list[str] = field(default_factory=list)
+    skipped: builtins.list[str] = field(default_factory=list)
+    """Already in the wanted state (paused for a pause, running for a resume)."""
+    errors: dict[str, DsecError] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
 class ContainerRuntime:
     """Sandboxes on this node. Use ``async with ContainerRuntime(...) as rt``."""
 
@@ -216,7 +248,12 @@ class ContainerRuntime:
         run_dir: Path | str | None = None,
         layer_store: Any = None,
         id_prefix: str = "sb",
+        zram_size: int = 0,
+        reclaim_method: pausing.ReclaimMethod = "pageout+force_empty",
     ) -> None:
+        """``zram_size`` (bytes, 0: none) sets up a zram swap device at ``start()`` for
+        paused sandboxes' memory (docs/SNAPSHOTS.md, "Pause"); ``reclaim_method`` is how
+        :meth:`pause` pushes memory out (see :mod:`dsec.backends.container.pause`)."""
         if not _NAME_RE.match(name):
             raise InvalidSpec(f"runtime name {name!r} must match {_NAME_RE.pattern}", field="name")
         self.name = name
@@ -248,6 +285,12 @@ class ContainerRuntime:
         self._limits_seen: dict[str, list[int]] = {}
         self._track_seq = 0
         self._boot = secrets.token_hex(3)
+        if reclaim_method not in pausing.RECLAIM_METHODS:
+            raise InvalidSpec(f"reclaim_method {reclaim_method!r}: choose one of {pausing.RECLAIM_METHODS}",
+                              field="reclaim_method")
+        self.reclaim_method: pausing.ReclaimMethod = reclaim_method
+        self.swap = ZramSwap(name, zram_size, self.run_dir / "zram.json")
+        self._wake_gen: dict[str, int] = {}
 
     # ----- lifecycle of the runtime itself -----
 
@@ -281,6 +324,7 @@ class ContainerRuntime:
         self.spawner = Spawner(spawner_path())
         await self.spawner.start()
         self.reconciled = await self._reconcile()
+        await self._setup_swap()
 
     async def close(self, *, destroy_all: bool = True) -> None:
         """Stop the runtime. By default every sandbox is destroyed; ``destroy_all=False``
@@ -300,6 +344,10 @@ class ContainerRuntime:
             self._devnull = -1
         if destroy_all:
             self.cgroups.remove_parents()
+            if not self.sandboxes:
+                # No sandbox left whose pages could be in it (swapoff would pull them back).
+                with contextlib.suppress(HostError):
+                    await asyncio.to_thread(self.swap.teardown)
 
     # ----- records -----
 
@@ -410,7 +458,7 @@ class ContainerRuntime:
                 # No record until the init runs: until then every host resource is
                 # found by name (cgroups, uid slot file) and the reconciler removes it.
                 rec.slot = self._claim_slot(sid)
-                cg_dirs = await asyncio.to_thread(self.cgroups.create, sid, spec.resources)
+                cg_dirs = await asyncio.to_thread(self._make_cgroups, sid, spec.resources)
                 lowers = [str(await self._use_layer(d, sid)) for d in layers]
                 res = spec.resources
                 fields = [
@@ -452,7 +500,10 @@ class ContainerRuntime:
         async with lock:
             if sandbox_id not in self.sandboxes:
                 return False
-            if rec.state in (SandboxState.RUNNING, SandboxState.FAILED, SandboxState.CREATING):
+            if rec.state is SandboxState.PAUSED:
+                # Frozen tasks die only once thawed: kill them frozen, then thaw (no page-in).
+                self.cgroups.kill_all(sandbox_id)
+            if rec.state in (SandboxState.RUNNING, SandboxState.FAILED, SandboxState.CREATING, SandboxState.PAUSED):
                 self._move(rec, SandboxState.STOPPING)
             for sess in self._sessions.pop(sandbox_id, {}).values():
                 with contextlib.suppress(Exception):
@@ -464,6 +515,7 @@ class ContainerRuntime:
             self._locks.pop(sandbox_id, None)
             self.last_activity.pop(sandbox_id, None)
             self._limits_seen.pop(sandbox_id, None)
+            self._wake_gen.pop(sandbox_id, None)
             if left:
                 raise HostError(f"sandbox {sandbox_id}: could not remove {left}", sandbox_id=sandbox_id)
             return True
@@ -472,6 +524,8 @@ class ContainerRuntime:
         """Kill, unmount (the mount namespace dies with its last process), remove cgroups,
         release layers, uid range and record. Safe to call on a half-made sandbox."""
         sid = rec.id
+        if rec.state is SandboxState.PAUSED or pausing.freezer_state(self.cgroups, sid) not in ("THAWED", ""):
+            self.cgroups.kill_all(sid)  # frozen: kill, then thaw, or the init never exits
         if rec.init_pid:
             await self._kill_init(rec)
         if self.cgroups.pids(sid):
@@ -626,8 +680,12 @@ class ContainerRuntime:
         """The record of a running sandbox; SandboxNotFound / SandboxStateError otherwise."""
         return self._running(sandbox_id)
 
-    def _running(self, sandbox_id: str) -> SandboxRecord:
+    def _running(self, sandbox_id: str, *, resume: bool = True) -> SandboxRecord:
+        """The record of a running sandbox; a paused one is resumed first (unless ``resume``
+        is False: then it is an error like any other state)."""
         rec = self.get(sandbox_id)
+        if rec.state is SandboxState.PAUSED and resume:
+            self.wake(sandbox_id)
         if rec.state is not SandboxState.RUNNING:
             raise SandboxStateError(
                 f"sandbox {sandbox_id} is {rec.state.value}, not running"
@@ -637,9 +695,16 @@ class ContainerRuntime:
             )
         return rec
 
+    def _live(self, sandbox_id: str) -> SandboxRecord:
+        """The record of a running or paused sandbox (a paused one stays paused)."""
+        rec = self.get(sandbox_id)
+        if rec.state is SandboxState.PAUSED:
+            return rec
+        return self._running(sandbox_id)
+
     def upper_path(self, sandbox_id: str) -> Path:
-        """The writable layer as the host sees it (through the init's fd 3)."""
-        rec = self._running(sandbox_id)
+        """The writable layer as the host sees it (through the init's fd 3); a paused sandbox stays paused."""
+        rec = self._live(sandbox_id)
         return Path(f"/proc/{rec.init_pid}/fd/3/upper")
 
     def root_path(self, sandbox_id: str) -> Path:
@@ -950,13 +1015,14 @@ class ContainerRuntime:
                 path.unlink(missing_ok=True)
                 continue
             alive = False
-            if rec.state is SandboxState.RUNNING and rec.init_pid:
+            if rec.state in (SandboxState.RUNNING, SandboxState.PAUSED) and rec.init_pid:
                 fd = self._open_init(rec, check=False)
                 if fd is not None:
                     os.close(fd)
                     alive = rec.init_pid in self.cgroups.pids(rec.id)
             if alive:
                 self.sandboxes[rec.id] = rec
+                self._adopt_freezer(rec)
                 self._event(rec, "adopted")
                 self.last_activity[rec.id] = time.monotonic()
                 adopted.append(rec.id)
@@ -1008,7 +1074,7 @@ class ContainerRuntime:
     ) -> Session:
         """A persistent shell; closed with the sandbox at the latest."""
         self._running(sandbox_id)
-        sess = Session(self, sandbox_id, f"sess-{secrets.token_hex(4)}")
+        sess = pausing.ResumingSession(self, sandbox_id, f"sess-{secrets.token_hex(4)}")
         await sess.start(env=dict(env or {}), cwd=cwd, user=user)
         self._sessions.setdefault(sandbox_id, {})[sess.id] = sess
         return sess
@@ -1027,6 +1093,156 @@ class ContainerRuntime:
     # ----- introspection -----
 
     def stats(self, sandbox_id: str) -> dict[str, Any]:
-        rec = self._running(sandbox_id)
+        rec = self._live(sandbox_id)
         st = self.cgroups.stats(sandbox_id)
         return {"id": rec.id, "state": rec.state.value, "init_pid": rec.init_pid, **dataclasses.asdict(st)}
+
+    # ----- pause / resume (docs/SNAPSHOTS.md, "Pause") -----
+
+    def _make_cgroups(self, sandbox_id: str, res: Any) -> builtins.list[Path]:
+        dirs = self.cgroups.create(sandbox_id, res)
+        # With swap on the host, a memory limit alone would let a sandbox grow into swap
+        # past it; memory+swap = the limit keeps it hard. Pausing moves pages from memory
+        # to swap, which leaves memory+swap unchanged, so pause is not limited by it.
+        memsw = self.cgroups.parents["memory"] / sandbox_id / "memory.memsw.limit_in_bytes"
+        with contextlib.suppress(OSError):
+            cgroups._write(memsw, str(res.memory))
+        return dirs
+
+    async def _setup_swap(self) -> None:
+        if self.swap.size > 0:
+            await asyncio.to_thread(self.swap.ensure)
+            return
+        # Not asked for: a device left by an earlier run goes, unless paused sandboxes use it.
+        if self.swap.find() is not None and not any(r.state is SandboxState.PAUSED for r in self.sandboxes.values()):
+            with contextlib.suppress(HostError):
+                await asyncio.to_thread(self.swap.teardown)
+
+    def swap_stats(self) -> ZramStats | None:
+        """The zram device's figures (None without one)."""
+        return self.swap.stats()
+
+    def _adopt_freezer(self, rec: SandboxRecord) -> None:
+        """After a restart the kernel's freezer state is the truth about pausedness."""
+        frozen = pausing.freezer_state(self.cgroups, rec.id) in ("FROZEN", "FREEZING")
+        if rec.state is SandboxState.PAUSED and not frozen:
+            self._move(rec, SandboxState.RUNNING, reason="")
+        elif rec.state is SandboxState.RUNNING and frozen:
+            self.cgroups.freeze(rec.id, False)  # frozen by a pause that never got recorded
+
+    def wake(self, sandbox_id: str) -> bool:
+        """Resume a paused sandbox now (synchronous: a thaw costs ~0.2 ms). False if it was not paused.
+
+        Exec, files and sessions call this, so a paused sandbox resumes on any request;
+        its pages come back from swap as they are touched."""
+        rec = self.sandboxes.get(sandbox_id)
+        if rec is None or rec.state is not SandboxState.PAUSED:
+            return False
+        pausing.thaw(self.cgroups, sandbox_id)
+        self._wake_gen[sandbox_id] = self._wake_gen.get(sandbox_id, 0) + 1
+        self._move(rec, SandboxState.RUNNING)
+        self._event(rec, "resumed")
+        self.last_activity[sandbox_id] = time.monotonic()
+        return True
+
+    async def pause(self, sandbox_id: str, *, reclaim: bool = True) -> PauseResult:
+        """Freeze every process of the sandbox, then push its memory out to swap.
+
+        Pausing a paused sandbox raises SandboxStateError. Any exec, file or session
+        call resumes it (:meth:`wake`); so does :meth:`resume`. The sandbox's disk
+        (its writable layer is tmpfs, charged to its memory cgroup) goes to swap too.
+        Commands running when it is paused are frozen with it; their timeouts keep
+        counting."""
+        rec = self.get(sandbox_id)
+        if rec.state is SandboxState.PAUSED:
+            raise SandboxStateError(f"sandbox {sandbox_id} is already paused", sandbox_id=sandbox_id, state="paused")
+        self._running(sandbox_id, resume=False)
+        lock = self._locks.setdefault(sandbox_id, asyncio.Lock())
+        async with lock:
+            rec = self.get(sandbox_id)
+            if rec.state is SandboxState.PAUSED:
+                raise SandboxStateError(f"sandbox {sandbox_id} is already paused", sandbox_id=sandbox_id, state="paused")
+            self._running(sandbox_id, resume=False)
+            self._open_init_check(rec)
+            t0 = time.perf_counter()
+            gen = self._wake_gen.get(sandbox_id, 0)
+            # Recorded first: a restart finds it paused and checks the freezer (_adopt_freezer).
+            self._move(rec, SandboxState.PAUSED)
+            try:
+                freeze_s = await pausing.freeze(self.cgroups, sandbox_id)
+            except BaseException:
+                if _is_paused(rec):
+                    with contextlib.suppress(OSError):
+                        pausing.thaw(self.cgroups, sandbox_id)
+                    self._move(rec, SandboxState.RUNNING)
+                raise
+            stats: pausing.ReclaimStats | None = None
+            if reclaim and _is_paused(rec) and self._wake_gen.get(sandbox_id, 0) == gen:
+                stats = await asyncio.to_thread(pausing.reclaim, self.cgroups, sandbox_id, self.reclaim_method)
+            elapsed = time.perf_counter() - t0
+            self._event(rec, "paused", freeze_s=round(freeze_s, 6), seconds=round(elapsed, 6),
+                        memory_before=stats.before if stats else None, memory_after=stats.after if stats else None)
+            return PauseResult(sandbox_id, freeze_s, stats, elapsed)
+
+    def _open_init_check(self, rec: SandboxRecord) -> None:
+        fd = self._open_init(rec)  # raises SandboxFailed (and marks it failed) if the init is gone
+        if fd is not None:
+            os.close(fd)
+
+    async def resume(self, sandbox_id: str) -> SandboxRecord:
+        """Thaw a paused sandbox. SandboxStateError if it is not paused."""
+        rec = self.get(sandbox_id)
+        if rec.state is not SandboxState.PAUSED:
+            raise SandboxStateError(
+                f"sandbox {sandbox_id} is {rec.state.value}, not paused", sandbox_id=sandbox_id, state=rec.state.value
+            )
+        self.wake(sandbox_id)
+        return rec
+
+    async def pause_many(self, sandbox_ids: Sequence[str], *, reclaim: bool = True,
+                         concurrency: int = 64) -> GroupOutcome:
+        """Pause every sandbox in ``sandbox_ids``; already paused ones are skipped, errors
+        collected per sandbox (one bad sandbox never stops the group)."""
+        out = GroupOutcome()
+        t0 = time.perf_counter()
+        sem = asyncio.Semaphore(max(1, concurrency))
+
+        async def one(sid: str) -> None:
+            rec = self.sandboxes.get(sid)
+            if rec is not None and rec.state is SandboxState.PAUSED:
+                out.skipped.append(sid)
+                return
+            async with sem:
+                try:
+                    await self.pause(sid, reclaim=reclaim)
+                    out.done.append(sid)
+                except DsecError as exc:
+                    if isinstance(exc, SandboxStateError) and getattr(exc, "state", "") == "paused":
+                        out.skipped.append(sid)
+                    else:
+                        out.errors[sid] = exc
+
+        await asyncio.gather(*(one(s) for s in dict.fromkeys(sandbox_ids)))
+        out.seconds = time.perf_counter() - t0
+        return out
+
+    async def resume_many(self, sandbox_ids: Sequence[str]) -> GroupOutcome:
+        """Resume every paused sandbox in ``sandbox_ids``; running ones are skipped."""
+        out = GroupOutcome()
+        t0 = time.perf_counter()
+        for sid in dict.fromkeys(sandbox_ids):
+            rec = self.sandboxes.get(sid)
+            if rec is None:
+                out.errors[sid] = SandboxNotFound(f"no sandbox {sid!r} on this node", sandbox_id=sid)
+            elif rec.state is SandboxState.RUNNING:
+                out.skipped.append(sid)
+            else:
+                try:
+                    await self.resume(sid)
+                    out.done.append(sid)
+                except DsecError as exc:
+                    out.errors[sid] = exc
+                except OSError as exc:
+                    out.errors[sid] = HostError(f"cannot thaw sandbox {sid}: {exc}", sandbox_id=sid)
+        out.seconds = time.perf_counter() - t0
+        return out
