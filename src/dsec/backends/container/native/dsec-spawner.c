@@ -547,26 +547,97 @@ static pid_t clone_pidfd(unsigned long flags, int *pidfd) {
     return (pid_t)syscall(SYS_clone, flags | CLONE_PIDFD | SIGCHLD, NULL, pidfd, NULL, NULL);
 }
 
-/* A pool of network namespaces made while the spawner is idle (loopback only, lo up):
- * a new netns costs ~1 ms of kernel time, too much for the create path.  Made by
- * unsharing the spawner's own netns and switching back, so no process is forked. */
-static int netpool[1024];
-static int netpool_n, netpool_target, host_netns_fd = -1;
+/* A pool of network namespaces (loopback only, lo up): a new netns costs ~1 ms
+ * of kernel time, too much for the create path.  A helper process, forked at
+ * start, makes them on the other core and hands their fds over a socketpair;
+ * every fd taken is answered with one refill request, so the pool stays full
+ * without the spawner ever waiting for a netns to be made. */
+static int netpool_sock = -1;
+static pid_t netpool_pid = -1;
 
-static void netpool_fill_one(void) {
-    if (unshare(CLONE_NEWNET) < 0) { netpool_target = 0; return; }
-    int fd = open("/proc/thread-self/ns/net", O_RDONLY | O_CLOEXEC);
-    int ok = fd >= 0 && lo_up() == 0;
-    if (setns(host_netns_fd, CLONE_NEWNET) < 0) {
-        perror("dsec-spawner: return to host netns");
-        _exit(2);
+static void netpool_stop(void) {
+    if (netpool_pid > 0) {
+        kill(netpool_pid, SIGKILL);
+        waitpid(netpool_pid, NULL, 0);
+        netpool_pid = -1;
     }
-    if (!ok) { if (fd >= 0) close(fd); netpool_target = 0; return; }
-    netpool[netpool_n++] = fd;
+}
+
+static int recv_fd(int sock, int flags) {
+    char b;
+    struct iovec iov = {.iov_base = &b, .iov_len = 1};
+    union {
+        char c[CMSG_SPACE(sizeof(int))];
+        struct cmsghdr align;
+    } cm;
+    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cm.c, .msg_controllen = sizeof cm.c};
+    if (recvmsg(sock, &msg, flags | MSG_CMSG_CLOEXEC) <= 0) return -1;
+    struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
+    if (!c || c->cmsg_type != SCM_RIGHTS) return -1;
+    int fd;
+    memcpy(&fd, CMSG_DATA(c), sizeof fd);
+    return fd;
+}
+
+static void netpool_maker(int sock, int target, int host_netns_fd) __attribute__((noreturn));
+static void netpool_maker(int sock, int target, int host_netns_fd) {
+    prctl(PR_SET_NAME, "dsec-netpool", 0, 0, 0);
+    prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0);
+    int credit = target;
+    for (;;) {
+        while (credit > 0) {
+            if (unshare(CLONE_NEWNET) < 0) _exit(1);
+            int fd = open("/proc/thread-self/ns/net", O_RDONLY | O_CLOEXEC);
+            int ok = fd >= 0 && lo_up() == 0;
+            if (setns(host_netns_fd, CLONE_NEWNET) < 0) _exit(1);
+            if (!ok) _exit(1);
+            char b = 'n';
+            struct iovec iov = {.iov_base = &b, .iov_len = 1};
+            union {
+                char c[CMSG_SPACE(sizeof(int))];
+                struct cmsghdr align;
+            } cm;
+            memset(&cm, 0, sizeof cm);
+            struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cm.c, .msg_controllen = sizeof cm.c};
+            struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
+            c->cmsg_level = SOL_SOCKET;
+            c->cmsg_type = SCM_RIGHTS;
+            c->cmsg_len = CMSG_LEN(sizeof(int));
+            memcpy(CMSG_DATA(c), &fd, sizeof fd);
+            if (sendmsg(sock, &msg, MSG_NOSIGNAL) < 0) _exit(0);
+            close(fd);
+            credit--;
+        }
+        char req[64];
+        ssize_t n = read(sock, req, sizeof req);
+        if (n <= 0) _exit(0); /* the spawner is gone */
+        credit += (int)n;
+    }
+}
+
+static void netpool_start(int target) {
+    if (target <= 0) return;
+    int host_netns_fd = open("/proc/self/ns/net", O_RDONLY | O_CLOEXEC);
+    int sv[2];
+    if (host_netns_fd < 0 || socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) < 0) return;
+    pid_t pid = fork();
+    if (pid == 0) {
+        close(sv[0]);
+        close(sock_fd);
+        netpool_maker(sv[1], target, host_netns_fd);
+    }
+    close(sv[1]);
+    close(host_netns_fd);
+    if (pid < 0) { close(sv[0]); return; }
+    netpool_pid = pid;
+    netpool_sock = sv[0];
 }
 
 static int netpool_take(void) {
-    return netpool_n > 0 ? netpool[--netpool_n] : -1;
+    if (netpool_sock < 0) return -1;
+    int fd = recv_fd(netpool_sock, MSG_DONTWAIT);
+    if (fd >= 0 && write(netpool_sock, "r", 1) < 0) { /* maker gone: creates make their own */ }
+    return fd;
 }
 
 /* A user namespace mapping 0..count-1 to base..: its owner process exits at once. */
@@ -899,10 +970,6 @@ int main(int argc, char **argv) {
         fprintf(stderr, "dsec-spawner: cannot build seccomp filter\n");
         return 1;
     }
-    netpool_target = argc > 2 ? atoi(argv[2]) : 0;
-    if (netpool_target > 1024) netpool_target = 1024;
-    host_netns_fd = open("/proc/self/ns/net", O_RDONLY | O_CLOEXEC);
-    if (host_netns_fd < 0) netpool_target = 0;
     self_pidns_fd = open("/proc/self/ns/pid", O_RDONLY | O_CLOEXEC);
     if (self_pidns_fd < 0) { perror("dsec-spawner: open own pid namespace"); return 1; }
     struct rlimit rl;
@@ -913,6 +980,10 @@ int main(int argc, char **argv) {
     sigaddset(&set, SIGCHLD);
     sigprocmask(SIG_BLOCK, &set, NULL);
     int sfd = signalfd(-1, &set, SFD_CLOEXEC | SFD_NONBLOCK);
+    {
+        int target = argc > 2 ? atoi(argv[2]) : 0;
+        netpool_start(target > 1024 ? 1024 : target);
+    }
     char *buf = malloc(MAX_MSG);
     static struct pollfd pfds[MAX_PENDING + 2];
     struct req *r = malloc(sizeof *r);
@@ -926,14 +997,10 @@ int main(int argc, char **argv) {
             pfds[i + 2].fd = pend[i].fd;
             pfds[i + 2].events = POLLIN;
         }
-        int n = poll(pfds, (nfds_t)npend + 2, netpool_n < netpool_target ? 0 : -1);
+        int n = poll(pfds, (nfds_t)npend + 2, -1);
         if (n < 0) {
             if (errno == EINTR) continue;
             return 1;
-        }
-        if (n == 0) { /* idle: prepare a network namespace for a later create */
-            netpool_fill_one();
-            continue;
         }
         /* Report pipes first, so "ok" for an exec precedes its "exit" event. */
         for (int i = npend - 1; i >= 0; i--)
@@ -946,7 +1013,7 @@ int main(int argc, char **argv) {
         }
         if (pfds[0].revents & POLLIN) {
             int rc = recv_req(r, buf);
-            if (rc == 0) return 0; /* the runtime went away: sandboxes live on, it reconciles */
+            if (rc == 0) { netpool_stop(); return 0; } /* the runtime went away: sandboxes live on */
             if (rc < 0) continue;
             if (r->ntok < 2) {
                 for (int i = 0; i < r->nfds; i++) close(r->fds[i]);
@@ -960,6 +1027,7 @@ int main(int argc, char **argv) {
             } else reply_err(r->tok[1], "request", EINVAL, "unknown op %s", r->tok[0]);
             for (int i = 0; i < r->nfds; i++) close(r->fds[i]);
         } else if (pfds[0].revents & (POLLHUP | POLLERR)) {
+            netpool_stop();
             return 0;
         }
     }
