@@ -504,7 +504,7 @@ class ContainerRuntime:
                 # Frozen tasks die only once thawed: kill them frozen, then thaw (no page-in).
                 self.cgroups.kill_all(sandbox_id)
             if rec.state in (SandboxState.RUNNING, SandboxState.FAILED, SandboxState.CREATING, SandboxState.PAUSED):
-                self._move(rec, SandboxState.STOPPING)
+                self._move(rec, SandboxState.STOPPING, save=False)  # a cut-short destroy: see docs/RUNTIME.md
             for sess in self._sessions.pop(sandbox_id, {}).values():
                 with contextlib.suppress(Exception):
                     await sess.close()
@@ -951,7 +951,7 @@ class ContainerRuntime:
                         duration_s=round(time.monotonic() - proc.started_at, 6),
                         timed_out=timed_out[0] if timed_out else None,
                         output_truncated=caps[out_r].truncated or caps[err_r].truncated)
-            self._check_limits(rec)
+            loop.call_soon(self._check_limits, rec)  # two cgroup reads: off the reply path
         so, se = caps[out_r], caps[err_r]
         result = ExecResult(
             exit_code=ex.exit_code,
