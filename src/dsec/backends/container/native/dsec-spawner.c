@@ -903,6 +903,7 @@ static void finish_pending(int i) {
         reply_ok_pid(p.rid, p.pid, p.pidfd);
     } else if (n == 0) {
         kill(p.pid, SIGKILL);
+        waitpid(p.pid, NULL, 0); /* gone before the caller hears of it */
         reply_err(p.rid, "died", ECHILD, "child exited before it was ready");
     } else {
         const char *stage = buf;
@@ -912,9 +913,12 @@ static void finish_pending(int i) {
         if (msg >= buf + n) msg = "";
         char e[16];
         snprintf(e, sizeof e, "%s", err);
+        /* The failed child exits at once: reap it first, so that when the caller
+         * hears of the failure nothing of the attempt is left in the sandbox. */
+        kill(p.pid, SIGKILL);
+        waitpid(p.pid, NULL, 0);
         const char *t[] = {"err", p.rid, stage, e, msg};
         send_tokens(t, 5, -1);
-        if (p.kind == P_CREATE) kill(p.pid, SIGKILL);
     }
     close(p.pidfd);
 }
