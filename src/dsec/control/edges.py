@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json as _json
 import logging
 import re
 import time
@@ -27,6 +28,7 @@ from sqlalchemy.orm import Session
 
 from dsec import auth
 from dsec.control.db import EDGES, EdgeRow, Store
+from dsec.control.edgehttp import Answer, ConnectFailed, EdgeHTTP, NoAnswer
 from dsec.control.errors import NotFound
 from dsec.control.iam import Amount
 from dsec.control.placement import EdgeView, Room, layer_set, room_of_health
@@ -65,32 +67,32 @@ class EdgeUnreachable(DsecError):
 
 
 class EdgeClient:
-    """Calls to the edges: one small connection pool per edge, a bounded number in flight.
+    """Calls to the edges: keep-alive connections per edge, at most ``per_edge`` in flight.
 
-    httpcore's pool walks every connection on each request, so one big shared
-    pool gets slower the more edges and concurrent calls it carries; a pool per
-    edge, with at most ``per_edge`` calls in flight (the rest queue here), stays
-    fast under a burst.
+    Plain-http edges go through :class:`EdgeHTTP` (edgehttp.py: a few hundred
+    microseconds per call); ``https://`` edges through httpx.
     """
 
-    def __init__(self, key: bytes, *, timeout: float, token_ttl_s: float = 3600.0, per_edge: int = 4) -> None:
+    def __init__(self, key: bytes, *, timeout: float, token_ttl_s: float = 3600.0, per_edge: int = 16) -> None:
         self._key = key
         self._ttl = token_ttl_s
         self._timeout = timeout
         self._per_edge = per_edge
         self._token: tuple[str, float] | None = None
-        self._pools: dict[str, tuple[httpx.AsyncClient, asyncio.Semaphore]] = {}
+        self._pools: dict[str, EdgeHTTP | tuple[httpx.AsyncClient, asyncio.Semaphore]] = {}
 
-    def _pool(self, base: str) -> tuple[httpx.AsyncClient, asyncio.Semaphore]:
+    def _pool(self, base: str) -> EdgeHTTP | tuple[httpx.AsyncClient, asyncio.Semaphore]:
         pool = self._pools.get(base)
         if pool is None:
-            client = httpx.AsyncClient(
-                timeout=httpx.Timeout(self._timeout, connect=min(5.0, self._timeout)),
-                limits=httpx.Limits(
-                    max_connections=self._per_edge, max_keepalive_connections=self._per_edge, keepalive_expiry=30.0
-                ),
-            )
-            pool = self._pools[base] = (client, asyncio.Semaphore(self._per_edge))
+            if base.startswith("http://"):
+                pool = EdgeHTTP(base, size=self._per_edge, timeout=self._timeout, connect_timeout=min(5.0, self._timeout))
+            else:  # TLS: httpx
+                client = httpx.AsyncClient(
+                    timeout=httpx.Timeout(self._timeout, connect=min(5.0, self._timeout)),
+                    limits=httpx.Limits(max_connections=self._per_edge, max_keepalive_connections=self._per_edge),
+                )
+                pool = (client, asyncio.Semaphore(self._per_edge))
+            self._pools[base] = pool
         return pool
 
     def admin_token(self) -> str:
@@ -101,20 +103,35 @@ class EdgeClient:
 
     async def aclose(self) -> None:
         pools, self._pools = self._pools, {}
-        for client, _ in pools.values():
-            await client.aclose()
+        for pool in pools.values():
+            if isinstance(pool, EdgeHTTP):
+                await pool.aclose()
+            else:
+                await pool[0].aclose()
 
     async def _call(
         self, method: str, base: str, path: str, *, json: Any = None, timeout: float | None = None
-    ) -> httpx.Response:
+    ) -> Answer | httpx.Response:
         headers = {"authorization": f"Bearer {self.admin_token()}"}
+        url = f"{base}{path}"
+        pool = self._pool(base)
+        if isinstance(pool, EdgeHTTP):
+            body = None
+            if json is not None:
+                body = _json.dumps(json, separators=(",", ":")).encode()
+                headers["content-type"] = "application/json"
+            try:
+                return await pool.request(method, path, headers=headers, body=body, timeout=timeout)
+            except ConnectFailed as exc:
+                raise EdgeUnreachable(f"edge at {url} refused the connection: {exc}", maybe_done=False, url=url) from None
+            except NoAnswer as exc:
+                raise EdgeUnreachable(f"edge at {url} did not answer: {exc}", maybe_done=True, url=url) from None
+        client, sem = pool
         kw: dict[str, Any] = {"headers": headers}
         if json is not None:
             kw["json"] = json
         if timeout is not None:
             kw["timeout"] = timeout
-        url = f"{base}{path}"
-        client, sem = self._pool(base)
         try:
             async with sem:
                 return await client.request(method, url, **kw)
@@ -126,7 +143,7 @@ class EdgeClient:
             ) from None
 
     @staticmethod
-    def _raise(resp: httpx.Response, edge_id: str) -> None:
+    def _raise(resp: Answer | httpx.Response, edge_id: str) -> None:
         if resp.status_code < 400:
             return
         payload: dict[str, Any] | None = None
@@ -173,7 +190,7 @@ class EdgeClient:
         return EdgeHealth.model_validate_json(resp.content)
 
 
-def _retry_after(resp: httpx.Response) -> float:
+def _retry_after(resp: Answer | httpx.Response) -> float:
     try:
         return float(resp.headers.get("retry-after", "1"))
     except ValueError:

@@ -1,0 +1,113 @@
+"""The control plane against a real edge agent (runtime, admission, heartbeats): the contract.
+
+The stub edge of the other control tests stands in for logic; this module
+checks the two real services agree on the wire: the edge registers itself by
+heartbeat, creates go through placement to it, the sandbox token the control
+plane mints is accepted by the edge, the watcher reconciles what the edge
+reaps, and a refused admission becomes a 429.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import test_control_support as support
+
+from conftest import RT_PREFIX
+from dsec.errors import HostError
+
+pytestmark = [pytest.mark.root, pytest.mark.anyio]
+
+anyio_backend = support.anyio_backend
+KEY = secrets.token_bytes(32)
+SPEC: dict[str, Any] = {"image": {"base": "busybox:test"}, "resources": {"cpu": 0.5, "memory": 64 << 20, "disk": 16 << 20}}
+
+
+@pytest.fixture(scope="module")
+def edge_state(dsec_base: Path) -> Iterator[tuple[Path, str]]:
+    from dsec.edge.testing import prepare_busybox
+
+    name = f"{RT_PREFIX}-ctl"
+    state = dsec_base / f"state-{name}"
+    try:
+        prepare_busybox(state)
+    except HostError as exc:
+        pytest.skip(f"cannot build the busybox layer: {exc}")
+    yield state, name
+
+
+async def test_control_plane_drives_a_real_edge(edge_state: tuple[Path, str], dsec_base: Path, tmp_path: Path) -> None:
+    from dsec.control import ControlConfig, serve_control
+    from dsec.edge.config import EdgeConfig
+    from dsec.edge.testing import EdgeThread, leftovers
+
+    state, name = edge_state
+    ctl = await serve_control(ControlConfig(
+        data_dir=tmp_path / "control", cluster_key=KEY, port=0, watcher=False, auth_cache_s=0.0,
+    ))
+    cfg = EdgeConfig(
+        edge_id="rx", cluster_key=KEY, port=0, state_dir=state, run_dir=dsec_base / "run", runtime_name=name,
+        destroy_on_shutdown=True, watchdog_interval_s=0.2, max_sandboxes=2, control_plane_url=ctl.url,
+        heartbeat_interval_s=0.2,
+    )
+    edge = await asyncio.to_thread(lambda: EdgeThread(cfg).start())
+    try:
+        async with httpx.AsyncClient(base_url=ctl.url, timeout=60,
+                                     headers={"authorization": f"Bearer {ctl.admin_token}"}) as c:
+            for _ in range(100):  # the edge registers itself with its first heartbeat
+                edges = (await c.get("/v1/edges")).json()
+                if edges and edges[0]["health"]:
+                    break
+                await asyncio.sleep(0.05)
+            assert edges and edges[0]["id"] == "rx" and edges[0]["url"] == edge.url
+            assert any(ref.startswith("busybox") for ref in edges[0]["health"]["layers"])
+            assert "busybox:test" in [i["ref"] for i in (await c.get("/v1/images")).json()]
+
+            r = await c.post("/v1/sandboxes", json={"spec": SPEC, "labels": {"job": "e2e"}, "task": "t",
+                                                     "request_id": "real-1", "lifecycle": {"ttl_s": 600}})
+            assert r.status_code == 201, r.text
+            sb = r.json()
+            assert sb["id"].startswith("rx-") and sb["edge_url"] == edge.url and sb["project"] == "root"
+            again = await c.post("/v1/sandboxes", json={"spec": SPEC, "labels": {"job": "e2e"}, "task": "t",
+                                                         "request_id": "real-1", "lifecycle": {"ttl_s": 600}})
+            assert again.json()["id"] == sb["id"]
+
+            # the data path: straight to the edge with the token the control plane minted
+            async with httpx.AsyncClient(base_url=sb["edge_url"], timeout=60,
+                                         headers={"authorization": f"Bearer {sb['token']}"}) as data:
+                r = await data.post(f"/v1/sandboxes/{sb['id']}/exec", json={"cmd": ["echo", "hello"]})
+                assert r.status_code == 200, r.text
+                assert base64.b64decode(r.json()["stdout_b64"]) == b"hello\n"
+                info = (await data.get(f"/v1/sandboxes/{sb['id']}")).json()
+                assert info["labels"] == {"job": "e2e"} and info["task"] == "t" and info["project"] == "root"
+
+            # the edge's own admission (max 2 sandboxes) refuses the third: a 429, nothing leaks
+            assert (await c.post("/v1/sandboxes", json={"spec": SPEC})).status_code == 201
+            r = await c.post("/v1/sandboxes", json={"spec": SPEC})
+            assert r.status_code == 429 and r.headers["retry-after"], r.text
+            listed = (await c.get("/v1/sandboxes")).json()
+            assert len(listed) == 2
+
+            # a sandbox the edge destroys by itself is reconciled by the watcher
+            await asyncio.to_thread(lambda: edge.call(edge.service.destroy(listed[1]["id"], reason="test")))
+            assert await ctl.control.watcher.tick(reconcile=True)
+            gone = (await c.get(f"/v1/sandboxes/{listed[1]['id']}")).json()
+            assert gone["state"] == "stopped"
+
+            # delete through the control plane reaches the edge
+            assert (await c.delete(f"/v1/sandboxes/{sb['id']}")).status_code == 204
+            live = await asyncio.to_thread(lambda: [s.id for s in edge.service.list()])
+            assert live == []
+            root = (await c.get("/v1/projects/root")).json()
+            assert root["used"]["sandboxes"] == 0
+    finally:
+        await asyncio.to_thread(edge.stop)
+        await ctl.stop()
+    assert not leftovers(cfg), leftovers(cfg)
