@@ -55,6 +55,12 @@ class _Parse:
         self.headers: dict[str, str] = {}
         self.body: list[bytes] = []
         self.done = False
+        self.keep_alive = False
+        self.parser: Any = None
+
+    def on_headers_complete(self) -> None:
+        # read it here: once the message is complete the parser has reset
+        self.keep_alive = bool(self.parser.should_keep_alive())
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
@@ -136,7 +142,7 @@ class EdgeHTTP:
             head = self._head(method, path, headers, None if body is None else len(body))
             conn.writer.write(head + body if body else head)  # one segment: no Nagle/delayed-ACK stall
             p = _Parse()
-            parser = httptools.HttpResponseParser(p)
+            parser = p.parser = httptools.HttpResponseParser(p)
             async with asyncio.timeout(self.timeout if timeout is None else timeout):
                 await conn.writer.drain()
                 while not p.done:
@@ -147,7 +153,7 @@ class EdgeHTTP:
                         raise NoAnswer(f"{self.host}:{self.port} closed the connection mid-answer")
                     got_any = True
                     parser.feed_data(data)
-            keep = parser.should_keep_alive()
+            keep = p.keep_alive
             return Answer(parser.get_status_code(), p.headers, b"".join(p.body))
         except (_Stale, NoAnswer):
             raise
