@@ -8,6 +8,7 @@ are kept as they are in the tree (no ``--all-root``). Never mounts anything.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import uuid
@@ -15,7 +16,7 @@ from pathlib import Path
 
 from dsec.errors import HostError
 
-from .errors import LayerBuildError
+from .errors import LayerBuildError, StorageFull
 
 EROFS_MAGIC = 0xE0F5E1E2
 EROFS_SUPER_OFFSET = 1024
@@ -33,13 +34,17 @@ def mkfs_binary() -> str:
     return path
 
 
-def make_erofs(src: Path, out: Path) -> None:
-    """Write the tree under ``src`` to the EROFS image ``out`` (lz4hc, reproducible)."""
+def make_erofs(src: Path, out: Path, *, compressor: str = COMPRESSOR, keep_mtimes: bool = False) -> None:
+    """Write the tree under ``src`` to the EROFS image ``out`` (lz4hc, reproducible).
+
+    ``keep_mtimes`` (snapshots) keeps every file's modification time instead of
+    zeroing them: the image is then only as reproducible as its tree's times.
+    Raises :class:`StorageFull` when the image's filesystem fills up."""
     cmd = [
         mkfs_binary(),
-        "-T0",
+        *(["--preserve-mtime"] if keep_mtimes else ["-T0"]),
         f"-U{FIXED_UUID}",
-        f"-z{COMPRESSOR}",
+        f"-z{compressor}",
         "--quiet",
         str(out),
         str(src),
@@ -47,11 +52,25 @@ def make_erofs(src: Path, out: Path) -> None:
     proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True)
     if proc.returncode != 0:
         detail = (proc.stderr or proc.stdout).strip()[-2000:]
+        free = _free_bytes(out.parent)
+        if "No space left" in detail or (free is not None and free < 1024 * 1024):
+            raise StorageFull(
+                f"no space left on the filesystem of {out.parent} while mkfs.erofs wrote the layer",
+                stage="mkfs", path=str(out.parent),
+            )
         raise LayerBuildError(
             f"mkfs.erofs failed (exit {proc.returncode}) building from {src}: {detail}",
             stage="mkfs",
             returncode=proc.returncode,
         )
+
+
+def _free_bytes(path: Path) -> int | None:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
 
 
 def is_erofs(path: Path) -> bool:

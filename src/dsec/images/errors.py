@@ -13,8 +13,13 @@ class LayerBuildError(ImageError):
     """Building a layer failed; ``stage`` names the step (extract, mkfs, debootstrap...)."""
 
 
+class StorageFull(LayerBuildError, OSError):
+    """The layer store's filesystem filled up while a layer was being made (``stage``,
+    ``path``); nothing of the half-made layer is kept."""
+
+
 class UnsafeArchive(LayerBuildError, ValueError):
     """An archive tried to write outside its root (``..``, links out) or is malformed."""
 
 
-__all__ = ["LayerBuildError", "UnsafeArchive"]
+__all__ = ["LayerBuildError", "StorageFull", "UnsafeArchive"]

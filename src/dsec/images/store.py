@@ -149,6 +149,10 @@ class LayerStore(abc.ABC):
         Returns how many pins were dropped.
         """
 
+    def dependents(self, digest: str) -> builtins.list[str]:
+        """Snapshot layers whose lineage includes ``digest`` (it cannot be removed before them)."""
+        return []
+
     @abc.abstractmethod
     def scratch(self, purpose: str = "build") -> contextlib.AbstractContextManager[Path]:
         """A private, empty, local directory for a build; deleted (with all content) on exit."""
@@ -454,6 +458,16 @@ class LocalLayerStore(LayerStore):
                 "SELECT COUNT(*) FROM tags WHERE digest = ?", (layer.digest,)
             ).fetchone()[0]
             if left == 0:
+                deps = self._dependents(db, layer.digest)
+                if deps:
+                    # A snapshot is a diff over its lineage: without it the snapshot is garbage.
+                    shown = ", ".join(deps[:5]) + (" ..." if len(deps) > 5 else "")
+                    raise LayerInUse(
+                        f"layer {layer.ref} ({layer.digest}) lies beneath {len(deps)} snapshot(s): "
+                        f"{shown}; remove those first",
+                        digest=layer.digest,
+                        holders=[f"snapshot:{d}" for d in deps],
+                    )
                 db.execute("DELETE FROM layers WHERE digest = ?", (layer.digest,))
                 blob = self.blob_path(layer.digest)
                 if blob.exists():
@@ -461,6 +475,19 @@ class LocalLayerStore(LayerStore):
                     os.rename(blob, trash)
         if trash is not None:
             trash.unlink(missing_ok=True)
+
+    @staticmethod
+    def _dependents(db: sqlite3.Connection, digest: str) -> builtins.list[str]:
+        rows = db.execute(
+            "SELECT digest, parents FROM layers WHERE kind = ? AND parents LIKE ?",
+            (LayerKind.SNAPSHOT.value, f'%"{digest}"%'),
+        ).fetchall()
+        return sorted(d for d, parents in rows if digest in json.loads(parents))
+
+    def dependents(self, digest: str) -> builtins.list[str]:
+        check_digest(digest)
+        with self._connect() as db:
+            return self._dependents(db, digest)
 
     # -- pins ----------------------------------------------------------------
 

@@ -32,6 +32,7 @@ from typing import Any, Final
 
 from dsec.backends.container import cgroups
 from dsec.backends.container import pause as pausing
+from dsec.backends.container import snapshot as snapshots
 from dsec.backends.container.fsops import SandboxFiles
 from dsec.backends.container.output import BoundedCapture, ExecResult
 from dsec.backends.container.sessions import Session
@@ -43,11 +44,13 @@ from dsec.errors import (
     ExecTimeout,
     HostError,
     InvalidSpec,
+    LayerNotFound,
     SandboxFailed,
     SandboxNotFound,
     SandboxStateError,
 )
-from dsec.spec import SandboxSpec, SandboxState, can_move
+from dsec.images.layer import Layer, LayerKind
+from dsec.spec import ImageRef, SandboxSpec, SandboxState, can_move
 
 UID_RANGE: Final = 65536
 UID_FIRST_BASE: Final = 1 << 24  # well above any host account
@@ -291,6 +294,12 @@ class ContainerRuntime:
         self.reclaim_method: pausing.ReclaimMethod = reclaim_method
         self.swap = ZramSwap(name, zram_size, self.run_dir / "zram.json")
         self._wake_gen: dict[str, int] = {}
+        self.max_layers = snapshots.DEFAULT_MAX_LAYERS
+        """A snapshot whose stack would be deeper collapses the snapshots on top (docs/SNAPSHOTS.md)."""
+        self._packing: set[str] = set()
+        self._thaw_after_pack: dict[str, bool] = {}
+        self._lineage: dict[str, tuple[str, ...] | None] = {}
+        self._ephemeral_dir = self.run_dir / "ephemeral"
 
     # ----- lifecycle of the runtime itself -----
 
@@ -449,7 +458,7 @@ class ContainerRuntime:
         existing = self.sandboxes.get(sid)
         if existing is not None:
             return existing  # idempotent
-        layers = [self._resolve(ref) for ref in spec.image.layers_top_first()]
+        layers = self._layers_for(spec.image)
         rec = SandboxRecord(sid, SandboxState.CREATING, spec, -1, layers, time.time(), meta=dict(meta or {}))
         self.sandboxes[sid] = rec
         lock = self._locks.setdefault(sid, asyncio.Lock())
@@ -630,13 +639,15 @@ class ContainerRuntime:
         self._layer_paths.pop(digest, None)
         with contextlib.suppress(Exception):
             self._mounts.release(digest, self.holder)
+        if (self._ephemeral_dir / digest.split(":", 1)[1]).exists():
+            self.drop_ephemeral(digest)
 
     def update(self, sandbox_id: str, *, spec: SandboxSpec | None = None, meta: dict[str, Any] | None = None) -> SandboxRecord:
         """Change what the record says (not the running sandbox): a warm-pool sandbox taken
         for a request gets that request's spec (same layers and resources) and metadata."""
         rec = self._running(sandbox_id)
         if spec is not None:
-            if spec.resources != rec.spec.resources or [self._resolve(r) for r in spec.image.layers_top_first()] != rec.layers:
+            if spec.resources != rec.spec.resources or self._layers_for(spec.image) != rec.layers:
                 raise InvalidSpec(
                     f"sandbox {sandbox_id} runs other layers or resources than the new spec", field="spec", sandbox_id=sandbox_id
                 )
@@ -1058,6 +1069,10 @@ class ContainerRuntime:
         for layer in self.store.list():
             if self.holder in self.store.holders(layer.digest) and layer.digest not in self._layer_users:
                 self._mounts.release(layer.digest, self.holder)
+        for marker in list(self._ephemeral_dir.glob("*")) if self._ephemeral_dir.is_dir() else []:
+            digest = "sha256:" + marker.name
+            if digest not in self._layer_users:
+                self.drop_ephemeral(digest)
         await asyncio.to_thread(self._mounts.unmount_unused)
         return {"adopted": adopted, "destroyed": destroyed}
 
@@ -1138,7 +1153,12 @@ class ContainerRuntime:
         rec = self.sandboxes.get(sandbox_id)
         if rec is None or rec.state is not SandboxState.PAUSED:
             return False
-        pausing.thaw(self.cgroups, sandbox_id)
+        if sandbox_id in self._packing:
+            # A snapshot is copying its upper: it thaws when the copy is done; the
+            # request goes on and waits for that inside the frozen cgroup.
+            self._thaw_after_pack[sandbox_id] = True
+        else:
+            pausing.thaw(self.cgroups, sandbox_id)
         self._wake_gen[sandbox_id] = self._wake_gen.get(sandbox_id, 0) + 1
         self._move(rec, SandboxState.RUNNING)
         self._event(rec, "resumed")
@@ -1246,3 +1266,138 @@ class ContainerRuntime:
                     out.errors[sid] = HostError(f"cannot thaw sandbox {sid}: {exc}", sandbox_id=sid)
         out.seconds = time.perf_counter() - t0
         return out
+
+    # ----- snapshots and forks (docs/SNAPSHOTS.md) -----
+
+    def _layer_lineage(self, digest: str) -> tuple[str, ...] | None:
+        """A snapshot's parents (top first), None for other kinds; layers are immutable, so cached."""
+        if digest not in self._lineage:
+            layer: Layer = self.store.get(digest)
+            self._lineage[digest] = tuple(layer.parents) if layer.kind is LayerKind.SNAPSHOT else None
+        return self._lineage[digest]
+
+    def _layers_for(self, image: ImageRef) -> builtins.list[str]:
+        """The digests to stack (top first). A snapshot stands for itself plus its lineage:
+        as ``base`` it expands to it; anywhere else the layers beneath it must be exactly it."""
+        digests = [self._resolve(ref) for ref in image.layers_top_first()]
+        stack: list[str] = []  # bottom first
+        for d in reversed(digests):
+            lineage = self._layer_lineage(d)
+            if lineage is not None:
+                expected = list(reversed(lineage))
+                if not stack:
+                    stack = expected
+                elif stack != expected:
+                    raise InvalidSpec(
+                        f"snapshot {d} was taken over other layers than the ones given beneath it; "
+                        f"start from it alone: ImageRef(base={d!r}) (it brings its lineage)",
+                        field="image",
+                    )
+            stack.append(d)
+        if len(stack) > snapshots.MAX_LOWERS:
+            raise InvalidSpec(
+                f"this image stacks {len(stack)} layers; a sandbox can mount at most {snapshots.MAX_LOWERS}",
+                field="image",
+            )
+        return list(reversed(stack))
+
+    async def snapshot(
+        self,
+        sandbox_id: str,
+        *,
+        name: str | None = None,
+        tag: str | None = None,
+        exclude: Sequence[str] = (),
+        max_layers: int | None = None,
+        ephemeral: bool = False,
+    ) -> Layer:
+        """Pack the sandbox's writable layer (running or paused) into a new snapshot layer.
+
+        The layer's ``parents`` are the sandbox's layers (its lineage); start new
+        sandboxes from it with ``ImageRef(base=<its ref or digest>)``. The sandbox is
+        frozen while its writable layer is copied out (docs/SNAPSHOTS.md).
+        ``exclude`` leaves paths out (``/abs/path``, globs, or bare names such as
+        ``__pycache__``). ``ephemeral`` layers are removed once no sandbox uses them.
+        Raises StorageFull (an ImageError) if the layer store fills up."""
+        info = await snapshots.make_snapshot(self, sandbox_id, name=name, tag=tag, exclude=exclude,
+                                             max_layers=max_layers, ephemeral=ephemeral)
+        return info.layer
+
+    async def snapshot_info(
+        self, sandbox_id: str, *, name: str | None = None, tag: str | None = None, exclude: Sequence[str] = (),
+        max_layers: int | None = None, ephemeral: bool = False,
+    ) -> snapshots.SnapshotInfo:
+        """Like :meth:`snapshot`, with the packing figures (bytes, frozen time, collapse)."""
+        return await snapshots.make_snapshot(self, sandbox_id, name=name, tag=tag, exclude=exclude,
+                                             max_layers=max_layers, ephemeral=ephemeral)
+
+    def _mark_ephemeral(self, digest: str) -> None:
+        self._ephemeral_dir.mkdir(parents=True, exist_ok=True)
+        (self._ephemeral_dir / digest.split(":", 1)[1]).touch()
+
+    def drop_ephemeral(self, digest: str) -> bool:
+        """Remove an unnamed (fork) snapshot if nothing uses it any more; True if removed."""
+        marker = self._ephemeral_dir / digest.split(":", 1)[1]
+        if self._layer_users.get(digest):
+            return False
+        try:
+            self.store.remove(digest)
+        except (LayerNotFound, InvalidSpec):
+            pass
+        except DsecError:
+            return False  # pinned by another runtime, or a snapshot was taken on top of it
+        marker.unlink(missing_ok=True)
+        self._lineage.pop(digest, None)
+        self._resolved.pop(digest, None)
+        return True
+
+    async def fork(
+        self,
+        sandbox_id: str,
+        n: int,
+        *,
+        meta: dict[str, Any] | None = None,
+        exclude: Sequence[str] = (),
+    ) -> builtins.list[SandboxRecord]:
+        """``n`` new sandboxes whose disks equal this one's now (running or paused).
+
+        Each child gets a fresh identity — its id as hostname, a new /etc/machine-id,
+        no inherited random seed — and its own writable layer, so siblings never see
+        each other's writes. All or nothing: if one child fails, the others are
+        destroyed and the error raised. Forking a failed sandbox raises SandboxStateError."""
+        if not 1 <= n <= 10000:
+            raise InvalidSpec("fork needs 1 <= n <= 10000", field="n")
+        rec = self.get(sandbox_id)
+        if rec.state not in (SandboxState.RUNNING, SandboxState.PAUSED):
+            raise SandboxStateError(
+                f"sandbox {sandbox_id} is {rec.state.value}"
+                + (f" ({rec.reason})" if rec.reason else "") + ": only a running or paused sandbox can be forked",
+                sandbox_id=sandbox_id, state=rec.state.value,
+            )
+        layer = await self.snapshot(sandbox_id, name=snapshots.FORK_NAME, tag=f"{sandbox_id}-{secrets.token_hex(3)}",
+                                    exclude=exclude, ephemeral=True)
+        spec = rec.spec.model_copy(update={"image": ImageRef(base=layer.digest)})
+        results = await asyncio.gather(*(self.create(spec, meta=dict(meta or {})) for _ in range(n)),
+                                       return_exceptions=True)
+        children = [r for r in results if isinstance(r, SandboxRecord)]
+        failure = next((r for r in results if isinstance(r, BaseException)), None)
+        if failure is None:
+            try:
+                for child in children:
+                    await asyncio.to_thread(snapshots.fresh_identity, self.files(child.id))
+                    self._event(child, "forked", parent=sandbox_id, layer=layer.digest)
+            except Exception as exc:
+                failure = exc
+        if failure is not None:
+            await asyncio.gather(*(self.destroy(c.id) for c in children), return_exceptions=True)
+            for c in children:
+                self._layer_users.get(layer.digest, set()).discard(c.id)
+            self._maybe_release(layer.digest)
+            self.drop_ephemeral(layer.digest)
+            raise failure
+        self._event(rec, "fork", children=[c.id for c in children], layer=layer.digest)
+        return children
+
+    def refresh_identity(self, sandbox_id: str) -> None:
+        """Give a sandbox started from another's disk its own machine-id (fork does this)."""
+        snapshots.fresh_identity(self.files(sandbox_id))

@@ -1,0 +1,270 @@
+"""pack_diff: a sandbox's writable layer packed into an immutable snapshot layer.
+
+How a snapshot is made (docs/SNAPSHOTS.md, "Snapshots"):
+
+1. **Plan.** The new layer's lineage is the sandbox's layers (top first). If
+   the stack would grow past ``max_layers``, the run of snapshot layers at the
+   top of the sandbox's stack is merged into the new layer (collapse), so the
+   overlay never sees more lowers than the spawner passes (15).
+2. **Check space** in the layer store: the copy and the image need about
+   twice the writable layer (plus what is merged); too little raises
+   :class:`StorageFull` before anything is frozen.
+3. **Copy out, frozen.** Layers being merged are copied first (they are
+   immutable, no freeze needed). Then the sandbox is frozen (a paused one
+   already is), its upper is copied into a scratch tree through the init's
+   fd 3 (``/proc/<init>/fd/3/upper``), and it is thawed: writes made during
+   packing wait for the copy, they never tear it. Frozen time is the copy of
+   the upper only, not the compression.
+4. **Compress** the tree with mkfs.erofs (lz4, mtimes kept) outside the
+   freeze and register it as kind ``snapshot`` with the lineage as parents.
+
+Whatever fails, the scratch directory goes, the sandbox is thawed (unless it
+was paused), and no layer is registered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import os
+import secrets
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final
+
+from dsec.backends.container import pause as pausing
+from dsec.errors import InvalidSpec, SandboxFailed, SandboxStateError
+from dsec.images.diff import DiffStats, Excluder, apply_diff, open_dir, tree_bytes
+from dsec.images.erofs import make_erofs
+from dsec.images.errors import LayerBuildError, StorageFull
+from dsec.images.layer import Layer, LayerKind, check_name, check_tag
+from dsec.spec import SandboxState
+
+if TYPE_CHECKING:
+    from dsec.backends.container.runtime import ContainerRuntime
+
+MAX_LOWERS: Final = 15
+"""Lower layers the spawner mounts at most (it reads 15 ``lower`` fields)."""
+DEFAULT_MAX_LAYERS: Final = 8
+"""Collapse when a snapshot's stack would exceed this (room left for toolkits on top)."""
+SNAPSHOT_COMPRESSOR: Final = "lz4"
+"""lz4 over lz4hc: snapshots are packed on the hot path of a rollout, ~4x faster to write."""
+FORK_NAME: Final = "dsec-fork"
+"""Name of the unnamed snapshots made by fork: removed once no sandbox uses them."""
+SPACE_MARGIN: Final = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotPlan:
+    merge: tuple[str, ...]
+    """Lower layers merged into the new one (top first): the collapsed run."""
+    parents: tuple[str, ...]
+    """The new layer's lineage (top first)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotInfo:
+    layer: Layer
+    stats: DiffStats
+    frozen_s: float
+    """Seconds the sandbox was frozen for the copy (0 if it was paused already)."""
+    seconds: float
+    collapsed: tuple[str, ...]
+
+
+def plan(layers: Sequence[str], kind_of: Any, max_layers: int = DEFAULT_MAX_LAYERS) -> SnapshotPlan:
+    """Lineage and collapse for a snapshot over ``layers`` (top first).
+
+    ``kind_of(digest) -> LayerKind``. The whole run of snapshot layers at the top
+    is merged when the stack would exceed ``max_layers`` (merging all of it, not
+    just enough, keeps later snapshots from paying for a merge each time)."""
+    if not 2 <= max_layers <= MAX_LOWERS:
+        raise InvalidSpec(f"max_layers must be within 2..{MAX_LOWERS}", field="max_layers")
+    if len(layers) + 1 <= max_layers:
+        return SnapshotPlan((), tuple(layers))
+    run = 0
+    while run < len(layers) and kind_of(layers[run]) is LayerKind.SNAPSHOT:
+        run += 1
+    if len(layers) - run + 1 > max_layers:
+        raise InvalidSpec(
+            f"this sandbox stacks {len(layers)} layers and only {run} on top are snapshots: a snapshot "
+            f"would exceed {max_layers} layers even after collapsing them (fewer toolkits, or a larger max_layers)",
+            field="max_layers",
+        )
+    return SnapshotPlan(tuple(layers[:run]), tuple(layers[run:]))
+
+
+def default_name(sandbox_id: str) -> str:
+    return check_name(f"snap-{sandbox_id}"[:128])
+
+
+def default_tag() -> str:
+    return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(2)
+
+
+def _free(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def _used(path: str) -> int:
+    st = os.statvfs(path)
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+def _storage_full(exc: OSError, stage: str, where: Path, sandbox_id: str) -> StorageFull:
+    return StorageFull(
+        f"no space left in the layer store ({where}) while packing a snapshot of {sandbox_id} "
+        f"(stage {stage}); free disk or leave large paths out with exclude=[...]",
+        stage=stage, path=str(where), sandbox_id=sandbox_id, errno=exc.errno,
+    )
+
+
+async def make_snapshot(
+    rt: ContainerRuntime,
+    sandbox_id: str,
+    *,
+    name: str | None = None,
+    tag: str | None = None,
+    exclude: Iterable[str] = (),
+    max_layers: int | None = None,
+    ephemeral: bool = False,
+) -> SnapshotInfo:
+    rec = rt.get(sandbox_id)
+    if rec.state not in (SandboxState.RUNNING, SandboxState.PAUSED):
+        raise SandboxStateError(
+            f"sandbox {sandbox_id} is {rec.state.value}: only a running or paused sandbox can be snapshotted"
+            + (f" ({rec.reason})" if rec.reason else ""),
+            sandbox_id=sandbox_id, state=rec.state.value,
+        )
+    # A name given means "that name": tag latest, like an image build. No name: a unique tag.
+    tag = check_tag(tag) if tag is not None else ("latest" if name is not None else default_tag())
+    name = check_name(name) if name is not None else default_name(sandbox_id)
+    try:
+        excluder = Excluder(exclude)
+    except ValueError as exc:
+        raise InvalidSpec(str(exc), field="exclude") from None
+    store = rt.store
+    the_plan = plan(rec.layers, lambda d: store.get(d).kind, max_layers or rt.max_layers)
+    t0 = time.perf_counter()
+    lock = rt._locks.setdefault(sandbox_id, asyncio.Lock())
+    with store.scratch("snapshot") as scratch:
+        tree = scratch / "tree"
+        tree.mkdir(mode=0o755)
+        stats = DiffStats()
+        frozen_s = 0.0
+        async with lock:
+            rec = rt.get(sandbox_id)
+            if rec.state not in (SandboxState.RUNNING, SandboxState.PAUSED):
+                raise SandboxStateError(f"sandbox {sandbox_id} is {rec.state.value}", sandbox_id=sandbox_id,
+                                        state=rec.state.value)
+            pidfd = rt._open_init(rec)  # SandboxFailed if the init is gone
+            assert pidfd is not None
+            try:
+                upper = Path(f"/proc/{rec.init_pid}/fd/3")
+                try:
+                    used = _used(str(upper))
+                    upper_fd = open_dir(upper / "upper")
+                    if excluder and used:
+                        used = await asyncio.to_thread(tree_bytes, upper_fd, excluder)
+                except OSError:
+                    rt._mark_failed(rec, "the sandbox's init process is gone")
+                    raise SandboxFailed(f"sandbox {sandbox_id} has failed: its init process is gone",
+                                        sandbox_id=sandbox_id, reason="init_exited") from None
+                need = used * 2 + sum(store.get(d).size * 6 for d in the_plan.merge) + SPACE_MARGIN
+                if _free(scratch) < need:
+                    os.close(upper_fd)
+                    raise StorageFull(
+                        f"the layer store ({scratch.parent}) has {_free(scratch) >> 20} MiB free; packing a "
+                        f"snapshot of {sandbox_id} needs about {need >> 20} MiB (free disk or exclude large paths)",
+                        stage="check", path=str(scratch.parent), sandbox_id=sandbox_id,
+                    )
+            finally:
+                os.close(pidfd)
+            try:
+                # Lower layers of the collapsed run: immutable, copied before the freeze.
+                for digest in reversed(the_plan.merge):
+                    src = open_dir(rt._layer_paths.get(digest) or rt._mounts.mountpoint(digest))
+                    try:
+                        await asyncio.to_thread(apply_diff, src, tree, stats=stats, root_meta=False)
+                    finally:
+                        os.close(src)
+                was_paused = rec.state is SandboxState.PAUSED
+                rt._packing.add(sandbox_id)
+                try:
+                    if not was_paused:
+                        frozen_s = await pausing.freeze(rt.cgroups, sandbox_id)
+                    tf = time.perf_counter()
+                    await asyncio.to_thread(apply_diff, upper_fd, tree, uid_shift=rec.uid_base, exclude=excluder,
+                                            stats=stats)
+                    if was_paused:
+                        frozen_s = 0.0
+                    else:
+                        frozen_s += time.perf_counter() - tf
+                finally:
+                    rt._packing.discard(sandbox_id)
+                    woken = rt._thaw_after_pack.pop(sandbox_id, False)
+                    if not was_paused or woken:
+                        with contextlib.suppress(OSError):
+                            pausing.thaw(rt.cgroups, sandbox_id)
+                    elif rec.state is SandboxState.PAUSED:
+                        # Reading the upper paged it back in: push it out again.
+                        with contextlib.suppress(OSError):
+                            await asyncio.to_thread(pausing.reclaim, rt.cgroups, sandbox_id, rt.reclaim_method)
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise _storage_full(exc, "copy", scratch.parent, sandbox_id) from None
+                raise LayerBuildError(f"cannot copy the writable layer of {sandbox_id}: {exc}", stage="copy",
+                                      sandbox_id=sandbox_id) from exc
+            except RecursionError:
+                raise LayerBuildError(f"the writable layer of {sandbox_id} nests directories too deeply to pack",
+                                      stage="copy", sandbox_id=sandbox_id) from None
+            finally:
+                os.close(upper_fd)
+        image = scratch / "layer.erofs"
+        try:
+            await asyncio.to_thread(make_erofs, tree, image, compressor=SNAPSHOT_COMPRESSOR, keep_mtimes=True)
+            layer: Layer = await asyncio.to_thread(
+                store.add_erofs, image, name=name, tag=tag, kind=LayerKind.SNAPSHOT, parents=the_plan.parents,
+                consume=True,
+            )
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise _storage_full(exc, "store", scratch.parent, sandbox_id) from None
+            raise
+    if ephemeral:
+        rt._mark_ephemeral(layer.digest)
+    elapsed = time.perf_counter() - t0
+    rec2 = rt.sandboxes.get(sandbox_id)
+    if rec2 is not None:
+        rt._event(rec2, "snapshot", digest=layer.digest, ref=layer.ref, size=layer.size, bytes=stats.bytes,
+                  frozen_s=round(frozen_s, 6), seconds=round(elapsed, 6), collapsed=len(the_plan.merge))
+    return SnapshotInfo(layer, stats, frozen_s, elapsed, the_plan.merge)
+
+
+def fresh_identity(files: Any) -> None:
+    """A forked child's own identity: a new /etc/machine-id, no inherited random seed.
+
+    (Its hostname is its id already: every sandbox gets one at create.)"""
+    if files.exists("/etc"):
+        files.write("/etc/machine-id", (secrets.token_hex(16) + "\n").encode(), mode=0o444)
+    for seed in ("/var/lib/systemd/random-seed", "/var/lib/urandom/random-seed"):
+        with contextlib.suppress(Exception):
+            if files.exists(seed):
+                files.remove(seed)
+
+
+__all__ = [
+    "DEFAULT_MAX_LAYERS",
+    "FORK_NAME",
+    "MAX_LOWERS",
+    "SnapshotInfo",
+    "SnapshotPlan",
+    "default_tag",
+    "fresh_identity",
+    "make_snapshot",
+    "plan",
+]
