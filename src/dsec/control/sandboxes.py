@@ -295,7 +295,9 @@ class Sandboxes:
         """Check quotas, choose an edge and charge everything, in one transaction (the hot path).
 
         Built from Core statements prepared once: this runs for every sandbox
-        of every burst. Lock order everywhere: projects, tasks, edges.
+        of every burst. Lock order everywhere: projects, tasks, edges. Every
+        refusal is raised before the first write (``checks_first``); only a
+        task made on first use may precede one, and it may stay.
         """
         conn = s.connection()
         now = time.time()
@@ -442,7 +444,9 @@ class Sandboxes:
         rhash = request_hash(req)
         deadline = time.monotonic() + self._create_budget()
         while True:
-            r = await self.store.write_grouped(partial(self._reserve_txn, who=who, req=req, rhash=rhash, demand=demand))
+            r = await self.store.write_grouped(
+                partial(self._reserve_txn, who=who, req=req, rhash=rhash, demand=demand), checks_first=True
+            )
             if isinstance(r, Answered):
                 return r.info
             if isinstance(r, Reserved):
