@@ -19,7 +19,7 @@ from dsec.bench.stats import percentile
 Say = Callable[[str], None]
 
 
-def _spec(memory_mib: int = 32, cpu: float = 0.1) -> Any:
+def _spec(memory_mib: int = 32, cpu: float = 1.0) -> Any:
     from dsec.spec import ImageRef, Resources, SandboxSpec
 
     return SandboxSpec(image=ImageRef(base="busybox:latest"),

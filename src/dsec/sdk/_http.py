@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import ssl
 from typing import Any
 
 import httpx
@@ -58,10 +59,24 @@ def result_from_wire(w: ExecResultWire) -> ExecResult:
     )
 
 
-def make_http(base_url: str, *, timeout: float, transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
+_SSL: ssl.SSLContext | None = None
+
+
+def _ssl() -> ssl.SSLContext:
+    """One TLS context for every pool: building one costs tens of milliseconds."""
+    global _SSL
+    if _SSL is None:
+        _SSL = httpx.create_ssl_context()
+    return _SSL
+
+
+def make_http(base_url: str, *, timeout: float, transport: httpx.AsyncBaseTransport | None = None,
+              max_connections: int = 2048) -> httpx.AsyncClient:
     return httpx.AsyncClient(
         base_url=base_url,
         timeout=httpx.Timeout(timeout, connect=10.0),
-        limits=httpx.Limits(max_connections=2048, max_keepalive_connections=512, keepalive_expiry=60.0),
+        limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections,
+                            keepalive_expiry=60.0),
         transport=transport,
+        verify=_ssl(),
     )

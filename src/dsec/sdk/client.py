@@ -60,6 +60,7 @@ class _Unset:
 UNSET: Final = _Unset()
 """A left-out argument (its default applies); ``None`` means none, e.g. no timeout."""
 DEFAULT_EXEC_TIMEOUT: Final = 600.0
+EDGE_SHARDS: Final = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,11 +129,15 @@ class AsyncClient:
             await c.aclose()
         self._edges.clear()
 
-    def _edge(self, url: str) -> httpx.AsyncClient:
-        client = self._edges.get(url)
+    def _edge(self, url: str, key: str = "") -> httpx.AsyncClient:
+        """A pooled connection to an edge. Sandboxes are spread over EDGE_SHARDS pools:
+        httpcore's pool does work proportional to the requests in it on every event,
+        so one pool with 1,000 requests in flight burns a core on bookkeeping."""
+        shard = f"{url}#{hash(key) % EDGE_SHARDS}"
+        client = self._edges.get(shard)
         if client is None:
-            client = make_http(url, timeout=self._timeout, transport=self._transport)
-            self._edges[url] = client
+            client = make_http(url, timeout=self._timeout, transport=self._transport, max_connections=256)
+            self._edges[shard] = client
         return client
 
     async def _call(self, method: str, path: str, **kw: Any) -> httpx.Response:
@@ -334,7 +339,7 @@ class AsyncSandbox:
         await self._client.delete(self.id)
 
     async def _request(self, method: str, path: str, *, retry_auth: bool = True, **kw: Any) -> httpx.Response:
-        http = self._client._edge(self.info.edge_url)
+        http = self._client._edge(self.info.edge_url, self.id)
         extra = {k: v for k, v in kw.items() if k != "headers"}
         headers = {"authorization": f"Bearer {self.info.token}", **kw.get("headers", {})}
         resp = await http.request(method, f"/v1/sandboxes/{self.id}{path}", headers=headers, **extra)
@@ -373,7 +378,7 @@ class AsyncSandbox:
     ) -> AsyncIterator[OutputChunk | ExecResult]:
         """Yield :class:`OutputChunk` as output is produced, then the :class:`ExecResult`."""
         req = self._exec_request(cmd, env, cwd, user, stdin, timeout, idle_timeout)
-        http = self._client._edge(self.info.edge_url)
+        http = self._client._edge(self.info.edge_url, self.id)
         headers = {"authorization": f"Bearer {self.info.token}", **_JSON}
         async with http.stream("POST", f"/v1/sandboxes/{self.id}/exec/stream", content=req.model_dump_json(),
                                headers=headers, timeout=self._http_timeout(req)) as resp:
