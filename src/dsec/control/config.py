@@ -134,7 +134,7 @@ class ControlConfig(_Config):
         path = self.data_dir / "cluster.key"
         if path.exists():
             return parse_key(path.read_text())
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         write_secret(path, secrets.token_hex(32) + "\n")
         return parse_key(path.read_text())
 

@@ -87,7 +87,7 @@ class Control:
 
     async def start(self) -> None:
         cfg = self.config
-        cfg.data_dir.mkdir(parents=True, exist_ok=True)
+        cfg.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # the store and the keys live here
         loop = asyncio.get_running_loop()
         self.store = store = Store(cfg.db_url, threads=cfg.db_threads)
         await loop.run_in_executor(None, store.migrate)
