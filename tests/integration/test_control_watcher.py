@@ -75,6 +75,26 @@ async def test_reconcile_stops_what_the_edge_no_longer_has(db_url: str, tmp_path
         assert {s["id"] for s in (await c.get("/v1/sandboxes")).json()} == {sbs[1]["id"], sbs[2]["id"]}
 
 
+async def test_paused_sandboxes_keep_their_quota_and_tokens(db_url: str, tmp_path: Path) -> None:
+    async with cluster(db_url, tmp_path) as cl:
+        c = cl.client()
+        edge = cl.edges[0]
+        sb = await create(c)
+        edge.sandboxes[sb["id"]]["info"]["state"] = "paused"  # the edge paused it (idle, preemption)
+        await cl.tick()
+        got = (await c.get(f"/v1/sandboxes/{sb['id']}")).json()
+        assert got["state"] == "paused" and got["token"]  # a request through the token resumes it
+        assert await used(c) == 1
+        assert [s["id"] for s in (await c.get("/v1/sandboxes", params={"state": "paused"})).json()] == [sb["id"]]
+        edge.sandboxes[sb["id"]]["info"]["state"] = "running"
+        await cl.tick()
+        assert (await c.get(f"/v1/sandboxes/{sb['id']}")).json()["state"] == "running"
+        edge.sandboxes[sb["id"]]["info"]["state"] = "paused"
+        await cl.tick()
+        assert (await c.delete(f"/v1/sandboxes/{sb['id']}")).status_code == 204
+        assert await used(c) == 0 and sb["id"] not in edge.sandboxes
+
+
 async def test_delete_while_the_edge_is_down_finishes_later(db_url: str, tmp_path: Path) -> None:
     async with cluster(db_url, tmp_path) as cl:
         c = cl.client()

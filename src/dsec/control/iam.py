@@ -431,7 +431,7 @@ def delete_project(s: Session, who: Principal, name: str) -> None:
         raise Conflict(f"project {name!r} has sub-projects: delete them first", project=name)
     live = s.execute(
         sa.select(sa.func.count()).select_from(SandboxRow)
-        .where(SandboxRow.project_id == p.id, SandboxRow.state.in_(("creating", "running", "stopping")))
+        .where(SandboxRow.project_id == p.id, SandboxRow.state != "stopped")
     ).scalar_one()
     if live:
         raise Conflict(f"project {name!r} still has {live} sandboxes: delete them first", project=name, sandboxes=live)

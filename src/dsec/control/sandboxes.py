@@ -73,11 +73,14 @@ from dsec.spec.api import BatchItem, BatchResult, CreateBatch, CreateSandbox, Sa
 log = logging.getLogger("dsec.control.sandboxes")
 
 S = SandboxState
-HOLDS_QUOTA = frozenset({S.CREATING.value, S.RUNNING.value})
-"""States that count against the project's and the task's quota."""
-HOLDS_EDGE = frozenset({S.CREATING.value, S.RUNNING.value, S.STOPPING.value, S.FAILED.value})
+HOLDS_QUOTA = frozenset({S.CREATING.value, S.RUNNING.value, S.PAUSED.value})
+"""States that count against the project's and the task's quota (a paused sandbox
+still exists: any request resumes it)."""
+HOLDS_EDGE = frozenset({S.CREATING.value, S.RUNNING.value, S.PAUSED.value, S.STOPPING.value, S.FAILED.value})
 """States that occupy room on the edge (until the edge confirms it is gone)."""
-LIVE = (S.CREATING.value, S.RUNNING.value, S.STOPPING.value, S.FAILED.value)
+LIVE = (S.CREATING.value, S.RUNNING.value, S.PAUSED.value, S.STOPPING.value, S.FAILED.value)
+USABLE = frozenset({S.CREATING.value, S.RUNNING.value, S.PAUSED.value})
+"""States whose answers carry a data-path token."""
 PERMANENT_EDGE_ERRORS = frozenset({"invalid_spec"})
 """Edge answers that another edge would give too: fail the create instead of moving on."""
 
@@ -224,7 +227,7 @@ class Sandboxes:
     def info(self, row: SandboxRow, project: str, *, token: bool, url: str | None = None) -> SandboxInfo:
         tok: str | None = None
         exp: float | None = None
-        if token and row.id and row.state in (S.CREATING.value, S.RUNNING.value):
+        if token and row.id and row.state in USABLE:
             tok, exp = auth.mint(self.key, sandbox_id=row.id, project=project, ttl_s=self.config.sandbox_token_ttl_s)
         return SandboxInfo(
             id=row.id or "",

@@ -39,7 +39,7 @@ from dsec.control.db import EdgeRow, Lease, Project, SandboxRow, Store, Task
 from dsec.control.edges import EdgeClient, EdgeDirectory, record_health_txn
 from dsec.control.sandboxes import HOLDS_EDGE, HOLDS_QUOTA, LIVE, Ledger, _finish_many, forget, move
 from dsec.errors import DsecError
-from dsec.spec import SandboxState
+from dsec.spec import SandboxState, can_move
 from dsec.spec.api import EdgeHealth, SandboxInfo
 
 log = logging.getLogger("dsec.control.watcher")
@@ -212,8 +212,8 @@ class Watcher:
                 move(row, S.STOPPED, ledger, reason=there.reason if there is not None and there.reason else why)
             elif there.state == S.FAILED and row.state != S.FAILED.value:
                 move(row, S.FAILED, ledger, reason=there.reason or "failed on the edge")
-            elif there.state == S.RUNNING and row.state == S.CREATING.value:
-                move(row, S.RUNNING, ledger)
+            elif there.state in (S.RUNNING, S.PAUSED) and can_move(SandboxState(row.state), there.state):
+                move(row, there.state, ledger)  # creating -> running, running <-> paused: the edge's word
         ledger.flush(s)
         known = {row.id for row in rows}
         unknown = [sid for sid in on_edge if sid not in known]
