@@ -280,6 +280,74 @@ def register(main: click.Group) -> None:
         console.print(f"removed {n}")
 
     @main.command()
+    @click.argument("sandbox_id")
+    @click.option("--name", default=None, help="Layer name (default snap-<id>).")
+    @click.option("--tag", default=None, help="Default: latest with --name, else a timestamp.")
+    @click.option("--exclude", "-x", multiple=True, help="/abs/path (globs ok) or a bare name (*.pyc) to leave out.")
+    @click.option("--json", "as_json", is_flag=True)
+    def snapshot(sandbox_id: str, name: str | None, tag: str | None, exclude: tuple[str, ...], as_json: bool) -> None:
+        """Pack a sandbox's disk changes into a snapshot layer (start sandboxes from its ref)."""
+        with client() as c:
+            info = c.connect(sandbox_id).snapshot(name=name, tag=tag, exclude=list(exclude))
+        if as_json:
+            print(info.model_dump_json(indent=2))
+            return
+        console.print(f"{info.ref}  {info.size / 1048576:.1f} MiB  over {len(info.parents)} layers"
+                      f"  (frozen {1000 * (info.frozen_s or 0):.0f} ms, {info.seconds or 0:.2f} s)")
+        print(info.ref)
+
+    @main.command()
+    @click.argument("sandbox_id")
+    @click.option("-n", "count", type=click.IntRange(1, 1000), default=1, show_default=True)
+    @click.option("--exclude", "-x", multiple=True, help="Paths left out of the children's disks.")
+    @click.option("--json", "as_json", is_flag=True)
+    def fork(sandbox_id: str, count: int, exclude: tuple[str, ...], as_json: bool) -> None:
+        """N new sandboxes whose disks equal this one's now (works on a paused one)."""
+        with client() as c:
+            kids = c.connect(sandbox_id).fork(count, exclude=list(exclude))
+        if as_json:
+            print(json.dumps([k.info.model_dump(mode="json", exclude={"token"}) for k in kids], indent=2))
+            return
+        for k in kids:
+            print(k.id)
+
+    def _group(op: str, ids: tuple[str, ...], task: str | None, label: tuple[str, ...], as_json: bool) -> None:
+        labels = parse_kv(label, "--label")
+        if not ids and not task and not labels:
+            raise click.UsageError(f"say what to {op}: sandbox ids, --task T or --label k=v")
+        with client() as c:
+            fn = c.pause_where if op == "pause" else c.resume_where
+            res = fn(ids=list(ids)) if ids else fn(labels=labels or None, task=task)
+        if as_json:
+            print(res.model_dump_json(indent=2))
+        else:
+            verb = "paused" if op == "pause" else "resumed"
+            console.print(f"{verb} {len(res.done)}, already {verb} {len(res.skipped)}, failed {len(res.errors)}"
+                          f" in {res.seconds:.2f} s")
+            for sid, e in sorted(res.errors.items()):
+                console.print(f"  {sid}: {e.get('message', e)}")
+        if res.errors:
+            sys.exit(1)
+
+    @main.command()
+    @click.argument("ids", nargs=-1)
+    @click.option("--task", default=None, help="Every sandbox of this task.")
+    @click.option("--label", "-l", multiple=True, help="Every sandbox with these labels.")
+    @click.option("--json", "as_json", is_flag=True)
+    def pause(ids: tuple[str, ...], task: str | None, label: tuple[str, ...], as_json: bool) -> None:
+        """Freeze sandboxes and push their memory to compressed swap (any request resumes one)."""
+        _group("pause", ids, task, label, as_json)
+
+    @main.command()
+    @click.argument("ids", nargs=-1)
+    @click.option("--task", default=None, help="Every sandbox of this task.")
+    @click.option("--label", "-l", multiple=True, help="Every sandbox with these labels.")
+    @click.option("--json", "as_json", is_flag=True)
+    def resume(ids: tuple[str, ...], task: str | None, label: tuple[str, ...], as_json: bool) -> None:
+        """Thaw paused sandboxes."""
+        _group("resume", ids, task, label, as_json)
+
+    @main.command()
     @click.option("--interval", type=float, default=1.0)
     @click.option("--once", is_flag=True, help="Print one table and exit.")
     def top(interval: float, once: bool) -> None:

@@ -187,6 +187,23 @@ class Admission:
             max(0, total.memory - b.memory), max(0, total.disk - b.disk),
         )
 
+    def check_room(self, res: Resources, n: int) -> None:
+        """Refuse at once if ``n`` sandboxes of ``res`` cannot all fit, even after evicting
+        pooled ones (a fork checks this before it freezes and packs anything)."""
+        want = Usage(n, n * res.cpu, n * res.memory, n * res.disk)
+        alone = over(want, self.budgets)
+        if alone:
+            raise QuotaExceeded(
+                f"{n} sandboxes of ({res.cpu:g} cpu, {res.memory} B memory, {res.disk} B disk) exceed this "
+                f"edge's whole {alone[0]} budget", reason=alone[0], reasons=alone, **self._figures(),
+            )
+        full = over(self.real.plus(want), self.budgets)
+        if full:
+            raise Backpressure(
+                f"edge has no room for {n} more sandboxes ({full[0]}): {self._describe(full[0])}",
+                retry_after=self.retry_after_s, reason=full[0], reasons=full, **self._figures(),
+            )
+
     def fits_pooled(self, res: Resources) -> bool:
         """Can one more pooled sandbox of ``res`` be made without overcommitting?"""
         return not over(self.real.plus(self.pooled).plus(Usage.of(res)), self.budgets)

@@ -45,10 +45,15 @@ from dsec.spec.api import (
     ExecRequest,
     ExecResultWire,
     FileEntry,
+    ForkRequest,
+    GroupResult,
+    PauseReport,
     SandboxInfo,
     SessionOpen,
     SessionOpened,
     SessionRun,
+    SnapshotInfo,
+    SnapshotRequest,
 )
 
 log = logging.getLogger("dsec.edge.app")
@@ -58,6 +63,7 @@ JSON = "application/json"
 NDJSON = "application/x-ndjson"
 _INFO_LIST = TypeAdapter(list[SandboxInfo])
 _ENTRY_LIST = TypeAdapter(list[FileEntry])
+_SNAP_LIST = TypeAdapter(list[SnapshotInfo])
 _TOKEN_CACHE_MAX = 20000
 
 
@@ -183,6 +189,7 @@ Uid = Annotated[int, Query(ge=0, lt=65536)]
 Mode = Annotated[str, Query(pattern=r"^0?o?[0-7]{1,4}$")]
 Name = Annotated[str, Query(min_length=1, max_length=4096)]
 Labels = Annotated[list[str], Query()]
+Ids = Annotated[list[str], Query(max_length=10000)]
 
 
 def create_app(config: EdgeConfig, *, service: EdgeService | None = None) -> FastAPI:
@@ -297,6 +304,52 @@ def create_app(config: EdgeConfig, *, service: EdgeService | None = None) -> Fas
     @app.delete("/v1/sandboxes/{sandbox_id}/sessions/{session_id}", status_code=204, tags=["sessions"])
     async def close_session(sandbox_id: str, session_id: str, _c: Owner) -> Response:
         await svc.close_session(sandbox_id, session_id)
+        return Response(status_code=204)
+
+    # ------------------------------------------- pause, snapshots, fork --
+
+    def _group_query(ids: Sequence[str], label: Sequence[str], task: str | None) -> dict[str, Any]:
+        labels: dict[str, str] = {}
+        for item in label:
+            k, sep, v = item.partition("=")
+            if not sep or not k:
+                raise InvalidSpec(f"label filter {item!r} must be key=value", field="label")
+            labels[k] = v
+        return {"ids": list(ids) or None, "labels": labels or None, "task": task}
+
+    @app.post("/v1/sandboxes/{sandbox_id}/pause", response_model=PauseReport, tags=["pause"])
+    async def pause_sandbox(sandbox_id: str, _c: Owner) -> Response:
+        return _json(await svc.pause(sandbox_id))
+
+    @app.post("/v1/sandboxes/{sandbox_id}/resume", response_model=SandboxInfo, tags=["pause"])
+    async def resume_sandbox(sandbox_id: str, _c: Owner) -> Response:
+        return _json(await svc.resume(sandbox_id))
+
+    @app.post("/v1/pause", response_model=GroupResult, tags=["pause"])
+    async def pause_group(_c: Admin, id: Ids = [], label: Labels = [],  # noqa: B006
+                          task: str | None = None) -> Response:
+        return _json(await svc.pause_where(**_group_query(id, label, task)))
+
+    @app.post("/v1/resume", response_model=GroupResult, tags=["pause"])
+    async def resume_group(_c: Admin, id: Ids = [], label: Labels = [],  # noqa: B006
+                           task: str | None = None) -> Response:
+        return _json(await svc.resume_where(**_group_query(id, label, task)))
+
+    @app.post("/v1/sandboxes/{sandbox_id}/snapshot", status_code=201, response_model=SnapshotInfo, tags=["snapshots"])
+    async def snapshot_sandbox(sandbox_id: str, _c: Owner, body: SnapshotRequest | None = None) -> Response:
+        return _json(await svc.snapshot(sandbox_id, body or SnapshotRequest()), 201)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/fork", status_code=201, response_model=list[SandboxInfo], tags=["snapshots"])
+    async def fork_sandbox(sandbox_id: str, body: ForkRequest, _c: Owner) -> Response:
+        return Response(_INFO_LIST.dump_json(await svc.fork(sandbox_id, body)), status_code=201, media_type=JSON)
+
+    @app.get("/v1/snapshots", response_model=list[SnapshotInfo], tags=["snapshots"])
+    async def list_snapshots(_c: Admin) -> Response:
+        return Response(_SNAP_LIST.dump_json(await asyncio.to_thread(svc.list_snapshots)), media_type=JSON)
+
+    @app.delete("/v1/snapshots/{ref:path}", status_code=204, tags=["snapshots"])
+    async def delete_snapshot(ref: str, _c: Admin) -> Response:
+        await asyncio.to_thread(svc.delete_snapshot, ref)
         return Response(status_code=204)
 
     # ----------------------------------------------------------- files --

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -118,6 +118,15 @@ class EdgeConfig(_Config):
     """Event logs of this many destroyed sandboxes are kept (GET .../events after the end)."""
     destroy_on_shutdown: bool = False
     """False: sandboxes outlive an edge restart and are re-adopted. True for tests and `dsec up`."""
+
+    zram_size: Annotated[int, Field(ge=0)] = 0
+    """Bytes of compressed RAM swap (zram) set up at start for paused sandboxes' memory;
+    0: none (pause then freezes and drops only page cache). docs/SNAPSHOTS.md, "Swap"."""
+    reclaim_method: Literal["pageout+force_empty", "force_empty", "pageout", "none"] = "pageout+force_empty"
+    """How a pause pushes memory out (docs/SNAPSHOTS.md, "Pause")."""
+    auto_pause_s: Annotated[float | None, Field(gt=0)] = None
+    """Pause a sandbox after this long without requests, unless its create says otherwise
+    (``lifecycle.auto_pause_s``); None: never."""
 
     control_plane_url: str | None = None
     heartbeat_interval_s: Annotated[float, Field(gt=0, le=3600)] = 5.0

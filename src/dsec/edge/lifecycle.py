@@ -10,7 +10,8 @@ in memory, so after an edge restart every re-adopted sandbox's idle clock
 starts again (never an early kill; a TTL is still exact).
 
 Sandboxes that failed (their init died) are destroyed at the next sweep; the
-tombstone keeps why. Never blocks: a sweep is a pass over in-memory records.
+tombstone keeps why. A sandbox idle for its ``auto_pause_s`` is paused (not
+destroyed); paused time counts toward its TTL and idle timeout. Never blocks: a sweep is a pass over in-memory records.
 """
 
 from __future__ import annotations
@@ -30,8 +31,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("dsec.edge.lifecycle")
 
 
-def lifecycle_meta(created_at: float, ttl_s: float, idle_timeout_s: float | None) -> dict[str, Any]:
-    return {"created_at": created_at, "ttl_s": ttl_s, "expires_at": created_at + ttl_s, "idle_timeout_s": idle_timeout_s}
+def lifecycle_meta(created_at: float, ttl_s: float, idle_timeout_s: float | None,
+                   auto_pause_s: float | None = None) -> dict[str, Any]:
+    meta = {"created_at": created_at, "ttl_s": ttl_s, "expires_at": created_at + ttl_s, "idle_timeout_s": idle_timeout_s}
+    if auto_pause_s is not None:
+        meta["auto_pause_s"] = auto_pause_s
+    return meta
 
 
 class Watchdog:
@@ -60,7 +65,8 @@ class Watchdog:
                 log.exception("watchdog sweep failed")
 
     def due(self, rec: SandboxRecord, now: float, mono: float) -> str | None:
-        """Why ``rec`` must go now ("ttl", "idle", "failed"), or None."""
+        """Why ``rec`` must go now ("ttl", "idle", "failed"), "pause" if it has been idle
+        for its auto-pause time, or None."""
         edge = rec.meta.get("edge") or {}
         if edge.get("pool"):
             return None  # ready in a warm pool: its lifetime starts when claimed
@@ -76,6 +82,11 @@ class Watchdog:
             last = self.service.runtime.last_activity.get(rec.id)
             if last is not None and mono - last >= float(idle):
                 return "idle"
+        pause_after = edge.get("auto_pause_s")
+        if pause_after is not None and rec.state is SandboxState.RUNNING and not self.service.is_busy(rec.id):
+            last = self.service.runtime.last_activity.get(rec.id)
+            if last is not None and mono - last >= float(pause_after):
+                return "pause"
         return None
 
     async def sweep(self) -> list[tuple[str, str]]:
@@ -89,6 +100,9 @@ class Watchdog:
     async def _expire(self, sandbox_id: str, why: str) -> None:
         self._expiring.add(sandbox_id)
         try:
+            if why == "pause":
+                await self.service.auto_pause(sandbox_id)
+                return
             await self.service.expire(sandbox_id, why)
         except Exception:
             log.exception("could not destroy expired sandbox %s (%s)", sandbox_id, why)

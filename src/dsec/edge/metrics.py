@@ -59,6 +59,8 @@ class EdgeMetrics:
             "dsec_edge_admission_refusals", "Creates refused by admission", ["reason"], registry=r
         )
         self.expirations = Counter("dsec_edge_expirations", "Sandboxes destroyed by the watchdog", ["reason"], registry=r)
+        self.pauses = Counter("dsec_edge_pauses", "Sandboxes paused, by how (api, group, idle)", ["how"], registry=r)
+        self.snapshots = Counter("dsec_edge_snapshots", "Snapshots packed (snapshot or fork)", ["kind"], registry=r)
         self.limit_events = Counter("dsec_edge_limit_events", "OOM kills and pids-limit hits", ["kind"], registry=r)
         self.pool_claims = Counter("dsec_edge_pool_claims", "Creates matching a warm pool", ["pool", "result"], registry=r)
         self.pool_refills = Counter("dsec_edge_pool_refills", "Background pool creates", ["pool", "result"], registry=r)

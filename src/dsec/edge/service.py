@@ -44,15 +44,21 @@ from dsec.errors import (
     SandboxStateError,
     SessionClosed,
 )
-from dsec.spec import SandboxState
+from dsec.spec import ImageRef, SandboxState
 from dsec.spec.api import (
     EdgeCreateSandbox,
     EdgeHealth,
     ExecRequest,
     ExecResultWire,
+    ForkRequest,
+    GroupResult,
+    Lifecycle,
+    PauseReport,
     SandboxInfo,
     SessionOpen,
     SessionRun,
+    SnapshotInfo,
+    SnapshotRequest,
     StreamChunk,
 )
 from dsec.spec.results import ExecResult
@@ -107,7 +113,8 @@ class EdgeService:
         self.edge_id = config.edge_id
         self.url = config.base_url
         self.runtime = ContainerRuntime(
-            name=config.runtime, state_dir=config.state_dir, run_dir=config.run_dir, id_prefix=config.edge_id
+            name=config.runtime, state_dir=config.state_dir, run_dir=config.run_dir, id_prefix=config.edge_id,
+            zram_size=config.zram_size, reclaim_method=config.reclaim_method,
         )
         self.budgets: Budgets | None = None
         self.admission: Admission = Admission(Budgets(0, 0.0, 0, 0))
@@ -283,7 +290,8 @@ class EdgeService:
     def _create_meta(self, req: EdgeCreateSandbox, now: float) -> dict[str, Any]:
         return {"edge": {
             "labels": dict(req.labels), "task": req.task, "project": req.project, "request_id": req.request_id,
-            **lifecycle_meta(now, req.lifecycle.ttl_s, req.lifecycle.idle_timeout_s),
+            **lifecycle_meta(now, req.lifecycle.ttl_s, req.lifecycle.idle_timeout_s,
+                             req.lifecycle.auto_pause_s or self.config.auto_pause_s),
         }}
 
     async def _create(self, req: EdgeCreateSandbox) -> SandboxInfo:
@@ -446,6 +454,7 @@ class EdgeService:
             layers=self._layers(), pools={p.name: len(p.ready) for p in self.pools.pools},
             pool_targets={p.name: p.target for p in self.pools.pools}, draining=self.draining,
             labels=dict(self.config.labels), host=self.host.sample(),
+            paused=sum(1 for r in self.runtime.sandboxes.values() if r.state is SandboxState.PAUSED),
         )
 
     def _layers(self) -> builtins.list[str]:
@@ -642,6 +651,154 @@ class EdgeService:
         with self.activity(sandbox_id):
             fs = self.runtime.files(sandbox_id)
             return await asyncio.to_thread(op, fs)
+
+    # ---------------------------------------------- pause, snapshots, forks --
+
+    async def pause(self, sandbox_id: str, *, how: str = "api") -> PauseReport:
+        """Freeze the sandbox and push its memory to swap. SandboxStateError if it is paused already."""
+        self.record(sandbox_id)
+        res = await self.runtime.pause(sandbox_id)
+        self.metrics.pauses.labels(how).inc()
+        r = res.reclaim
+        self.events.add(sandbox_id, "paused", how=how, seconds=round(res.seconds, 6),
+                        memory_before=r.before if r else None, memory_after=r.after if r else None)
+        return PauseReport(id=sandbox_id, state=self.runtime.get(sandbox_id).state, freeze_s=res.freeze_s,
+                           seconds=res.seconds, memory_before=r.before if r else None,
+                           memory_after=r.after if r else None, swapped=r.swapped if r else None)
+
+    async def auto_pause(self, sandbox_id: str) -> None:
+        """The watchdog's pause of an idle sandbox (a race with a request or a pause is fine)."""
+        rec = self.runtime.sandboxes.get(sandbox_id)
+        if rec is None or rec.state is not SandboxState.RUNNING or self.is_busy(sandbox_id):
+            return
+        with contextlib.suppress(SandboxStateError):
+            await self.pause(sandbox_id, how="idle")
+
+    async def resume(self, sandbox_id: str) -> SandboxInfo:
+        """Thaw a paused sandbox. SandboxStateError if it is not paused."""
+        self.record(sandbox_id)
+        await self.runtime.resume(sandbox_id)
+        self.touch(sandbox_id)
+        self.events.add(sandbox_id, "resumed", how="api")
+        return self.info(self.runtime.get(sandbox_id))
+
+    def _select(self, ids: builtins.list[str] | None, labels: dict[str, str] | None, task: str | None) -> builtins.list[str]:
+        if ids is None and not labels and task is None:
+            raise InvalidSpec("say which sandboxes: ids, a task or labels", field="labels")
+        chosen = [i.id for i in self.list(labels=labels, task=task)] if (labels or task is not None) else []
+        if ids is not None:
+            pooled = self.pools.pooled_ids
+            chosen = [i for i in ids if i not in pooled] if not (labels or task is not None) else \
+                [i for i in chosen if i in set(ids)]
+        return chosen
+
+    @staticmethod
+    def _group(out: Any) -> GroupResult:
+        return GroupResult(done=out.done, skipped=out.skipped, seconds=out.seconds,
+                           errors={k: error_body(v)["error"] for k, v in out.errors.items()})
+
+    async def pause_where(self, *, ids: builtins.list[str] | None = None, labels: dict[str, str] | None = None,
+                          task: str | None = None) -> GroupResult:
+        """Pause every (running) sandbox of a task / with these labels / in ``ids``."""
+        chosen = self._select(ids, labels, task)
+        out = await self.runtime.pause_many(chosen)
+        for sid in out.done:
+            self.metrics.pauses.labels("group").inc()
+            self.events.add(sid, "paused", how="group")
+        return self._group(out)
+
+    async def resume_where(self, *, ids: builtins.list[str] | None = None, labels: dict[str, str] | None = None,
+                           task: str | None = None) -> GroupResult:
+        chosen = self._select(ids, labels, task)
+        out = await self.runtime.resume_many(chosen)
+        for sid in out.done:
+            self.touch(sid)
+            self.events.add(sid, "resumed", how="group")
+        return self._group(out)
+
+    @staticmethod
+    def snapshot_info(layer: Any, *, sandbox_id: str | None = None, extra: Any = None) -> SnapshotInfo:
+        return SnapshotInfo(
+            digest=layer.digest, name=layer.name, tag=layer.tag, ref=layer.ref, kind=str(layer.kind.value),
+            size=layer.size, created_at=layer.created_at, parents=list(layer.parents), sandbox_id=sandbox_id,
+            bytes=extra.stats.bytes if extra is not None else None,
+            frozen_s=extra.frozen_s if extra is not None else None,
+            seconds=extra.seconds if extra is not None else None,
+            collapsed=len(extra.collapsed) if extra is not None else None,
+        )
+
+    async def snapshot(self, sandbox_id: str, body: SnapshotRequest) -> SnapshotInfo:
+        """Pack the sandbox's writable layer into a snapshot layer (it keeps running, or stays paused)."""
+        self.record(sandbox_id)
+        with self.activity(sandbox_id):
+            info = await self.runtime.snapshot_info(sandbox_id, name=body.name, tag=body.tag, exclude=body.exclude)
+        self.metrics.snapshots.labels("snapshot").inc()
+        self.events.add(sandbox_id, "snapshot", digest=info.layer.digest, ref=info.layer.ref, size=info.layer.size)
+        self._layers_cache = (0.0, [])
+        return self.snapshot_info(info.layer, sandbox_id=sandbox_id, extra=info)
+
+    async def fork(self, sandbox_id: str, body: ForkRequest) -> builtins.list[SandboxInfo]:
+        """``n`` new sandboxes from this one's disk now (all or nothing), each with its own
+        identity, under the parent's project, task and (unless given) labels and lifecycle."""
+        from dsec.backends.container.snapshot import FORK_NAME
+
+        rec = self.record(sandbox_id)
+        if rec.state not in (SandboxState.RUNNING, SandboxState.PAUSED):
+            raise SandboxStateError(
+                f"sandbox {sandbox_id} is {rec.state.value}" + (f" ({rec.reason})" if rec.reason else "")
+                + ": only a running or paused sandbox can be forked",
+                sandbox_id=sandbox_id, state=rec.state.value,
+            )
+        edge = rec.meta.get("edge") or {}
+        # Refuse early, before anything is frozen or packed, if the children cannot all fit.
+        self.admission.check_room(rec.spec.resources, body.n)
+        with self.activity(sandbox_id):
+            layer = await self.runtime.snapshot(sandbox_id, name=FORK_NAME, tag=f"{sandbox_id}-{secrets.token_hex(3)}",
+                                                exclude=body.exclude, ephemeral=True)
+        spec = rec.spec.model_copy(update={"image": ImageRef(base=layer.digest)})
+        life = body.lifecycle or Lifecycle(ttl_s=float(edge.get("ttl_s") or 3600.0),
+                                           idle_timeout_s=edge.get("idle_timeout_s"),
+                                           auto_pause_s=edge.get("auto_pause_s"))
+        reqs = [EdgeCreateSandbox(spec=spec, lifecycle=life,
+                                  labels=dict(body.labels if body.labels is not None else (edge.get("labels") or {})),
+                                  task=edge.get("task"), project=edge.get("project"))
+                for _ in range(body.n)]
+        results = await asyncio.gather(*(self._create(r) for r in reqs), return_exceptions=True)
+        made = [r for r in results if isinstance(r, SandboxInfo)]
+        failure = next((r for r in results if isinstance(r, BaseException)), None)
+        if failure is None:
+            try:
+                for child in made:
+                    await asyncio.to_thread(self.runtime.refresh_identity, child.id)
+                    self.events.add(child.id, "forked", parent=sandbox_id, layer=layer.digest)
+            except Exception as exc:
+                failure = exc
+        if failure is not None:
+            await asyncio.gather(*(self.destroy(c.id, reason="fork_failed", tombstone=False) for c in made),
+                                 return_exceptions=True)
+            for c in made:
+                self.runtime._layer_users.get(layer.digest, set()).discard(c.id)
+            self.runtime._maybe_release(layer.digest)
+            self.runtime.drop_ephemeral(layer.digest)
+            raise failure
+        self.metrics.snapshots.labels("fork").inc()
+        self.events.add(sandbox_id, "fork", children=[c.id for c in made], layer=layer.digest)
+        return made
+
+    def list_snapshots(self) -> builtins.list[SnapshotInfo]:
+        from dsec.images.layer import LayerKind
+
+        return [self.snapshot_info(lay) for lay in self.runtime.store.list() if lay.kind is LayerKind.SNAPSHOT]
+
+    def delete_snapshot(self, ref: str) -> None:
+        """Remove a snapshot (LayerInUse while a sandbox or another snapshot needs it)."""
+        from dsec.images.layer import LayerKind
+
+        layer = self.runtime.store.resolve(ref)
+        if layer.kind is not LayerKind.SNAPSHOT:
+            raise InvalidSpec(f"{ref} is a {layer.kind.value} layer, not a snapshot (use `dsec image rm`)", field="ref")
+        self.runtime.store.remove(ref)
+        self._layers_cache = (0.0, [])
 
     # ------------------------------------------------------------- utilities --
 

@@ -18,9 +18,10 @@ import random
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import httpx
+import pydantic
 
 from dsec.errors import (
     AuthError,
@@ -29,6 +30,7 @@ from dsec.errors import (
     ExecTimeout,
     InvalidSpec,
     SandboxNotFound,
+    SandboxStateError,
 )
 from dsec.sdk._http import make_http, raise_for_error, result_from_wire
 from dsec.spec import SandboxSpec
@@ -41,11 +43,16 @@ from dsec.spec.api import (
     ExecRequest,
     ExecResultWire,
     FileEntry,
+    ForkRequest,
+    GroupResult,
     Lifecycle,
+    PauseReport,
     ProjectInfo,
     Quota,
     SandboxInfo,
     SessionRun,
+    SnapshotInfo,
+    SnapshotRequest,
     StreamChunk,
     TokenInfo,
 )
@@ -60,6 +67,7 @@ class _Unset:
 UNSET: Final = _Unset()
 """A left-out argument (its default applies); ``None`` means none, e.g. no timeout."""
 DEFAULT_EXEC_TIMEOUT: Final = 600.0
+W = TypeVar("W", bound=pydantic.BaseModel)
 EDGE_SHARDS: Final = 32
 
 
@@ -83,6 +91,16 @@ class CreateOutcome:
 
 
 _JSON = {"content-type": "application/json"}
+
+
+def _wire(model: type[W], **fields: Any) -> W:
+    """Build a request body; bad arguments raise InvalidSpec naming the field (not a pydantic error)."""
+    try:
+        return model(**fields)
+    except pydantic.ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(x) for x in first.get("loc", ())) or "body"
+        raise InvalidSpec(f"{field}: {first.get('msg', 'invalid')}", field=field) from None
 
 
 def _labels_query(labels: Mapping[str, str] | None) -> list[tuple[str, str]]:
@@ -156,11 +174,14 @@ class AsyncClient:
         ttl_s: float = 3600.0,
         idle_timeout_s: float | None = None,
         request_id: str | None = None,
+        auto_pause_s: float | None = None,
     ) -> AsyncSandbox:
-        """Create one sandbox. Retried creates with the same ``request_id`` make one sandbox."""
+        """Create one sandbox. Retried creates with the same ``request_id`` make one sandbox.
+
+        ``auto_pause_s``: pause it after that long without requests (any request resumes it)."""
         body = CreateSandbox(
             spec=spec, labels=dict(labels or {}), task=task,
-            lifecycle=Lifecycle(ttl_s=ttl_s, idle_timeout_s=idle_timeout_s),
+            lifecycle=Lifecycle(ttl_s=ttl_s, idle_timeout_s=idle_timeout_s, auto_pause_s=auto_pause_s),
             request_id=request_id or uuid.uuid4().hex,
         )
         resp = await self._call("POST", "/v1/sandboxes", content=body.model_dump_json(), headers=_JSON)
@@ -177,6 +198,7 @@ class AsyncClient:
         ttl_s: float = 3600.0,
         idle_timeout_s: float | None = None,
         max_wait_s: float = 600.0,
+        auto_pause_s: float | None = None,
     ) -> AsyncIterator[CreateOutcome]:
         """Create ``n`` sandboxes, yielding each as it becomes ready (not in order).
 
@@ -197,7 +219,8 @@ class AsyncClient:
                 while True:
                     try:
                         sb = await self.create(spec, labels=labels, task=task, ttl_s=ttl_s,
-                                               idle_timeout_s=idle_timeout_s, request_id=f"{batch_id}-{i}")
+                                               idle_timeout_s=idle_timeout_s, request_id=f"{batch_id}-{i}",
+                                               auto_pause_s=auto_pause_s)
                         await queue.put(CreateOutcome(i, sb, None))
                         return
                     except Backpressure as exc:
@@ -309,6 +332,69 @@ class AsyncClient:
     async def _refresh(self, sb: AsyncSandbox) -> None:
         sb.info = await self.info(sb.id)
 
+    # ----- group pause / resume -----
+
+    async def _group(self, op: str, labels: Mapping[str, str] | None, task: str | None,
+                     ids: Sequence[str] | None, concurrency: int) -> GroupResult:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        if ids is None:
+            if not labels and not task:
+                raise InvalidSpec("give labels, a task or sandbox ids to " + op, field="labels")
+            infos = await self.list(labels=labels, task=task)
+            handles: list[AsyncSandbox | str] = [i.id for i in infos]
+        else:
+            handles = list(dict.fromkeys(ids))
+        out = GroupResult()
+        sem = asyncio.Semaphore(max(1, concurrency))
+
+        async def one(h: AsyncSandbox | str) -> None:
+            sid = h if isinstance(h, str) else h.id
+            async with sem:
+                try:
+                    sb = await self.connect(h) if isinstance(h, str) else h
+                    if op == "pause":
+                        await sb.pause()
+                    else:
+                        await sb.resume()
+                    out.done.append(sid)
+                except SandboxStateError as exc:
+                    want = "paused" if op == "pause" else "running"
+                    if getattr(exc, "state", None) == want:
+                        out.skipped.append(sid)
+                    else:
+                        out.errors[sid] = exc.to_wire()
+                except DsecError as exc:
+                    out.errors[sid] = exc.to_wire()
+
+        await asyncio.gather(*(one(h) for h in handles))
+        out.seconds = loop.time() - t0
+        return out
+
+    async def pause_where(
+        self,
+        *,
+        labels: Mapping[str, str] | None = None,
+        task: str | None = None,
+        ids: Sequence[str] | None = None,
+        concurrency: int = 64,
+    ) -> GroupResult:
+        """Pause every sandbox of a task or with these labels (or these ids), e.g. when
+        a trainer is preempted. Already paused ones are ``skipped``; errors are per sandbox.
+        Each pause goes to the sandbox's edge (the control plane has no group route yet)."""
+        return await self._group("pause", labels, task, ids, concurrency)
+
+    async def resume_where(
+        self,
+        *,
+        labels: Mapping[str, str] | None = None,
+        task: str | None = None,
+        ids: Sequence[str] | None = None,
+        concurrency: int = 64,
+    ) -> GroupResult:
+        """Resume every paused sandbox of a task / with these labels / among these ids."""
+        return await self._group("resume", labels, task, ids, concurrency)
+
 
 class AsyncSandbox:
     """A handle on one sandbox. ``async with`` closes (deletes) it; closing twice is fine."""
@@ -336,7 +422,12 @@ class AsyncSandbox:
         if self._closed:
             return
         self._closed = True
-        await self._client.delete(self.id)
+        try:
+            await self._client._call("DELETE", f"/v1/sandboxes/{self.id}")
+        except SandboxNotFound:
+            # Unknown to the control plane (a fork child the edge made): delete it at its edge.
+            with contextlib.suppress(SandboxNotFound):
+                await self._request("DELETE", "", retry_auth=False)
 
     async def _request(self, method: str, path: str, *, retry_auth: bool = True, **kw: Any) -> httpx.Response:
         http = self._client._edge(self.info.edge_url, self.id)
@@ -419,6 +510,40 @@ class AsyncSandbox:
                 sandbox_id=self.id, reason=result.timed_out, timeout=req.timeout, result=result,
             )
         return result
+
+    # ----- pause, snapshots, forks -----
+
+    async def pause(self) -> PauseReport:
+        """Freeze every process and push the sandbox's memory out to compressed swap.
+
+        Any later exec, file or session call resumes it (or call :meth:`resume`).
+        Pausing a paused sandbox raises :class:`SandboxStateError`."""
+        return PauseReport.model_validate_json((await self._request("POST", "/pause")).content)
+
+    async def resume(self) -> None:
+        """Thaw a paused sandbox (SandboxStateError if it is not paused)."""
+        await self._request("POST", "/resume")
+
+    async def snapshot(self, *, name: str | None = None, tag: str | None = None,
+                       exclude: Sequence[str] = ()) -> SnapshotInfo:
+        """Pack this sandbox's disk changes into a snapshot layer; start new sandboxes from it
+        with ``ImageRef(base=info.ref)`` (it brings the layers beneath it). ``exclude`` leaves
+        paths out (``/abs/path``, globs, or names like ``__pycache__``)."""
+        body = _wire(SnapshotRequest, name=name, tag=tag, exclude=list(exclude))
+        resp = await self._request("POST", "/snapshot", content=body.model_dump_json(), headers=_JSON,
+                                   timeout=httpx.Timeout(600.0, connect=10.0))
+        return SnapshotInfo.model_validate_json(resp.content)
+
+    async def fork(self, n: int, *, exclude: Sequence[str] = (), ttl_s: float | None = None,
+                   labels: Mapping[str, str] | None = None) -> builtins.list[AsyncSandbox]:
+        """``n`` new sandboxes whose disks equal this one's now, each with its own identity
+        (hostname, machine-id). Works on a paused sandbox. All or nothing."""
+        life = None if ttl_s is None else Lifecycle(ttl_s=ttl_s)
+        body = _wire(ForkRequest, n=n, exclude=list(exclude), lifecycle=life,
+                     labels=None if labels is None else dict(labels))
+        resp = await self._request("POST", "/fork", content=body.model_dump_json(), headers=_JSON,
+                                   timeout=httpx.Timeout(600.0, connect=10.0))
+        return [AsyncSandbox(self._client, SandboxInfo.model_validate(x)) for x in resp.json()]
 
     async def session(self) -> AsyncSession:
         """A persistent shell: cwd, variables and functions carry from one command to the next."""

@@ -37,6 +37,10 @@ class Lifecycle(_Wire):
     """Maximum lifetime; the edge destroys the sandbox after it."""
     idle_timeout_s: Annotated[float | None, Field(gt=0)] = None
     """Destroy after this long with no exec or file activity (None: never)."""
+    auto_pause_s: Annotated[float | None, Field(gt=0)] = None
+    """Pause after this long with no activity (None: the edge's default, which is never
+    unless configured). Any later request resumes it. Paused time counts toward the
+    TTL and the idle timeout (docs/SNAPSHOTS.md)."""
 
 
 class CreateSandbox(_Wire):
@@ -180,6 +184,84 @@ class FileEntry(_Wire):
     target: str | None = None
 
 
+class PauseReport(_Wire):
+    """Answer of ``POST /v1/sandboxes/{id}/pause``."""
+
+    id: str
+    state: SandboxState
+    freeze_s: float
+    """Seconds until every process was frozen."""
+    seconds: float
+    """The whole pause, reclaim included."""
+    memory_before: int | None = None
+    """Bytes the sandbox held in RAM when frozen (its memory cgroup)."""
+    memory_after: int | None = None
+    """... and after its memory went to swap."""
+    swapped: int | None = None
+
+
+class SnapshotRequest(_Wire):
+    """Body of ``POST /v1/sandboxes/{id}/snapshot``."""
+
+    name: Annotated[str | None, Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,127}$")] = None
+    """Default ``snap-<sandbox id>``."""
+    tag: Annotated[str | None, Field(pattern=r"^[A-Za-z0-9._-]{1,128}$")] = None
+    """Default ``latest`` when a name is given, else a UTC timestamp."""
+    exclude: Annotated[list[Annotated[str, Field(min_length=1, max_length=4096)]], Field(max_length=256)] = Field(
+        default_factory=list)
+    """``/abs/path`` (and below; globs allowed) or a bare name matched at any depth (``*.pyc``)."""
+
+
+class SnapshotInfo(_Wire):
+    """A snapshot layer (``kind`` is ``snapshot``); start sandboxes with ``ImageRef(base=ref or digest)``."""
+
+    digest: str
+    name: str
+    tag: str
+    ref: str
+    kind: str
+    size: int
+    """Bytes of the EROFS image."""
+    created_at: float
+    parents: list[str]
+    """Its lineage, top first: the layers it was taken over."""
+    sandbox_id: str | None = None
+    bytes: int | None = None
+    """File data packed (before compression)."""
+    frozen_s: float | None = None
+    """Seconds the sandbox was frozen while its writable layer was copied out."""
+    seconds: float | None = None
+    collapsed: int | None = None
+    """Snapshot layers beneath it that were merged into it (a long chain collapsed)."""
+
+
+class ForkRequest(_Wire):
+    """Body of ``POST /v1/sandboxes/{id}/fork``."""
+
+    n: Annotated[int, Field(ge=1, le=1000)]
+    exclude: Annotated[list[Annotated[str, Field(min_length=1, max_length=4096)]], Field(max_length=256)] = Field(
+        default_factory=list)
+    lifecycle: Lifecycle | None = None
+    """Default: the parent's TTL, idle timeout and auto-pause, counted from the fork."""
+    labels: dict[str, str] | None = None
+    """Default: the parent's labels."""
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        return None if v is None else _check_labels(v)
+
+
+class GroupResult(_Wire):
+    """Answer of a group pause or resume: sandbox ids done, skipped (already there), failed."""
+
+    done: list[str] = Field(default_factory=list)
+    skipped: list[str] = Field(default_factory=list)
+    errors: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    """Sandbox id -> ``{"code", "message", ...}`` as in error bodies."""
+    seconds: float = 0.0
+
+
 class EdgeHealth(_Wire):
     edge_id: str
     url: str
@@ -201,6 +283,8 @@ class EdgeHealth(_Wire):
     host: dict[str, float] = Field(default_factory=dict)
     """Node use: cpu_util (0..1 since the last report), load1, cpu_cores, memory_total,
     memory_available, disk_total, disk_free (bytes, of the edge's state directory)."""
+    paused: int = 0
+    """Sandboxes paused now (they count in ``sandboxes`` and in the committed resources)."""
 
 
 # The one table from error code to HTTP status (the SDK maps back with ERRORS_BY_CODE).
