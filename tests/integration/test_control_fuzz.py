@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,19 +26,23 @@ pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
 anyio_backend = support.anyio_backend
 pg_cluster = support.pg_cluster
-db_url = support.db_url
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """Like the support module's, but skips PostgreSQL before starting a cluster for nothing."""
+    if request.param == "postgresql" and not os.environ.get("DSEC_FUZZ_POSTGRESQL"):
+        pytest.skip("set DSEC_FUZZ_POSTGRESQL=1 to fuzz on PostgreSQL too (doubles the run)")
+    yield from support.database_url(request.param, request, tmp_path)
 
 MAX_EXAMPLES = int(os.environ.get("DSEC_FUZZ_EXAMPLES", "50"))
 MAX_TIME_S = int(os.environ.get("DSEC_FUZZ_SECONDS", "90"))
-EDGE_ONLY = {"POST /v1/edges/register", "POST /v1/edges/{edge_id}/heartbeat"}
 
 
 async def test_schemathesis_finds_no_server_errors(db_url: str, tmp_path: Path) -> None:
     exe = Path(sys.executable).with_name("schemathesis")
     if not exe.exists():
         pytest.skip("schemathesis is not installed (pip install -e '.[dev]')")
-    if db_url.startswith("postgresql") and not os.environ.get("DSEC_FUZZ_POSTGRESQL"):
-        pytest.skip("set DSEC_FUZZ_POSTGRESQL=1 to fuzz on PostgreSQL too (doubles the run)")
     # layers=[]: the edge reports none, so any well-formed image reference is placed
     edges = [{"capacity_sandboxes": 100_000, "cpu_capacity": 1e6, "memory_capacity": 1 << 50,
               "disk_capacity": 1 << 50, "layers": []}]
@@ -48,11 +52,10 @@ async def test_schemathesis_finds_no_server_errors(db_url: str, tmp_path: Path) 
         spec = (await c.get("/openapi.json")).json()
         # the fuzzer must not revoke the very token it fuzzes with (revocation has its own tests)
         revoke = spec["paths"]["/v1/tokens/{token_id}"]["delete"]["operationId"]
-        text, report = await _schemathesis(exe, cl.url, cl.admin_token, tmp_path / "project",
-                                           "--exclude-operation-id", revoke)
-        # with the root project's token, only the edges' own endpoints refuse it
-        refused = set(re.findall(r"^  - (\S+ \S+)$", text.split("401 Unauthorized", 1)[-1].split("\n\n")[0], re.M))
-        assert refused <= EDGE_ONLY, refused
+        _, report = await _schemathesis(exe, cl.url, cl.admin_token, tmp_path / "project",
+                                        "--exclude-operation-id", revoke)
+        # with the root project's token the fuzzer gets past authentication (creates reach the edge,
+        # checked below); only the edges' own endpoints refuse it, and get their own pass:
         # the edges' endpoints, with an edge-admin token (few examples: they register fuzzed edges)
         tok, _ = auth.mint(cl.key, sandbox_id="*", project="*", scope="edge-admin")
         await _schemathesis(exe, cl.url, tok, tmp_path / "edge", "--include-path-regex", "^/v1/edges/",

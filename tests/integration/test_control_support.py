@@ -334,9 +334,9 @@ def pg_cluster() -> Iterator[PgCluster]:
         shutil.rmtree(base, ignore_errors=True)
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    if request.param == "sqlite":
+def database_url(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A fresh, empty store of this kind for one test."""
+    if kind == "sqlite":
         yield f"sqlite:///{tmp_path / 'control.db'}"
         return
     pg: PgCluster = request.getfixturevalue("pg_cluster")
@@ -346,6 +346,11 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
         yield pg.url(name)
     finally:
         pg.psql(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    yield from database_url(request.param, request, tmp_path)
 
 
 @pytest.fixture
