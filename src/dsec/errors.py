@@ -108,6 +108,18 @@ class Backpressure(DsecError, RuntimeError):
         super().__init__(message, retry_after=retry_after, **fields)
 
 
+class NotFound(DsecError, LookupError):
+    """A project, task, token or edge that does not exist (or is not visible to the caller)."""
+
+    code = "not_found"
+
+
+class Conflict(DsecError, RuntimeError):
+    """The resource exists already or is still in use."""
+
+    code = "conflict"
+
+
 class AuthError(DsecError, PermissionError):
     """Missing, malformed, expired or revoked credentials (HTTP 401)."""
 
@@ -145,6 +157,8 @@ ERRORS_BY_CODE: dict[str, type[DsecError]] = {
         Backpressure,
         AuthError,
         Forbidden,
+        NotFound,
+        Conflict,
         HostError,
     )
 }

@@ -147,7 +147,9 @@ async def _service(work: Path, *, edges: int, n: int, many: int, concurrent: int
     out: dict[str, float] = {}
     tag = f"{edges}edge"
     try:
-        await cluster.start(data, edges, pools, {"cpu_capacity": 4000.0, "max_sandboxes": 6000})
+        # Budgets overcommitted on purpose: 1,000 sandboxes of 1 cpu / 32 MiB must fit on a
+        # 2-core, 24 GiB machine (they run `true`); the default budgets would push back.
+        await cluster.start(data, edges, pools, {"cpu_capacity": 4000.0, "max_sandboxes": 6000, "memory_capacity": 64 << 30})
         async with AsyncClient(cluster.url, cluster.admin_token, timeout=300) as c:
             spec = _spec()
             for _ in range(3):
