@@ -198,19 +198,28 @@ async def _service(work: Path, *, edges: int, n: int, many: int, concurrent: int
             errors = len(made) - len(boxes)
             t0 = time.perf_counter()
 
+            kinds: dict[str, int] = {}
+
             async def drive(box: Any) -> int:
                 bad = 0
                 for _ in range(execs_each):
                     try:
                         r = await box.exec(["true"], timeout=120)
-                        bad += r.exit_code != 0
-                    except Exception:
+                        if r.exit_code != 0:
+                            bad += 1
+                            kinds[f"exit {r.exit_code}/{r.signal}"] = kinds.get(f"exit {r.exit_code}/{r.signal}", 0) + 1
+                    except Exception as exc:
                         bad += 1
+                        name = f"{type(exc).__name__}: {str(exc)[:80]}"
+                        kinds[name] = kinds.get(name, 0) + 1
                 return bad
 
             errors += sum(await asyncio.gather(*(drive(b) for b in boxes)))
             dt = time.perf_counter() - t0
             out[f"concurrent_errors_{tag}"] = errors
+            if kinds:
+                say(f"service ({edges} edge): concurrent exec errors: {kinds}")
+                out[f"concurrent_error_kinds_{tag}"] = "; ".join(f"{k} x{v}" for k, v in sorted(kinds.items()))  # type: ignore[assignment]
             out[f"concurrent_execs_per_s_{tag}"] = len(boxes) * execs_each / dt
             await asyncio.gather(*(b.close() for b in boxes), return_exceptions=True)
     finally:
