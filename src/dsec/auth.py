@@ -30,6 +30,22 @@ def _unb64(text: str) -> bytes:
     return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
 
 
+def parse_key(value: object) -> bytes:
+    """A cluster key from hex text or bytes; at least 16 bytes."""
+    if isinstance(value, bytes | bytearray):
+        key = bytes(value)
+    elif isinstance(value, str):
+        try:
+            key = bytes.fromhex(value.strip())
+        except ValueError:
+            raise ValueError("cluster_key must be hex (e.g. `python -c 'import secrets; print(secrets.token_hex(32))'`)") from None
+    else:
+        raise ValueError("cluster_key must be hex text or bytes")
+    if len(key) < 16:
+        raise ValueError("cluster_key must be at least 16 bytes (32 hex digits)")
+    return key
+
+
 def new_key() -> bytes:
     return secrets.token_bytes(32)
 

@@ -16,6 +16,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_serializer, field_validator
 
+from dsec.auth import parse_key
 from dsec.spec.api import NAME_PATTERN, Quota
 
 GiB = 1024**3
@@ -137,21 +138,6 @@ class ControlConfig(_Config):
         self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         write_secret(path, secrets.token_hex(32) + "\n")
         return parse_key(path.read_text())
-
-
-def parse_key(value: Any) -> bytes:
-    if isinstance(value, bytes | bytearray):
-        key = bytes(value)
-    elif isinstance(value, str):
-        try:
-            key = bytes.fromhex(value.strip())
-        except ValueError:
-            raise ValueError("cluster_key must be hex (e.g. `python -c 'import secrets; print(secrets.token_hex(32))'`)") from None
-    else:
-        raise ValueError("cluster_key must be hex text or bytes")
-    if len(key) < 16:
-        raise ValueError("cluster_key must be at least 16 bytes (32 hex digits)")
-    return key
 
 
 def write_secret(path: Path, text: str) -> None:

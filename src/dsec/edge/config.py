@@ -22,6 +22,7 @@ from pydantic import (
     model_validator,
 )
 
+from dsec.auth import parse_key
 from dsec.spec import ImageRef, Resources
 
 EDGE_ID_RE = re.compile(r"^[a-z][a-z0-9]{0,7}$")
@@ -62,21 +63,6 @@ class PoolConfig(_Config):
         r = self.resources
         layers = "+".join(self.image.layers_top_first()[::-1])
         return f"{layers}/{r.cpu:g}cpu/{r.memory // (1024 * 1024)}MiB/{r.disk // (1024 * 1024)}MiBdisk"
-
-
-def _hex_key(value: Any) -> bytes:
-    if isinstance(value, bytes | bytearray):
-        key = bytes(value)
-    elif isinstance(value, str):
-        try:
-            key = bytes.fromhex(value.strip())
-        except ValueError:
-            raise ValueError("cluster_key must be hex (e.g. `python -c 'import secrets; print(secrets.token_hex(32))'`)") from None
-    else:
-        raise ValueError("cluster_key must be hex text or bytes")
-    if len(key) < 16:
-        raise ValueError("cluster_key must be at least 16 bytes (32 hex digits)")
-    return key
 
 
 class EdgeConfig(_Config):
@@ -150,7 +136,7 @@ class EdgeConfig(_Config):
     @field_validator("cluster_key", mode="before")
     @classmethod
     def _key(cls, v: Any) -> bytes:
-        return _hex_key(v)
+        return parse_key(v)
 
     @field_serializer("cluster_key")
     def _key_hex(self, v: bytes) -> str:
