@@ -312,20 +312,23 @@ def small_store(dsec_base: Path, busybox_seed: Path) -> Iterator[LocalLayerStore
     assert not [ln for ln in mountinfo_lines() if str(mp) in ln]
 
 
-@pytest.mark.parametrize("stage", ["check", "copy"])
+@pytest.mark.parametrize("stage", ["check", "copy", "mkfs"])
 def test_full_disk_while_packing_is_typed_and_leaves_nothing(
     make_runtime: Callable[[str], RuntimeHarness], small_store: LocalLayerStore, stage: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    h = make_runtime(f"snap-full{stage[:2]}")
+    h = make_runtime(f"snap-full{stage[:3]}")
     h.rt = ContainerRuntime(name=h.name, state_dir=h.state_dir, run_dir=h.run_dir, layer_store=small_store)
     h.start()
     try:
         if shutil.which("mkfs.ext4") is None:
             pytest.skip("needs mkfs.ext4 for a small filesystem to fill")
-        if stage == "copy":  # get past the up-front check, so the copy itself hits ENOSPC
+        if stage != "check":  # get past the up-front check, so the copy or mkfs itself hits ENOSPC
             monkeypatch.setattr(snapshots, "SPACE_MARGIN", 0)
             monkeypatch.setattr(snapshots, "_used", lambda _p: 0)
+        # "copy": the tree is copied beside the image (no RAM scratch), so the copy fills the disk;
+        # otherwise the tree is in RAM and mkfs fills it.
+        h.rt.snapshot_scratch = "store" if stage == "copy" else "auto"
         with h.sandbox(disk=64 * MiB, memory=256 * MiB) as rec:
             h.ok(rec.id, "head -c 16777216 /dev/urandom > /big && echo small > /small")
             before = {(lay.digest, lay.ref) for lay in small_store.list()}
@@ -335,6 +338,8 @@ def test_full_disk_while_packing_is_typed_and_leaves_nothing(
             assert isinstance(ei.value, OSError)
             assert {(lay.digest, lay.ref) for lay in small_store.list()} == before
             assert list(small_store.tmp_dir.iterdir()) == []
+            ram = snapshots.ram_scratch_root(h.rt)
+            assert ram is None or not ram.exists() or list(ram.iterdir()) == []
             assert list(small_store.blob_dir.iterdir()) == [small_store.blob_path(d) for d, _ in before]
             # The sandbox runs on, thawed, its disk intact; a smaller snapshot works.
             assert h.rt.get(rec.id).state is SandboxState.RUNNING

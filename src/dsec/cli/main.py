@@ -94,6 +94,21 @@ def bench_service(quick: bool, json_path: Path | None) -> None:
         console.print(f"wrote {json_path}")
 
 
+@bench.command("snapshot")
+@click.option("--quick", is_flag=True,
+              help="Fewer samples; 1 GB pack and 1,000-sandbox group figures scaled from 256 MB and 200.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the flat JSON here.")
+def bench_snapshot(quick: bool, json_path: Path | None) -> None:
+    """pack_diff by diff size, start from a snapshot vs base, fork(32), pause/resume, group pause, idle density."""
+    from dsec.bench.snapshot import run
+
+    results = run(quick=quick, say=lambda m: console.print(f"[dim]{m}[/dim]"))
+    _print_table("dsec bench snapshot", results)
+    if json_path:
+        json_path.write_text(json.dumps(results, indent=2, sort_keys=True))
+        console.print(f"wrote {json_path}")
+
+
 @main.command()
 @click.option("-n", "count", type=click.IntRange(1, 5000), default=None, help="Rollouts / sandboxes (default 64; 100 with --runtime-only).")
 @click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path), default=None,

@@ -37,6 +37,7 @@ def mkfs_binary() -> str:
 def make_erofs(src: Path, out: Path, *, compressor: str = COMPRESSOR, keep_mtimes: bool = False) -> None:
     """Write the tree under ``src`` to the EROFS image ``out`` (lz4hc, reproducible).
 
+    ``compressor`` "none" writes an uncompressed image (faster, larger).
     ``keep_mtimes`` (snapshots) keeps every file's modification time instead of
     zeroing them: the image is then only as reproducible as its tree's times.
     Raises :class:`StorageFull` when the image's filesystem fills up."""
@@ -44,7 +45,7 @@ def make_erofs(src: Path, out: Path, *, compressor: str = COMPRESSOR, keep_mtime
         mkfs_binary(),
         *(["--preserve-mtime"] if keep_mtimes else ["-T0"]),
         f"-U{FIXED_UUID}",
-        f"-z{compressor}",
+        *([] if compressor == "none" else [f"-z{compressor}"]),
         "--quiet",
         str(out),
         str(src),

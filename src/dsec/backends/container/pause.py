@@ -56,6 +56,9 @@ SYS_process_madvise: Final = 440
 MADV_PAGEOUT: Final = 21
 IOV_MAX: Final = 1024
 FREEZE_TIMEOUT_S: Final = 10.0
+RECLAIM_MIN: Final = 2 << 20
+"""A sandbox holding less than this is frozen but not reclaimed (measured: force_empty ~11 ms,
+pageout ~3 ms of kernel time per sandbox, for ~0.3 MiB won back)."""
 FORCE_EMPTY_PASSES: Final = 3
 FORCE_EMPTY_MIN_GAIN: Final = 1 << 20
 
@@ -204,6 +207,8 @@ def reclaim(cg: RuntimeCgroups, sandbox_id: str, method: str = "pageout+force_em
     mdir = cg.parents["memory"] / sandbox_id
     t0 = time.perf_counter()
     before, _ = memory_usage(cg, sandbox_id)
+    if before < RECLAIM_MIN:
+        method = "none"  # an idle shell: reclaim costs ~10 ms of kernel work to win a few hundred KiB
     if method != "none":
         with contextlib.suppress(OSError):
             if _read(mdir / "memory.swappiness").strip() != "100":

@@ -295,6 +295,10 @@ class ContainerRuntime:
         self.swap = ZramSwap(name, zram_size, self.run_dir / "zram.json")
         self._wake_gen: dict[str, int] = {}
         self.max_layers = snapshots.DEFAULT_MAX_LAYERS
+        self.snapshot_compressor = snapshots.SNAPSHOT_COMPRESSOR
+        """mkfs.erofs compressor of snapshot layers: lz4 (default), lz4hc, or none."""
+        self.snapshot_scratch = "auto"
+        """Where a snapshot copies the upper while frozen: "auto" (a tmpfs if any, else the store) or "store"."""
         """A snapshot whose stack would be deeper collapses the snapshots on top (docs/SNAPSHOTS.md)."""
         self._packing: set[str] = set()
         self._thaw_after_pack: dict[str, bool] = {}
@@ -334,6 +338,7 @@ class ContainerRuntime:
         await self.spawner.start()
         self.reconciled = await self._reconcile()
         await self._setup_swap()
+        await asyncio.to_thread(snapshots.clean_scratch, self)
 
     async def close(self, *, destroy_all: bool = True) -> None:
         """Stop the runtime. By default every sandbox is destroyed; ``destroy_all=False``
@@ -351,6 +356,8 @@ class ContainerRuntime:
         if self._devnull >= 0:
             os.close(self._devnull)
             self._devnull = -1
+        with contextlib.suppress(OSError):
+            snapshots.clean_scratch(self)
         if destroy_all:
             self.cgroups.remove_parents()
             if not self.sandboxes:
@@ -1138,15 +1145,16 @@ class ContainerRuntime:
         return self.swap.stats()
 
     def _adopt_freezer(self, rec: SandboxRecord) -> None:
-        """After a restart the kernel's freezer state is the truth about pausedness."""
+        """After a restart the kernel's freezer state is the truth about pausedness: pause and
+        resume write no record (a rename on a busy disk costs ms, too much for a group pause)."""
         frozen = pausing.freezer_state(self.cgroups, rec.id) in ("FROZEN", "FREEZING")
         if rec.state is SandboxState.PAUSED and not frozen:
-            self._move(rec, SandboxState.RUNNING, reason="")
+            self._move(rec, SandboxState.RUNNING, save=False)
         elif rec.state is SandboxState.RUNNING and frozen:
-            self.cgroups.freeze(rec.id, False)  # frozen by a pause that never got recorded
+            self._move(rec, SandboxState.PAUSED, save=False)  # paused (or frozen by a snapshot cut short)
 
     def wake(self, sandbox_id: str) -> bool:
-        """Resume a paused sandbox now (synchronous: a thaw costs ~0.2 ms). False if it was not paused.
+        """Resume a paused sandbox now (synchronous: a thaw costs ~0.1 ms). False if it was not paused.
 
         Exec, files and sessions call this, so a paused sandbox resumes on any request;
         its pages come back from swap as they are touched."""
@@ -1160,7 +1168,7 @@ class ContainerRuntime:
         else:
             pausing.thaw(self.cgroups, sandbox_id)
         self._wake_gen[sandbox_id] = self._wake_gen.get(sandbox_id, 0) + 1
-        self._move(rec, SandboxState.RUNNING)
+        self._move(rec, SandboxState.RUNNING, save=False)
         self._event(rec, "resumed")
         self.last_activity[sandbox_id] = time.monotonic()
         return True
@@ -1172,7 +1180,19 @@ class ContainerRuntime:
         call resumes it (:meth:`wake`); so does :meth:`resume`. The sandbox's disk
         (its writable layer is tmpfs, charged to its memory cgroup) goes to swap too.
         Commands running when it is paused are frozen with it; their timeouts keep
-        counting."""
+        counting. A sandbox holding less than ``pause.RECLAIM_MIN`` is only frozen."""
+        t0 = time.perf_counter()
+        freeze_s = await self._freeze(sandbox_id)
+        stats = await self._reclaim_paused(sandbox_id) if reclaim else None
+        elapsed = time.perf_counter() - t0
+        rec = self.sandboxes.get(sandbox_id)
+        if rec is not None:
+            self._event(rec, "paused", freeze_s=round(freeze_s, 6), seconds=round(elapsed, 6),
+                        memory_before=stats.before if stats else None, memory_after=stats.after if stats else None)
+        return PauseResult(sandbox_id, freeze_s, stats, elapsed)
+
+    async def _freeze(self, sandbox_id: str) -> float:
+        """The first half of a pause: state paused, every process frozen. Returns seconds."""
         rec = self.get(sandbox_id)
         if rec.state is SandboxState.PAUSED:
             raise SandboxStateError(f"sandbox {sandbox_id} is already paused", sandbox_id=sandbox_id, state="paused")
@@ -1184,25 +1204,28 @@ class ContainerRuntime:
                 raise SandboxStateError(f"sandbox {sandbox_id} is already paused", sandbox_id=sandbox_id, state="paused")
             self._running(sandbox_id, resume=False)
             self._open_init_check(rec)
-            t0 = time.perf_counter()
-            gen = self._wake_gen.get(sandbox_id, 0)
-            # Recorded first: a restart finds it paused and checks the freezer (_adopt_freezer).
-            self._move(rec, SandboxState.PAUSED)
+            # Paused before frozen: a request arriving during the freeze sees "paused" and thaws.
+            self._move(rec, SandboxState.PAUSED, save=False)
             try:
-                freeze_s = await pausing.freeze(self.cgroups, sandbox_id)
+                return await pausing.freeze(self.cgroups, sandbox_id)
             except BaseException:
                 if _is_paused(rec):
                     with contextlib.suppress(OSError):
                         pausing.thaw(self.cgroups, sandbox_id)
-                    self._move(rec, SandboxState.RUNNING)
+                    self._move(rec, SandboxState.RUNNING, save=False)
                 raise
-            stats: pausing.ReclaimStats | None = None
-            if reclaim and _is_paused(rec) and self._wake_gen.get(sandbox_id, 0) == gen:
-                stats = await asyncio.to_thread(pausing.reclaim, self.cgroups, sandbox_id, self.reclaim_method)
-            elapsed = time.perf_counter() - t0
-            self._event(rec, "paused", freeze_s=round(freeze_s, 6), seconds=round(elapsed, 6),
-                        memory_before=stats.before if stats else None, memory_after=stats.after if stats else None)
-            return PauseResult(sandbox_id, freeze_s, stats, elapsed)
+
+    async def _reclaim_paused(self, sandbox_id: str) -> pausing.ReclaimStats | None:
+        """The second half: push a paused sandbox's memory to swap (None if it was resumed meanwhile)."""
+        rec = self.sandboxes.get(sandbox_id)
+        if rec is None or not _is_paused(rec):
+            return None
+        gen = self._wake_gen.get(sandbox_id, 0)
+        lock = self._locks.setdefault(sandbox_id, asyncio.Lock())
+        async with lock:
+            if not _is_paused(rec) or self._wake_gen.get(sandbox_id, 0) != gen or sandbox_id not in self.sandboxes:
+                return None
+            return await asyncio.to_thread(pausing.reclaim, self.cgroups, sandbox_id, self.reclaim_method)
 
     def _open_init_check(self, rec: SandboxRecord) -> None:
         fd = self._open_init(rec)  # raises SandboxFailed (and marks it failed) if the init is gone
@@ -1221,28 +1244,40 @@ class ContainerRuntime:
 
     async def pause_many(self, sandbox_ids: Sequence[str], *, reclaim: bool = True,
                          concurrency: int = 64) -> GroupOutcome:
-        """Pause every sandbox in ``sandbox_ids``; already paused ones are skipped, errors
-        collected per sandbox (one bad sandbox never stops the group)."""
+        """Pause every sandbox in ``sandbox_ids``: all are frozen first (a preempted job stops
+        at once), then their memory is pushed out. Already paused ones are skipped; errors
+        are collected per sandbox (one bad sandbox never stops the group)."""
         out = GroupOutcome()
         t0 = time.perf_counter()
-        sem = asyncio.Semaphore(max(1, concurrency))
+        frozen: list[str] = []
 
-        async def one(sid: str) -> None:
-            rec = self.sandboxes.get(sid)
-            if rec is not None and rec.state is SandboxState.PAUSED:
-                out.skipped.append(sid)
-                return
-            async with sem:
-                try:
-                    await self.pause(sid, reclaim=reclaim)
-                    out.done.append(sid)
-                except DsecError as exc:
-                    if isinstance(exc, SandboxStateError) and getattr(exc, "state", "") == "paused":
-                        out.skipped.append(sid)
-                    else:
-                        out.errors[sid] = exc
+        async def freeze_one(sid: str) -> None:
+            try:
+                await self._freeze(sid)
+                frozen.append(sid)
+            except SandboxStateError as exc:
+                if getattr(exc, "state", "") == "paused":
+                    out.skipped.append(sid)
+                else:
+                    out.errors[sid] = exc
+            except DsecError as exc:
+                out.errors[sid] = exc
 
-        await asyncio.gather(*(one(s) for s in dict.fromkeys(sandbox_ids)))
+        await asyncio.gather(*(freeze_one(s) for s in dict.fromkeys(sandbox_ids)))
+        if reclaim:
+            sem = asyncio.Semaphore(max(1, concurrency))
+
+            async def reclaim_one(sid: str) -> None:
+                async with sem:
+                    with contextlib.suppress(OSError):
+                        stats = await self._reclaim_paused(sid)
+                        rec = self.sandboxes.get(sid)
+                        if rec is not None:
+                            self._event(rec, "paused", group=True, memory_before=stats.before if stats else None,
+                                        memory_after=stats.after if stats else None)
+
+            await asyncio.gather(*(reclaim_one(s) for s in frozen))
+        out.done = frozen
         out.seconds = time.perf_counter() - t0
         return out
 
