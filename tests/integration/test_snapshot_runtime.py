@@ -355,3 +355,86 @@ def test_full_disk_while_packing_is_typed_and_leaves_nothing(
 def test_copy_error_paths_keep_errno() -> None:
     e = StorageFull("x", stage="copy", path="/p", errno=errno.ENOSPC)
     assert e.fields["errno"] == errno.ENOSPC
+
+
+def _tree(root: Path) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    inodes: dict[int, list[str]] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for n in sorted(dirnames + filenames):
+            p = Path(dirpath) / n
+            rel = "/" + str(p.relative_to(root))
+            st = os.lstat(p)
+            e: dict[str, Any] = {"t": stat.S_IFMT(st.st_mode), "m": stat.S_IMODE(st.st_mode), "u": st.st_uid,
+                                 "mt": st.st_mtime_ns}
+            if stat.S_ISREG(st.st_mode):
+                e["d"] = p.read_bytes()
+                if st.st_nlink > 1:
+                    inodes.setdefault(st.st_ino, []).append(rel)
+            elif stat.S_ISLNK(st.st_mode):
+                e["l"] = os.readlink(p)
+            out[rel] = e
+    out["#links"] = sorted(sorted(v) for v in inodes.values() if len(v) > 1)
+    return out
+
+
+def test_two_pass_copy_catches_every_change(tmp_path: Path) -> None:
+    """The frozen second pass must leave the copy equal to the source, whatever changed after the first."""
+    import time as _time
+
+    from dsec.images.diff import apply_diff, open_dir, resync_diff
+
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    for d in ("keep", "gone_dir/sub", "dir_to_file", "renamed_dir"):
+        (src / d).mkdir(parents=True)
+    for f, text in (("keep/a", "aaaa"), ("keep/same_size", "1111"), ("gone", "x"), ("gone_dir/sub/f", "f"),
+                    ("dir_to_file/z", "z"), ("file_to_dir", "f"), ("linked", "L"), ("chmod_me", "c"),
+                    ("renamed_dir/in", "i")):
+        (src / f).write_text(text)
+    os.link(src / "linked", src / "keep/linked2")
+    dst.mkdir()
+    seen: dict[str, tuple[int, int]] = {}
+    since = _time.clock_gettime_ns(_time.CLOCK_REALTIME) - snapshots.PRECOPY_TICK_NS
+    fd = open_dir(src)
+    try:
+        apply_diff(fd, dst, record=seen)
+        # Changes after the first pass, the same-size overwrite within the same clock tick included.
+        (src / "keep/same_size").write_text("2222")
+        (src / "gone").unlink()
+        shutil.rmtree(src / "gone_dir")
+        shutil.rmtree(src / "dir_to_file")
+        (src / "dir_to_file").write_text("now a file")
+        (src / "file_to_dir").unlink()
+        (src / "file_to_dir").mkdir()
+        (src / "file_to_dir/in").write_text("in")
+        os.chmod(src / "chmod_me", 0o600)
+        os.link(src / "keep/a", src / "a_link")
+        (src / "linked").write_text("L2")  # both names of that inode change
+        os.rename(src / "renamed_dir", src / "moved_dir")
+        (src / "new").write_text("new")
+        st = resync_diff(fd, dst, seen, since)
+    finally:
+        os.close(fd)
+    assert st.recopied and st.removed
+    want = _tree(src)
+    got = _tree(dst)
+    assert {k: v for k, v in got.items() if v != want.get(k)} == {}
+    assert set(got) == set(want)
+
+
+def test_snapshot_of_a_busy_sandbox_is_one_instant(snap: RuntimeHarness) -> None:
+    """A writer keeps B <= A <= B + 1 at every instant (renames are atomic); a torn copy would break it."""
+    h = snap
+    with h.sandbox() as rec:
+        h.ok(rec.id, "mkdir /w; head -c 20000000 /dev/urandom > /w/ballast; i=0; "
+                     "(while :; do i=$((i+1)); echo $i > /w/a.t; mv /w/a.t /w/A; echo $i > /w/b.t; mv /w/b.t /w/B; done)"
+                     " >/dev/null 2>&1 &")
+        for k in range(3):
+            info = h.run(h.rt.snapshot_info(rec.id, name="busy", tag=str(k)))
+            assert info.stats.recopied >= 1, info.stats  # the writer changed things during the first pass
+            child = _create(h, _spec(info.layer.digest))
+            try:
+                a, b = (int(x) for x in h.ok(child.id, "cat /w/A /w/B").split())
+                assert b <= a <= b + 1, (a, b)
+            finally:
+                h.destroy(child.id)

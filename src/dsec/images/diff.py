@@ -64,6 +64,10 @@ class DiffStats:
     """Paths left out by ``exclude`` (the first 1,000)."""
     vanished: int = 0
     """Entries gone between listing and copying (only a running source can do that)."""
+    recopied: int = 0
+    """Entries copied again by :func:`resync_diff` (changed since the first pass)."""
+    removed: int = 0
+    """Entries :func:`resync_diff` removed (deleted since the first pass)."""
 
     def add_excluded(self, path: str) -> None:
         if len(self.excluded) < 1000:
@@ -147,12 +151,15 @@ def _shift_cap(value: bytes, shift: int) -> bytes | None:
 
 
 class _Copier:
-    def __init__(self, root_fd: int, uid_shift: int, exclude: Excluder | None, stats: DiffStats) -> None:
+    def __init__(self, root_fd: int, uid_shift: int, exclude: Excluder | None, stats: DiffStats,
+                 record: dict[str, tuple[int, int]] | None = None) -> None:
         self.root_fd = root_fd
         self.shift = uid_shift
         self.exclude = exclude if exclude else None
         self.stats = stats
         self.links: dict[tuple[int, int], str] = {}
+        self.record = record
+        """Filled with path -> (inode, ctime) of every source entry seen (for resync_diff)."""
 
     # ----- xattrs and metadata -----
 
@@ -303,10 +310,70 @@ class _Copier:
             if self.exclude is not None and self.exclude.matches(path, name):
                 self.stats.add_excluded(path)
                 continue
+            if self.record is not None:
+                self.record[path] = (st.st_ino, st.st_ctime_ns)
             try:
                 self._apply_entry(sfd, dfd, name, st, path)
             except FileNotFoundError:
                 self.stats.vanished += 1
+            except OSError as exc:
+                # A first pass over a running source races with it (a directory turned into a
+                # file between lstat and open...): forget the entry, the second pass redoes it.
+                if self.record is None or exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EIO):
+                    raise
+                self.record.pop(path, None)
+                self.stats.vanished += 1
+
+    def resync_dir(self, sfd: int, dfd: int, rel: str, seen: dict[str, tuple[int, int]], since_ns: int) -> None:
+        """Bring a first-pass copy up to date with the source (see :func:`resync_diff`)."""
+        names = set(os.listdir(sfd))
+        for name in sorted(names):
+            path = f"{rel.rstrip('/')}/{name}"
+            try:
+                st = os.lstat(name, dir_fd=sfd)
+            except FileNotFoundError:
+                names.discard(name)
+                continue
+            if self.exclude is not None and self.exclude.matches(path, name):
+                names.discard(name)
+                continue
+            old = seen.get(path)
+            # ctime changes with every change to an inode and cannot be set from inside; a
+            # change in the same clock tick as the first pass's stat is caught by since_ns.
+            changed = old is None or old != (st.st_ino, st.st_ctime_ns) or st.st_ctime_ns >= since_ns
+            try:
+                dst = os.lstat(name, dir_fd=dfd)
+            except FileNotFoundError:
+                dst = None
+            if stat.S_ISDIR(st.st_mode) and dst is not None and stat.S_ISDIR(dst.st_mode) and old is not None \
+                    and old[0] == st.st_ino:
+                s2 = os.open(name, _DIR_FLAGS, dir_fd=sfd)
+                try:
+                    d2 = os.open(name, _DIR_FLAGS, dir_fd=dfd)
+                    try:
+                        self.resync_dir(s2, d2, path, seen, since_ns)
+                    finally:
+                        os.close(d2)
+                finally:
+                    os.close(s2)
+                if changed:
+                    self._meta(dfd, name, st, self._xattrs(sfd, name), keep_opaque=False)
+                    self.stats.recopied += 1
+                continue
+            if not changed and dst is not None:
+                continue
+            try:
+                if dst is not None:
+                    self._remove(dfd, name)  # never merge into a stale first-pass copy
+                self._apply_entry(sfd, dfd, name, st, path)
+                self.stats.recopied += 1
+            except FileNotFoundError:
+                names.discard(name)
+                with contextlib.suppress(FileNotFoundError):
+                    self._remove(dfd, name)
+        for gone in set(os.listdir(dfd)) - names:
+            self._remove(dfd, gone)
+            self.stats.removed += 1
 
     def _apply_entry(self, sfd: int, dfd: int, name: str, st: os.stat_result, path: str) -> None:
         try:
@@ -354,6 +421,7 @@ def apply_diff(
     exclude: Excluder | None = None,
     stats: DiffStats | None = None,
     root_meta: bool = True,
+    record: dict[str, tuple[int, int]] | None = None,
 ) -> DiffStats:
     """Apply the diff under ``src_dir_fd`` onto the tree at ``dst_root`` (which may hold
     earlier, lower diffs: this is how a chain is collapsed, bottom first).
@@ -367,7 +435,7 @@ def apply_diff(
     stats = stats if stats is not None else DiffStats()
     dfd = os.open(dst_root, _DIR_FLAGS)
     try:
-        copier = _Copier(dfd, uid_shift, exclude, stats)
+        copier = _Copier(dfd, uid_shift, exclude, stats, record)
         copier.apply_dir(src_dir_fd, dfd, "/")
         if root_meta:
             st = os.fstat(src_dir_fd)
@@ -378,6 +446,41 @@ def apply_diff(
             for x, v in xattrs.items():
                 os.setxattr(dfd, x, v)
             os.utime(dfd, ns=(st.st_atime_ns, st.st_mtime_ns))
+    finally:
+        os.close(dfd)
+    return stats
+
+
+def resync_diff(
+    src_dir_fd: int,
+    dst_root: str | os.PathLike[str],
+    seen: dict[str, tuple[int, int]],
+    since_ns: int,
+    *,
+    uid_shift: int = 0,
+    exclude: Excluder | None = None,
+    stats: DiffStats | None = None,
+) -> DiffStats:
+    """Second pass of a two-pass copy: make ``dst_root`` (a first-pass :func:`apply_diff` copy of
+    the same source onto an empty tree, with ``record=seen``) equal to the source *now*.
+
+    Entries whose inode or ctime differ from the first pass, or whose ctime is at or after
+    ``since_ns`` (CLOCK_REALTIME when the first pass started, minus a tick), are copied again;
+    entries gone from the source are removed; unchanged files are not read. So the source need
+    only be still (frozen) for this pass, and it costs a metadata walk plus what changed."""
+    stats = stats if stats is not None else DiffStats()
+    dfd = os.open(dst_root, _DIR_FLAGS)
+    try:
+        copier = _Copier(dfd, uid_shift, exclude, stats)
+        copier.resync_dir(src_dir_fd, dfd, "/", seen, since_ns)
+        st = os.fstat(src_dir_fd)
+        xattrs = copier._xattrs(src_dir_fd, ".")
+        xattrs.pop(OVL_OPAQUE, None)
+        os.chown(dfd, _shift_id(st.st_uid, uid_shift), _shift_id(st.st_gid, uid_shift))
+        os.chmod(dfd, stat.S_IMODE(st.st_mode))
+        for x, v in xattrs.items():
+            os.setxattr(dfd, x, v)
+        os.utime(dfd, ns=(st.st_atime_ns, st.st_mtime_ns))
     finally:
         os.close(dfd)
     return stats
@@ -417,4 +520,4 @@ def tree_bytes(dir_fd: int, exclude: Excluder | None = None) -> int:
     return total
 
 
-__all__ = ["DiffStats", "Excluder", "apply_diff", "is_whiteout", "open_dir", "tree_bytes"]
+__all__ = ["DiffStats", "Excluder", "apply_diff", "is_whiteout", "open_dir", "resync_diff", "tree_bytes"]

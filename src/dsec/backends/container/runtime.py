@@ -297,6 +297,8 @@ class ContainerRuntime:
         self.max_layers = snapshots.DEFAULT_MAX_LAYERS
         self.snapshot_compressor = snapshots.SNAPSHOT_COMPRESSOR
         """mkfs.erofs compressor of snapshot layers: lz4 (default), lz4hc, or none."""
+        self.snapshot_precopy = True
+        """Copy the upper once while the sandbox runs, then only what changed under the freeze."""
         self.snapshot_scratch = "auto"
         """Where a snapshot copies the upper while frozen: "auto" (a tmpfs if any, else the store) or "store"."""
         """A snapshot whose stack would be deeper collapses the snapshots on top (docs/SNAPSHOTS.md)."""
