@@ -7,10 +7,12 @@ is an error, not a silently ignored setting.
 from __future__ import annotations
 
 import enum
+import ipaddress
+import posixpath
 import re
-from typing import Annotated
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 _LAYER_REF = re.compile(r"^(sha256:[0-9a-f]{64}|[a-z0-9][a-z0-9._-]{0,127}(:[A-Za-z0-9._-]{1,128})?)$")
 
@@ -73,6 +75,112 @@ class Resources(_Model):
     nofile: Annotated[int, Field(ge=16, le=1 << 20)] = 4096
 
 
+_PERMISSION_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
+_PORTS = re.compile(r"^([0-9]{1,5})(-([0-9]{1,5}))?$")
+
+
+class NetRule(_Model):
+    """A raw allow rule: destination network, ports, protocol."""
+
+    cidr: str
+    """An IPv4/IPv6 address or CIDR, e.g. ``10.0.0.0/8`` or ``2001:db8::1``."""
+    ports: tuple[str, ...] = ()
+    """Ports or ranges (``"443"``, ``"8000-8100"``); empty means every port."""
+    protocol: Literal["tcp", "udp", "any"] = "tcp"
+
+    @field_validator("cidr")
+    @classmethod
+    def _cidr(cls, v: str) -> str:
+        try:
+            return str(ipaddress.ip_network(v, strict=False))
+        except ValueError:
+            raise ValueError(f"{v!r} is not an IP address or CIDR (e.g. 10.0.0.0/8, 192.0.2.1)") from None
+
+    @field_validator("ports")
+    @classmethod
+    def _ports(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for p in v:
+            m = _PORTS.match(str(p))
+            lo, hi = (int(m.group(1)), int(m.group(3) or m.group(1))) if m else (0, -1)
+            if not m or not (1 <= lo <= hi <= 65535):
+                raise ValueError(f"port {p!r}: use N or LO-HI with 1 <= LO <= HI <= 65535")
+        return tuple(str(p) for p in v)
+
+
+class NetworkPolicy(_Model):
+    """What a sandbox may reach. Everything else is refused (TCP reset / ICMP
+    prohibited), and some destinations are refused whatever the policy says:
+    other sandboxes, the host, the platform's own services, link-local and
+    metadata addresses (docs/SECURITY.md, "Network")."""
+
+    allow: tuple[str, ...] = ()
+    """Named permissions defined in the edge's configuration (``pypi``, ``debian``, ...)."""
+    rules: tuple[NetRule, ...] = ()
+
+    @field_validator("allow")
+    @classmethod
+    def _names(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for name in v:
+            if not _PERMISSION_NAME.match(name):
+                raise ValueError(f"permission name {name!r} must match {_PERMISSION_NAME.pattern}")
+        return v
+
+
+def _check_path(p: str) -> str:
+    if not p.startswith("/") or "\0" in p:
+        raise ValueError(f"path {p!r} must be absolute (start with /)")
+    norm = posixpath.normpath(p)
+    if norm.startswith("//"):
+        norm = "/" + norm.lstrip("/")
+    if norm != p.rstrip("/") and not (p == "/" and norm == "/"):
+        raise ValueError(f"path {p!r} is not normalised: write {norm!r}")
+    return norm
+
+
+class FileRules(_Model):
+    """File access bound with Landlock on every process started in the sandbox;
+    root inside cannot lift it. The deepest rule that covers a path wins."""
+
+    read_only: tuple[str, ...] = ()
+    hidden: tuple[str, ...] = ()
+    """Neither readable nor writable (names may still be listed in a listable parent)."""
+    writable: tuple[str, ...] = ()
+    default: Literal["rw", "ro"] = "rw"
+    """Access to paths no rule names."""
+
+    @field_validator("read_only", "hidden", "writable")
+    @classmethod
+    def _paths(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if len(v) > 64:
+            raise ValueError("at most 64 paths per list")
+        return tuple(_check_path(p) for p in v)
+
+    @model_validator(mode="after")
+    def _disjoint(self) -> FileRules:
+        seen: dict[str, str] = {}
+        for kind in ("read_only", "hidden", "writable"):
+            for p in getattr(self, kind):
+                if p in seen and seen[p] != kind:
+                    raise ValueError(f"path {p!r} is both {seen[p]} and {kind}")
+                seen[p] = kind
+        return self
+
+    @property
+    def unrestricted(self) -> bool:
+        return self.default == "rw" and not (self.read_only or self.hidden)
+
+
+_STAGE_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
+
+
+class Stage(_Model):
+    """A named policy object: what a sandbox may reach and touch during one stage of a task."""
+
+    network: NetworkPolicy | None = None
+    """None: loopback only."""
+    files: FileRules = FileRules()
+
+
 class SandboxSpec(_Model):
     image: ImageRef
     resources: Resources = Resources()
@@ -80,6 +188,29 @@ class SandboxSpec(_Model):
     labels: dict[str, str] = Field(default_factory=dict)
     output_cap: Annotated[int, Field(ge=1024, le=64 * MiB)] = 256 * 1024
     """Bytes kept from the head and from the tail of each output stream."""
+    network: NetworkPolicy | None = None
+    """None: loopback only (the default). Ignored when ``stage`` is set: the stage's own applies."""
+    stages: dict[str, Stage] = Field(default_factory=dict)
+    """Named stages this sandbox can be switched between (``set_stage``)."""
+    stage: str | None = None
+    """The stage the sandbox starts in; must name one of ``stages``."""
+
+    @model_validator(mode="after")
+    def _stage_known(self) -> SandboxSpec:
+        for name in self.stages:
+            if not _STAGE_NAME.match(name):
+                raise ValueError(f"stage name {name!r} must match {_STAGE_NAME.pattern}")
+        if self.stage is not None and self.stage not in self.stages:
+            known = ", ".join(sorted(self.stages)) or "none declared"
+            raise ValueError(f"stage {self.stage!r} is not one of the declared stages ({known})")
+        return self
+
+    def effective_network(self) -> NetworkPolicy | None:
+        """The network policy in force at creation."""
+        return self.stages[self.stage].network if self.stage is not None else self.network
+
+    def effective_files(self) -> FileRules:
+        return self.stages[self.stage].files if self.stage is not None else FileRules()
 
     @field_validator("env")
     @classmethod
@@ -117,10 +248,14 @@ def can_move(src: SandboxState, dst: SandboxState) -> bool:
 
 __all__ = [
     "TRANSITIONS",
+    "FileRules",
     "ImageRef",
     "MiB",
+    "NetRule",
+    "NetworkPolicy",
     "Resources",
     "SandboxSpec",
     "SandboxState",
+    "Stage",
     "can_move",
 ]

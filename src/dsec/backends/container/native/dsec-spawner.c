@@ -734,7 +734,9 @@ static void do_create(struct req *r) {
         return;
     }
     int pidfd = -1;
-    int net_fd = netpool_take();
+    /* A networked sandbox brings its prepared netns (veth, address, nftables) as the
+     * request's one fd; others take a loopback-only one from the pool. */
+    int net_fd = r->nfds >= 1 ? fcntl(r->fds[0], F_DUPFD_CLOEXEC, 3) : netpool_take();
     pid_t pid = clone_pidfd(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS, &pidfd);
     if (pid == 0) {
         close(go[1]);
