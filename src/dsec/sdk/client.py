@@ -33,7 +33,7 @@ from dsec.errors import (
     SandboxStateError,
 )
 from dsec.sdk._http import make_http, raise_for_error, result_from_wire
-from dsec.spec import SandboxSpec
+from dsec.spec import NetworkPolicy, SandboxSpec
 from dsec.spec.api import (
     BatchResult,
     CreateBatch,
@@ -46,11 +46,13 @@ from dsec.spec.api import (
     ForkRequest,
     GroupResult,
     Lifecycle,
+    NetworkInfo,
     PauseReport,
     ProjectInfo,
     Quota,
     SandboxInfo,
     SessionRun,
+    SetStage,
     SnapshotInfo,
     SnapshotRequest,
     StreamChunk,
@@ -450,9 +452,13 @@ class AsyncSandbox:
         stdin: bytes | None = None,
         timeout: float | _Unset | None = UNSET,
         idle_timeout: float | None = None,
+        pristine: Sequence[str] = (),
     ) -> ExecResult:
-        """Run a command to completion. A timeout raises :class:`ExecTimeout` with ``.result``."""
-        req = self._exec_request(cmd, env, cwd, user, stdin, timeout, idle_timeout)
+        """Run a command to completion. A timeout raises :class:`ExecTimeout` with ``.result``.
+
+        ``pristine``: paths the command sees as they are in the image layers, whatever the
+        sandbox did to them (run an evaluation against untouched tests and tools)."""
+        req = self._exec_request(cmd, env, cwd, user, stdin, timeout, idle_timeout, pristine)
         resp = await self._request("POST", "/exec", content=req.model_dump_json(), headers=_JSON, timeout=self._http_timeout(req))
         return self._finish(result_from_wire(ExecResultWire.model_validate_json(resp.content)), req)
 
@@ -466,9 +472,10 @@ class AsyncSandbox:
         stdin: bytes | None = None,
         timeout: float | _Unset | None = UNSET,
         idle_timeout: float | None = None,
+        pristine: Sequence[str] = (),
     ) -> AsyncIterator[OutputChunk | ExecResult]:
         """Yield :class:`OutputChunk` as output is produced, then the :class:`ExecResult`."""
-        req = self._exec_request(cmd, env, cwd, user, stdin, timeout, idle_timeout)
+        req = self._exec_request(cmd, env, cwd, user, stdin, timeout, idle_timeout, pristine)
         http = self._client._edge(self.info.edge_url, self.id)
         headers = {"authorization": f"Bearer {self.info.token}", **_JSON}
         async with http.stream("POST", f"/v1/sandboxes/{self.id}/exec/stream", content=req.model_dump_json(),
@@ -491,11 +498,16 @@ class AsyncSandbox:
                     raise error_from_wire(chunk.error or {})
 
     def _exec_request(self, cmd: Sequence[str] | str, env: Mapping[str, str] | None, cwd: str, user: int | str,
-                      stdin: bytes | None, timeout: float | _Unset | None, idle_timeout: float | None) -> ExecRequest:
-        return ExecRequest(
+                      stdin: bytes | None, timeout: float | _Unset | None, idle_timeout: float | None,
+                      pristine: Sequence[str] = ()) -> ExecRequest:
+        if isinstance(pristine, str):
+            raise InvalidSpec("pristine is a list of paths, e.g. pristine=['/tests']", field="pristine")
+        return _wire(
+            ExecRequest,
             cmd=cmd if isinstance(cmd, str) else list(cmd), env=dict(env or {}), cwd=cwd, user=user,
             stdin_b64=base64.b64encode(stdin).decode() if stdin else None,
             timeout=DEFAULT_EXEC_TIMEOUT if isinstance(timeout, _Unset) else timeout, idle_timeout=idle_timeout,
+            pristine=list(pristine),
         )
 
     @staticmethod
@@ -510,6 +522,41 @@ class AsyncSandbox:
                 sandbox_id=self.id, reason=result.timed_out, timeout=req.timeout, result=result,
             )
         return result
+
+    # ----- network policy, stages, audit -----
+
+    def _take_info(self, resp: httpx.Response) -> SandboxInfo:
+        info = SandboxInfo.model_validate_json(resp.content)
+        if info.token is None:  # a sandbox token gets no fresh token back: keep ours
+            info = info.model_copy(update={"token": self.info.token, "token_expires_at": self.info.token_expires_at})
+        self.info = info
+        return info
+
+    async def set_policy(self, policy: NetworkPolicy | Mapping[str, Any] | None) -> SandboxInfo:
+        """Replace what the sandbox may reach, atomically, while it runs; ``None``: no network.
+
+        Connections the new policy forbids are cut. Names in ``policy.allow`` are the edge's
+        configured permissions (an unknown one raises :class:`InvalidSpec`, nothing changes)."""
+        if policy is not None and not isinstance(policy, NetworkPolicy):
+            policy = _wire(NetworkPolicy, **dict(policy))
+        body = "null" if policy is None else policy.model_dump_json()
+        return self._take_info(await self._request("PUT", "/policy", content=body, headers=_JSON))
+
+    async def set_stage(self, name: str) -> SandboxInfo:
+        """Switch to one of the stages declared in the spec: its file rules and network policy
+        apply from now on, and processes started before the switch are killed."""
+        body = _wire(SetStage, stage=name)
+        return self._take_info(await self._request("POST", "/stage", content=body.model_dump_json(), headers=_JSON))
+
+    async def network(self) -> NetworkInfo:
+        """The sandbox's address, the policy in force and its denied-attempt counters."""
+        return NetworkInfo.model_validate_json((await self._request("GET", "/network")).content)
+
+    async def events(self) -> builtins.list[dict[str, Any]]:
+        """The sandbox's event log, oldest first: execs, limit hits (``oom``, ``pids_limit``,
+        ``disk_full``, ``output_capped``), ``net_denied``, ``policy_changed``, ``stage_changed``..."""
+        data = (await self._request("GET", "/events")).json()
+        return list(data)
 
     # ----- pause, snapshots, forks -----
 

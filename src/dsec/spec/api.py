@@ -7,12 +7,13 @@ with the status from :data:`STATUS_BY_CODE`.
 
 from __future__ import annotations
 
+import posixpath
 import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from dsec.spec import ImageRef, Resources, SandboxSpec, SandboxState
+from dsec.spec import ImageRef, NetworkPolicy, Resources, SandboxSpec, SandboxState
 
 _LABEL_KEY = re.compile(r"^[a-z0-9]([a-z0-9._/-]{0,62})$")
 
@@ -98,6 +99,12 @@ class SandboxInfo(_Wire):
     """The edge served this create from a warm pool."""
     image: ImageRef | None = None
     resources: Resources | None = None
+    stage: str | None = None
+    """The stage in force now (``set_stage``); None: the sandbox has no stages or never entered one."""
+    network: NetworkPolicy | None = None
+    """The network policy in force now (the stage's, or the last ``set_policy``); None: loopback only."""
+    stages: list[str] = Field(default_factory=list)
+    """Names of the stages this sandbox can be switched to."""
 
 
 class EdgeCreateSandbox(CreateSandbox):
@@ -121,6 +128,19 @@ class BatchResult(_Wire):
     items: list[BatchItem]
 
 
+def _check_pristine(v: list[str]) -> list[str]:
+    if len(v) > 64:
+        raise ValueError("at most 64 pristine paths")
+    for p in v:
+        if not p.startswith("/") or "\0" in p or len(p) > 4096:
+            raise ValueError(f"pristine path {p!r} must be absolute (start with /)")
+        if posixpath.normpath(p) != p.rstrip("/") and p != "/":
+            raise ValueError(f"pristine path {p!r} is not normalised: write {posixpath.normpath(p)!r}")
+        if p == "/":
+            raise ValueError("pristine path '/' would hide the whole sandbox; name the directories to restore")
+    return v
+
+
 class ExecRequest(_Wire):
     cmd: list[str] | str
     env: dict[str, str] = Field(default_factory=dict)
@@ -129,6 +149,15 @@ class ExecRequest(_Wire):
     stdin_b64: str | None = None
     timeout: Annotated[float | None, Field(gt=0)] = 600.0
     idle_timeout: Annotated[float | None, Field(gt=0)] = None
+    pristine: list[str] = Field(default_factory=list)
+    """Paths the command sees as they are in the image layers, whatever the sandbox did to
+    them (evaluation integrity: an agent that edited /tests or replaced /bin/sh cannot
+    change the verdict). Other paths are the sandbox's own."""
+
+    @field_validator("pristine")
+    @classmethod
+    def _pristine(cls, v: list[str]) -> list[str]:
+        return _check_pristine(v)
 
 
 class ExecResultWire(_Wire):
@@ -153,6 +182,30 @@ class StreamChunk(_Wire):
     dropped_bytes: int | None = None
     """Output bytes of this stream not sent before this chunk (a reader slower than the
     command); the final result still holds the capped head and tail."""
+
+
+class SetStage(_Wire):
+    """Body of ``POST /v1/sandboxes/{id}/stage``."""
+
+    stage: Annotated[str, Field(pattern=r"^[a-z][a-z0-9_-]{0,62}$")]
+    """One of the stages declared in the sandbox's spec."""
+
+
+class NetworkInfo(_Wire):
+    """Answer of ``GET /v1/sandboxes/{id}/network``."""
+
+    sandbox_id: str
+    ip: str | None = None
+    """The sandbox's address on the edge's sandbox subnet; None: loopback only."""
+    policy: NetworkPolicy | None = None
+    """In force now; None: no network at all."""
+    stage: str | None = None
+    denied: int = 0
+    """Packets refused by the policy since the sandbox started (or was re-adopted)."""
+    recent_denied: list[str] = Field(default_factory=list)
+    """Destinations of the latest refused attempts, newest last (``ip:port/proto``)."""
+    detail: dict[str, Any] = Field(default_factory=dict)
+    """Anything else the runtime reports (counters per rule, resolved addresses, ...)."""
 
 
 class SessionOpen(_Wire):
