@@ -47,6 +47,10 @@ from dsec.cli.service import register as _register_service  # noqa: E402
 
 _register_service(main)
 
+from dsec.cli.policy import register as _register_policy  # noqa: E402
+
+_register_policy(main)
+
 
 @main.group()
 def bench() -> None:

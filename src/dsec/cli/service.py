@@ -16,6 +16,8 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from dsec.cli.policy import PolicyArgs, policy_options
+
 console = Console(stderr=True)
 out = Console()
 
@@ -85,13 +87,13 @@ def sandbox_options(f: Any) -> Any:
     return f
 
 
-def _stream_exec(sb: Any, cmd: list[str], timeout: float | None) -> int:
+def _stream_exec(sb: Any, cmd: list[str], timeout: float | None, pristine: tuple[str, ...] = ()) -> int:
     from dsec.errors import ExecTimeout
     from dsec.sdk import OutputChunk
 
     argv: list[str] | str = cmd[0] if len(cmd) == 1 and " " in cmd[0] else cmd
     try:
-        for item in sb.exec_stream(argv, timeout=timeout):
+        for item in sb.exec_stream(argv, timeout=timeout, pristine=list(pristine)):
             if isinstance(item, OutputChunk):
                 stream = sys.stdout if item.stream == "stdout" else sys.stderr
                 stream.buffer.write(item.data)
@@ -114,28 +116,33 @@ def register(main: click.Group) -> None:
     @click.option("--edges", type=click.IntRange(1, 16), default=1, show_default=True, help="Edge agents to run.")
     @click.option("--host", default="127.0.0.1", show_default=True)
     @click.option("--detach", is_flag=True, help="Run in the background; log to <data-dir>/up.log.")
-    def up(data_dir: Path | None, port: int, edges: int, host: str, detach: bool) -> None:
+    @click.option("--edge-config", type=click.Path(dir_okay=False, exists=True, path_type=Path), default=None,
+                  help="JSON or TOML of EdgeConfig fields for every edge, e.g. a `network` section (docs/EDGE.md).")
+    def up(data_dir: Path | None, port: int, edges: int, host: str, detach: bool, edge_config: Path | None) -> None:
         """All-in-one on this machine: control plane + edge(s) + SQLite. Ctrl-C stops it cleanly."""
         import asyncio
 
-        from dsec.cli.up import data_dir_default, run_foreground
+        from dsec.cli.up import data_dir_default, load_edge_overrides, run_foreground
 
         data = data_dir or data_dir_default()
+        overrides = load_edge_overrides(edge_config) if edge_config else None  # bad files fail before detaching
         if detach:
-            _detach(data, port, edges, host)
+            _detach(data, port, edges, host, edge_config)
             return
-        asyncio.run(run_foreground(data, port=port, edges=edges, host=host, say=lambda m: console.print(m)))
+        asyncio.run(run_foreground(data, port=port, edges=edges, host=host, say=lambda m: console.print(m),
+                                   edge_overrides=overrides))
 
     @main.command(context_settings={"ignore_unknown_options": True})
     @click.argument("image")
     @sandbox_options
+    @policy_options
     @click.option("--timeout", type=float, default=600.0, show_default=True)
     @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
     def run(image: str, workspace: str | None, toolkit: tuple[str, ...], cpu: float | None, memory: str | None,
             disk: str | None, ttl: float, env: tuple[str, ...], label: tuple[str, ...], task: str | None,
-            timeout: float, cmd: tuple[str, ...]) -> None:
+            timeout: float, cmd: tuple[str, ...], policy: PolicyArgs) -> None:
         """Create a sandbox, run CMD, print its output, destroy it; exit with CMD's code."""
-        spec = _spec(image, workspace, toolkit, cpu, memory, disk, env)
+        spec = policy.apply(_spec(image, workspace, toolkit, cpu, memory, disk, env))
         with client() as c, c.create(spec, labels=parse_kv(label, "--label"), task=task, ttl_s=ttl) as sb:
             code = _stream_exec(sb, list(cmd), timeout)
         sys.exit(code)
@@ -147,11 +154,12 @@ def register(main: click.Group) -> None:
                   help="Create this many (with backpressure-aware retries and a progress bar).")
     @click.option("--concurrency", type=click.IntRange(1, 4096), default=64, show_default=True)
     @click.option("--json", "as_json", is_flag=True)
+    @policy_options
     def create(image: str, workspace: str | None, toolkit: tuple[str, ...], cpu: float | None, memory: str | None,
                disk: str | None, ttl: float, env: tuple[str, ...], label: tuple[str, ...], task: str | None,
-               count: int, concurrency: int, as_json: bool) -> None:
+               count: int, concurrency: int, as_json: bool, policy: PolicyArgs) -> None:
         """Create sandboxes and print their ids (one per line)."""
-        spec = _spec(image, workspace, toolkit, cpu, memory, disk, env)
+        spec = policy.apply(_spec(image, workspace, toolkit, cpu, memory, disk, env))
         labels = parse_kv(label, "--label")
         with client() as c:
             if count == 1:
@@ -182,11 +190,13 @@ def register(main: click.Group) -> None:
     @main.command("exec", context_settings={"ignore_unknown_options": True})
     @click.argument("sandbox_id")
     @click.option("--timeout", type=float, default=600.0, show_default=True)
+    @click.option("--pristine", multiple=True, metavar="PATH",
+                  help="Run against the image's own copy of PATH, whatever the sandbox did to it; repeat.")
     @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
-    def exec_(sandbox_id: str, timeout: float, cmd: tuple[str, ...]) -> None:
+    def exec_(sandbox_id: str, timeout: float, pristine: tuple[str, ...], cmd: tuple[str, ...]) -> None:
         """Run CMD in a sandbox, streaming its output; exit with its code."""
         with client() as c:
-            sys.exit(_stream_exec(c.connect(sandbox_id), list(cmd), timeout))
+            sys.exit(_stream_exec(c.connect(sandbox_id), list(cmd), timeout, pristine))
 
     @main.command()
     @click.argument("sandbox_id")
@@ -426,7 +436,7 @@ def register(main: click.Group) -> None:
         out.print_json(info.model_dump_json())
 
 
-def _detach(data: Path, port: int, edges: int, host: str) -> None:
+def _detach(data: Path, port: int, edges: int, host: str, edge_config: Path | None = None) -> None:
     import subprocess
 
     import httpx
@@ -435,7 +445,7 @@ def _detach(data: Path, port: int, edges: int, host: str) -> None:
     log = open(data / "up.log", "ab")  # noqa: SIM115 - handed to the child
     proc = subprocess.Popen(
         [sys.executable, "-m", "dsec.cli.main", "up", "--data-dir", str(data), "--port", str(port),
-         "--edges", str(edges), "--host", host],
+         "--edges", str(edges), "--host", host, *(["--edge-config", str(edge_config.absolute())] if edge_config else [])],
         stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True,
     )
     (data / "up.pid").write_text(f"{proc.pid}\n")

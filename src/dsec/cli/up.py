@@ -116,8 +116,45 @@ async def _wait_registered(control: Any, edge_ids: list[str], timeout: float = 1
             await asyncio.sleep(0.1)
 
 
-async def run_foreground(data_dir: Path, *, port: int, edges: int, host: str, say: Any) -> None:
-    cluster = await start_cluster(data_dir, port=port, edges=edges, host=host)
+EDGE_IDENTITY = ("edge_id", "cluster_key", "host", "port", "url", "state_dir", "runtime_name", "control_plane_url",
+                 "destroy_on_shutdown", "pools")
+"""EdgeConfig fields `dsec up` sets for each edge itself (an --edge-config file may not)."""
+
+
+def load_edge_overrides(path: Path) -> dict[str, Any]:
+    """EdgeConfig fields from a JSON or TOML file (optionally under ``edge``) for every edge
+    of the all-in-one, checked now (a typo fails before anything starts)."""
+    import json
+    import tomllib
+
+    import click
+    from pydantic import ValidationError
+
+    from dsec.edge.config import EdgeConfig
+
+    try:
+        text = path.read_text()
+        data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    except (OSError, ValueError) as exc:
+        raise click.BadParameter(f"{path}: {exc}", param_hint="--edge-config") from None
+    data = dict(data.get("edge", data)) if isinstance(data, dict) else data
+    if not isinstance(data, dict):
+        raise click.BadParameter(f"{path}: expected an object of EdgeConfig fields", param_hint="--edge-config")
+    fixed = sorted(set(data) & set(EDGE_IDENTITY))
+    if fixed:
+        raise click.BadParameter(f"{path}: `dsec up` sets {', '.join(fixed)} itself", param_hint="--edge-config")
+    try:
+        EdgeConfig.model_validate({"edge_id": "e1", "cluster_key": "00" * 32, **data})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(x) for x in first.get("loc", ()))
+        raise click.BadParameter(f"{path}: {where}: {first['msg']}", param_hint="--edge-config") from None
+    return data
+
+
+async def run_foreground(data_dir: Path, *, port: int, edges: int, host: str, say: Any,
+                         edge_overrides: dict[str, Any] | None = None) -> None:
+    cluster = await start_cluster(data_dir, port=port, edges=edges, host=host, edge_overrides=edge_overrides)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
