@@ -33,7 +33,9 @@ from typing import Any, Final
 from dsec.backends.container import cgroups
 from dsec.backends.container import pause as pausing
 from dsec.backends.container import snapshot as snapshots
+from dsec.backends.container import stages as staging
 from dsec.backends.container.fsops import SandboxFiles
+from dsec.backends.container.network import Lease, NetworkConfig, NetworkManager
 from dsec.backends.container.output import BoundedCapture, ExecResult
 from dsec.backends.container.sessions import Session
 from dsec.backends.container.spawner import ChildExit, Spawner, SpawnError
@@ -50,7 +52,7 @@ from dsec.errors import (
     SandboxStateError,
 )
 from dsec.images.layer import Layer, LayerKind
-from dsec.spec import ImageRef, SandboxSpec, SandboxState, can_move
+from dsec.spec import ImageRef, NetworkPolicy, SandboxSpec, SandboxState, can_move
 
 UID_RANGE: Final = 65536
 UID_FIRST_BASE: Final = 1 << 24  # well above any host account
@@ -92,6 +94,10 @@ class SandboxRecord:
     meta: dict[str, Any] = field(default_factory=dict)
     """Owner's data kept with the record (the edge keeps labels, TTL, project here)."""
     events: list[dict[str, Any]] = field(default_factory=list)
+    stage: str | None = None
+    """The stage in force once :meth:`ContainerRuntime.set_stage` switched it (None: ``spec.stage``)."""
+    net: dict[str, Any] | None = None
+    """Its network when it has one beyond loopback: slot, ip, ifname, policy (JSON)."""
 
     @property
     def uid_base(self) -> int:
@@ -109,6 +115,8 @@ class SandboxRecord:
             "init_start": self.init_start,
             "reason": self.reason,
             "meta": self.meta,
+            "stage": self.stage,
+            "net": self.net,
         }
 
     @classmethod
@@ -124,6 +132,8 @@ class SandboxRecord:
             init_start=int(d.get("init_start", 0)),
             reason=str(d.get("reason", "")),
             meta=dict(d.get("meta", {})),
+            stage=d.get("stage"),
+            net=d.get("net"),
         )
 
 
@@ -253,6 +263,7 @@ class ContainerRuntime:
         id_prefix: str = "sb",
         zram_size: int = 0,
         reclaim_method: pausing.ReclaimMethod = "pageout+force_empty",
+        network: NetworkConfig | None = None,
     ) -> None:
         """``zram_size`` (bytes, 0: none) sets up a zram swap device at ``start()`` for
         paused sandboxes' memory (docs/SNAPSHOTS.md, "Pause"); ``reclaim_method`` is how
@@ -306,6 +317,15 @@ class ContainerRuntime:
         self._thaw_after_pack: dict[str, bool] = {}
         self._lineage: dict[str, tuple[str, ...] | None] = {}
         self._ephemeral_dir = self.run_dir / "ephemeral"
+        self._stage_gates: dict[str, asyncio.Event] = {}
+        self._spawning: dict[str, int] = {}
+        self.landlock_abi = staging.landlock_abi()
+        """The kernel's Landlock ABI (0: none; stages with file rules then fail to exec)."""
+        self.net = NetworkManager(network)
+        """Sandbox networks (docs/SECURITY.md, "Network"); started at ``start()`` when
+        ``network`` is given, else on the first sandbox that asks for a policy."""
+        self._net_configured = network is not None
+        self.net.open_netns = self.netns_fd
 
     # ----- lifecycle of the runtime itself -----
 
@@ -341,12 +361,18 @@ class ContainerRuntime:
         self.reconciled = await self._reconcile()
         await self._setup_swap()
         await asyncio.to_thread(snapshots.clean_scratch, self)
+        if self._net_configured or self.net.sandboxes:
+            await self.net.start()
 
     async def close(self, *, destroy_all: bool = True) -> None:
         """Stop the runtime. By default every sandbox is destroyed; ``destroy_all=False``
         leaves them running for the next ``start()`` to re-adopt."""
         if destroy_all:
             await asyncio.gather(*(self.destroy(i) for i in list(self.sandboxes)), return_exceptions=True)
+        await self.net.close()
+        if destroy_all and self.net.made and not any(r.net for r in self.sandboxes.values()):
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(self.net.remove_host_rules)
         if self.spawner is not None:
             await self.spawner.close()
             self.spawner = None
@@ -468,10 +494,14 @@ class ContainerRuntime:
         if existing is not None:
             return existing  # idempotent
         layers = self._layers_for(spec.image)
+        policy = spec.effective_network()
+        if policy is not None:
+            await self.net.compile(policy)  # unknown permission names fail before anything is made
         rec = SandboxRecord(sid, SandboxState.CREATING, spec, -1, layers, time.time(), meta=dict(meta or {}))
         self.sandboxes[sid] = rec
         lock = self._locks.setdefault(sid, asyncio.Lock())
         async with lock:
+            lease: Lease | None = None
             try:
                 # No record until the init runs: until then every host resource is
                 # found by name (cgroups, uid slot file) and the reconciler removes it.
@@ -490,8 +520,12 @@ class ContainerRuntime:
                     *[("lower", p) for p in lowers],
                     *[("cg", str(d)) for d in cg_dirs],
                 ]
+                if policy is not None:
+                    lease = await self.net.take()
+                    await self.net.apply(sid, lease.fd, lease.info(), policy)
+                    rec.net = {**lease.info(), "policy": policy.model_dump(mode="json")}
                 try:
-                    spawned = await spawner.spawn("create", fields)
+                    spawned = await spawner.spawn("create", fields, fds=[lease.fd] if lease else [])
                 except SpawnError as exc:
                     raise SandboxFailed(
                         f"sandbox {sid} failed to start at step {exc.stage!r}: {exc.detail} ({os.strerror(exc.errno)})",
@@ -505,9 +539,14 @@ class ContainerRuntime:
                 self.last_activity[sid] = time.monotonic()
                 return rec
             except BaseException:
+                if lease is not None and sid not in self.net.sandboxes:
+                    self.net.release(lease)  # never handed over to the sandbox's state
                 await self._teardown(rec)
                 self.sandboxes.pop(sid, None)
                 raise
+            finally:
+                if lease is not None:
+                    os.close(lease.fd)  # the sandbox's processes hold the namespace now
 
     async def destroy(self, sandbox_id: str) -> bool:
         """Destroy a sandbox and everything it holds. Idempotent: False if it was not there."""
@@ -556,6 +595,8 @@ class ContainerRuntime:
             await self._unuse_layer(d, sid)
         if rec.slot >= 0:
             self._release_slot(rec)
+        if rec.net is not None or sid in self.net.sandboxes:
+            self.net.forget(sid)  # the namespace and its veth die with the last process
         if not left:
             self._record_path(sid).unlink(missing_ok=True)
         return left
@@ -731,6 +772,198 @@ class ContainerRuntime:
         rec = self._running(sandbox_id)
         return Path(f"/proc/{rec.init_pid}/root")
 
+    # ----- network -----
+
+    async def set_policy(self, sandbox_id: str, policy: NetworkPolicy | None) -> SandboxRecord:
+        """Replace a sandbox's network policy at once (one nftables transaction); TCP
+        connections the new policy forbids are cut. ``None``: nothing beyond loopback.
+        A loopback-only sandbox gets its veth on the first policy. Works while paused."""
+        if policy is not None:
+            await self.net.compile(policy)
+        lock = self._locks.setdefault(sandbox_id, asyncio.Lock())
+        async with lock:
+            rec = self._live(sandbox_id)
+            if rec.net is None and policy is None:
+                return rec
+            pidfd = self._netns_fd(rec)
+            assert pidfd is not None
+            try:
+                if rec.net is None:
+                    lease = await self.net.attach(sandbox_id, pidfd)
+                    os.close(lease.fd)
+                    try:
+                        cut = await self.net.apply(sandbox_id, pidfd, lease.info(), policy)
+                    except BaseException:
+                        if sandbox_id not in self.net.sandboxes:
+                            self.net.release(lease)
+                        raise
+                    rec.net = lease.info()
+                else:
+                    cut = await self.net.apply(sandbox_id, pidfd, rec.net, policy)
+            finally:
+                os.close(pidfd)
+            dumped = None if policy is None else policy.model_dump(mode="json")
+            rec.net = {**rec.net, "policy": dumped}
+            self._save(rec)
+            self._event(rec, "policy_changed", policy=dumped, connections_cut=cut)
+            return rec
+
+    def _netns_fd(self, rec: SandboxRecord, *, check: bool = True) -> int | None:
+        """An fd of the sandbox's network namespace, taken from its verified init."""
+        pidfd = self._open_init(rec, check=check)
+        if pidfd is None:
+            return None
+        fd = -1
+        try:
+            fd = os.open(f"/proc/{rec.init_pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+            signal.pidfd_send_signal(pidfd, 0)  # still that process: the fd is its namespace
+            return fd
+        except OSError:
+            if fd >= 0:
+                os.close(fd)
+            if check:
+                raise SandboxFailed(f"sandbox {rec.id}: its init is gone", sandbox_id=rec.id,
+                                    reason="init exited") from None
+            return None
+        finally:
+            os.close(pidfd)
+
+    def netns_fd(self, sandbox_id: str) -> int | None:
+        """An fd of a sandbox's network namespace (the caller closes it); None if it is gone."""
+        rec = self.sandboxes.get(sandbox_id)
+        return None if rec is None else self._netns_fd(rec, check=False)
+
+    def network_info(self, sandbox_id: str) -> dict[str, Any] | None:
+        """Address, policy and refused-packet counts (as of the last :meth:`collect_denied`);
+        None for a loopback-only sandbox."""
+        rec = self.get(sandbox_id)
+        if rec.net is None:
+            return None
+        st = self.net.sandboxes.get(sandbox_id)
+        return {
+            "ip": rec.net.get("ip"),
+            "ifname": rec.net.get("ifname"),
+            "gateway": self.net.gateway,
+            "policy": rec.net.get("policy"),
+            "denied_packets": st.denied_seen if st else 0,
+            "denied_recent": list(st.denied_recent) if st else [],
+        }
+
+    async def collect_denied(self) -> dict[str, int]:
+        """Read every networked sandbox's refused-packet counter; record a ``net_denied``
+        event where it grew. Returns the increase per sandbox (only those that grew)."""
+        grown: dict[str, int] = {}
+        for sid in list(self.net.sandboxes):
+            rec = self.sandboxes.get(sid)
+            st = self.net.sandboxes.get(sid)
+            if rec is None or st is None or rec.state not in (SandboxState.RUNNING, SandboxState.PAUSED):
+                continue
+            pidfd = self._netns_fd(rec, check=False)
+            if pidfd is None:
+                continue
+            try:
+                total, dests = await self.net.denied(sid, pidfd)
+            except Exception:
+                continue
+            finally:
+                os.close(pidfd)
+            st.denied_recent = dests[-16:]
+            if total > st.denied_seen:
+                grown[sid] = total - st.denied_seen
+                st.denied_seen = total
+                self._event(rec, "net_denied", count=grown[sid], total=total, destinations=dests[-16:])
+        return grown
+
+    # ----- stages (docs/SECURITY.md, "Stages and Landlock") -----
+
+    def current_stage(self, sandbox_id: str) -> str | None:
+        rec = self.get(sandbox_id)
+        return rec.stage or rec.spec.stage
+
+    async def set_stage(self, sandbox_id: str, name: str) -> SandboxRecord:
+        """Switch the sandbox to stage ``name`` (declared in ``spec.stages``).
+
+        Landlock cannot be changed on a running process, so every process of the
+        sandbox but its init is killed first: commands in flight end with SIGKILL,
+        sessions end (their next ``run`` raises SessionClosed). Then the stage's
+        network policy is applied, the stage recorded (it survives a runtime
+        restart) and a ``stage_changed`` event logged. New commands wait for the
+        switch and start under the new stage's file rules."""
+        rec = self._running(sandbox_id)
+        stage = rec.spec.stages.get(name)
+        if stage is None:
+            known = ", ".join(sorted(rec.spec.stages)) or "none declared"
+            raise InvalidSpec(f"sandbox {sandbox_id} has no stage {name!r} (declared: {known})",
+                              field="stage", sandbox_id=sandbox_id, stages=sorted(rec.spec.stages))
+        if not stage.files.unrestricted and self.landlock_abi < 1:
+            raise HostError("stage file rules need Landlock, which this kernel lacks (CONFIG_SECURITY_LANDLOCK, lsm=landlock)",
+                            sandbox_id=sandbox_id)
+        while (busy := self._stage_gates.get(sandbox_id)) is not None:
+            await busy.wait()  # one switch at a time
+        gate = asyncio.Event()
+        self._stage_gates[sandbox_id] = gate
+        t0 = time.perf_counter()
+        try:
+            rec = self._running(sandbox_id)
+            old = rec.stage or rec.spec.stage
+            # Starts already sent to the spawner finish first (their child may not be in the cgroup yet).
+            while self._spawning.get(sandbox_id, 0) > 0:
+                await asyncio.sleep(0.0005)
+            killed = await self._kill_all_but_init(rec)
+            for sess in list(self._sessions.pop(sandbox_id, {}).values()):
+                sess.ended_reason = f"the sandbox switched to stage {name!r}; open a new session"
+                with contextlib.suppress(Exception):
+                    await sess.close()
+            restricted = staging.restricted_paths(stage.files)
+            split: builtins.list[str] = []
+            if restricted:
+                split = await asyncio.to_thread(staging.split_hard_links, f"/proc/{rec.init_pid}/root",
+                                                f"/proc/{rec.init_pid}/fd/3/upper", restricted)
+            await self.set_policy(sandbox_id, stage.network)
+            rec.stage = name
+            self._save(rec)
+            self._event(rec, "stage_changed", **{"from": old, "to": name}, killed=killed, links_split=split,
+                        seconds=round(time.perf_counter() - t0, 6))
+            self.last_activity[sandbox_id] = time.monotonic()
+            return rec
+        finally:
+            self._stage_gates.pop(sandbox_id, None)
+            gate.set()
+
+    async def _kill_all_but_init(self, rec: SandboxRecord) -> int:
+        """SIGKILL every process of the sandbox except its init (frozen first, so none forks
+        meanwhile); returns how many were killed, once they are gone."""
+        sid = rec.id
+        await pausing.freeze(self.cgroups, sid)
+        victims = [p for p in self.cgroups.pids(sid) if p != rec.init_pid]
+        try:
+            for pid in victims:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        finally:
+            pausing.thaw(self.cgroups, sid)
+        deadline = time.monotonic() + 10
+        delay = 0.0002
+        while any(p != rec.init_pid for p in self.cgroups.pids(sid)):
+            if time.monotonic() > deadline:
+                raise HostError(f"sandbox {sid}: processes of the old stage did not die within 10 s", sandbox_id=sid)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.01)
+        return len(victims)
+
+    def _pristine_fields(self, rec: SandboxRecord, pristine: Sequence[str]) -> builtins.list[tuple[str, str]]:
+        """Spawner fields for pristine paths: the image layers (never snapshot layers: those
+        hold the agent's own writes) as host mounts, top first, and the paths."""
+        paths = staging.check_pristine(pristine)
+        image = [d for d in rec.layers if self._layer_lineage(d) is None]
+        if not image:
+            raise InvalidSpec(f"sandbox {rec.id} has no image layers to take pristine copies from",
+                              field="pristine", sandbox_id=rec.id)
+        out = [("ipid", str(rec.init_pid))]
+        out += [("pl", str(self._layer_paths.get(d) or self._mounts.mountpoint(d))) for d in image]
+        out += [("pp", p) for p in paths]
+        return out
+
     # ----- running things -----
 
     def _user_ids(self, user: int | str) -> tuple[int, int]:
@@ -763,12 +996,18 @@ class ContainerRuntime:
         user: int | str = 0,
         seccomp: bool = True,
         tracked: bool = True,
+        pristine: Sequence[str] = (),
     ) -> Process:
         """Start ``argv`` in the sandbox with the given host fds as its stdio.
 
         ``tracked`` puts the command in its own freezer cgroup so that
-        :meth:`Process.kill` reaches every process it started."""
+        :meth:`Process.kill` reaches every process it started. The current
+        stage's file rules bind it (Landlock); ``pristine`` paths are the
+        image's own (see :meth:`exec`)."""
         spawner = await self._ensure_spawner()
+        gate = self._stage_gates.get(sandbox_id)
+        if gate is not None:
+            await gate.wait()  # a stage switch is killing the old stage's processes
         rec = self._running(sandbox_id)
         if not argv or not argv[0]:
             raise InvalidSpec("empty command", field="cmd", sandbox_id=sandbox_id)
@@ -791,9 +1030,15 @@ class ContainerRuntime:
             cg_dirs = [d for d in cg_dirs if d != self.cgroups.parents["freezer"] / sandbox_id] + [track]
         fields += [("cg", str(d)) for d in cg_dirs]
         fields += [("rl", f"7:{res.nofile}:{res.nofile}")]  # RLIMIT_NOFILE
+        stage = rec.stage or rec.spec.stage
+        if stage is not None:
+            fields += staging.landlock_tokens(rec.spec.stages[stage].files)
+        if pristine:
+            fields += self._pristine_fields(rec, pristine)
         init_fd = self._open_init(rec)
         assert init_fd is not None
         started = time.monotonic()
+        self._spawning[sandbox_id] = self._spawning.get(sandbox_id, 0) + 1
         try:
             spawned = await spawner.spawn("exec", fields, [init_fd, stdin, stdout, stderr])
         except SpawnError as exc:
@@ -806,6 +1051,7 @@ class ContainerRuntime:
             raise
         finally:
             os.close(init_fd)
+            self._spawning[sandbox_id] -= 1
         os.close(spawned.pidfd)
         self.last_activity[sandbox_id] = time.monotonic()
         self._event(rec, "exec_started", pid=spawned.pid, argv0=argv[0])
@@ -822,6 +1068,12 @@ class ContainerRuntime:
             )
         if exc.stage == "user":
             return ExecError(f"user {uid} cannot be used in sandbox {sid}: {exc.detail}", sandbox_id=sid, stage="user")
+        if exc.stage == "pristine":
+            return ExecError(f"pristine paths in sandbox {sid}: {exc.detail} ({os.strerror(exc.errno)})",
+                             sandbox_id=sid, stage="pristine", errno=exc.errno)
+        if exc.stage == "landlock":
+            return ExecError(f"cannot apply the stage's file rules in sandbox {sid}: {exc}",
+                             sandbox_id=sid, stage="landlock", errno=exc.errno)
         if exc.stage in ("setns", "died"):
             return SandboxFailed(f"sandbox {sid} is gone: {exc}", sandbox_id=sid, reason=exc.stage)
         return ExecError(f"cannot start command in sandbox {sid}: {exc}", sandbox_id=sid, stage=exc.stage)
@@ -839,6 +1091,7 @@ class ContainerRuntime:
         idle_timeout: float | None = None,
         on_output: OutputCallback | None = None,
         output_cap: int | None = None,
+        pristine: Sequence[str] = (),
     ) -> ExecResult:
         """Run a command to completion and return its result.
 
@@ -847,6 +1100,8 @@ class ContainerRuntime:
         that long) kill the command's whole process tree, never the sandbox, and
         raise :class:`ExecTimeout` carrying the partial result. ``on_output`` is
         called with ("stdout"|"stderr", chunk) as output is produced.
+        ``pristine`` paths are replaced, for this command only, by read-only copies
+        from the sandbox's image layers (docs/SECURITY.md, "Pristine paths").
         """
         argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
         limit = DEFAULT_TIMEOUT_S if isinstance(timeout, _Unset) else timeout
@@ -859,7 +1114,8 @@ class ContainerRuntime:
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
         try:
             proc = await self.start_process(
-                sandbox_id, argv, stdin=in_r, stdout=out_w, stderr=err_w, env=env, cwd=cwd, user=user
+                sandbox_id, argv, stdin=in_r, stdout=out_w, stderr=err_w, env=env, cwd=cwd, user=user,
+                pristine=pristine,
             )
         except BaseException:
             for fd in (in_r, in_w, out_r, out_w, err_r, err_w):
@@ -1042,6 +1298,9 @@ class ContainerRuntime:
                     alive = rec.init_pid in self.cgroups.pids(rec.id)
             if alive:
                 self.sandboxes[rec.id] = rec
+                if rec.net is not None:
+                    pol = rec.net.get("policy")
+                    self.net.adopt(rec.id, rec.net, None if pol is None else NetworkPolicy.model_validate(pol))
                 self._adopt_freezer(rec)
                 self._event(rec, "adopted")
                 self.last_activity[rec.id] = time.monotonic()

@@ -1,0 +1,645 @@
+"""Per-sandbox network: a veth into the sandbox's own namespace, nftables inside it.
+
+Shape (docs/SECURITY.md, "Network"):
+
+- A sandbox without a policy has a loopback-only namespace (the spawner's pool).
+- A sandbox with a policy gets ``eth0`` (one /32 address from ``subnet``; default
+  route through a link-local gateway whose neighbour entry is static), the host
+  end ``dsec-<slot>`` with a /32 route back, and an nftables table ``inet dsec``
+  *inside its own namespace* that drops by default. That namespace belongs to the
+  host's user namespace, so root inside the sandbox cannot touch the rules.
+- The policy is an allow-set of (address range . protocol . port range); changing
+  it is one nftables transaction (atomic) followed by SOCK_DESTROY of established
+  TCP connections the new policy forbids.
+- Some destinations are refused whatever the policy says (the ``never`` set inside
+  and the ``inet dsec_host`` table on the host): other sandboxes, the host itself
+  (which is where the edge and, in the all-in-one set-up, the control plane
+  listen), link-local/metadata addresses, multicast, and configured ``blocked``
+  ranges.
+- Namespaces with veth, address and baseline rules are made ahead of time by a
+  background thread (HOST-FACTS.md: veth creation alone costs milliseconds), so a
+  create with a policy pays one set update (~0.3 ms) on the hot path.
+
+Every host object is named ``dsec-…`` (links) or ``dsec_…`` (nftables tables):
+a reconciler finds them by name. Namespaces are held by fds only: a crashed edge
+leaves none behind, and a namespace's veth goes with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import contextlib
+import functools
+import ipaddress
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from dsec.backends.container import netfilter
+from dsec.errors import HostError, InvalidSpec
+from dsec.spec import NetRule, NetworkPolicy
+
+log = logging.getLogger("dsec.network")
+
+GATEWAY = "169.254.1.1"
+HOST_TABLE = "dsec_host"
+NAT_TABLE = "dsec_nat"
+LINK_PREFIX = "dsec-"
+ALWAYS_BLOCKED: tuple[str, ...] = (
+    "0.0.0.0/8",
+    "127.0.0.0/8",
+    "169.254.0.0/16",  # link-local, incl. cloud metadata 169.254.169.254
+    "100.100.100.200/32",  # Alibaba metadata
+    "224.0.0.0/4",
+    "240.0.0.0/4",
+)
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Permission(_Model):
+    """A named set of destinations defined by the edge operator (``pypi``, ``debian``, ...)."""
+
+    hosts: tuple[str, ...] = ()
+    """Host names, resolved (IPv4) when a policy is applied and again every ``resolve_interval_s``."""
+    cidrs: tuple[str, ...] = ()
+    ports: tuple[str, ...] = ()
+    """Ports or ranges; empty means every port."""
+    protocol: Literal["tcp", "udp", "any"] = "tcp"
+
+    @field_validator("cidrs")
+    @classmethod
+    def _cidrs(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(NetRule(cidr=c).cidr for c in v)
+
+    @field_validator("ports")
+    @classmethod
+    def _ports(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        return NetRule(cidr="0.0.0.0/0", ports=v).ports
+
+
+class NetworkConfig(_Model):
+    """The edge's network settings (edge configuration, section ``network``)."""
+
+    subnet: str = "10.213.0.0/16"
+    """Sandbox addresses (one /32 each). Must not overlap anything the host routes."""
+    permissions: dict[str, Permission] = Field(default_factory=dict)
+    blocked: tuple[str, ...] = ()
+    """Extra ranges no sandbox may reach whatever its policy (e.g. the control plane's)."""
+    pool_size: Annotated[int, Field(ge=0, le=4096)] = 16
+    """Prepared namespaces kept ready (0: make each one on demand, ~10 ms)."""
+    resolve_interval_s: Annotated[float, Field(ge=1)] = 300.0
+    egress_nat: bool = True
+    """Masquerade sandbox traffic leaving the host (needed to reach the Internet)."""
+
+    @field_validator("subnet")
+    @classmethod
+    def _subnet(cls, v: str) -> str:
+        try:
+            net = ipaddress.IPv4Network(v, strict=True)
+        except ValueError as exc:
+            raise ValueError(f"subnet {v!r}: {exc}; use an IPv4 CIDR such as 10.213.0.0/16") from None
+        if net.prefixlen > 28:
+            raise ValueError(f"subnet {v!r} is too small: use /28 or larger")
+        return str(net)
+
+    @field_validator("blocked")
+    @classmethod
+    def _blocked(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(NetRule(cidr=c).cidr for c in v)
+
+
+# ----- rules -----
+
+_BASELINE = """
+add table inet dsec
+delete table inet dsec
+table inet dsec {{
+  set allow4 {{ type ipv4_addr . inet_proto . inet_service; flags interval; }}
+  set never4 {{ type ipv4_addr; flags interval; auto-merge; elements = {{ {never} }} }}
+  set denied4 {{ type ipv4_addr . inet_proto . inet_service; size 256; flags dynamic, timeout; timeout 1h; }}
+  counter denied {{ }}
+  chain output {{
+    type filter hook output priority 0; policy drop;
+    oifname "lo" accept
+    ip daddr @never4 goto deny
+    ip daddr . meta l4proto . th dport @allow4 accept
+    goto deny
+  }}
+  chain deny {{
+    meta l4proto {{ tcp, udp }} update @denied4 {{ ip daddr . meta l4proto . th dport }}
+    counter name denied
+    meta l4proto tcp reject with tcp reset
+    reject with icmpx admin-prohibited
+  }}
+  chain input {{
+    type filter hook input priority 0; policy drop;
+    iifname "lo" accept
+    ct state established,related ip saddr . meta l4proto . th sport @allow4 accept
+    ct state related meta l4proto icmp accept
+  }}
+}}
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Element:
+    cidr: str
+    proto: str  # "tcp" | "udp"
+    ports: str  # "LO-HI" or "N"
+
+    def nft(self) -> str:
+        return f"{self.cidr} . {self.proto} . {self.ports}"
+
+    def admits(self, addr: str, port: int, proto: str = "tcp") -> bool:
+        lo, _, hi = self.ports.partition("-")
+        return (proto == self.proto and int(lo) <= port <= int(hi or lo)
+                and ipaddress.ip_address(addr) in ipaddress.ip_network(self.cidr))
+
+
+def _expand(cidrs: Iterable[str], ports: Sequence[str], protocol: str) -> list[Element]:
+    protos = ("tcp", "udp") if protocol == "any" else (protocol,)
+    out: list[Element] = []
+    for cidr in cidrs:
+        for proto in protos:
+            for p in ports or ("1-65535",):
+                lo, _, hi = p.partition("-")
+                out.append(Element(cidr, proto, f"{lo}-{hi}" if hi and hi != lo else lo))
+    return out
+
+
+@dataclass(slots=True)
+class Lease:
+    """One prepared namespace: an fd, its slot/address and host link."""
+
+    fd: int
+    slot: int
+    ip: str
+    ifname: str
+
+    def info(self) -> dict[str, Any]:
+        return {"slot": self.slot, "ip": self.ip, "ifname": self.ifname}
+
+
+@dataclass(slots=True)
+class _Resolved:
+    addrs: tuple[str, ...]
+    at: float
+
+
+@dataclass(slots=True)
+class NetState:
+    """What the manager knows of one networked sandbox (rebuilt from records after a restart)."""
+
+    sandbox_id: str
+    slot: int
+    ip: str
+    ifname: str
+    policy: NetworkPolicy | None
+    elements: list[Element] = field(default_factory=list)
+    names: tuple[str, ...] = ()
+    denied_seen: int = 0
+    denied_recent: list[str] = field(default_factory=list)
+
+
+class NetworkManager:
+    """Network namespaces with veth and nftables for the sandboxes of one runtime."""
+
+    def __init__(self, config: NetworkConfig | None = None, *,
+                 resolver: Callable[[str], Sequence[str]] | None = None) -> None:
+        self.config = config or NetworkConfig()
+        self._net = ipaddress.IPv4Network(self.config.subnet)
+        self._resolver = resolver or _resolve_v4
+        self._resolved: dict[str, _Resolved] = {}
+        self._used: set[int] = set()
+        # Released slots wait at the back: a dying namespace's link and route may
+        # linger a moment (namespace teardown is asynchronous in the kernel).
+        self._free: collections.deque[int] = collections.deque()
+        self._next_slot = 1
+        self._pool: collections.deque[Lease] = collections.deque()
+        self._slot_lock = threading.Lock()
+        self.sandboxes: dict[str, NetState] = {}
+        self._fill_task: asyncio.Task[None] | None = None
+        self._resolve_task: asyncio.Task[None] | None = None
+        self._fill_wakeup: asyncio.Event | None = None
+        self._host_ready = False
+        self._host_addrs: tuple[str, ...] = ()
+        self._policy_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="dsec-netpolicy")
+        self._make_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dsec-netmake")
+        self.open_netns: Callable[[str], int | None] | None = None
+        """Gives a sandbox's netns fd (the runtime sets it): re-resolution re-applies through it."""
+        self.started = False
+        self.made = 0
+        self.pool_misses = 0
+
+    # ----- set-up -----
+
+    @property
+    def never(self) -> tuple[str, ...]:
+        """Ranges refused whatever the policy: see the module docstring."""
+        return (*ALWAYS_BLOCKED, str(self._net), *self._host_addrs, *self.config.blocked)
+
+    def _setup_host(self) -> None:
+        """Forwarding, the host table and NAT. Idempotent; replaces our own tables only."""
+        try:
+            with open("/proc/sys/net/ipv4/ip_forward") as f:
+                if f.read().strip() != "1":
+                    netfilter.write_sysctls([("net.ipv4.ip_forward", "1")])
+        except OSError as exc:
+            raise HostError(f"cannot enable IPv4 forwarding for sandbox networks: {exc}") from None
+        self._host_addrs = tuple(sorted(_host_ipv4_addrs()))
+        blocked = ", ".join(self.never)
+        rules = f"""
+add table inet {HOST_TABLE}
+delete table inet {HOST_TABLE}
+table inet {HOST_TABLE} {{
+  comment "dsec: sandbox networks (docs/SECURITY.md)"
+  set blocked4 {{ type ipv4_addr; flags interval; auto-merge; elements = {{ {blocked} }} }}
+  chain input {{
+    type filter hook input priority -10; policy accept;
+    iifname "{LINK_PREFIX}*" counter drop comment "sandbox to host"
+  }}
+  chain forward {{
+    type filter hook forward priority -10; policy accept;
+    iifname "{LINK_PREFIX}*" oifname "{LINK_PREFIX}*" counter drop comment "sandbox to sandbox"
+    iifname "{LINK_PREFIX}*" ip saddr != {self.config.subnet} counter drop comment "spoofed source"
+    iifname "{LINK_PREFIX}*" ip daddr @blocked4 counter drop comment "never reachable"
+    iifname "{LINK_PREFIX}*" meta nfproto ipv6 counter drop comment "no IPv6 for sandboxes"
+  }}
+}}
+"""
+        if self.config.egress_nat:
+            rules += f"""
+add table ip {NAT_TABLE}
+delete table ip {NAT_TABLE}
+table ip {NAT_TABLE} {{
+  chain postrouting {{
+    type nat hook postrouting priority srcnat; policy accept;
+    ip saddr {self.config.subnet} oifname != "{LINK_PREFIX}*" masquerade
+  }}
+}}
+"""
+        # Sets merge overlapping ranges only with auto-merge; never4 inside sandboxes too.
+        netfilter.nft(rules)
+        self._host_ready = True
+
+    async def start(self, *, prefill: bool = True) -> None:
+        """Make the host ready and start filling the pool (a no-op when started)."""
+        if self.started:
+            return
+        await asyncio.get_running_loop().run_in_executor(self._make_pool, self._setup_host)
+        self.started = True
+        self._fill_wakeup = asyncio.Event()
+        if prefill and self.config.pool_size > 0:
+            self._fill_task = asyncio.create_task(self._fill_loop(), name="dsec-netpool-fill")
+        self._resolve_task = asyncio.create_task(self._resolve_loop(), name="dsec-net-resolve")
+
+    async def close(self) -> None:
+        for task in (self._fill_task, self._resolve_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        self._fill_task = self._resolve_task = None
+        while self._pool:
+            lease = self._pool.popleft()
+            self._drop(lease)
+        self._policy_pool.shutdown(wait=True)
+        self._make_pool.shutdown(wait=True)
+        # Fresh workers: a runtime closed with destroy_all=False may start again.
+        self._policy_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="dsec-netpolicy")
+        self._make_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dsec-netmake")
+        self.started = False
+
+    def remove_host_rules(self) -> None:
+        """Delete the host tables (when the last networked runtime goes away)."""
+        for cmd in (f"delete table inet {HOST_TABLE}", f"delete table ip {NAT_TABLE}"):
+            with contextlib.suppress(netfilter.NftError):
+                netfilter.nft(cmd)
+        self._host_ready = False
+
+    # ----- slots and addresses -----
+
+    def _slot_ip(self, slot: int) -> str:
+        return str(self._net.network_address + slot)
+
+    def _claim_slot(self) -> int:
+        with self._slot_lock:
+            while self._free:
+                slot = self._free.popleft()
+                if slot not in self._used:
+                    self._used.add(slot)
+                    return slot
+            limit = self._net.num_addresses - 2
+            while self._next_slot <= limit:
+                slot = self._next_slot
+                self._next_slot += 1
+                if slot not in self._used:
+                    self._used.add(slot)
+                    return slot
+        raise HostError(f"the sandbox subnet {self._net} is full: configure a larger network.subnet")
+
+    def _release_slot(self, slot: int) -> None:
+        with self._slot_lock:
+            if slot in self._used:
+                self._used.discard(slot)
+                self._free.append(slot)
+
+    def adopt(self, sandbox_id: str, info: dict[str, Any], policy: NetworkPolicy | None) -> None:
+        """Take back a sandbox's slot after a restart (from its record)."""
+        slot = int(info["slot"])
+        with self._slot_lock:
+            self._used.add(slot)
+            self._next_slot = max(self._next_slot, slot + 1)
+        st = NetState(sandbox_id, slot, str(info["ip"]), str(info["ifname"]), policy)
+        if policy is not None:
+            with contextlib.suppress(InvalidSpec, HostError):
+                st.elements, st.names = self._elements(policy, resolve=False)
+        self.sandboxes[sandbox_id] = st
+
+    # ----- making namespaces -----
+
+    def _make(self, into_fd: int | None = None) -> Lease:
+        """A namespace with lo up, eth0 addressed and routed, baseline rules; or, with
+        ``into_fd``, the same wiring added to an existing namespace."""
+        from pyroute2 import IPRoute  # the server extra; imported when first needed
+
+        if not self._host_ready:
+            self._setup_host()
+        slot = self._claim_slot()
+        ip, ifname = self._slot_ip(slot), f"{LINK_PREFIX}{slot:05x}"
+        fd = netfilter.new_netns() if into_fd is None else os.dup(into_fd)
+        try:
+            with IPRoute() as host:
+                for stale in host.link_lookup(ifname=ifname):  # a dead namespace's leftover
+                    with contextlib.suppress(Exception):
+                        host.link("del", index=stale)
+                host.link("add", ifname=ifname, kind="veth", peer={"ifname": "eth0", "net_ns_fd": fd})
+                idx = host.link_lookup(ifname=ifname)[0]
+                host.link("set", index=idx, state="up")
+                mac = host.get_links(idx)[0].get_attr("IFLA_ADDRESS")
+                host.route("replace", dst=f"{ip}/32", oif=idx)
+
+            def inside() -> None:
+                netfilter.write_sysctls([
+                    ("net.ipv6.conf.all.disable_ipv6", "1"),
+                    ("net.ipv6.conf.default.disable_ipv6", "1"),
+                ])
+                with IPRoute() as ns:
+                    lo = ns.link_lookup(ifname="lo")[0]
+                    ns.link("set", index=lo, state="up")
+                    eth = ns.link_lookup(ifname="eth0")[0]
+                    ns.addr("add", index=eth, address=ip, prefixlen=32)
+                    ns.link("set", index=eth, state="up")
+                    ns.route("add", dst=f"{GATEWAY}/32", oif=eth, scope=253)
+                    ns.route("add", dst="0.0.0.0/0", gateway=GATEWAY, oif=eth)
+                    ns.neigh("add", dst=GATEWAY, lladdr=mac, ifindex=eth, state=0x80)  # NUD_PERMANENT
+                netfilter.nft(_BASELINE.format(never=", ".join(self.never)))
+
+            netfilter.in_netns(fd, inside)
+        except Exception as exc:
+            os.close(fd)
+            with contextlib.suppress(Exception), IPRoute() as host:
+                for idx in host.link_lookup(ifname=ifname):
+                    host.link("del", index=idx)
+            self._release_slot(slot)
+            if isinstance(exc, HostError):
+                raise
+            raise HostError(f"cannot prepare a sandbox network namespace: {exc}") from exc
+        self.made += 1
+        return Lease(fd, slot, ip, ifname)
+
+    def _drop(self, lease: Lease) -> None:
+        """Forget an unused lease: closing the fd destroys the namespace and its veth."""
+        with contextlib.suppress(OSError):
+            os.close(lease.fd)
+        self._release_slot(lease.slot)
+
+    async def _fill_loop(self) -> None:
+        assert self._fill_wakeup is not None
+        loop = asyncio.get_running_loop()
+        failures = 0
+        while True:
+            while len(self._pool) < self.config.pool_size:
+                try:
+                    lease = await loop.run_in_executor(self._make_pool, self._make)
+                except Exception as exc:  # keep trying, slower: creates still make their own
+                    failures += 1
+                    log.warning("network pool: %s", exc)
+                    await asyncio.sleep(min(30.0, 0.5 * failures))
+                    continue
+                failures = 0
+                self._pool.append(lease)
+            self._fill_wakeup.clear()
+            await self._fill_wakeup.wait()
+
+    async def take(self) -> Lease:
+        """A prepared namespace (from the pool when one is ready)."""
+        if not self.started:
+            await self.start()
+        if self._fill_wakeup is not None:
+            self._fill_wakeup.set()
+        if self._pool:
+            return self._pool.popleft()
+        self.pool_misses += 1
+        return await asyncio.get_running_loop().run_in_executor(self._make_pool, self._make)
+
+    def release(self, lease: Lease) -> None:
+        """Free the slot of a lease that never became a sandbox's (its fd is the caller's to close)."""
+        self._release_slot(lease.slot)
+
+    gateway = GATEWAY
+
+    async def compile(self, policy: NetworkPolicy) -> list[Element]:
+        """The allow-set of a policy (names resolved): InvalidSpec for unknown names."""
+        elements, _ = await asyncio.get_running_loop().run_in_executor(
+            self._policy_pool, lambda: self._elements(policy))
+        return elements
+
+    async def attach(self, sandbox_id: str, netns_fd: int) -> Lease:
+        """Wire a running sandbox's loopback-only namespace (a later stage needs network)."""
+        if not self.started:
+            await self.start()
+        lease = await asyncio.get_running_loop().run_in_executor(
+            self._make_pool, lambda: self._make(into_fd=netns_fd))
+        return lease
+
+    # ----- policies -----
+
+    def _elements(self, policy: NetworkPolicy, *, resolve: bool = True) -> tuple[list[Element], tuple[str, ...]]:
+        out: list[Element] = []
+        unknown = [n for n in policy.allow if n not in self.config.permissions]
+        if unknown:
+            known = ", ".join(sorted(self.config.permissions)) or "none are configured"
+            raise InvalidSpec(
+                f"unknown network permission(s) {', '.join(unknown)}: this edge defines {known} "
+                "(edge configuration, network.permissions)", field="network.allow")
+        for name in policy.allow:
+            perm = self.config.permissions[name]
+            addrs = list(perm.cidrs)
+            for host in perm.hosts:
+                addrs += [f"{a}/32" for a in self._lookup(host, resolve=resolve)]
+            out += _expand(addrs, perm.ports, perm.protocol)
+        for rule in policy.rules:
+            if ipaddress.ip_network(rule.cidr).version != 4:
+                raise InvalidSpec(f"rule {rule.cidr}: IPv6 destinations are not supported (sandboxes have "
+                                  "IPv4 only)", field="network.rules")
+            out += _expand([rule.cidr], rule.ports, rule.protocol)
+        return out, policy.allow
+
+    def _lookup(self, host: str, *, resolve: bool) -> tuple[str, ...]:
+        hit = self._resolved.get(host)
+        if hit is not None and (not resolve or time.monotonic() - hit.at < self.config.resolve_interval_s):
+            return hit.addrs
+        if not resolve:
+            return ()
+        try:
+            addrs = tuple(sorted(set(self._resolver(host))))
+        except OSError as exc:
+            if hit is not None:
+                return hit.addrs  # keep the last good answer
+            raise HostError(f"cannot resolve {host!r} for a network permission: {exc}") from None
+        self._resolved[host] = _Resolved(addrs, time.monotonic())
+        return addrs
+
+    @staticmethod
+    def _set_cmd(elements: Sequence[Element]) -> str:
+        cmd = "flush set inet dsec allow4\n"
+        if elements:
+            cmd += "add element inet dsec allow4 { " + ", ".join(e.nft() for e in elements) + " }\n"
+        return cmd
+
+    def _apply_in(self, netns_fd: int, elements: Sequence[Element]) -> int:
+        """One transaction replacing the allow-set, then cut TCP connections it no longer admits."""
+        def inside() -> int:
+            netfilter.nft(self._set_cmd(elements))
+            return netfilter.destroy_sockets(lambda addr, port: any(e.admits(addr, port) for e in elements))
+        return netfilter.in_netns(netns_fd, inside)
+
+    async def apply(self, sandbox_id: str, netns_fd: int, lease_info: dict[str, Any],
+                    policy: NetworkPolicy | None) -> int:
+        """Set ``policy`` (None: nothing beyond loopback) on a wired namespace. Returns
+        the number of connections cut."""
+        elements: list[Element] = []
+        names: tuple[str, ...] = ()
+        if policy is not None:
+            elements, names = await asyncio.get_running_loop().run_in_executor(
+                self._policy_pool, lambda: self._elements(policy))
+        cut = await asyncio.get_running_loop().run_in_executor(
+            self._policy_pool, self._apply_in, netns_fd, elements)
+        st = self.sandboxes.get(sandbox_id)
+        if st is None:
+            st = NetState(sandbox_id, int(lease_info["slot"]), str(lease_info["ip"]),
+                          str(lease_info["ifname"]), policy)
+            self.sandboxes[sandbox_id] = st
+        st.policy, st.elements, st.names = policy, list(elements), names
+        return cut
+
+    def forget(self, sandbox_id: str) -> None:
+        """The sandbox is gone (its namespace dies with its last process)."""
+        st = self.sandboxes.pop(sandbox_id, None)
+        if st is not None:
+            self._release_slot(st.slot)
+
+    # ----- audit -----
+
+    def _read_denied(self, netns_fd: int) -> tuple[int, list[str]]:
+        import json
+
+        def inside() -> tuple[int, list[str]]:
+            out = netfilter.nft("list counter inet dsec denied\nlist set inet dsec denied4", json_out=True)
+            packets, dests = 0, []
+            for line in out.splitlines():
+                line = line.strip()
+                if not line:
+                    continue
+                for item in json.loads(line).get("nftables", []):
+                    if "counter" in item:
+                        packets = int(item["counter"].get("packets", 0))
+                    elif "set" in item:
+                        for el in item["set"].get("elem", []) or []:
+                            val = el.get("elem", {}).get("val", el) if isinstance(el, dict) else el
+                            concat = val.get("concat") if isinstance(val, dict) else None
+                            if concat and len(concat) == 3:
+                                dests.append(f"{concat[0]}:{concat[2]}/{concat[1]}")
+            return packets, dests
+        return netfilter.in_netns(netns_fd, inside)
+
+    async def denied(self, sandbox_id: str, netns_fd: int) -> tuple[int, list[str]]:
+        """Total refused packets since creation, and recent refused destinations."""
+        return await asyncio.get_running_loop().run_in_executor(self._policy_pool, self._read_denied, netns_fd)
+
+    # ----- re-resolution -----
+
+    async def _resolve_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.resolve_interval_s)
+            with contextlib.suppress(Exception):
+                await self.reresolve(self.open_netns)
+
+    async def reresolve(self, open_netns: Callable[[str], int | None] | None = None) -> list[str]:
+        """Resolve permission host names again; re-apply policies whose addresses changed.
+        Returns the ids of sandboxes updated. ``open_netns`` gives a sandbox's netns fd."""
+        loop = asyncio.get_running_loop()
+        changed_hosts: set[str] = set()
+        for host in {h for p in self.config.permissions.values() for h in p.hosts}:
+            old = self._resolved.get(host)
+            self._resolved.pop(host, None)
+            try:
+                new = await loop.run_in_executor(self._policy_pool, functools.partial(self._lookup, host, resolve=True))
+            except HostError:
+                if old is not None:
+                    self._resolved[host] = old
+                continue
+            if old is None or old.addrs != new:
+                changed_hosts.add(host)
+        if not changed_hosts or open_netns is None:
+            return []
+        names = {n for n, p in self.config.permissions.items() if changed_hosts & set(p.hosts)}
+        updated: list[str] = []
+        for sid, st in list(self.sandboxes.items()):
+            if st.policy is None or not names & set(st.names):
+                continue
+            fd = open_netns(sid)
+            if fd is None:
+                continue
+            try:
+                await self.apply(sid, fd, {"slot": st.slot, "ip": st.ip, "ifname": st.ifname}, st.policy)
+                updated.append(sid)
+            except Exception as exc:
+                log.warning("re-applying the policy of %s: %s", sid, exc)
+            finally:
+                os.close(fd)
+        return updated
+
+
+def _resolve_v4(host: str) -> list[str]:
+    infos = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)
+    return sorted({str(i[4][0]) for i in infos})
+
+
+def _host_ipv4_addrs() -> set[str]:
+    """Every IPv4 address configured on the host (they are the host: never reachable)."""
+    from pyroute2 import IPRoute
+
+    out: set[str] = set()
+    with IPRoute() as ip:
+        for a in ip.get_addr(family=socket.AF_INET):
+            addr = a.get_attr("IFA_LOCAL") or a.get_attr("IFA_ADDRESS")
+            if addr:
+                out.add(f"{addr}/32")
+    return out
+
+
+__all__ = ["ALWAYS_BLOCKED", "Lease", "NetworkConfig", "NetworkManager", "Permission"]
