@@ -28,26 +28,35 @@ from dsec.control.config import ControlConfig
 from dsec.control.iam import Principal
 from dsec.control.sandboxes import parse_label_filters
 from dsec.control.service import Control
+from dsec.control.wire import (
+    CreateProjectBody,
+    CreateTaskBody,
+    SetStageBody,
+    StorageInfo,
+    StoredSnapshot,
+    TaskDetail,
+    UpdateProjectBody,
+)
 from dsec.errors import AuthError, DsecError, Forbidden, InvalidSpec
 from dsec.spec import SandboxState
 from dsec.spec.api import (
     STATUS_BY_CODE,
     BatchResult,
     CreateBatch,
-    CreateProject,
     CreateSandbox,
-    CreateTask,
     CreateToken,
     DeleteResult,
     DrainEdge,
     EdgeHealth,
     EdgeInfo,
+    ForkRequest,
+    GroupResult,
     LayerInfo,
+    PauseReport,
     ProjectInfo,
     SandboxInfo,
-    TaskInfo,
+    SnapshotRequest,
     TokenInfo,
-    UpdateProject,
     Whoami,
 )
 
@@ -281,20 +290,110 @@ def create_app(config: ControlConfig, *, control: Control | None = None) -> Fast
         )
         return DeleteResult(deleted=n)
 
+    # ------------------------------------------- pause, snapshots, forks ----
+
+    @app.post("/v1/sandboxes/{sandbox_id}/pause", tags=["sandboxes"])
+    async def pause_sandbox(ctl: Ctl, who: Who, sandbox_id: str) -> PauseReport:
+        """Freeze the sandbox and push its memory to swap (409 sandbox_state if paused already)."""
+        return await ctl.ops.pause(who, validate.sandbox_id(sandbox_id))
+
+    @app.post("/v1/sandboxes/{sandbox_id}/resume", tags=["sandboxes"])
+    async def resume_sandbox(ctl: Ctl, who: Who, sandbox_id: str) -> SandboxInfo:
+        return await ctl.ops.resume(who, validate.sandbox_id(sandbox_id))
+
+    async def _group(ctl: Control, who: Principal, op: str, task: str | None, label: list[str],
+                     ids: list[str]) -> GroupResult:
+        for i in ids:
+            if not validate.is_sandbox_id(i):
+                raise InvalidSpec(f"id {i[:70]!r} is not a sandbox id", field="id")
+        return await ctl.ops.group(who, op, task=validate.name_filter(task, "task"),
+                                   labels=parse_label_filters(label), ids=ids)
+
+    @app.post("/v1/pause", tags=["sandboxes"])
+    async def pause_group(
+        ctl: Ctl, who: Who,
+        task: Annotated[str | None, Query(max_length=63)] = None,
+        label: Annotated[list[str], Query(description="k=v (equal) or k (present); repeatable")] = [],  # noqa: B006
+        id: Annotated[list[str], Query(description="sandbox ids; repeatable")] = [],  # noqa: B006
+    ) -> GroupResult:
+        """Pause every running sandbox of the caller's selected by task / labels / ids, one call per
+        edge, all edges at once. Already paused ones are ``skipped``; failures are per sandbox."""
+        return await _group(ctl, who, "pause", task, label, id)
+
+    @app.post("/v1/resume", tags=["sandboxes"])
+    async def resume_group(
+        ctl: Ctl, who: Who,
+        task: Annotated[str | None, Query(max_length=63)] = None,
+        label: Annotated[list[str], Query()] = [],  # noqa: B006
+        id: Annotated[list[str], Query()] = [],  # noqa: B006
+    ) -> GroupResult:
+        return await _group(ctl, who, "resume", task, label, id)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/snapshot", status_code=201, tags=["snapshots"])
+    async def snapshot_sandbox(
+        ctl: Ctl, who: Who, sandbox_id: str, body: SnapshotRequest | None = None
+    ) -> StoredSnapshot:
+        """Pack the sandbox's disk changes into a snapshot layer owned by its project. Counts
+        against the project's storage quota (403 quota_exceeded, nothing kept, when over)."""
+        req = body or SnapshotRequest()
+        for x in req.exclude:
+            validate.text(x, "exclude", max_len=4096)
+        return await ctl.ops.snapshot(who, validate.sandbox_id(sandbox_id), req)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/fork", status_code=201, tags=["snapshots"])
+    async def fork_sandbox(ctl: Ctl, who: Who, sandbox_id: str, body: ForkRequest) -> list[SandboxInfo]:
+        """``n`` children with the parent's disk now, charged to the parent's project and task
+        like creates (403 quota_exceeded before anything is made), all or nothing."""
+        validate.finite(body.model_dump(mode="python"))
+        for x in body.exclude:
+            validate.text(x, "exclude", max_len=4096)
+        return await ctl.ops.fork(who, validate.sandbox_id(sandbox_id), body)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/stage", tags=["sandboxes"])
+    async def set_sandbox_stage(ctl: Ctl, who: Who, sandbox_id: str, body: SetStageBody) -> SandboxInfo:
+        """Switch one sandbox to one of its declared stages (the edge applies it)."""
+        return await ctl.ops.set_stage(who, validate.sandbox_id(sandbox_id), body.stage)
+
+    @app.get("/v1/snapshots", tags=["snapshots"])
+    async def list_snapshots(ctl: Ctl, who: Who) -> list[StoredSnapshot]:
+        """Snapshots of the caller's project and its descendants."""
+        return await ctl.ops.snapshots(who)
+
+    @app.delete("/v1/snapshots/{ref:path}", status_code=204, response_class=Response, tags=["snapshots"])
+    async def delete_snapshot(ctl: Ctl, who: Who, ref: str) -> Response:
+        """Remove a snapshot (its ref or digest); 409 conflict while a sandbox or another snapshot uses it."""
+        validate.text(ref, "ref", max_len=300)
+        await ctl.ops.delete_snapshot(who, ref)
+        return Response(status_code=204)
+
     # ------------------------------------------------------------- tasks ----
 
     @app.post("/v1/tasks", status_code=201, tags=["tasks"])
-    async def create_task(ctl: Ctl, who: Who, body: CreateTask) -> TaskInfo:
-        return await ctl.db.write(lambda s: iam.create_task(s, who, body.name, body.quota))
+    async def create_task(ctl: Ctl, who: Who, body: CreateTaskBody) -> TaskDetail:
+        """Make a task (or set its quota and, when given, its stages). Sandboxes of the task whose
+        spec declares no stages inherit the task's, starting in its current stage."""
+        if body.stages is not None:
+            validate.finite(body.model_dump(mode="python"))
+            validate.text(repr(body.model_dump(mode="json")), "stages", max_len=1 << 20)
+        return await ctl.db.write(
+            lambda s: iam.create_task(s, who, body.name, body.quota, stages=body.stages, stage=body.stage)
+        )
 
     @app.get("/v1/tasks", tags=["tasks"])
-    async def list_tasks(ctl: Ctl, who: Who) -> list[TaskInfo]:
+    async def list_tasks(ctl: Ctl, who: Who) -> list[TaskDetail]:
         return await ctl.db.read(lambda s: iam.list_tasks(s, who))
 
     @app.get("/v1/tasks/{name}", tags=["tasks"])
-    async def get_task(ctl: Ctl, who: Who, name: str) -> TaskInfo:
+    async def get_task(ctl: Ctl, who: Who, name: str) -> TaskDetail:
         validate.name_in_path(name, "task")
         return await ctl.db.read(lambda s: iam.task_info(s, who, name))
+
+    @app.post("/v1/tasks/{name}/stage", tags=["tasks"])
+    async def set_task_stage(ctl: Ctl, who: Who, name: str, body: SetStageBody) -> GroupResult:
+        """Switch every running or paused sandbox of the task to one of the task's stages (fanned
+        out to the edges); sandboxes made later start in it. Outcomes per sandbox."""
+        validate.name_in_path(name, "task")
+        return await ctl.ops.set_task_stage(who, name, body.stage)
 
     @app.delete("/v1/tasks/{name}", tags=["tasks"])
     async def delete_task(ctl: Ctl, who: Who, name: str) -> DeleteResult:
@@ -313,7 +412,7 @@ def create_app(config: ControlConfig, *, control: Control | None = None) -> Fast
     # ---------------------------------------------------------- projects ----
 
     @app.post("/v1/projects", status_code=201, tags=["iam"])
-    async def create_project(ctl: Ctl, who: Who, body: CreateProject) -> ProjectInfo:
+    async def create_project(ctl: Ctl, who: Who, body: CreateProjectBody) -> ProjectInfo:
         return await ctl.db.write(lambda s: iam.create_project(s, who, body.name, body.parent, body.quota))
 
     @app.get("/v1/projects", tags=["iam"])
@@ -326,9 +425,15 @@ def create_app(config: ControlConfig, *, control: Control | None = None) -> Fast
         return await ctl.db.read(lambda s: iam.project_info(s, iam.visible_project(s, who, name)))
 
     @app.patch("/v1/projects/{name}", tags=["iam"])
-    async def update_project(ctl: Ctl, who: Who, name: str, body: UpdateProject) -> ProjectInfo:
+    async def update_project(ctl: Ctl, who: Who, name: str, body: UpdateProjectBody) -> ProjectInfo:
         validate.name_in_path(name, "project")
         return await ctl.db.write(lambda s: iam.update_project(s, who, name, body.quota))
+
+    @app.get("/v1/projects/{name}/storage", tags=["iam"])
+    async def project_storage(ctl: Ctl, who: Who, name: str) -> StorageInfo:
+        """Snapshot storage of a project: quota, held by its snapshots, carved out to children (bytes)."""
+        validate.name_in_path(name, "project")
+        return await ctl.ops.storage(who, name)
 
     @app.delete("/v1/projects/{name}", status_code=204, response_class=Response, tags=["iam"])
     async def delete_project(ctl: Ctl, who: Who, name: str) -> Response:

@@ -92,6 +92,8 @@ class ControlConfig(_Config):
 
     root_project: Annotated[str, Field(pattern=NAME_PATTERN)] = "root"
     root_quota: Quota = Quota(sandboxes=1_000_000, cpu=1_000_000.0, memory=1 << 50)
+    root_storage: Annotated[int, Field(ge=0, le=1 << 60)] = 1 << 50
+    """Bytes of snapshots the root project may keep (carved out to sub-projects like its quota)."""
     bootstrap_token: SecretStr | None = None
     """Admin token of the root project. Unset: one is generated on the first start."""
     admin_token_file: Path | None = None

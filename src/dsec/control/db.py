@@ -68,6 +68,10 @@ class Project(Base):
     reserved_sandboxes: Mapped[int] = mapped_column(sa.BigInteger, default=0)
     reserved_cpu_m: Mapped[int] = mapped_column(sa.BigInteger, default=0)
     reserved_memory: Mapped[int] = mapped_column(sa.BigInteger, default=0)
+    # snapshot storage (bytes): its own quota, what its snapshots hold, carved out by children
+    quota_storage: Mapped[int] = mapped_column(sa.BigInteger, default=0, server_default="0")
+    used_storage: Mapped[int] = mapped_column(sa.BigInteger, default=0, server_default="0")
+    reserved_storage: Mapped[int] = mapped_column(sa.BigInteger, default=0, server_default="0")
 
 
 class ApiToken(Base):
@@ -95,6 +99,8 @@ class Task(Base):
     used_sandboxes: Mapped[int] = mapped_column(sa.BigInteger, default=0)
     used_cpu_m: Mapped[int] = mapped_column(sa.BigInteger, default=0)
     used_memory: Mapped[int] = mapped_column(sa.BigInteger, default=0)
+    stages: Mapped[dict[str, Any] | None] = mapped_column(sa.JSON)
+    """Declared stages (name -> ``dsec.spec.Stage`` as JSON) and the first one: ``{"stages": {...}, "stage": ...}``."""
 
 
 class SandboxRow(Base):
@@ -129,6 +135,27 @@ class SandboxRow(Base):
     reason: Mapped[str] = mapped_column(sa.Text, default="")
 
 
+class SnapshotRow(Base):
+    """A snapshot layer a project owns on one edge. ``size`` counts against the project's storage
+    quota from the reservation on (an upper bound while ``creating``, the image's bytes once ``ready``)."""
+
+    __tablename__ = "snapshots"
+    __table_args__ = (sa.Index("ix_snapshots_edge_digest", "edge_id", "digest"),)
+
+    key: Mapped[str] = mapped_column(sa.String(32), primary_key=True)
+    project_id: Mapped[int] = mapped_column(sa.ForeignKey("projects.id", ondelete="CASCADE"), index=True)
+    edge_id: Mapped[str] = mapped_column(sa.String(16))
+    sandbox_id: Mapped[str | None] = mapped_column(sa.String(63))
+    state: Mapped[str] = mapped_column(sa.String(16))
+    digest: Mapped[str | None] = mapped_column(sa.String(80))
+    ref: Mapped[str] = mapped_column(sa.String(300), default="")
+    size: Mapped[int] = mapped_column(sa.BigInteger, default=0)
+    parents: Mapped[list[str]] = mapped_column(sa.JSON, default=list)
+    info: Mapped[dict[str, Any] | None] = mapped_column(sa.JSON)
+    created_at: Mapped[float] = mapped_column(sa.Double)
+    updated_at: Mapped[float] = mapped_column(sa.Double)
+
+
 class EdgeRow(Base):
     __tablename__ = "edges"
 
@@ -161,6 +188,7 @@ class Lease(Base):
 PROJECTS = Base.metadata.tables["projects"]
 TASKS = Base.metadata.tables["tasks"]
 SANDBOXES = Base.metadata.tables["sandboxes"]
+SNAPSHOTS = Base.metadata.tables["snapshots"]
 EDGES = Base.metadata.tables["edges"]
 
 

@@ -12,6 +12,16 @@ through httpx instead (see EdgeClient).
 Failures are sorted for the caller: :class:`ConnectFailed` (nothing was sent:
 safe to try elsewhere) and :class:`NoAnswer` (sent, then no complete answer:
 the request may have happened).
+
+Reusing a kept-alive connection races with the server closing it (uvicorn
+closes idle ones after ``timeout_keep_alive``): the request goes out, and the
+answer is an EOF or a reset. Two defences: a connection idle longer than
+``max_idle_s`` (well under any edge's keep-alive timeout) or already at EOF
+is never reused, and a failure before the first answer byte on a reused
+connection is retried on a fresh one — but only for a request that is safe to
+repeat (``retry_stale``: idempotent, or de-duplicated by the edge such as a
+create carrying its request_id). Other requests (fork, snapshot) always go
+on a fresh connection, so they never meet a stale one.
 """
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -76,6 +87,14 @@ class _Conn:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader = reader
         self.writer = writer
+        self.idle_since = 0.0
+
+    def reusable(self, now: float, max_idle_s: float) -> bool:
+        return (
+            now - self.idle_since < max_idle_s
+            and not self.reader.at_eof()
+            and not self.writer.is_closing()
+        )
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -85,7 +104,9 @@ class _Conn:
 class EdgeHTTP:
     """Keep-alive connections to one edge (``http://host:port``), at most ``size`` in flight."""
 
-    def __init__(self, base: str, *, size: int, timeout: float, connect_timeout: float) -> None:
+    def __init__(
+        self, base: str, *, size: int, timeout: float, connect_timeout: float, max_idle_s: float = 2.0
+    ) -> None:
         u = urlsplit(base)
         if u.scheme != "http" or not u.hostname:
             raise ValueError(f"EdgeHTTP speaks plain http only, not {base!r}")
@@ -98,6 +119,9 @@ class EdgeHTTP:
         self._sem = asyncio.Semaphore(size)
         self.timeout = timeout
         self.connect_timeout = connect_timeout
+        self.max_idle_s = max_idle_s
+        self.reused = 0
+        self.stale_retries = 0
 
     async def _connect(self) -> _Conn:
         try:
@@ -117,20 +141,30 @@ class EdgeHTTP:
 
     async def request(
         self, method: str, path: str, *, headers: dict[str, str], body: bytes | None = None,
-        timeout: float | None = None,
+        timeout: float | None = None, retry_stale: bool = True,
     ) -> Answer:
         async with self._sem:
-            # A kept-alive connection the edge closed meanwhile fails before any answer
-            # byte: try once more on a fresh one (edge creates are idempotent by request_id).
-            if self._idle:
-                try:
-                    return await self._once(self._idle.pop(), method, path, headers, body, timeout)
-                except _Stale:
-                    pass
+            if retry_stale:
+                conn = self._take_idle()
+                if conn is not None:
+                    self.reused += 1
+                    try:
+                        return await self._once(conn, method, path, headers, body, timeout)
+                    except _Stale:
+                        self.stale_retries += 1  # closed by the edge as we reused it: nothing was answered
             try:
                 return await self._once(await self._connect(), method, path, headers, body, timeout)
             except _Stale:
                 raise NoAnswer(f"{self.host}:{self.port} closed the connection without answering") from None
+
+    def _take_idle(self) -> _Conn | None:
+        now = time.monotonic()
+        while self._idle:
+            conn = self._idle.pop()
+            if conn.reusable(now, self.max_idle_s):
+                return conn
+            conn.close()
+        return None
 
     async def _once(
         self, conn: _Conn, method: str, path: str, headers: dict[str, str], body: bytes | None,
@@ -167,6 +201,7 @@ class EdgeHTTP:
             raise NoAnswer(f"{self.host}:{self.port}: bad answer: {exc!r}") from None
         finally:
             if keep and len(self._idle) < self._size:
+                conn.idle_since = time.monotonic()
                 self._idle.append(conn)
             else:
                 conn.close()

@@ -21,6 +21,7 @@ import re
 import time
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import sqlalchemy as sa
@@ -33,7 +34,18 @@ from dsec.control.errors import NotFound
 from dsec.control.iam import Amount
 from dsec.control.placement import EdgeView, Room, layer_set, room_of_health
 from dsec.errors import Backpressure, DsecError, InvalidSpec, error_from_wire
-from dsec.spec.api import EDGE_ID_PATTERN, EdgeHealth, EdgeInfo, LayerInfo, SandboxInfo
+from dsec.spec.api import (
+    EDGE_ID_PATTERN,
+    EdgeHealth,
+    EdgeInfo,
+    ForkRequest,
+    GroupResult,
+    LayerInfo,
+    PauseReport,
+    SandboxInfo,
+    SnapshotInfo,
+    SnapshotRequest,
+)
 
 log = logging.getLogger("dsec.control.edges")
 
@@ -77,6 +89,7 @@ class EdgeClient:
         self._key = key
         self._ttl = token_ttl_s
         self._timeout = timeout
+        self._long = max(timeout, 600.0)  # pause (reclaim), snapshot and fork may take minutes
         self._per_edge = per_edge
         self._token: tuple[str, float] | None = None
         self._pools: dict[str, EdgeHTTP | tuple[httpx.AsyncClient, asyncio.Semaphore]] = {}
@@ -110,26 +123,31 @@ class EdgeClient:
                 await pool[0].aclose()
 
     async def _call(
-        self, method: str, base: str, path: str, *, json: Any = None, timeout: float | None = None
+        self, method: str, base: str, path: str, *, json: Any = None, timeout: float | None = None,
+        retry_stale: bool = True, body: bytes | None = None,
     ) -> Answer | httpx.Response:
+        """One call. ``retry_stale``: the request is idempotent (or the edge de-duplicates it), so a
+        kept-alive connection that turns out dead may be retried on a fresh one."""
         headers = {"authorization": f"Bearer {self.admin_token()}"}
         url = f"{base}{path}"
         pool = self._pool(base)
+        if json is not None and body is None:
+            body = _json.dumps(json, separators=(",", ":")).encode()
+        if body is not None:
+            headers["content-type"] = "application/json"
         if isinstance(pool, EdgeHTTP):
-            body = None
-            if json is not None:
-                body = _json.dumps(json, separators=(",", ":")).encode()
-                headers["content-type"] = "application/json"
             try:
-                return await pool.request(method, path, headers=headers, body=body, timeout=timeout)
+                return await pool.request(
+                    method, path, headers=headers, body=body, timeout=timeout, retry_stale=retry_stale
+                )
             except ConnectFailed as exc:
                 raise EdgeUnreachable(f"edge at {url} refused the connection: {exc}", maybe_done=False, url=url) from None
             except NoAnswer as exc:
                 raise EdgeUnreachable(f"edge at {url} did not answer: {exc}", maybe_done=True, url=url) from None
         client, sem = pool
         kw: dict[str, Any] = {"headers": headers}
-        if json is not None:
-            kw["json"] = json
+        if body is not None:
+            kw["content"] = body
         if timeout is not None:
             kw["timeout"] = timeout
         try:
@@ -167,6 +185,56 @@ class EdgeClient:
 
     async def create(self, edge_id: str, url: str, body: dict[str, Any]) -> SandboxInfo:
         resp = await self._call("POST", url, "/v1/sandboxes", json=body)
+        self._raise(resp, edge_id)
+        return SandboxInfo.model_validate_json(resp.content)
+
+    async def create_raw(self, edge_id: str, url: str, body: bytes) -> SandboxInfo:
+        """A create whose JSON body is ready (the hot path: no second encode). The edge
+        de-duplicates by the body's request_id, so a dead kept-alive connection is retried."""
+        resp = await self._call("POST", url, "/v1/sandboxes", body=body)
+        self._raise(resp, edge_id)
+        return SandboxInfo.model_validate_json(resp.content)
+
+    async def pause(self, edge_id: str, url: str, sandbox_id: str) -> PauseReport:
+        resp = await self._call("POST", url, f"/v1/sandboxes/{sandbox_id}/pause", timeout=self._long)
+        self._raise(resp, edge_id)
+        return PauseReport.model_validate_json(resp.content)
+
+    async def resume(self, edge_id: str, url: str, sandbox_id: str) -> SandboxInfo:
+        resp = await self._call("POST", url, f"/v1/sandboxes/{sandbox_id}/resume")
+        self._raise(resp, edge_id)
+        return SandboxInfo.model_validate_json(resp.content)
+
+    async def group(self, edge_id: str, url: str, op: str, ids: list[str]) -> GroupResult:
+        """``op`` (pause / resume) of these sandboxes of one edge, in one call (the edge freezes the
+        whole group first). Idempotent: a sandbox already there is reported ``skipped``."""
+        query = "&".join(f"id={quote(i, safe='')}" for i in ids)
+        resp = await self._call("POST", url, f"/v1/{op}?{query}", timeout=self._long)
+        self._raise(resp, edge_id)
+        return GroupResult.model_validate_json(resp.content)
+
+    async def snapshot(self, edge_id: str, url: str, sandbox_id: str, req: SnapshotRequest) -> SnapshotInfo:
+        resp = await self._call("POST", url, f"/v1/sandboxes/{sandbox_id}/snapshot", body=req.model_dump_json().encode(),
+                                timeout=self._long, retry_stale=False)
+        self._raise(resp, edge_id)
+        return SnapshotInfo.model_validate_json(resp.content)
+
+    async def fork(self, edge_id: str, url: str, sandbox_id: str, req: ForkRequest) -> list[SandboxInfo]:
+        """Not idempotent on the edge: never retried (a lost answer leaves orphans the watcher reaps)."""
+        resp = await self._call("POST", url, f"/v1/sandboxes/{sandbox_id}/fork", body=req.model_dump_json().encode(),
+                                timeout=self._long, retry_stale=False)
+        self._raise(resp, edge_id)
+        return [SandboxInfo.model_validate(x) for x in resp.json()]
+
+    async def delete_snapshot(self, edge_id: str, url: str, ref: str) -> None:
+        """Remove a snapshot layer; already gone is fine."""
+        resp = await self._call("DELETE", url, f"/v1/snapshots/{quote(ref, safe=':')}")
+        if resp.status_code == 404:
+            return
+        self._raise(resp, edge_id)
+
+    async def set_stage(self, edge_id: str, url: str, sandbox_id: str, stage: str) -> SandboxInfo:
+        resp = await self._call("POST", url, f"/v1/sandboxes/{sandbox_id}/stage", json={"stage": stage})
         self._raise(resp, edge_id)
         return SandboxInfo.model_validate_json(resp.content)
 

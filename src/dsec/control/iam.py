@@ -24,17 +24,19 @@ import re
 import secrets
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from dsec.auth import hash_api_token
-from dsec.control.db import PROJECTS, TASKS, ApiToken, Project, SandboxRow, Task
+from dsec.control.db import PROJECTS, TASKS, ApiToken, Project, SandboxRow, SnapshotRow, Task
 from dsec.control.errors import Conflict, NotFound
+from dsec.control.wire import TaskDetail
 from dsec.errors import AuthError, Forbidden, InvalidSpec, QuotaExceeded
-from dsec.spec import Resources
-from dsec.spec.api import NAME_PATTERN, ProjectInfo, Quota, TaskInfo, TaskQuota, TokenInfo
+from dsec.spec import Resources, Stage
+from dsec.spec.api import NAME_PATTERN, ProjectInfo, Quota, TaskQuota, TokenInfo
 
 TOKEN_PREFIX = "dsk_"
 _NAME = re.compile(NAME_PATTERN)
@@ -170,6 +172,21 @@ def check_child_covers_itself(*, project: str, new: Amount, used: Amount, reserv
             reserved=_shown(dim, reserved.get(dim)),
             dimensions=below,
         )
+
+
+def check_storage_fits(
+    *, project: str, quota: int, used: int, reserved: int, want: int, what: str = "project"
+) -> None:
+    """Raise QuotaExceeded (resource ``storage``) unless ``used + reserved + want <= quota`` (bytes)."""
+    if used + reserved + want <= quota:
+        return
+    raise QuotaExceeded(
+        f"{what} {project!r} is over its storage quota: limit {quota} bytes, held by snapshots {used}, "
+        f"carved out by sub-projects {reserved}, requested {want}; delete snapshots (`dsec snapshot rm`) "
+        f"or ask an ancestor for more (`dsec project set-quota --quota storage=...`)",
+        project=project, resource="storage", limit=quota, used=used, reserved=reserved, requested=want,
+        available=max(quota - used - reserved, 0), dimensions=["storage"],
+    )
 
 
 # ------------------------------------------------------------ row helpers ----
@@ -344,7 +361,9 @@ def project_info(s: Session, p: Project) -> ProjectInfo:
     )
 
 
-def bootstrap(s: Session, *, root: str, quota: Quota, token_secret: str | None) -> tuple[Project, str | None]:
+def bootstrap(
+    s: Session, *, root: str, quota: Quota, token_secret: str | None, storage: int = 0
+) -> tuple[Project, str | None]:
     """Make sure the root project exists with ``quota``; returns a new admin token if one was made.
 
     ``token_secret`` given: ensure that token exists for the root project.
@@ -361,13 +380,16 @@ def bootstrap(s: Session, *, root: str, quota: Quota, token_secret: str | None) 
             quota_sandboxes=q.sandboxes, quota_cpu_m=q.cpu_m, quota_memory=q.memory,
             used_sandboxes=0, used_cpu_m=0, used_memory=0,
             reserved_sandboxes=0, reserved_cpu_m=0, reserved_memory=0,
+            quota_storage=storage, used_storage=0, reserved_storage=0,
         )
         s.add(p)
         s.flush()
     else:
         p = lock_project(s, p.id)
         check_child_covers_itself(project=root, new=q, used=used_of(p), reserved=reserved_of(p))
+        _check_storage_covers(p, storage)
         p.quota_sandboxes, p.quota_cpu_m, p.quota_memory = q.sandboxes, q.cpu_m, q.memory
+        p.quota_storage = storage
     made: str | None = None
     if token_secret is not None:
         h = hash_api_token(token_secret)
@@ -382,7 +404,23 @@ def bootstrap(s: Session, *, root: str, quota: Quota, token_secret: str | None) 
     return p, made
 
 
+def _check_storage_covers(p: Project, new: int) -> None:
+    if new < p.used_storage + p.reserved_storage:
+        raise QuotaExceeded(
+            f"project {p.name!r} holds {p.used_storage} bytes of snapshots and has carved out "
+            f"{p.reserved_storage} for sub-projects: a storage quota of {new} is too small",
+            project=p.name, resource="storage", limit=new, used=p.used_storage, reserved=p.reserved_storage,
+            dimensions=["storage"],
+        )
+
+
+def _storage_of(quota: Quota) -> int | None:
+    value = getattr(quota, "storage", None)
+    return None if value is None else int(value)
+
+
 def create_project(s: Session, who: Principal, name: str, parent: str | None, quota: Quota) -> ProjectInfo:
+    """``quota`` may carry ``storage`` (bytes of snapshots, dsec.control.wire.ProjectQuota); default 0."""
     check_name(name, "name")
     par = visible_project(s, who, parent or who.project)
     if s.execute(sa.select(Project.id).where(Project.name == name)).first() is not None:
@@ -393,12 +431,19 @@ def create_project(s: Session, who: Principal, name: str, parent: str | None, qu
         parent=par.name, parent_quota=quota_of(par), parent_used=used_of(par),
         parent_reserved=reserved_of(par), old=Amount(), new=new,
     )
+    storage = _storage_of(quota) or 0
+    check_storage_fits(
+        project=par.name, quota=par.quota_storage, used=par.used_storage, reserved=par.reserved_storage,
+        want=storage, what="parent project",
+    )
     _bump_reserved(s, par.id, new)
+    par.reserved_storage += storage
     p = Project(
         name=name, parent_id=par.id, created_at=time.time(),
         quota_sandboxes=new.sandboxes, quota_cpu_m=new.cpu_m, quota_memory=new.memory,
         used_sandboxes=0, used_cpu_m=0, used_memory=0,
         reserved_sandboxes=0, reserved_cpu_m=0, reserved_memory=0,
+        quota_storage=storage, used_storage=0, reserved_storage=0,
     )
     s.add(p)
     s.flush()
@@ -416,6 +461,15 @@ def update_project(s: Session, who: Principal, name: str, quota: Quota) -> Proje
         parent=par.name, parent_quota=quota_of(par), parent_used=used_of(par),
         parent_reserved=reserved_of(par), old=old, new=new,
     )
+    storage = _storage_of(quota)
+    if storage is not None:
+        _check_storage_covers(p, storage)
+        check_storage_fits(
+            project=par.name, quota=par.quota_storage, used=par.used_storage,
+            reserved=par.reserved_storage - p.quota_storage, want=storage, what="parent project",
+        )
+        par.reserved_storage += storage - p.quota_storage
+        p.quota_storage = storage
     _bump_reserved(s, par.id, new - old)
     p.quota_sandboxes, p.quota_cpu_m, p.quota_memory = new.sandboxes, new.cpu_m, new.memory
     s.flush()
@@ -435,7 +489,16 @@ def delete_project(s: Session, who: Principal, name: str) -> None:
     ).scalar_one()
     if live:
         raise Conflict(f"project {name!r} still has {live} sandboxes: delete them first", project=name, sandboxes=live)
+    snaps = s.execute(
+        sa.select(sa.func.count()).select_from(SnapshotRow).where(SnapshotRow.project_id == p.id)
+    ).scalar_one()
+    if snaps:
+        raise Conflict(
+            f"project {name!r} still has {snaps} snapshots: delete them first (`dsec snapshot rm`)",
+            project=name, snapshots=snaps,
+        )
     _bump_reserved(s, par.id, Amount() - quota_of(p))
+    par.reserved_storage -= p.quota_storage
     s.execute(sa.delete(SandboxRow).where(SandboxRow.project_id == p.id))
     s.execute(sa.delete(Task).where(Task.project_id == p.id))
     s.execute(sa.delete(ApiToken).where(ApiToken.project_id == p.id))
@@ -502,10 +565,19 @@ def list_tokens(s: Session, who: Principal) -> list[TokenInfo]:
 # ------------------------------------------------------------------ tasks ----
 
 
-def _task_info(t: Task, project: str) -> TaskInfo:
-    return TaskInfo(
-        name=t.name, project=project, quota=task_quota_of(t), used=used_of(t).to_quota(), created_at=t.created_at
+def _task_info(t: Task, project: str) -> TaskDetail:
+    st = t.stages or {}
+    return TaskDetail(
+        name=t.name, project=project, quota=task_quota_of(t), used=used_of(t).to_quota(), created_at=t.created_at,
+        stages={k: Stage.model_validate(v) for k, v in (st.get("stages") or {}).items()}, stage=st.get("stage"),
     )
+
+
+def stages_doc(stages: dict[str, Stage], stage: str | None) -> dict[str, Any] | None:
+    """What a task row keeps: the stages as JSON and the one new sandboxes start in."""
+    if not stages:
+        return None
+    return {"stages": {k: v.model_dump(mode="json") for k, v in stages.items()}, "stage": stage or next(iter(stages))}
 
 
 def _set_task_quota(t: Task, q: TaskQuota) -> None:
@@ -530,7 +602,11 @@ def get_or_create_task(s: Session, project_id: int, name: str, *, lock: bool) ->
     return t
 
 
-def create_task(s: Session, who: Principal, name: str, quota: TaskQuota) -> TaskInfo:
+def create_task(
+    s: Session, who: Principal, name: str, quota: TaskQuota, *,
+    stages: dict[str, Stage] | None = None, stage: str | None = None,
+) -> TaskDetail:
+    """Make a task, or set the quota (and, when given, the stages) of an existing one."""
     check_name(name, "name")
     existing = s.execute(
         sa.select(Task).where(Task.project_id == who.project_id, Task.name == name).with_for_update()
@@ -538,9 +614,13 @@ def create_task(s: Session, who: Principal, name: str, quota: TaskQuota) -> Task
     if existing is not None:
         # PUT-like: creating an existing task sets its quota (a retried create is harmless)
         _set_task_quota(existing, quota)
+        if stages is not None:
+            existing.stages = stages_doc(stages, stage)
         return _task_info(existing, who.project)
     t = Task(project_id=who.project_id, name=name, created_at=time.time(), used_sandboxes=0, used_cpu_m=0, used_memory=0)
     _set_task_quota(t, quota)
+    if stages is not None:
+        t.stages = stages_doc(stages, stage)
     s.add(t)
     s.flush()
     return _task_info(t, who.project)
@@ -553,7 +633,7 @@ def find_task(s: Session, who: Principal, name: str) -> Task:
     return t
 
 
-def list_tasks(s: Session, who: Principal) -> list[TaskInfo]:
+def list_tasks(s: Session, who: Principal) -> list[TaskDetail]:
     ids = subtree_ids(s, who.project_id)
     rows = s.execute(
         sa.select(Task, Project.name).join(Project, Project.id == Task.project_id)
@@ -562,5 +642,5 @@ def list_tasks(s: Session, who: Principal) -> list[TaskInfo]:
     return [_task_info(t, pname) for t, pname in rows]
 
 
-def task_info(s: Session, who: Principal, name: str) -> TaskInfo:
+def task_info(s: Session, who: Principal, name: str) -> TaskDetail:
     return _task_info(find_task(s, who, name), who.project)

@@ -98,7 +98,7 @@ _Q_PREV = sa.select(_SB.c.key).where(_SB.c.project_id == sa.bindparam("pid"), _S
 _Q_TASK = (
     sa.select(
         _TK.c.id, _TK.c.quota_sandboxes, _TK.c.quota_cpu_m, _TK.c.quota_memory, _TK.c.used_sandboxes,
-        _TK.c.used_cpu_m, _TK.c.used_memory,
+        _TK.c.used_cpu_m, _TK.c.used_memory, _TK.c.stages,
     )
     .where(_TK.c.project_id == sa.bindparam("pid"), _TK.c.name == sa.bindparam("name"))
     .with_for_update()
@@ -113,6 +113,26 @@ _COMMIT = (
         updated_at=sa.bindparam("c_now"),
     )
 )
+
+
+def inherited_stages(task_stages: Any, req: CreateSandbox) -> dict[str, Any] | None:
+    """A sandbox of a task with stages, whose spec declares none, gets the task's (and starts
+    in the task's current stage)."""
+    if not task_stages or req.spec.stages:
+        return None
+    doc = task_stages if isinstance(task_stages, dict) else json.loads(task_stages)
+    stages = doc.get("stages") or {}
+    if not stages:
+        return None
+    return {"stages": stages, "stage": doc.get("stage") or next(iter(stages))}
+
+
+def r_stages(row: SandboxRow) -> dict[str, Any] | None:
+    """The stages recorded in a reservation's spec (inherited or not: the edge gets the same)."""
+    spec = row.spec or {}
+    if not spec.get("stages"):
+        return None
+    return {"stages": spec["stages"], "stage": spec.get("stage")}
 
 
 def amount_of(row: SandboxRow) -> Amount:
@@ -198,6 +218,8 @@ class Reserved:
     task: str | None = None
     created_at: float = 0.0
     expires_at: float | None = None
+    stages: dict[str, Any] | None = None
+    """The task's stages (and starting stage) the sandbox inherits: its spec declares none."""
 
 
 @dataclass(frozen=True)
@@ -341,10 +363,14 @@ class Sandboxes:
         key = uuid.uuid4().hex
         labels = {**req.spec.labels, **req.labels}
         expires = now + req.lifecycle.ttl_s
+        spec = req.spec.model_dump(mode="json")
+        inherit = inherited_stages(t.stages if t is not None else None, req)
+        if inherit is not None:
+            spec.update(inherit)
         conn.execute(_INSERT, {
             "key": key, "id": None, "edge_id": chosen.id, "edge_url": urls[chosen.id],
             "project_id": who.project_id, "task_id": t.id if t is not None else None, "task_name": req.task,
-            "labels": labels, "state": S.CREATING.value, "spec": req.spec.model_dump(mode="json"),
+            "labels": labels, "state": S.CREATING.value, "spec": spec,
             "lifecycle": req.lifecycle.model_dump(mode="json"), "cpu_m": demand.need.cpu_m,
             "memory": demand.need.memory, "disk": demand.need.disk, "created_at": now, "updated_at": now,
             "expires_at": expires, "request_id": req.request_id, "request_hash": rhash, "reason": "",
@@ -355,7 +381,7 @@ class Sandboxes:
         bump_edge(s, chosen.id, demand.need)
         return Reserved(
             key=key, edge_id=chosen.id, edge_url=urls[chosen.id], labels=labels, task=req.task,
-            created_at=now, expires_at=expires,
+            created_at=now, expires_at=expires, stages=inherit,
         )
 
     def _replay(self, s: Session, key: str, rhash: str, who: Principal) -> Answered | InFlight:
@@ -391,7 +417,7 @@ class Sandboxes:
         ledger.flush(s)
         return Reserved(
             key=row.key, edge_id=chosen.id, edge_url=row.edge_url, labels=dict(row.labels or {}),
-            task=row.task_name, created_at=row.created_at, expires_at=row.expires_at,
+            task=row.task_name, created_at=row.created_at, expires_at=row.expires_at, stages=r_stages(row),
         )
 
     def _release_txn(self, s: Session, key: str) -> None:
@@ -488,6 +514,8 @@ class Sandboxes:
         body = req.model_dump(mode="json", exclude={"edge_selector", "request_id"})
         body["request_id"] = r.key  # idempotent on the edge too: a retried call makes no second sandbox
         body["project"] = who.project
+        if r.stages is not None:
+            body["spec"].update(r.stages)
         attempts = self.config.placement.max_attempts
         done = False
         try:

@@ -22,6 +22,7 @@ from dsec.control.config import ControlConfig, write_secret
 from dsec.control.db import Store
 from dsec.control.edges import EdgeClient, EdgeDirectory
 from dsec.control.iam import Principal, bootstrap, principal_for_token
+from dsec.control.ops import Operations
 from dsec.control.sandboxes import Sandboxes
 from dsec.control.watcher import Watcher
 from dsec.errors import AuthError, Forbidden
@@ -92,7 +93,8 @@ class Control:
         self.store = store = Store(cfg.db_url, threads=cfg.db_threads)
         await loop.run_in_executor(None, store.migrate)
         boot = cfg.bootstrap_token.get_secret_value() if cfg.bootstrap_token else None
-        _, made = await store.write(lambda s: bootstrap(s, root=cfg.root_project, quota=cfg.root_quota, token_secret=boot))
+        _, made = await store.write(lambda s: bootstrap(
+            s, root=cfg.root_project, quota=cfg.root_quota, token_secret=boot, storage=cfg.root_storage))
         if made is not None:
             self.admin_token = made
             path = cfg.token_file
@@ -106,6 +108,7 @@ class Control:
         self.edge_client = EdgeClient(self.key, timeout=cfg.edge_timeout_s, token_ttl_s=cfg.edge_admin_token_ttl_s)
         self.directory = EdgeDirectory(store)
         self.sandboxes = Sandboxes(cfg, store, self.key, self.edge_client, self.directory)
+        self.ops = Operations(self.sandboxes)
         self.watcher = Watcher(
             cfg, store, self.edge_client, self.directory,
             create_budget_s=cfg.edge_timeout_s * cfg.placement.max_attempts + 5.0,

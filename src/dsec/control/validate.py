@@ -28,6 +28,10 @@ def sandbox_id(value: str) -> str:
     return value
 
 
+def is_sandbox_id(value: str) -> bool:
+    return bool(_SANDBOX_ID.match(value))
+
+
 def name_in_path(value: str, what: str) -> str:
     if not _NAME.match(value):
         raise NotFound(f"no {what} {value[:70]!r}", **{what: value[:63]})

@@ -35,7 +35,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from dsec.control.config import ControlConfig
-from dsec.control.db import EdgeRow, Lease, Project, SandboxRow, Store, Task
+from dsec.control.db import EdgeRow, Lease, Project, SandboxRow, SnapshotRow, Store, Task
 from dsec.control.edges import EdgeClient, EdgeDirectory, record_health_txn
 from dsec.control.sandboxes import HOLDS_EDGE, HOLDS_QUOTA, LIVE, Ledger, _finish_many, forget, move
 from dsec.errors import DsecError
@@ -261,6 +261,14 @@ class Watcher:
             log.warning("dropping reservation %s: its create never finished", row.key)
             forget(s, row, ledger)
         ledger.flush(s)
+        for snap in s.execute(
+            sa.select(SnapshotRow).where(SnapshotRow.state == "creating", SnapshotRow.updated_at < now - 3600.0)
+            .with_for_update()
+        ).scalars():  # a snapshot whose answer never came (the control plane died): its storage returns
+            log.warning("dropping snapshot reservation %s of sandbox %s: it never finished", snap.key, snap.sandbox_id)
+            s.execute(sa.update(Project).where(Project.id == snap.project_id)
+                      .values(used_storage=Project.used_storage - snap.size))
+            s.delete(snap)
         if self.config.retention_s >= 0:
             s.execute(
                 sa.delete(SandboxRow).where(
@@ -299,10 +307,25 @@ def recount_txn(s: Session) -> int:
     projects = s.execute(sa.select(Project).order_by(Project.id).with_for_update()).scalars().all()
     used = _sums(s, SandboxRow.project_id, HOLDS_QUOTA)
     reserved: dict[int, tuple[int, int, int]] = {}
+    storage_used = {
+        pid: int(n) for pid, n in s.execute(
+            sa.select(SnapshotRow.project_id, sa.func.coalesce(sa.func.sum(SnapshotRow.size), 0))
+            .group_by(SnapshotRow.project_id)
+        )
+    }
+    storage_reserved: dict[int, int] = {}
     for p in projects:
         if p.parent_id is not None:
             r = reserved.get(p.parent_id, (0, 0, 0))
             reserved[p.parent_id] = (r[0] + p.quota_sandboxes, r[1] + p.quota_cpu_m, r[2] + p.quota_memory)
+            storage_reserved[p.parent_id] = storage_reserved.get(p.parent_id, 0) + p.quota_storage
+    for p in projects:
+        su, sr = storage_used.get(p.id, 0), storage_reserved.get(p.id, 0)
+        if (p.used_storage, p.reserved_storage) != (su, sr):
+            log.warning("project %s storage counters drifted: %s -> %s", p.name,
+                        (p.used_storage, p.reserved_storage), (su, sr))
+            fixed += 1
+            p.used_storage, p.reserved_storage = su, sr
     for p in projects:
         u = used.get(p.id, (0, 0, 0))
         r = reserved.get(p.id, (0, 0, 0))
