@@ -26,7 +26,7 @@ import time
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from typing import Annotated, Any, TypeVar
 
-from fastapi import Depends, FastAPI, Query, Request
+from fastapi import Body, Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -38,6 +38,7 @@ from dsec.backends.container.fsops import FileInfo
 from dsec.edge.config import EdgeConfig
 from dsec.edge.service import EdgeService, error_body, result_to_wire
 from dsec.errors import AuthError, DsecError, Forbidden, InvalidSpec
+from dsec.spec import NetworkPolicy
 from dsec.spec.api import (
     STATUS_BY_CODE,
     EdgeCreateSandbox,
@@ -47,11 +48,13 @@ from dsec.spec.api import (
     FileEntry,
     ForkRequest,
     GroupResult,
+    NetworkInfo,
     PauseReport,
     SandboxInfo,
     SessionOpen,
     SessionOpened,
     SessionRun,
+    SetStage,
     SnapshotInfo,
     SnapshotRequest,
 )
@@ -276,6 +279,22 @@ def create_app(config: EdgeConfig, *, service: EdgeService | None = None) -> Fas
     @app.get("/v1/sandboxes/{sandbox_id}/events", tags=["sandboxes"])
     async def sandbox_events(sandbox_id: str, _c: Owner) -> Response:
         return Response(json.dumps(svc.event_log(sandbox_id), default=str), media_type=JSON)
+
+    # ------------------------------------------- network policy, stages --
+
+    @app.put("/v1/sandboxes/{sandbox_id}/policy", response_model=SandboxInfo, tags=["policy"])
+    async def set_policy(sandbox_id: str, _c: Owner,
+                         body: Annotated[NetworkPolicy | None, Body()] = None) -> Response:
+        """Replace the network policy atomically; ``null`` (or no body): loopback only."""
+        return _json(await svc.set_policy(sandbox_id, body))
+
+    @app.post("/v1/sandboxes/{sandbox_id}/stage", response_model=SandboxInfo, tags=["policy"])
+    async def set_stage(sandbox_id: str, body: SetStage, _c: Owner) -> Response:
+        return _json(await svc.set_stage(sandbox_id, body.stage))
+
+    @app.get("/v1/sandboxes/{sandbox_id}/network", response_model=NetworkInfo, tags=["policy"])
+    async def sandbox_network(sandbox_id: str, _c: Owner) -> Response:
+        return _json(svc.network_info(sandbox_id))
 
     # ------------------------------------------------------------ exec --
 

@@ -23,7 +23,10 @@ from pydantic import (
 )
 
 from dsec.auth import parse_key
+from dsec.backends.container.network import NetworkConfig, Permission
 from dsec.spec import ImageRef, Resources
+
+__all__ = ["EdgeConfig", "NetworkConfig", "Permission", "PoolConfig"]
 
 EDGE_ID_RE = re.compile(r"^[a-z][a-z0-9]{0,7}$")
 _RUNTIME_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
@@ -113,6 +116,15 @@ class EdgeConfig(_Config):
     auto_pause_s: Annotated[float | None, Field(gt=0)] = None
     """Pause a sandbox after this long without requests, unless its create says otherwise
     (``lifecycle.auto_pause_s``); None: never."""
+
+    network: NetworkConfig | None = None
+    """Sandbox networking: named permissions, always-blocked ranges, the prepared-namespace
+    pool (docs/EDGE.md, "Network"). None: every sandbox is loopback-only and a create or
+    ``set_policy`` with a policy is refused. The edge adds its own and the control plane's
+    addresses to ``blocked`` when it starts."""
+    audit_interval_s: Annotated[float, Field(gt=0, le=3600)] = 2.0
+    """How often denied network attempts, OOM kills, pids-limit hits and full disks are
+    collected into event logs and metrics (they are also checked after every exec)."""
 
     control_plane_url: str | None = None
     heartbeat_interval_s: Annotated[float, Field(gt=0, le=3600)] = 5.0

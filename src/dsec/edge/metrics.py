@@ -15,7 +15,12 @@ scrape time from the service, so they can never drift from the truth.
 | dsec_edge_exec_seconds | kind | exec round trip on the edge |
 | dsec_edge_admission_refusals_total | reason | count, cpu, memory, disk |
 | dsec_edge_expirations_total | reason | ttl, idle, failed |
-| dsec_edge_limit_events_total | kind | oom, pids_limit seen after an exec |
+| dsec_edge_limit_events_total | kind | limit hits: oom, pids_limit, disk_full, output_cap |
+| dsec_edge_net_denied_total | | packets refused by sandboxes' network policies |
+| dsec_edge_net_denied_sandboxes_total | | times a sandbox was seen with new refused packets (one per audit pass) |
+| dsec_edge_policy_changes_total | result | set_policy calls: ok, failed |
+| dsec_edge_stage_changes_total | result | set_stage calls: ok, failed |
+| dsec_edge_policy_apply_seconds | kind | policy, stage: latency of a change on the edge |
 | dsec_edge_pool_ready / _target / _creating / _low_watermark | pool | warm pools; watermark = lowest ready count in the last 60 s |
 | dsec_edge_pool_claims_total | pool, result | hit, miss |
 | dsec_edge_pool_refills_total | pool, result | ok, failed |
@@ -40,6 +45,7 @@ if TYPE_CHECKING:
     from dsec.edge.service import EdgeService
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+LIMIT_KINDS = ("oom", "pids_limit", "disk_full", "output_cap")
 EXEC_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0, 600.0)
 
 
@@ -61,7 +67,19 @@ class EdgeMetrics:
         self.expirations = Counter("dsec_edge_expirations", "Sandboxes destroyed by the watchdog", ["reason"], registry=r)
         self.pauses = Counter("dsec_edge_pauses", "Sandboxes paused, by how (api, group, idle)", ["how"], registry=r)
         self.snapshots = Counter("dsec_edge_snapshots", "Snapshots packed (snapshot or fork)", ["kind"], registry=r)
-        self.limit_events = Counter("dsec_edge_limit_events", "OOM kills and pids-limit hits", ["kind"], registry=r)
+        self.limit_events = Counter(
+            "dsec_edge_limit_events", "Limit hits: OOM kills, pids-limit hits, full disks, capped output", ["kind"], registry=r
+        )
+        self.net_denied = Counter("dsec_edge_net_denied", "Packets refused by sandbox network policies", registry=r)
+        self.net_denied_sandboxes = Counter(
+            "dsec_edge_net_denied_sandboxes", "Audit passes that found a sandbox with new refused packets", registry=r
+        )
+        self.policy_changes = Counter("dsec_edge_policy_changes", "Network policy changes", ["result"], registry=r)
+        self.stage_changes = Counter("dsec_edge_stage_changes", "Stage switches", ["result"], registry=r)
+        self.policy_seconds = Histogram(
+            "dsec_edge_policy_apply_seconds", "Policy change / stage switch latency on the edge", ["kind"],
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
         self.pool_claims = Counter("dsec_edge_pool_claims", "Creates matching a warm pool", ["pool", "result"], registry=r)
         self.pool_refills = Counter("dsec_edge_pool_refills", "Background pool creates", ["pool", "result"], registry=r)
         self.pool_evictions = Counter(
@@ -69,6 +87,11 @@ class EdgeMetrics:
         )
         for reason in ("count", "cpu", "memory", "disk"):
             self.admission_refusals.labels(reason)
+        for kind in LIMIT_KINDS:
+            self.limit_events.labels(kind)
+        for result in ("ok", "failed"):
+            self.policy_changes.labels(result)
+            self.stage_changes.labels(result)
         for source in ("cold", "pool"):
             self.create_seconds.labels(source)
             self.creates.labels("ok", source, "")

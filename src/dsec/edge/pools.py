@@ -45,6 +45,14 @@ warm create p50 over HTTP 5.3-6.4 ms -> 4.0-4.3 ms), and a burst of claims is se
 _NAME_TTL_S = 1.0  # a name:tag is re-resolved after this long (digests never change)
 
 
+def pool_eligible(spec: SandboxSpec) -> bool:
+    """Pooled sandboxes are loopback-only and stageless: a spec with a network policy or
+    stages is created cold (a prepared namespace from the runtime's pool makes that ~0.3 ms
+    dearer than without; wiring a veth into a pooled sandbox afterwards costs more than the
+    whole cold create: docs/EDGE.md, "Warm pools")."""
+    return spec.effective_network() is None and not spec.stages
+
+
 class WarmPool:
     def __init__(self, cfg: PoolConfig) -> None:
         self.cfg = cfg
@@ -178,7 +186,7 @@ class PoolManager:
     # -- claims --
 
     def match(self, spec: SandboxSpec) -> WarmPool | None:
-        if not self._by_key:
+        if not self._by_key or not pool_eligible(spec):
             return None
         try:
             key = (self.layers_of(spec.image), spec.resources)

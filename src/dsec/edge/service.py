@@ -26,6 +26,7 @@ from dsec.backends.container.fsops import SandboxFiles
 from dsec.backends.container.runtime import ContainerRuntime, SandboxRecord
 from dsec.backends.container.sessions import Session
 from dsec.edge.admission import Admission, Budgets, resolve_budgets
+from dsec.edge.audit import FULL_ERRNOS, Auditor
 from dsec.edge.config import EdgeConfig
 from dsec.edge.events import EventLog, Tombstone
 from dsec.edge.heartbeat import Heartbeat
@@ -37,6 +38,7 @@ from dsec.errors import (
     Backpressure,
     DsecError,
     ExecTimeout,
+    FileAccessError,
     HostError,
     InvalidSpec,
     QuotaExceeded,
@@ -44,7 +46,7 @@ from dsec.errors import (
     SandboxStateError,
     SessionClosed,
 )
-from dsec.spec import ImageRef, SandboxState
+from dsec.spec import ImageRef, NetworkPolicy, SandboxState
 from dsec.spec.api import (
     EdgeCreateSandbox,
     EdgeHealth,
@@ -53,6 +55,7 @@ from dsec.spec.api import (
     ForkRequest,
     GroupResult,
     Lifecycle,
+    NetworkInfo,
     PauseReport,
     SandboxInfo,
     SessionOpen,
@@ -107,14 +110,64 @@ def error_body(exc: DsecError) -> dict[str, Any]:
     return {"error": _jsonable(body)}
 
 
+def current_policy(rec: SandboxRecord) -> NetworkPolicy | None:
+    """The policy in force: the runtime keeps it with the sandbox's network (None: loopback only)."""
+    pol = (rec.net or {}).get("policy")
+    return None if pol is None else NetworkPolicy.model_validate(pol)
+
+
+def current_stage(rec: SandboxRecord) -> str | None:
+    """The stage in force: the last ``set_stage``, else the one the sandbox was created in."""
+    return rec.stage or rec.spec.stage
+
+
+def platform_blocked(config: EdgeConfig) -> tuple[str, ...]:
+    """The network config's ``blocked`` plus the IPv4 addresses of this edge (bound and
+    advertised) and of the control plane: no policy may open a way to the platform.
+    Wildcards and loopback are left out (the runtime refuses the host's own addresses
+    and 127.0.0.0/8 anyway); names are resolved once, at start."""
+    import ipaddress
+    import socket
+    from urllib.parse import urlsplit
+
+    assert config.network is not None
+    hosts = [config.host]
+    for url in (config.url, config.control_plane_url):
+        if url:
+            hosts.append(urlsplit(url).hostname or "")
+    out = list(config.network.blocked)
+    for host in hosts:
+        if host in ("", "0.0.0.0", "::", "localhost"):
+            continue
+        try:
+            addrs = {str(ipaddress.ip_address(host))}
+        except ValueError:
+            try:
+                addrs = {str(a[4][0]) for a in socket.getaddrinfo(host, None, socket.AF_INET)}
+            except OSError as exc:
+                log.warning("cannot resolve %s to block it from sandboxes: %s", host, exc)
+                continue
+        for a in sorted(addrs):
+            ip = ipaddress.ip_address(a)
+            if ip.version != 4 or ip.is_loopback or ip.is_unspecified:
+                continue
+            if any(ip in ipaddress.ip_network(b) for b in out):
+                continue  # covered already (nftables interval sets refuse overlaps)
+            out.append(f"{a}/32")
+    return tuple(out)
+
+
 class EdgeService:
     def __init__(self, config: EdgeConfig) -> None:
         self.config = config
         self.edge_id = config.edge_id
         self.url = config.base_url
+        net: dict[str, Any] = {}
+        if config.network is not None:
+            net["network"] = config.network.model_copy(update={"blocked": platform_blocked(config)})
         self.runtime = ContainerRuntime(
             name=config.runtime, state_dir=config.state_dir, run_dir=config.run_dir, id_prefix=config.edge_id,
-            zram_size=config.zram_size, reclaim_method=config.reclaim_method,
+            zram_size=config.zram_size, reclaim_method=config.reclaim_method, **net,
         )
         self.budgets: Budgets | None = None
         self.admission: Admission = Admission(Budgets(0, 0.0, 0, 0))
@@ -122,6 +175,7 @@ class EdgeService:
         self.metrics = EdgeMetrics(self)
         self.pools = PoolManager(self)
         self.watchdog = Watchdog(self)
+        self.audit = Auditor(self)
         self.host = HostSampler(config.state_dir)
         self.heartbeat: Heartbeat | None = None
         self.started = False
@@ -149,6 +203,7 @@ class EdgeService:
         self.resync_admission()
         await self.pools.start()
         self.watchdog.start()
+        self.audit.start()
         if self.config.control_plane_url:
             self.heartbeat = Heartbeat(self, self.config.control_plane_url)
             self.heartbeat.start()
@@ -167,6 +222,7 @@ class EdgeService:
         if self.heartbeat is not None:
             await self.heartbeat.stop()
         await self.watchdog.stop()
+        await self.audit.stop()
         await self.pools.stop()
         for task in list(self._background):
             task.cancel()
@@ -250,6 +306,7 @@ class EdgeService:
             created_at=float(edge.get("created_at") or rec.created_at), expires_at=edge.get("expires_at"),
             reason=rec.reason, from_pool=bool(edge.get("from_pool")) if from_pool is None else from_pool,
             image=rec.spec.image, resources=rec.spec.resources,
+            stage=current_stage(rec), network=current_policy(rec), stages=sorted(rec.spec.stages),
         )
 
     def tomb_info(self, tomb: Tombstone) -> SandboxInfo:
@@ -306,6 +363,9 @@ class EdgeService:
                 if req.id in self.pools.pooled_ids:
                     raise InvalidSpec(f"sandbox id {req.id!r} is taken; leave `id` out", field="id")
                 return self.info(existing, with_token=True)
+        spec = req.spec
+        if spec.effective_network() is not None or any(st.network is not None for st in spec.stages.values()):
+            self.require_network("the spec", "spec.network" if spec.stage is None else "spec.stages")
         now = time.time()
         if req.id is None and self.pools.pools:
             taken = self.pools.take(req.spec, self._create_meta(req, now))
@@ -380,6 +440,7 @@ class EdgeService:
             self._by_request.pop(str(edge["request_id"]), None)
         self._busy.pop(sandbox_id, None)
         self._limits_seen.pop(sandbox_id, None)
+        self.audit.forget(sandbox_id)
         self.events.add(sandbox_id, "destroyed", reason=reason)
         if info is not None:
             now = time.time()
@@ -498,9 +559,10 @@ class EdgeService:
         try:
             with self.activity(sandbox_id):
                 try:
+                    extra: dict[str, Any] = {"pristine": req.pristine} if req.pristine else {}
                     result = await self.runtime.exec(
                         sandbox_id, req.cmd, env=req.env, cwd=req.cwd, user=req.user, stdin=stdin,
-                        timeout=req.timeout, idle_timeout=req.idle_timeout, on_output=on_output,
+                        timeout=req.timeout, idle_timeout=req.idle_timeout, on_output=on_output, **extra,
                     )
                 except ExecTimeout as exc:
                     partial = getattr(exc, "result", None)
@@ -508,6 +570,7 @@ class EdgeService:
                         raise
                     result = partial
             outcome = "timeout" if result.timed_out else ("ok" if result.exit_code == 0 else "nonzero")
+            self._note_output(sandbox_id, kind, result)
             return result
         except asyncio.CancelledError:
             outcome = "cancelled"  # the client went away; the runtime killed the command
@@ -518,6 +581,13 @@ class EdgeService:
             rec = self.runtime.sandboxes.get(sandbox_id)
             if rec is not None:
                 self._scan_limits(rec)
+                self.audit.check_disk(rec)
+
+    def _note_output(self, sandbox_id: str, kind: str, result: ExecResult) -> None:
+        if result.truncated:
+            rec = self.runtime.sandboxes.get(sandbox_id)
+            self.audit.note_output(sandbox_id, kind, stdout_bytes=result.stdout_bytes, stderr_bytes=result.stderr_bytes,
+                                   cap=rec.spec.output_cap if rec is not None else 0)
 
     def _scan_limits(self, rec: SandboxRecord) -> None:
         """Count the runtime's new OOM / pids-limit events (they appear after an exec)."""
@@ -593,6 +663,74 @@ class EdgeService:
                 with contextlib.suppress(BaseException):
                     await task
 
+    # ------------------------------------------------ network policy, stages --
+
+    async def set_policy(self, sandbox_id: str, policy: NetworkPolicy | None) -> SandboxInfo:
+        """Replace the sandbox's network policy atomically (None: loopback only). An unknown
+        permission name is an InvalidSpec and changes nothing."""
+        self.record(sandbox_id)
+        if policy is not None:
+            self.require_network(f"sandbox {sandbox_id}'s policy", "policy")
+        t0 = time.perf_counter()
+        try:
+            rec = await self.runtime.set_policy(sandbox_id, policy)
+        except DsecError:
+            self.metrics.policy_changes.labels("failed").inc()
+            raise
+        self.metrics.policy_changes.labels("ok").inc()
+        self.metrics.policy_seconds.labels("policy").observe(time.perf_counter() - t0)
+        self.touch(sandbox_id)
+        return self.info(rec)
+
+    async def set_stage(self, sandbox_id: str, stage: str) -> SandboxInfo:
+        """Switch to a declared stage: its file rules and network policy; processes started
+        before the switch are killed by the runtime."""
+        rec = self.record(sandbox_id)
+        if stage not in rec.spec.stages:
+            known = ", ".join(sorted(rec.spec.stages)) or "none: create the sandbox with `stages`"
+            raise InvalidSpec(f"sandbox {sandbox_id} has no stage {stage!r} (declared: {known})",
+                              field="stage", sandbox_id=sandbox_id, stage=stage)
+        if rec.spec.stages[stage].network is not None:
+            self.require_network(f"stage {stage!r}", "stage")
+        if rec.state is SandboxState.PAUSED:
+            self.runtime.wake(sandbox_id)
+        t0 = time.perf_counter()
+        try:
+            rec = await self.runtime.set_stage(sandbox_id, stage)
+        except DsecError:
+            self.metrics.stage_changes.labels("failed").inc()
+            raise
+        self.metrics.stage_changes.labels("ok").inc()
+        self.metrics.policy_seconds.labels("stage").observe(time.perf_counter() - t0)
+        # the switch killed what ran under the old stage: their sessions are gone
+        for sess in self._sessions.pop(sandbox_id, {}).values():
+            with contextlib.suppress(Exception):
+                await sess.close()
+        self.touch(sandbox_id)
+        return self.info(rec)
+
+    def require_network(self, what: str, field: str) -> None:
+        if self.config.network is None:
+            raise InvalidSpec(
+                f"{what} asks for network, but edge {self.edge_id} has no network configured: add a `network` "
+                "section to its configuration (docs/EDGE.md, \"Network\"; `dsec up --edge-config FILE`)",
+                field=field, edge_id=self.edge_id,
+            )
+
+    def network_info(self, sandbox_id: str) -> NetworkInfo:
+        """Address, policy in force and refused attempts (as of the last audit pass)."""
+        rec = self.record(sandbox_id)
+        raw = dict(self.runtime.network_info(sandbox_id) or {})
+        raw.pop("policy", None)
+        ip = raw.pop("ip", None)
+        denied = raw.pop("denied_packets", 0)
+        recent = raw.pop("denied_recent", None) or []
+        return NetworkInfo(
+            sandbox_id=sandbox_id, ip=None if ip is None else str(ip), policy=current_policy(rec),
+            stage=current_stage(rec), denied=int(denied or 0), recent_denied=[str(x) for x in recent][-32:],
+            detail=_jsonable(raw),
+        )
+
     # -------------------------------------------------------------- sessions --
 
     async def open_session(self, sandbox_id: str, body: SessionOpen) -> str:
@@ -629,6 +767,7 @@ class EdgeService:
                     self._sessions.get(sandbox_id, {}).pop(session_id, None)
                     raise
             outcome = "timeout" if result.timed_out else ("ok" if result.exit_code == 0 else "nonzero")
+            self._note_output(sandbox_id, "session", result)
             return result
         finally:
             self.metrics.execs.labels("session", outcome).inc()
@@ -650,7 +789,12 @@ class EdgeService:
         self.record(sandbox_id)
         with self.activity(sandbox_id):
             fs = self.runtime.files(sandbox_id)
-            return await asyncio.to_thread(op, fs)
+            try:
+                return await asyncio.to_thread(op, fs)
+            except FileAccessError as exc:
+                if getattr(exc, "errno", None) in FULL_ERRNOS:
+                    self.audit.note_disk_full(sandbox_id, source="files_api")
+                raise
 
     # ---------------------------------------------- pause, snapshots, forks --
 

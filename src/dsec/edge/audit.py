@@ -1,0 +1,131 @@
+"""Audit: what sandboxes tried and hit, in their event logs and in metrics, so a trainer
+can see which rollouts misbehaved (issue 5, section 4).
+
+Sources, and where each lands:
+
+| what | seen by | event (origin) | metric |
+|---|---|---|---|
+| packets refused by the network policy | ``runtime.collect_denied()`` every ``audit_interval_s`` | ``net_denied`` (runtime): count, recent destinations | ``dsec_edge_net_denied_total`` |
+| OOM kills, pids-limit hits | cgroup counters after each exec and every audit pass | ``oom``, ``pids_limit`` (runtime): count | ``dsec_edge_limit_events_total{kind}`` |
+| the writable layer full (blocks or inodes) | statvfs after each exec, every audit pass, ENOSPC from the files API | ``disk_full`` (edge) | same, ``kind="disk_full"`` |
+| output beyond ``output_cap`` | each exec / session result | ``output_capped`` (edge) | same, ``kind="output_cap"`` |
+| policy and stage changes | the runtime when applying them | ``policy_changed``, ``stage_changed`` (runtime) | ``dsec_edge_policy_changes_total``, ``dsec_edge_stage_changes_total`` |
+
+Labels stay bounded (kinds and results, never sandbox ids): per-sandbox detail
+lives in the event log. The pass runs on the event loop and costs two cgroup
+reads and one statvfs per running sandbox plus whatever ``collect_denied``
+costs; a failing pass is logged and the next one runs anyway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import os
+from typing import TYPE_CHECKING, Any
+
+from dsec.spec import SandboxState
+
+if TYPE_CHECKING:
+    from dsec.backends.container.runtime import SandboxRecord
+    from dsec.edge.service import EdgeService
+
+log = logging.getLogger("dsec.edge.audit")
+
+DISK_FULL_BYTES = 64 * 1024
+"""A writable layer with less than this free (or no free inode) is full: a write just failed or will."""
+DISK_REARM_FRACTION = 0.02
+"""A full layer is reported again only after at least this share of its quota was freed."""
+FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+class Auditor:
+    def __init__(self, service: EdgeService) -> None:
+        self.service = service
+        self.interval = service.config.audit_interval_s
+        self._task: asyncio.Task[None] | None = None
+        self._disk_full: set[str] = set()
+        self.passes = 0
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="dsec-edge-audit")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    def forget(self, sandbox_id: str) -> None:
+        self._disk_full.discard(sandbox_id)
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            try:
+                await self.sweep()
+            except Exception:  # the audit must outlive any one bad pass
+                log.exception("audit pass failed")
+
+    async def sweep(self) -> dict[str, int]:
+        """One pass; returns the denied-packet increments per sandbox id."""
+        svc = self.service
+        denied = await self.collect_denied()
+        pooled = svc.pools.pooled_ids
+        for rec in list(svc.runtime.sandboxes.values()):
+            if rec.state is SandboxState.RUNNING and rec.id not in pooled:
+                self.check_limits(rec)
+        self.passes += 1
+        return denied
+
+    async def collect_denied(self) -> dict[str, int]:
+        rt: Any = self.service.runtime
+        if getattr(rt, "collect_denied", None) is None or self.service.config.network is None:
+            return {}
+        grown: dict[str, int] = await rt.collect_denied()
+        pooled = self.service.pools.pooled_ids
+        grown = {sid: n for sid, n in grown.items() if n > 0 and sid not in pooled}
+        if grown:
+            self.service.metrics.net_denied.inc(sum(grown.values()))
+            self.service.metrics.net_denied_sandboxes.inc(len(grown))
+        return grown
+
+    def check_limits(self, rec: SandboxRecord) -> None:
+        """New OOM kills / pids-limit hits (the runtime's events) and a full disk (ours)."""
+        svc = self.service
+        svc.runtime._check_limits(rec)
+        svc._scan_limits(rec)
+        self.check_disk(rec)
+
+    def check_disk(self, rec: SandboxRecord) -> None:
+        if rec.init_pid <= 0:
+            return
+        try:
+            st = os.statvfs(f"/proc/{rec.init_pid}/fd/3")
+        except OSError:
+            return  # gone, or not there yet: nothing to say
+        free = st.f_bavail * st.f_frsize
+        full = free < DISK_FULL_BYTES or (st.f_files > 0 and st.f_favail == 0)
+        if full and rec.id not in self._disk_full:
+            self.note_disk_full(rec.id, bytes_free=free, inodes_free=int(st.f_favail), source="statvfs")
+        elif not full and rec.id in self._disk_full and free >= DISK_REARM_FRACTION * rec.spec.resources.disk:
+            self._disk_full.discard(rec.id)
+
+    def note_disk_full(self, sandbox_id: str, *, source: str, bytes_free: int | None = None,
+                       inodes_free: int | None = None) -> None:
+        if sandbox_id in self._disk_full:
+            return
+        self._disk_full.add(sandbox_id)
+        rec = self.service.runtime.sandboxes.get(sandbox_id)
+        self.service.events.add(sandbox_id, "disk_full", source=source, bytes_free=bytes_free, inodes_free=inodes_free,
+                                disk=rec.spec.resources.disk if rec is not None else None)
+        self.service.metrics.limit_events.labels("disk_full").inc()
+
+    def note_output(self, sandbox_id: str, kind: str, *, stdout_bytes: int, stderr_bytes: int, cap: int) -> None:
+        """A command's output went beyond the sandbox's ``output_cap`` (head and tail were kept)."""
+        self.service.events.add(sandbox_id, "output_capped", kind=kind, stdout_bytes=stdout_bytes,
+                                stderr_bytes=stderr_bytes, output_cap=cap)
+        self.service.metrics.limit_events.labels("output_cap").inc()

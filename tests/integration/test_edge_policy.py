@@ -1,0 +1,382 @@
+"""Network policies, stages, pristine exec and the audit trail through the edge's HTTP API,
+against a real runtime, a real uvicorn on 127.0.0.1 and a real "remote host".
+
+The remote host is a network namespace (``dsec-test-eremote``) with a veth to the host
+and TCP servers in it; the host routes between it and the sandboxes. One edge per
+module; every test destroys what it made, and the module checks that nothing is left:
+no cgroup, record, uid slot, sandbox link or namespace of ours.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import secrets
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from conftest import RT_PREFIX, wait_until
+from dsec.edge.config import EdgeConfig
+from dsec.edge.testing import EdgeThread, leftovers, prepare_busybox
+from dsec.errors import HostError
+
+pytestmark = pytest.mark.root
+
+KEY = secrets.token_bytes(32)
+REMOTE_NS = "dsec-test-eremote"
+REMOTE_LINK = "dte-remote0"  # not "dsec-*": that prefix means "a sandbox's link" to the host rules
+REMOTE_IP = "10.218.0.2"
+HOST_SIDE_IP = "10.218.0.1"
+SUBNET = "10.217.0.0/20"
+RES: dict[str, Any] = {"cpu": 0.5, "memory": 256 << 20, "disk": 64 << 20}
+SPEC: dict[str, Any] = {"image": {"base": "busybox:test"}, "resources": RES}
+
+_SERVER = r"""
+import socket, threading
+def serve(port, reply):
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("0.0.0.0", port)); s.listen(64)
+    while True:
+        c, _ = s.accept()
+        def handle(c=c):
+            try:
+                c.recv(4096)
+                c.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(reply), reply))
+            finally:
+                c.close()
+        threading.Thread(target=handle, daemon=True).start()
+for port, reply in ((8080, b"remote-8080"), (9090, b"remote-9090")):
+    threading.Thread(target=serve, args=(port, reply), daemon=True).start()
+print("ready", flush=True)
+threading.Event().wait()
+"""
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
+
+
+@pytest.fixture(scope="module")
+def remote() -> Iterator[str]:
+    _ip("netns", "del", REMOTE_NS, check=False)
+    _ip("link", "del", REMOTE_LINK, check=False)
+    _ip("netns", "add", REMOTE_NS)
+    server: subprocess.Popen[str] | None = None
+    try:
+        _ip("link", "add", REMOTE_LINK, "type", "veth", "peer", "name", "eth0", "netns", REMOTE_NS)
+        _ip("addr", "add", f"{HOST_SIDE_IP}/30", "dev", REMOTE_LINK)
+        _ip("link", "set", REMOTE_LINK, "up")
+        for cmd in (["addr", "add", f"{REMOTE_IP}/30", "dev", "eth0"], ["link", "set", "eth0", "up"],
+                    ["link", "set", "lo", "up"], ["route", "add", "default", "via", HOST_SIDE_IP]):
+            _ip("netns", "exec", REMOTE_NS, "ip", *cmd)
+        server = subprocess.Popen(["ip", "netns", "exec", REMOTE_NS, sys.executable, "-c", _SERVER],
+                                  stdout=subprocess.PIPE, text=True)
+        assert server.stdout is not None and server.stdout.readline().strip() == "ready"
+        yield REMOTE_IP
+    finally:
+        if server is not None:
+            server.kill()
+            server.wait()
+            if server.stdout is not None:
+                server.stdout.close()
+        _ip("link", "del", REMOTE_LINK, check=False)
+        _ip("netns", "del", REMOTE_NS, check=False)
+
+
+@pytest.fixture(scope="module")
+def edge(dsec_base: Path, remote: str) -> Iterator[EdgeThread]:
+    name = f"{RT_PREFIX}-epol"
+    state = dsec_base / f"state-{name}"
+    try:
+        prepare_busybox(state)
+    except HostError as exc:
+        pytest.skip(f"cannot build the busybox layer: {exc}")
+    cfg = EdgeConfig(
+        edge_id="ep", cluster_key=KEY, port=0, state_dir=state, run_dir=dsec_base / "run", runtime_name=name,
+        destroy_on_shutdown=True, watchdog_interval_s=0.2, audit_interval_s=0.2,
+        pools=[{"image": {"base": "busybox:test"}, "resources": RES, "size": 1, "name": "plain"}],
+        network={"subnet": SUBNET, "pool_size": 2,
+                 "permissions": {"remote-web": {"cidrs": [f"{remote}/32"], "ports": ["8080"]},
+                                 "remote-alt": {"cidrs": [f"{remote}/32"], "ports": ["9090"]}}},
+    )
+    e = EdgeThread(cfg).start()
+    try:
+        yield e
+    finally:
+        e.stop()
+        assert not leftovers(cfg), leftovers(cfg)
+        # namespaces die asynchronously in the kernel once their last fd is closed, veths with them
+        assert wait_until(lambda: not _sandbox_links(), timeout=15), _sandbox_links()
+
+
+def _sandbox_links() -> list[str]:
+    return re.findall(r"^\d+: (dsec-[^:@]+)", _ip("-o", "link", "show").stdout, re.M)
+
+
+@pytest.fixture(scope="module")
+def api(edge: EdgeThread) -> Iterator[httpx.Client]:
+    with edge.client() as c:
+        yield c
+
+
+def create(api: httpx.Client, spec: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
+    r = api.post("/v1/sandboxes", json={"spec": spec or SPEC, **extra})
+    assert r.status_code == 201, r.text
+    return dict(r.json())
+
+
+def sh(api: httpx.Client, sid: str, cmd: str, **extra: Any) -> dict[str, Any]:
+    r = api.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": cmd, "timeout": 30, **extra})
+    assert r.status_code == 200, r.text
+    res = dict(r.json())
+    res["out"] = base64.b64decode(res["stdout_b64"]).decode(errors="replace")
+    res["err"] = base64.b64decode(res["stderr_b64"]).decode(errors="replace")
+    return res
+
+
+def fetch(api: httpx.Client, sid: str, port: int) -> str | None:
+    """The remote's answer on ``port``, or None when refused (busybox nc)."""
+    res = sh(api, sid, f"printf 'GET / HTTP/1.0\\r\\n\\r\\n' | nc -w 3 {REMOTE_IP} {port}")
+    return res["out"] if res["exit_code"] == 0 and " 200 " in res["out"] else None
+
+
+def err(r: httpx.Response) -> dict[str, Any]:
+    body = r.json()
+    assert set(body) == {"error"}, body
+    return dict(body["error"])
+
+
+def events(api: httpx.Client, sid: str, kind: str) -> list[dict[str, Any]]:
+    return [e for e in api.get(f"/v1/sandboxes/{sid}/events").json() if e["event"] == kind]
+
+
+def metric(api: httpx.Client, series: str) -> float:
+    text = api.get("/metrics").text
+    m = re.search(rf"^{re.escape(series)} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def runtime_has(edge: EdgeThread, what: str) -> bool:
+    import inspect
+
+    rt = edge.service.runtime
+    if what == "pristine":
+        return "pristine" in inspect.signature(rt.exec).parameters
+    return hasattr(rt, what)
+
+
+def test_set_policy_through_http(edge: EdgeThread, api: httpx.Client) -> None:
+    info = create(api)
+    sid = info["id"]
+    assert info["network"] is None and info["stage"] is None
+    sb = httpx.Client(base_url=edge.url, headers={"authorization": f"Bearer {info['token']}"}, timeout=30)
+    try:
+        assert fetch(api, sid, 8080) is None  # default: loopback only
+        assert sb.get(f"/v1/sandboxes/{sid}/network").json()["ip"] is None
+        before = metric(api, 'dsec_edge_policy_changes_total{result="ok"}')
+
+        # the sandbox's own token may change its policy; the answer shows it
+        r = sb.put(f"/v1/sandboxes/{sid}/policy", json={"allow": ["remote-web"]})
+        assert r.status_code == 200, r.text
+        assert r.json()["network"] == {"allow": ["remote-web"], "rules": []} and r.json()["token"] is None
+        assert "remote-8080" in (fetch(api, sid, 8080) or "")
+        assert fetch(api, sid, 9090) is None
+        net = sb.get(f"/v1/sandboxes/{sid}/network").json()
+        assert net["ip"].startswith("10.217.") and net["policy"]["allow"] == ["remote-web"], net
+        assert api.get(f"/v1/sandboxes/{sid}").json()["network"]["allow"] == ["remote-web"]
+
+        # a raw rule instead
+        r = api.put(f"/v1/sandboxes/{sid}/policy", json={"rules": [{"cidr": f"{REMOTE_IP}/32", "ports": ["9090"]}]})
+        assert r.status_code == 200, r.text
+        assert fetch(api, sid, 9090) is not None and fetch(api, sid, 8080) is None
+
+        # typed refusals change nothing
+        r = api.put(f"/v1/sandboxes/{sid}/policy", json={"allow": ["nosuch"]})
+        assert r.status_code == 422 and err(r)["code"] == "invalid_spec" and "nosuch" in err(r)["message"], r.text
+        r = api.put(f"/v1/sandboxes/{sid}/policy", json={"rules": [{"cidr": "not-an-ip"}]})
+        assert r.status_code == 422 and err(r)["field"].startswith("rules"), r.text
+        assert fetch(api, sid, 9090) is not None
+        other = create(api)
+        try:
+            r = httpx.put(f"{edge.url}/v1/sandboxes/{sid}/policy", json=None,
+                          headers={"authorization": f"Bearer {other['token']}"})
+            assert r.status_code == 403 and err(r)["code"] == "forbidden"
+        finally:
+            api.delete(f"/v1/sandboxes/{other['id']}")
+        r = api.put("/v1/sandboxes/ep-000000000000/policy", json=None)
+        assert r.status_code == 404 and err(r)["code"] == "sandbox_not_found"
+
+        # null: back to loopback only
+        r = api.put(f"/v1/sandboxes/{sid}/policy", content=b"null", headers={"content-type": "application/json"})
+        assert r.status_code == 200 and r.json()["network"] is None, r.text
+        assert fetch(api, sid, 9090) is None
+
+        changes = events(api, sid, "policy_changed")
+        assert [c["policy"] is None for c in changes] == [False, False, True], changes
+        assert metric(api, 'dsec_edge_policy_changes_total{result="ok"}') - before == 3
+        assert metric(api, 'dsec_edge_policy_changes_total{result="failed"}') >= 1
+        assert metric(api, 'dsec_edge_policy_apply_seconds_count{kind="policy"}') >= 3
+    finally:
+        sb.close()
+        api.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_create_with_policy_is_cold_and_enforced(api: httpx.Client) -> None:
+    r = api.post("/v1/sandboxes", json={"spec": {**SPEC, "network": {"allow": ["nosuch"]}}})
+    assert r.status_code == 422 and err(r)["code"] == "invalid_spec", r.text
+    assert wait_until(lambda: api.get("/v1/health").json()["pools"].get("plain") == 1, timeout=30)
+    plain = create(api)
+    assert plain["from_pool"] is True  # the warm pool serves specs without network or stages ...
+    networked = create(api, {**SPEC, "network": {"allow": ["remote-web"]}})
+    try:
+        assert networked["from_pool"] is False  # ... and never one with a policy (docs/EDGE.md)
+        assert networked["network"] == {"allow": ["remote-web"], "rules": []}
+        assert "remote-8080" in (fetch(api, networked["id"], 8080) or "")
+        assert fetch(api, plain["id"], 8080) is None
+    finally:
+        api.delete(f"/v1/sandboxes/{plain['id']}")
+        api.delete(f"/v1/sandboxes/{networked['id']}")
+
+
+def test_denied_attempts_reach_events_and_metrics(edge: EdgeThread, api: httpx.Client) -> None:
+    info = create(api, {**SPEC, "network": {"allow": ["remote-web"]}})
+    sid = info["id"]
+    try:
+        before = metric(api, "dsec_edge_net_denied_total")
+        for _ in range(3):
+            assert fetch(api, sid, 9090) is None
+        assert wait_until(lambda: bool(events(api, sid, "net_denied")), timeout=10), api.get(
+            f"/v1/sandboxes/{sid}/events").json()
+        ev = events(api, sid, "net_denied")[0]
+        assert ev["origin"] == "runtime" and ev["count"] >= 1
+        assert any(REMOTE_IP in str(d) and "9090" in str(d) for d in ev["destinations"]), ev
+        assert metric(api, "dsec_edge_net_denied_total") - before >= 1
+        assert metric(api, "dsec_edge_net_denied_sandboxes_total") >= 1
+        net = api.get(f"/v1/sandboxes/{sid}/network").json()
+        assert net["denied"] >= 1 and any("9090" in d for d in net["recent_denied"]), net
+        assert "{" not in next(ln for ln in api.get("/metrics").text.splitlines()
+                               if ln.startswith("dsec_edge_net_denied_total"))  # no per-sandbox labels
+    finally:
+        api.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_limit_hits_reach_events_and_metrics(api: httpx.Client) -> None:
+    spec = {**SPEC, "resources": {**RES, "disk": 8 << 20, "pids": 16}, "output_cap": 4096}
+    info = create(api, spec)
+    sid = info["id"]
+    try:
+        cap0 = metric(api, 'dsec_edge_limit_events_total{kind="output_cap"}')
+        disk0 = metric(api, 'dsec_edge_limit_events_total{kind="disk_full"}')
+        pids0 = metric(api, 'dsec_edge_limit_events_total{kind="pids_limit"}')
+
+        res = sh(api, sid, "yes | head -c 100000")
+        assert res["truncated"] and res["stdout_bytes"] == 100000
+        capped = events(api, sid, "output_capped")
+        assert capped and capped[0]["stdout_bytes"] == 100000 and capped[0]["output_cap"] == 4096, capped
+        assert metric(api, 'dsec_edge_limit_events_total{kind="output_cap"}') - cap0 == 1
+
+        res = sh(api, sid, "dd if=/dev/zero of=/fill bs=1M count=64")
+        assert res["exit_code"] != 0 and "space" in res["err"], res
+        full = events(api, sid, "disk_full")
+        assert len(full) == 1 and full[0]["source"] == "statvfs" and full[0]["disk"] == 8 << 20, full
+        assert metric(api, 'dsec_edge_limit_events_total{kind="disk_full"}') - disk0 == 1
+        sh(api, sid, "rm /fill")
+        r = api.put(f"/v1/sandboxes/{sid}/files", params={"path": "/big"}, content=b"x" * (12 << 20))
+        assert r.status_code == 400 and err(r)["code"] == "file_error", r.text
+        full = events(api, sid, "disk_full")
+        assert [f["source"] for f in full] == ["statvfs", "files_api"], full
+
+        res = sh(api, sid, "for i in $(seq 40); do sleep 3 & done 2>/dev/null; wait")
+        assert wait_until(lambda: bool(events(api, sid, "pids_limit")), timeout=10)
+        assert metric(api, 'dsec_edge_limit_events_total{kind="pids_limit"}') > pids0
+    finally:
+        api.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_stage_switch_through_http(edge: EdgeThread, api: httpx.Client) -> None:
+    if not runtime_has(edge, "set_stage"):
+        pytest.skip("the runtime has no set_stage yet")
+    stages = {
+        "setup": {"network": {"allow": ["remote-web"]}, "files": {"writable": ["/workspace"]}},
+        "evaluate": {"files": {"read_only": ["/workspace"], "default": "rw"}},
+    }
+    info = create(api, {**SPEC, "stages": stages, "stage": "setup"})
+    sid = info["id"]
+    try:
+        assert info["stage"] == "setup" and info["stages"] == ["evaluate", "setup"] and info["from_pool"] is False
+        assert sh(api, sid, "mkdir -p /workspace && echo v1 > /workspace/f")["exit_code"] == 0
+        assert fetch(api, sid, 8080) is not None
+        sh(api, sid, "sleep 1000 >/dev/null 2>&1 &")  # started under "setup": must not outlive the switch
+        assert "sleep 1000" in sh(api, sid, "ps")["out"]
+        before = metric(api, 'dsec_edge_stage_changes_total{result="ok"}')
+
+        r = api.post(f"/v1/sandboxes/{sid}/stage", json={"stage": "evaluate"})
+        assert r.status_code == 200, r.text
+        assert r.json()["stage"] == "evaluate" and r.json()["network"] is None
+        assert api.get(f"/v1/sandboxes/{sid}").json()["stage"] == "evaluate"
+        assert fetch(api, sid, 8080) is None  # the stage has no network
+        res = sh(api, sid, "cat /workspace/f && echo v2 > /workspace/f")
+        assert res["out"] == "v1\n" and res["exit_code"] != 0, res  # readable, not writable
+        assert "sleep 1000" not in sh(api, sid, "ps")["out"]
+        changed = events(api, sid, "stage_changed")
+        assert len(changed) == 1 and changed[0]["to"] == "evaluate" and changed[0]["killed"] >= 1, changed
+        assert metric(api, 'dsec_edge_stage_changes_total{result="ok"}') - before == 1
+
+        r = api.post(f"/v1/sandboxes/{sid}/stage", json={"stage": "nosuch"})
+        assert r.status_code == 422 and err(r)["field"] == "stage" and "evaluate, setup" in err(r)["message"], r.text
+        r = api.post(f"/v1/sandboxes/{sid}/stage", json={"stage": "Bad Name"})
+        assert r.status_code == 422 and err(r)["field"] == "stage"
+    finally:
+        api.delete(f"/v1/sandboxes/{sid}")
+    plain = create(api)
+    try:
+        r = api.post(f"/v1/sandboxes/{plain['id']}/stage", json={"stage": "setup"})
+        assert r.status_code == 422 and "none" in err(r)["message"], r.text
+    finally:
+        api.delete(f"/v1/sandboxes/{plain['id']}")
+
+
+def test_pristine_exec_through_http(edge: EdgeThread, api: httpx.Client) -> None:
+    if not runtime_has(edge, "pristine"):
+        pytest.skip("the runtime's exec has no pristine= yet")
+    info = create(api)
+    sid = info["id"]
+    try:
+        original = sh(api, sid, "cat /etc/passwd")["out"]
+        assert original
+        # the agent rewrites a file and removes a tool from the image
+        assert sh(api, sid, "echo forged > /etc/passwd && rm /bin/wc")["exit_code"] == 0
+        assert sh(api, sid, "cat /etc/passwd")["out"] == "forged\n"
+        res = sh(api, sid, "cat /etc/passwd; echo x | wc -c", pristine=["/etc", "/bin"])
+        assert res["out"] == original + "2\n", res
+        assert sh(api, sid, "cat /etc/passwd")["out"] == "forged\n"  # the sandbox's own view is unchanged
+        r = api.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "true", "pristine": ["etc"]})
+        assert r.status_code == 422 and err(r)["field"].startswith("pristine"), r.text
+    finally:
+        api.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_no_network_section_refuses_policies(dsec_base: Path) -> None:
+    name = f"{RT_PREFIX}-epol2"
+    state = dsec_base / f"state-{name}"
+    prepare_busybox(state)
+    cfg = EdgeConfig(edge_id="eq", cluster_key=KEY, port=0, state_dir=state, run_dir=dsec_base / "run",
+                     runtime_name=name, destroy_on_shutdown=True)
+    with EdgeThread(cfg) as e, e.client() as c:
+        r = c.post("/v1/sandboxes", json={"spec": {**SPEC, "network": {"rules": [{"cidr": "192.0.2.1"}]}}})
+        assert r.status_code == 422 and "no network configured" in err(r)["message"], r.text
+        sid = create(c)["id"]
+        r = c.put(f"/v1/sandboxes/{sid}/policy", json={"rules": [{"cidr": "192.0.2.1"}]})
+        assert r.status_code == 422 and err(r)["field"] == "policy", r.text
+        assert c.put(f"/v1/sandboxes/{sid}/policy", json=None).status_code == 200  # none is always fine
+        assert c.get(f"/v1/sandboxes/{sid}/network").json()["ip"] is None
+        c.delete(f"/v1/sandboxes/{sid}")
+    assert not leftovers(cfg), leftovers(cfg)
+    assert json.dumps(cfg.model_dump(mode="json")["network"]) == "null"
