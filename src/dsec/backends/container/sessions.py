@@ -64,6 +64,8 @@ class Session:
         self._lock = asyncio.Lock()
         self._resync: asyncio.Future[None] | None = None
         self.closed = False
+        self.ended_reason = ""
+        """Why the runtime ended the session (e.g. a stage switch), for the next run's error."""
 
     async def start(self, *, env: dict[str, str] | None = None, cwd: str = "/", user: int | str = 0) -> None:
         in_r, in_w = os.pipe2(os.O_CLOEXEC)
@@ -119,7 +121,9 @@ class Session:
                 self._resync = None
             if self.closed or self._proc is None or self._proc.exited.done():
                 self.closed = True
-                raise SessionClosed(f"session {self.id} of sandbox {self.sandbox_id} has ended", sandbox_id=self.sandbox_id, session_id=self.id)
+                why = f": {self.ended_reason}" if self.ended_reason else ""
+                raise SessionClosed(f"session {self.id} of sandbox {self.sandbox_id} has ended{why}",
+                                    sandbox_id=self.sandbox_id, session_id=self.id, reason=self.ended_reason or None)
             self._seq += 1
             marker = f"__DSEC_{self._nonce}_{self._seq}__".encode()
             script = (

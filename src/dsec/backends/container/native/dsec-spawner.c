@@ -24,6 +24,7 @@
  * back through pipes that the main poll loop watches.
  */
 #define _GNU_SOURCE
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <grp.h>
@@ -778,12 +779,323 @@ static void do_create(struct req *r) {
     }
 }
 
+/* ---------- stages: Landlock file rules and pristine paths (exec children only) ---------- */
+
+/* Our own Landlock ABI definitions: Debian 12's linux/landlock.h predates ABI 3. */
+#ifndef SYS_landlock_create_ruleset
+#define SYS_landlock_create_ruleset 444
+#endif
+#ifndef SYS_landlock_add_rule
+#define SYS_landlock_add_rule 445
+#endif
+#ifndef SYS_landlock_restrict_self
+#define SYS_landlock_restrict_self 446
+#endif
+#ifndef SYS_openat2
+#define SYS_openat2 437
+#endif
+#ifndef SYS_fsopen
+#define SYS_fsopen 430
+#endif
+#ifndef SYS_fsconfig
+#define SYS_fsconfig 431
+#endif
+#ifndef SYS_fsmount
+#define SYS_fsmount 432
+#endif
+#define DSEC_LL_CREATE_RULESET_VERSION (1U << 0)
+#define DSEC_LL_RULE_PATH_BENEATH 1
+#define LLA_EXECUTE (1ULL << 0)
+#define LLA_WRITE_FILE (1ULL << 1)
+#define LLA_READ_FILE (1ULL << 2)
+#define LLA_READ_DIR (1ULL << 3)
+#define LLA_REFER (1ULL << 13)    /* ABI 2 */
+#define LLA_TRUNCATE (1ULL << 14) /* ABI 3 */
+#define LLA_IOCTL_DEV (1ULL << 15) /* ABI 5 */
+/* Rights that make sense on a non-directory (others are refused by landlock_add_rule). */
+#define LLA_FILE_MASK (LLA_EXECUTE | LLA_WRITE_FILE | LLA_READ_FILE | LLA_TRUNCATE | LLA_IOCTL_DEV)
+#define LLA_RO (LLA_EXECUTE | LLA_READ_FILE | LLA_READ_DIR)
+
+struct dsec_ll_ruleset_attr {
+    uint64_t handled_access_fs, handled_access_net, scoped;
+};
+struct dsec_ll_path_beneath {
+    uint64_t allowed_access;
+    int32_t parent_fd;
+} __attribute__((packed));
+struct dsec_open_how {
+    uint64_t flags, mode, resolve;
+};
+#define DSEC_RESOLVE_NO_XDEV 0x01
+#define DSEC_RESOLVE_NO_MAGICLINKS 0x02
+#define DSEC_RESOLVE_NO_SYMLINKS 0x04
+#define DSEC_RESOLVE_BENEATH 0x08
+#define DSEC_RESOLVE_IN_ROOT 0x10
+#ifndef MOVE_MOUNT_T_EMPTY_PATH
+#define MOVE_MOUNT_T_EMPTY_PATH 0x00000040
+#endif
+#ifndef AT_RECURSIVE
+#define AT_RECURSIVE 0x8000
+#endif
+
+static int ll_abi = -2; /* -2: not asked yet; <= 0: no Landlock */
+
+static int landlock_abi(void) {
+    if (ll_abi == -2) {
+        long v = syscall(SYS_landlock_create_ruleset, NULL, 0, DSEC_LL_CREATE_RULESET_VERSION);
+        ll_abi = v < 0 ? 0 : (int)v;
+    }
+    return ll_abi;
+}
+
+/* Every filesystem right the running kernel knows: all are handled (denied unless granted). */
+static uint64_t ll_handled(int abi) {
+    uint64_t h = (1ULL << 13) - 1; /* ABI 1: EXECUTE .. MAKE_SYM */
+    if (abi >= 2) h |= LLA_REFER;
+    if (abi >= 3) h |= LLA_TRUNCATE;
+    if (abi >= 5) h |= LLA_IOCTL_DEV;
+    return h;
+}
+
+/* A stage's file rules, as sent by the runtime: class 'h'idden, 'r'ead-only, 'w'ritable. */
+struct ll_rule {
+    const char *path; /* normalised, absolute; "/" allowed */
+    size_t len;
+    char cls;
+};
+
+struct ll_ctx {
+    struct ll_rule *rules;
+    int nrules;
+    uint64_t handled;
+    int ruleset;
+    int rfd;
+};
+
+static uint64_t ll_rights(struct ll_ctx *c, char cls) {
+    if (cls == 'w') return c->handled;
+    if (cls == 'r') return LLA_RO & c->handled;
+    return 0;
+}
+
+/* Is rule path q equal to p (len n), or strictly beneath it? p == "" is the root. */
+static int ll_beneath(const char *q, size_t ql, const char *p, size_t n, int strict) {
+    if (n == 0) return strict ? ql > 1 : 1; /* everything but "/" itself is strictly below the root */
+    if (ql < n || memcmp(q, p, n) != 0) return 0;
+    if (ql == n) return !strict;
+    return q[n] == '/';
+}
+
+static int ll_open(int dirfd, const char *name, uint64_t flags) {
+    struct dsec_open_how how = {.flags = flags | O_CLOEXEC | O_NOFOLLOW,
+                                .resolve = DSEC_RESOLVE_NO_SYMLINKS | DSEC_RESOLVE_NO_MAGICLINKS | DSEC_RESOLVE_BENEATH};
+    return (int)syscall(SYS_openat2, dirfd, name, &how, sizeof how);
+}
+
+static void ll_grant(struct ll_ctx *c, int fd, uint64_t rights, int is_dir, const char *what) {
+    if (!is_dir) rights &= LLA_FILE_MASK;
+    if (!rights) return;
+    struct dsec_ll_path_beneath pb = {.allowed_access = rights, .parent_fd = fd};
+    if (syscall(SYS_landlock_add_rule, c->ruleset, DSEC_LL_RULE_PATH_BENEATH, &pb, 0) < 0)
+        child_fail(c->rfd, "landlock", "add rule for %s", what);
+}
+
+/*
+ * The directory dfd (path p, n bytes; "" for the root) lies on the way to a
+ * rule path.  Landlock rules cover whole subtrees, so the directory itself
+ * gets only what every path below it may have (plus READ_DIR, so `ls` works),
+ * and each entry gets its own rule: the access of its nearest named ancestor
+ * (inherited) or its own rule; entries on the way to deeper rules recurse.
+ * Nothing follows a symlink: a rule path that is (or goes through) a symlink
+ * gets no grant at all.
+ */
+static void ll_walk(struct ll_ctx *c, int dfd, const char *p, size_t n, char inherited, int depth) {
+    if (depth > 64) child_fail(c->rfd, "landlock", "rule paths nest too deep");
+    uint64_t mine = ll_rights(c, inherited);
+    for (int i = 0; i < c->nrules; i++)
+        if (ll_beneath(c->rules[i].path, c->rules[i].len, p, n, 1)) mine &= ll_rights(c, c->rules[i].cls);
+    mine |= LLA_READ_DIR & c->handled;
+    ll_grant(c, dfd, mine, 1, n ? p : "/");
+    int lfd = dup(dfd);
+    if (lfd < 0) child_fail(c->rfd, "landlock", "dup");
+    if (lseek(lfd, 0, SEEK_SET) < 0) { /* fresh fd */ }
+    DIR *d = fdopendir(lfd);
+    if (!d) child_fail(c->rfd, "landlock", "list %s", n ? p : "/");
+    struct dirent *e;
+    char child[4096];
+    while ((e = readdir(d)) != NULL) {
+        if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
+        int cl = snprintf(child, sizeof child, "%.*s/%s", (int)n, p, e->d_name);
+        if (cl <= 0 || (size_t)cl >= sizeof child) continue;
+        char cls = inherited;
+        int below = 0;
+        for (int i = 0; i < c->nrules; i++) {
+            if (ll_beneath(c->rules[i].path, c->rules[i].len, child, (size_t)cl, 0)) {
+                if (c->rules[i].len == (size_t)cl) cls = c->rules[i].cls;
+                else below = 1;
+            }
+        }
+        uint64_t want = ll_rights(c, cls);
+        if (!below && (want & ~mine) == 0) continue; /* the directory's own rule covers it */
+        int fd = ll_open(dfd, e->d_name, below ? (O_RDONLY | O_DIRECTORY) : O_PATH);
+        if (fd < 0) {
+            if (errno == ENOENT || errno == ELOOP) continue; /* gone meanwhile, or a symlink: no grant */
+            if (below && errno == ENOTDIR) {
+                fd = ll_open(dfd, e->d_name, O_PATH);
+                if (fd < 0) continue;
+                below = 0;
+            } else {
+                child_fail(c->rfd, "landlock", "open %s", child);
+            }
+        }
+        struct stat st;
+        if (fstat(fd, &st) < 0) child_fail(c->rfd, "landlock", "stat %s", child);
+        if (S_ISLNK(st.st_mode)) { close(fd); continue; }
+        if (below && S_ISDIR(st.st_mode)) ll_walk(c, fd, child, (size_t)cl, cls, depth + 1);
+        else ll_grant(c, fd, want, S_ISDIR(st.st_mode), child);
+        close(fd);
+    }
+    closedir(d);
+}
+
+/* Build the ruleset for "ld" (default class) and "lr" (class:path) tokens; -1 when there are none. */
+static int ll_build(char *deflt, char **lr, int rfd) {
+    if (!deflt) return -1;
+    int abi = landlock_abi();
+    if (abi < 1) { errno = EOPNOTSUPP; child_fail(rfd, "landlock", "the kernel has no Landlock"); }
+    static struct ll_rule rules[256];
+    int nr = 0;
+    char root_cls = deflt[0];
+    for (int i = 0; lr[i] && nr < 256; i++) {
+        if (!lr[i][0] || lr[i][1] != ':' || lr[i][2] != '/') { errno = EINVAL; child_fail(rfd, "landlock", "bad rule %s", lr[i]); }
+        const char *path = lr[i] + 2;
+        if (strcmp(path, "/") == 0) { root_cls = lr[i][0]; continue; }
+        rules[nr].path = path;
+        rules[nr].len = strlen(path);
+        rules[nr].cls = lr[i][0];
+        nr++;
+    }
+    struct ll_ctx c = {.rules = rules, .nrules = nr, .handled = ll_handled(abi), .rfd = rfd};
+    struct dsec_ll_ruleset_attr attr = {.handled_access_fs = c.handled};
+    c.ruleset = (int)syscall(SYS_landlock_create_ruleset, &attr, sizeof attr.handled_access_fs, 0);
+    if (c.ruleset < 0) child_fail(rfd, "landlock", "create ruleset (ABI %d)", abi);
+    int root = open("/", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (root < 0) child_fail(rfd, "landlock", "open /");
+    if (nr == 0) ll_grant(&c, root, ll_rights(&c, root_cls), 1, "/");
+    else ll_walk(&c, root, "", 0, root_cls, 0);
+    close(root);
+    return c.ruleset;
+}
+
+/*
+ * Pristine paths: an exec that names them runs in a mount namespace of its own
+ * (a copy of the sandbox's, owned by the host user namespace) where each path
+ * is a read-only bind from an overlay of the image layers alone.  The layers
+ * are cloned from the host's mounts before entering the sandbox (no host path
+ * is reachable after), idmapped like the sandbox's own lowers.
+ */
+static int pristine_layers(char **lowers, int userns_fd, int rfd) {
+    int t[16], n = 0;
+    for (; lowers[n] && n < 16; n++) {
+        t[n] = (int)syscall(SYS_open_tree, AT_FDCWD, lowers[n], OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC);
+        if (t[n] < 0) child_fail(rfd, "pristine", "open_tree %s", lowers[n]);
+        struct mount_attr_s attr = {.attr_set = MOUNT_ATTR_IDMAP | MOUNT_ATTR_RDONLY, .userns_fd = (uint64_t)userns_fd};
+        if (syscall(SYS_mount_setattr, t[n], "", AT_EMPTY_PATH, &attr, sizeof attr) < 0)
+            child_fail(rfd, "pristine", "idmap %s", lowers[n]);
+    }
+    if (n == 0) { errno = EINVAL; child_fail(rfd, "pristine", "no image layers"); }
+    if (n == 1) return t[0]; /* overlayfs wants two lowers without an upper: the layer is the image */
+    int fs = (int)syscall(SYS_fsopen, "overlay", 1 /* FSOPEN_CLOEXEC */);
+    if (fs < 0) child_fail(rfd, "pristine", "fsopen overlay");
+    for (int i = 0; i < n; i++) /* top first, like lowerdir= */
+        if (syscall(SYS_fsconfig, fs, 5 /* SET_FD */, "lowerdir+", NULL, t[i]) < 0)
+            child_fail(rfd, "pristine", "overlay layer %s", lowers[i]);
+    static const char *flags[] = {"redirect_dir=off", "metacopy=off", "xino=off", NULL};
+    for (int i = 0; flags[i]; i++) {
+        const char *eq = strchr(flags[i], '=');
+        char key[32];
+        snprintf(key, sizeof key, "%.*s", (int)(eq - flags[i]), flags[i]);
+        if (syscall(SYS_fsconfig, fs, 1 /* SET_STRING */, key, eq + 1, 0) < 0)
+            child_fail(rfd, "pristine", "overlay option %s", flags[i]);
+    }
+    if (syscall(SYS_fsconfig, fs, 6 /* CMD_CREATE */, NULL, NULL, 0) < 0) child_fail(rfd, "pristine", "create overlay");
+    int m = (int)syscall(SYS_fsmount, fs, 1 /* FSMOUNT_CLOEXEC */, MOUNT_ATTR_RDONLY | 0x2 /* NOSUID */ | 0x4 /* NODEV */);
+    if (m < 0) child_fail(rfd, "pristine", "fsmount overlay");
+    close(fs);
+    for (int i = 0; i < n; i++) close(t[i]);
+    return m;
+}
+
+/* Open path p (absolute) below dirfd without following any symlink; O_PATH. */
+static int open_nofollow(int dirfd, const char *p, uint64_t extra_resolve) {
+    struct dsec_open_how how = {.flags = O_PATH | O_NOFOLLOW | O_CLOEXEC,
+                                .resolve = DSEC_RESOLVE_NO_SYMLINKS | DSEC_RESOLVE_NO_MAGICLINKS | extra_resolve};
+    return (int)syscall(SYS_openat2, dirfd, p[1] ? p + 1 : ".", &how, sizeof how);
+}
+
+/* In the sandbox's mount namespace (as host root): make a private copy and mount the pristine paths. */
+static void pristine_mount(int img, char **paths, int rfd) {
+    if (unshare(CLONE_NEWNS) < 0) child_fail(rfd, "pristine", "unshare mount namespace");
+    if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0) child_fail(rfd, "pristine", "make / private");
+    int root = open("/", O_PATH | O_DIRECTORY | O_CLOEXEC);
+    if (root < 0) child_fail(rfd, "pristine", "open /");
+    for (int i = 0; paths[i]; i++) {
+        const char *p = paths[i];
+        /* The image's copy: no symlink on the way (a symlink cannot be mounted over). */
+        int src = open_nofollow(img, p, DSEC_RESOLVE_BENEATH | DSEC_RESOLVE_NO_XDEV);
+        if (src < 0) {
+            if (errno == ELOOP) child_fail(rfd, "pristine", "%s is or goes through a symlink in the image: give the path it points to", p);
+            child_fail(rfd, "pristine", "%s is not in the image layers", p);
+        }
+        struct stat ss, ts;
+        if (fstat(src, &ss) < 0) child_fail(rfd, "pristine", "stat image %s", p);
+        if (S_ISLNK(ss.st_mode)) {
+            errno = ELOOP;
+            child_fail(rfd, "pristine", "%s is or goes through a symlink in the image: give the path it points to", p);
+        }
+        /* Where it goes: the same path in the sandbox, unless the sandbox replaced a part of
+         * it (a symlink, another file type, removed): then its deepest intact directory
+         * ancestor gets the image's copy instead (never the root). */
+        char at[4096];
+        snprintf(at, sizeof at, "%s", p);
+        int dst = -1;
+        for (;;) {
+            dst = open_nofollow(root, at, 0);
+            if (dst >= 0 && fstat(dst, &ts) == 0 && (S_ISDIR(ts.st_mode) == S_ISDIR(ss.st_mode)) &&
+                (S_ISDIR(ts.st_mode) || S_ISREG(ts.st_mode)))
+                break;
+            if (dst >= 0) close(dst);
+            char *slash = strrchr(at, '/');
+            if (!slash || slash == at) {
+                errno = ENOENT;
+                child_fail(rfd, "pristine", "%s was removed or replaced in the sandbox up to the root; cannot restore it", p);
+            }
+            *slash = 0;
+            close(src);
+            src = open_nofollow(img, at, DSEC_RESOLVE_BENEATH | DSEC_RESOLVE_NO_XDEV);
+            if (src < 0 || fstat(src, &ss) < 0 || !S_ISDIR(ss.st_mode)) {
+                errno = ENOENT;
+                child_fail(rfd, "pristine", "%s was replaced in the sandbox and %s is not a directory in the image", p, at);
+            }
+        }
+        int tree = (int)syscall(SYS_open_tree, src, "", OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | AT_EMPTY_PATH | AT_RECURSIVE);
+        if (tree < 0) child_fail(rfd, "pristine", "clone image %s", at);
+        if (syscall(SYS_move_mount, tree, "", dst, "", MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH) < 0)
+            child_fail(rfd, "pristine", "mount image copy over %s", at);
+        close(tree);
+        close(dst);
+        close(src);
+    }
+    close(root);
+}
+
 /* ---------- exec: enter a sandbox from the host side ---------- */
 
 struct exec_args {
     int initpidfd, in, out, err, report_fd;
     char **argv, **envp, **cgs, **rlimits;
-    const char *cwd;
+    char *ll_default, **ll_rules, **plowers, **pristine;
+    const char *cwd, *init_pid;
     uid_t uid;
     gid_t gid;
     int use_seccomp, new_session;
@@ -795,10 +1107,28 @@ static void exec_child(struct exec_args *a) {
     trace("x-forked");
     if (join_cgroups(a->cgs, 0) < 0) child_fail(rfd, "cgroup", "join sandbox cgroups");
     trace("x-cgroups");
-    if (setns(a->initpidfd, CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS |
-                                CLONE_NEWCGROUP) < 0)
+    if (a->pristine[0]) {
+        /* User namespace last: the pristine mounts belong to a mount namespace the host owns. */
+        char up[64];
+        snprintf(up, sizeof up, "/proc/%s/ns/user", a->init_pid ? a->init_pid : "0");
+        int uns = open(up, O_RDONLY | O_CLOEXEC);
+        if (uns < 0 || syscall(SYS_pidfd_send_signal, a->initpidfd, 0, NULL, 0) < 0)
+            child_fail(rfd, "setns", "sandbox init is gone");
+        int img = pristine_layers(a->plowers, uns, rfd);
+        if (setns(a->initpidfd, CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWCGROUP) < 0)
+            child_fail(rfd, "setns", "enter sandbox namespaces");
+        pristine_mount(img, a->pristine, rfd);
+        close(img);
+        if (setns(uns, CLONE_NEWUSER) < 0) child_fail(rfd, "setns", "enter sandbox user namespace");
+        close(uns);
+    } else if (setns(a->initpidfd, CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS |
+                                       CLONE_NEWCGROUP) < 0) {
         child_fail(rfd, "setns", "enter sandbox namespaces");
+    }
     trace("x-setns");
+    /* Walked now, in the sandbox's mount namespace, before the uid switch can hide a directory. */
+    int ruleset = ll_build(a->ll_default, a->ll_rules, rfd);
+    if (ruleset >= 0) trace("x-landlock-rules");
     if (setgroups(0, NULL) < 0) child_fail(rfd, "user", "setgroups");
     if (setresgid(a->gid, a->gid, a->gid) < 0) child_fail(rfd, "user", "gid %u is not mapped in the sandbox", a->gid);
     if (setresuid(a->uid, a->uid, a->uid) < 0) child_fail(rfd, "user", "uid %u is not mapped in the sandbox", a->uid);
@@ -816,6 +1146,8 @@ static void exec_child(struct exec_args *a) {
     trace("x-ids+cwd");
     if (set_caps(a->uid == 0) < 0) child_fail(rfd, "caps", "set capabilities");
     if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) child_fail(rfd, "nnp", "no_new_privs");
+    if (ruleset >= 0 && syscall(SYS_landlock_restrict_self, ruleset, 0) < 0)
+        child_fail(rfd, "landlock", "restrict self");
     if (a->use_seccomp && prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &seccomp_prog) < 0)
         child_fail(rfd, "seccomp", "load filter");
     signal(SIGPIPE, SIG_DFL);
@@ -833,7 +1165,10 @@ static void do_exec(struct req *r) {
         return;
     }
     static char *argv[MAX_TOK], *envp[MAX_TOK];
-    char *cgs[16], *rl[32];
+    char *cgs[16], *rl[32], *lr[256], *pl[16], *pp[72];
+    req_all(r, "lr", lr, 255);
+    req_all(r, "pl", pl, 15);
+    req_all(r, "pp", pp, 71);
     int argc = req_all(r, "a", argv, MAX_TOK - 1);
     req_all(r, "e", envp, MAX_TOK - 1);
     req_all(r, "cg", cgs, 15);
@@ -863,7 +1198,9 @@ static void do_exec(struct req *r) {
             .initpidfd = r->fds[0], .in = r->fds[1], .out = r->fds[2], .err = r->fds[3],
             .report_fd = rep[1], .argv = argv, .envp = envp, .cgs = cgs, .rlimits = rl, .cwd = cwd,
             .uid = (uid_t)strtoul(uid, NULL, 10), .gid = (gid_t)strtoul(gid, NULL, 10),
-            .use_seccomp = !sc || strcmp(sc, "0") != 0, .new_session = !ss || strcmp(ss, "0") != 0};
+            .use_seccomp = !sc || strcmp(sc, "0") != 0, .new_session = !ss || strcmp(ss, "0") != 0,
+            .ll_default = (char *)req_get(r, "ld"), .ll_rules = lr, .plowers = pl, .pristine = pp,
+            .init_pid = req_get(r, "ipid")};
         sigset_t none;
         sigemptyset(&none);
         sigprocmask(SIG_SETMASK, &none, NULL);
