@@ -103,6 +103,13 @@ class StubEdge:
     creates: int = 0
     refusals: int = 0
     deletes: int = 0
+    forks: int = 0
+    snapshots: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """digest -> SnapshotInfo as JSON (the snapshot layers this edge holds)."""
+    snapshot_size: int = 4 * MiB
+    """Bytes of every snapshot image this edge makes."""
+    stage_calls: list[tuple[str, str]] = field(default_factory=list)
+    fail_stage: set[str] = field(default_factory=set)
     url: str = ""
     _server: Any = None
     _task: Any = None
@@ -126,6 +133,20 @@ class StubEdge:
             memory_capacity=self.memory_capacity, disk_committed=disk, disk_capacity=self.disk_capacity,
             layers=list(self.layers), labels=dict(self.labels),
         )
+
+    def _make(self, body: dict[str, Any]) -> dict[str, Any]:
+        r = body["spec"].get("resources", {})
+        sid = f"{self.edge_id}-{secrets.token_hex(6)}"
+        now = time.time()
+        ttl = float((body.get("lifecycle") or {}).get("ttl_s", 3600.0))
+        info = SandboxInfo(
+            id=sid, state="running", edge_id=self.edge_id, edge_url=self.url, labels=body.get("labels", {}),
+            task=body.get("task"), project=body.get("project"), created_at=now, expires_at=now + ttl,
+            image=body["spec"]["image"],
+        ).model_dump(mode="json")
+        self.sandboxes[sid] = {"cpu": float(r.get("cpu", 1.0)), "memory": int(r.get("memory", 1024 * MiB)),
+                               "disk": int(r.get("disk", 1024 * MiB)), "info": info, "spec": body["spec"]}
+        return info
 
     def live_ids(self) -> set[str]:
         return {k for k, v in self.sandboxes.items() if v["info"]["state"] != "stopped"}
@@ -205,14 +226,8 @@ class StubEdge:
                 return JSONResponse(
                     {"error": {"code": "layer_not_found", "message": f"no layer {base}", "ref": base}}, status_code=404
                 )
-            sid = f"{self.edge_id}-{secrets.token_hex(6)}"
-            now = time.time()
-            ttl = float(body.get("lifecycle", {}).get("ttl_s", 3600.0))
-            info = SandboxInfo(
-                id=sid, state="running", edge_id=self.edge_id, edge_url=self.url, labels=body.get("labels", {}),
-                task=body.get("task"), project=body.get("project"), created_at=now, expires_at=now + ttl,
-            ).model_dump(mode="json")
-            self.sandboxes[sid] = {"cpu": cpu, "memory": mem, "disk": disk, "info": info}
+            info = self._make(body)
+            sid = info["id"]
             if rid:
                 self.by_request[rid] = sid
             return JSONResponse(info, status_code=201)
@@ -238,6 +253,139 @@ class StubEdge:
             self.deletes += 1
             self.sandboxes.pop(sid, None)
             return Response(status_code=204)
+
+        def _state_error(sid: str, state: str) -> JSONResponse:
+            return JSONResponse({"error": {"code": "sandbox_state", "message": f"{sid} is {state}",
+                                           "sandbox_id": sid, "state": state}}, status_code=409)
+
+        def _missing(sid: str) -> JSONResponse:
+            return JSONResponse({"error": {"code": "sandbox_not_found", "message": sid, "sandbox_id": sid}},
+                                status_code=404)
+
+        @app.post("/v1/sandboxes/{sid}/pause")
+        async def pause(request: Request, sid: str) -> Response:
+            if (bad := self._check(request)) is not None:
+                return bad
+            if sid not in self.sandboxes:
+                return _missing(sid)
+            info = self.sandboxes[sid]["info"]
+            if info["state"] != "running":
+                return _state_error(sid, info["state"])
+            info["state"] = "paused"
+            return JSONResponse({"id": sid, "state": "paused", "freeze_s": 0.001, "seconds": 0.002})
+
+        @app.post("/v1/sandboxes/{sid}/resume")
+        async def resume(request: Request, sid: str) -> Response:
+            if (bad := self._check(request)) is not None:
+                return bad
+            if sid not in self.sandboxes:
+                return _missing(sid)
+            info = self.sandboxes[sid]["info"]
+            if info["state"] != "paused":
+                return _state_error(sid, info["state"])
+            info["state"] = "running"
+            return JSONResponse(info)
+
+        @app.post("/v1/{op}")
+        async def group(request: Request, op: str) -> Response:
+            if (bad := self._check(request)) is not None:
+                return bad
+            if op not in ("pause", "resume"):
+                return _missing(op)
+            ids = request.query_params.getlist("id")
+            want, need = ("paused", "running") if op == "pause" else ("running", "paused")
+            out: dict[str, Any] = {"done": [], "skipped": [], "errors": {}, "seconds": 0.001}
+            for sid in ids:
+                if sid not in self.sandboxes:
+                    out["errors"][sid] = {"code": "sandbox_not_found", "message": sid}
+                    continue
+                info = self.sandboxes[sid]["info"]
+                if info["state"] == want:
+                    out["skipped"].append(sid)
+                elif info["state"] == need:
+                    info["state"] = want
+                    out["done"].append(sid)
+                else:
+                    out["errors"][sid] = {"code": "sandbox_state", "message": info["state"]}
+            return JSONResponse(out)
+
+        @app.post("/v1/sandboxes/{sid}/snapshot")
+        async def snapshot(request: Request, sid: str) -> Response:
+            if (bad := self._check(request)) is not None:
+                return bad
+            if sid not in self.sandboxes:
+                return _missing(sid)
+            body = await request.json() if await request.body() else {}
+            name = body.get("name") or f"snap-{sid}"
+            tag = body.get("tag") or "latest"
+            digest = "sha256:" + secrets.token_hex(32)
+            base = self.sandboxes[sid]["spec"]["image"]["base"]
+            info = {"digest": digest, "name": name, "tag": tag, "ref": f"{name}:{tag}", "kind": "snapshot",
+                    "size": self.snapshot_size, "created_at": time.time(), "parents": [base], "sandbox_id": sid}
+            self.snapshots[digest] = info
+            self.layers.append(f"{name}:{tag}")
+            return JSONResponse(info, status_code=201)
+
+        @app.get("/v1/snapshots")
+        async def snapshots(request: Request) -> Response:
+            if (bad := self._check(request)) is not None:
+                return bad
+            return JSONResponse(list(self.snapshots.values()))
+
+        @app.delete("/v1/snapshots/{ref:path}")
+        async def delete_snapshot(request: Request, ref: str) -> Response:
+            if (bad := self._check(request)) is not None:
+                return bad
+            snap = self.snapshots.get(ref) or next((x for x in self.snapshots.values() if x["ref"] == ref), None)
+            if snap is None:
+                return JSONResponse({"error": {"code": "layer_not_found", "message": ref}}, status_code=404)
+            users = [k for k, v in self.sandboxes.items() if v["spec"]["image"]["base"] in (snap["ref"], snap["digest"])]
+            if users:
+                return JSONResponse({"error": {"code": "layer_in_use", "message": "in use", "holders": users}},
+                                    status_code=409)
+            del self.snapshots[snap["digest"]]
+            if snap["ref"] in self.layers:
+                self.layers.remove(snap["ref"])
+            return Response(status_code=204)
+
+        @app.post("/v1/sandboxes/{sid}/fork")
+        async def fork(request: Request, sid: str) -> Response:
+            if (bad := self._check(request)) is not None:
+                return bad
+            if sid not in self.sandboxes:
+                return _missing(sid)
+            parent = self.sandboxes[sid]
+            if parent["info"]["state"] not in ("running", "paused"):
+                return _state_error(sid, parent["info"]["state"])
+            body = await request.json()
+            n = int(body["n"])
+            if self.committed()[0] + n > self.capacity_sandboxes:
+                self.refusals += 1
+                return JSONResponse({"error": {"code": "backpressure", "message": "edge full (count)",
+                                               "reason": "count", "retry_after": 1.0}},
+                                    status_code=429, headers={"Retry-After": "1"})
+            self.forks += 1
+            digest = "sha256:" + secrets.token_hex(32)
+            spec = {**parent["spec"], "image": {"base": digest}}
+            pinfo = parent["info"]
+            kids = [self._make({"spec": spec, "labels": body.get("labels") or pinfo["labels"], "task": pinfo["task"],
+                                "project": pinfo["project"], "lifecycle": body.get("lifecycle") or {}})
+                    for _ in range(n)]
+            return JSONResponse(kids, status_code=201)
+
+        @app.post("/v1/sandboxes/{sid}/stage")
+        async def stage(request: Request, sid: str) -> Response:
+            if (bad := self._check(request)) is not None:
+                return bad
+            if sid not in self.sandboxes:
+                return _missing(sid)
+            name = (await request.json())["stage"]
+            if name not in (self.sandboxes[sid]["spec"].get("stages") or {}) or sid in self.fail_stage:
+                return JSONResponse({"error": {"code": "invalid_spec", "message": f"no stage {name}",
+                                               "field": "stage"}}, status_code=422)
+            self.stage_calls.append((sid, name))
+            self.sandboxes[sid]["spec"]["stage"] = name
+            return JSONResponse(self.sandboxes[sid]["info"])
 
         return app
 

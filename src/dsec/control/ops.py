@@ -29,7 +29,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from dsec.control.db import Project, SandboxRow, SnapshotRow, Store, Task
+from dsec.control.db import EdgeRow, Project, SandboxRow, SnapshotRow, Store, Task
 from dsec.control.edges import EdgeClient, edge_of
 from dsec.control.errors import Conflict, NotFound
 from dsec.control.iam import (
@@ -386,6 +386,10 @@ class Operations:
         row.parents = list(got.parents)
         row.info = got.model_dump(mode="json")
         row.updated_at = time.time()
+        e = s.get(EdgeRow, row.edge_id, with_for_update=True)
+        if e is not None and e.health is not None:  # placement knows the edge holds it before its next report
+            layers = list(e.health.get("layers") or [])
+            e.health = {**e.health, "layers": layers + [x for x in (got.digest, got.ref) if x not in layers]}
         s.flush()
         return self._stored(row, p.name)
 
