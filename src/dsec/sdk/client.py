@@ -30,7 +30,6 @@ from dsec.errors import (
     ExecTimeout,
     InvalidSpec,
     SandboxNotFound,
-    SandboxStateError,
 )
 from dsec.sdk._http import make_http, raise_for_error, result_from_wire
 from dsec.spec import NetworkPolicy, SandboxSpec
@@ -103,6 +102,15 @@ def _wire(model: type[W], **fields: Any) -> W:
         first = exc.errors()[0]
         field = ".".join(str(x) for x in first.get("loc", ())) or "body"
         raise InvalidSpec(f"{field}: {first.get('msg', 'invalid')}", field=field) from None
+
+
+def _snapshot_info(data: dict[str, Any]) -> SnapshotInfo:
+    """A control plane's answer carries the owner (``StoredSnapshot``); an edge's does not."""
+    if "project" in data:
+        from dsec.control.wire import StoredSnapshot  # pure data, no server-side imports
+
+        return StoredSnapshot.model_validate(data)
+    return SnapshotInfo.model_validate(data)
 
 
 def _labels_query(labels: Mapping[str, str] | None) -> list[tuple[str, str]]:
@@ -331,6 +339,15 @@ class AsyncClient:
         items: list[dict[str, Any]] = data["items"] if isinstance(data, dict) else data
         return items
 
+    async def snapshots(self) -> builtins.list[SnapshotInfo]:
+        """Snapshots of the caller's project and its sub-projects (with ``project`` and ``edge_id``)."""
+        return [_snapshot_info(x) for x in (await self._call("GET", "/v1/snapshots")).json()]
+
+    async def delete_snapshot(self, ref: str) -> None:
+        """Remove a snapshot by ref or digest; a sandbox or snapshot still using it raises a
+        ``conflict`` error, and its storage returns to the project's quota."""
+        await self._call("DELETE", f"/v1/snapshots/{ref}")
+
     async def _refresh(self, sb: AsyncSandbox) -> None:
         sb.info = await self.info(sb.id)
 
@@ -338,39 +355,22 @@ class AsyncClient:
 
     async def _group(self, op: str, labels: Mapping[str, str] | None, task: str | None,
                      ids: Sequence[str] | None, concurrency: int) -> GroupResult:
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
-        if ids is None:
-            if not labels and not task:
-                raise InvalidSpec("give labels, a task or sandbox ids to " + op, field="labels")
-            infos = await self.list(labels=labels, task=task)
-            handles: list[AsyncSandbox | str] = [i.id for i in infos]
-        else:
-            handles = list(dict.fromkeys(ids))
+        """One group call (``POST /v1/pause`` / ``/v1/resume``): the control plane picks the caller's
+        sandboxes and fans out to their edges at once (an edge-admin client: that edge does it)."""
+        if ids is None and not labels and not task:
+            raise InvalidSpec("give labels, a task or sandbox ids to " + op, field="labels")
+        base: list[tuple[str, str]] = _labels_query(labels) + ([("task", task)] if task else [])
+        id_list = list(dict.fromkeys(ids or ()))
+        chunks = [id_list[i : i + 200] for i in range(0, len(id_list), 200)] or [[]]
         out = GroupResult()
-        sem = asyncio.Semaphore(max(1, concurrency))
-
-        async def one(h: AsyncSandbox | str) -> None:
-            sid = h if isinstance(h, str) else h.id
-            async with sem:
-                try:
-                    sb = await self.connect(h) if isinstance(h, str) else h
-                    if op == "pause":
-                        await sb.pause()
-                    else:
-                        await sb.resume()
-                    out.done.append(sid)
-                except SandboxStateError as exc:
-                    want = "paused" if op == "pause" else "running"
-                    if getattr(exc, "state", None) == want:
-                        out.skipped.append(sid)
-                    else:
-                        out.errors[sid] = exc.to_wire()
-                except DsecError as exc:
-                    out.errors[sid] = exc.to_wire()
-
-        await asyncio.gather(*(one(h) for h in handles))
-        out.seconds = loop.time() - t0
+        for chunk in chunks:  # ids travel in the query string: a few hundred per call
+            resp = await self._call("POST", f"/v1/{op}", params=base + [("id", i) for i in chunk],
+                                    timeout=httpx.Timeout(max(self._timeout, 600.0), connect=10.0))
+            res = GroupResult.model_validate_json(resp.content)
+            out.done += res.done
+            out.skipped += res.skipped
+            out.errors.update(res.errors)
+            out.seconds += res.seconds
         return out
 
     async def pause_where(
@@ -383,7 +383,7 @@ class AsyncClient:
     ) -> GroupResult:
         """Pause every sandbox of a task or with these labels (or these ids), e.g. when
         a trainer is preempted. Already paused ones are ``skipped``; errors are per sandbox.
-        Each pause goes to the sandbox's edge (the control plane has no group route yet)."""
+        One call: the control plane pauses them on every edge at once (``concurrency`` is unused)."""
         return await self._group("pause", labels, task, ids, concurrency)
 
     async def resume_where(
@@ -577,9 +577,10 @@ class AsyncSandbox:
         with ``ImageRef(base=info.ref)`` (it brings the layers beneath it). ``exclude`` leaves
         paths out (``/abs/path``, globs, or names like ``__pycache__``)."""
         body = _wire(SnapshotRequest, name=name, tag=tag, exclude=list(exclude))
-        resp = await self._request("POST", "/snapshot", content=body.model_dump_json(), headers=_JSON,
-                                   timeout=httpx.Timeout(600.0, connect=10.0))
-        return SnapshotInfo.model_validate_json(resp.content)
+        # through the control plane: the snapshot is the project's and counts against its storage quota
+        resp = await self._client._call("POST", f"/v1/sandboxes/{self.id}/snapshot", content=body.model_dump_json(),
+                                        headers=_JSON, timeout=httpx.Timeout(600.0, connect=10.0))
+        return _snapshot_info(resp.json())
 
     async def fork(self, n: int, *, exclude: Sequence[str] = (), ttl_s: float | None = None,
                    labels: Mapping[str, str] | None = None) -> builtins.list[AsyncSandbox]:
@@ -588,8 +589,9 @@ class AsyncSandbox:
         life = None if ttl_s is None else Lifecycle(ttl_s=ttl_s)
         body = _wire(ForkRequest, n=n, exclude=list(exclude), lifecycle=life,
                      labels=None if labels is None else dict(labels))
-        resp = await self._request("POST", "/fork", content=body.model_dump_json(), headers=_JSON,
-                                   timeout=httpx.Timeout(600.0, connect=10.0))
+        # through the control plane: the children are charged to the project's and task's quotas
+        resp = await self._client._call("POST", f"/v1/sandboxes/{self.id}/fork", content=body.model_dump_json(),
+                                        headers=_JSON, timeout=httpx.Timeout(600.0, connect=10.0))
         return [AsyncSandbox(self._client, SandboxInfo.model_validate(x)) for x in resp.json()]
 
     async def session(self) -> AsyncSession:
