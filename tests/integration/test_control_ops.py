@@ -283,3 +283,59 @@ async def test_task_stages_are_inherited_and_switched_for_every_sandbox(db_url: 
         r = await c.post(f"/v1/sandboxes/{sbs[0]['id']}/stage", json={"stage": "evaluate"})
         assert r.status_code == 200, r.text
         assert cl.edges[0].stage_calls[-1:] + cl.edges[1].stage_calls[-1:]
+
+
+# ---------------------------------------------------------------- SDK / CLI ----
+
+
+async def test_sdk_and_cli_use_the_control_plane_routes(db_url: str, tmp_path: Path, monkeypatch: Any) -> None:
+    import asyncio
+
+    from click.testing import CliRunner
+
+    import dsec
+    from dsec.cli.main import main
+    from dsec.errors import DsecError, QuotaExceeded
+
+    async with cluster(db_url, tmp_path) as cl:
+        async with dsec.AsyncClient(cl.url, cl.admin_token) as admin:
+            await admin.create_project("p", quota={"sandboxes": 3, "cpu": 3, "memory": 3 * GiB, "storage": 8 * MiB})
+            tok = (await admin.create_token(project="p")).token
+        assert tok is not None
+        spec = dsec.SandboxSpec.model_validate(SPEC)
+        async with dsec.AsyncClient(cl.url, tok) as c:
+            sb = await c.create(spec, task="t")
+            kids = await sb.fork(1)
+            assert len(kids) == 1 and (await c.info(kids[0].id)).task == "t"
+            with pytest.raises(QuotaExceeded):
+                await sb.fork(2)
+            res = await c.pause_where(task="t")
+            assert sorted(res.done) == sorted([sb.id, kids[0].id])
+            res = await c.resume_where(ids=[sb.id])
+            assert res.done == [sb.id]
+            snap = await sb.snapshot(name="s1")
+            assert getattr(snap, "project", None) == "p"
+            assert [x.ref for x in await c.snapshots()] == ["s1:latest"]
+
+            env = {"DSEC_URL": cl.url, "DSEC_TOKEN": tok}
+            runner = CliRunner()
+            r = await asyncio.to_thread(runner.invoke, main, ["snapshot", "ls", "--json"], env=env)
+            assert r.exit_code == 0, r.output
+            assert "s1:latest" in r.output
+            r = await asyncio.to_thread(runner.invoke, main, ["snapshot", sb.id, "--name", "s2"], env=env)
+            assert r.exit_code == 0, r.output
+            assert "s2:latest" in r.output
+            r = await asyncio.to_thread(runner.invoke, main, ["snapshot", "rm", "s2:latest"], env=env)
+            assert r.exit_code == 0, r.output
+
+            await c.delete_snapshot("s1:latest")
+            assert await c.snapshots() == []
+            with pytest.raises(DsecError) as info:
+                await c.delete_snapshot("s1:latest")
+            assert info.value.code == "not_found"
+            await c.delete_task("t")
+            envadmin = {"DSEC_URL": cl.url, "DSEC_TOKEN": cl.admin_token}
+            r = await asyncio.to_thread(runner.invoke, main, [
+                "project", "create", "q", "--quota", "sandboxes=1,cpu=1,memory=1G,storage=1G"], env=envadmin)
+            assert r.exit_code == 0, r.output
+            assert (await storage(cl.client(), "q"))["quota"] == GiB

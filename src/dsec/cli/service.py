@@ -289,13 +289,25 @@ def register(main: click.Group) -> None:
                     n += 1
         console.print(f"removed {n}")
 
-    @main.command()
+    class _SnapshotGroup(click.Group):
+        """``dsec snapshot ID ...`` takes a snapshot; ``dsec snapshot ls|rm`` manage them."""
+
+        def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+            if args and args[0] not in self.commands and not args[0].startswith("-"):
+                args = ["take", *args]
+            return super().parse_args(ctx, args)
+
+    @main.group(cls=_SnapshotGroup)
+    def snapshot() -> None:
+        """Snapshots: `dsec snapshot ID [--name N]` takes one; `ls` lists them; `rm REF` removes one."""
+
+    @snapshot.command("take")
     @click.argument("sandbox_id")
     @click.option("--name", default=None, help="Layer name (default snap-<id>).")
     @click.option("--tag", default=None, help="Default: latest with --name, else a timestamp.")
     @click.option("--exclude", "-x", multiple=True, help="/abs/path (globs ok) or a bare name (*.pyc) to leave out.")
     @click.option("--json", "as_json", is_flag=True)
-    def snapshot(sandbox_id: str, name: str | None, tag: str | None, exclude: tuple[str, ...], as_json: bool) -> None:
+    def snapshot_take(sandbox_id: str, name: str | None, tag: str | None, exclude: tuple[str, ...], as_json: bool) -> None:
         """Pack a sandbox's disk changes into a snapshot layer (start sandboxes from its ref)."""
         with client() as c:
             info = c.connect(sandbox_id).snapshot(name=name, tag=tag, exclude=list(exclude))
@@ -305,6 +317,33 @@ def register(main: click.Group) -> None:
         console.print(f"{info.ref}  {info.size / 1048576:.1f} MiB  over {len(info.parents)} layers"
                       f"  (frozen {1000 * (info.frozen_s or 0):.0f} ms, {info.seconds or 0:.2f} s)")
         print(info.ref)
+
+    @snapshot.command("ls")
+    @click.option("--json", "as_json", is_flag=True)
+    def snapshot_ls(as_json: bool) -> None:
+        """Snapshots of your project and its sub-projects."""
+        with client() as c:
+            items = c.snapshots()
+        if as_json:
+            print(json.dumps([i.model_dump(mode="json") for i in items], indent=2))
+            return
+        t = Table()
+        for col in ("ref", "digest", "project", "edge", "size", "from sandbox", "age"):
+            t.add_column(col)
+        now = time.time()
+        for i in items:
+            t.add_row(i.ref, i.digest[:19], str(getattr(i, "project", "")), str(getattr(i, "edge_id", "")),
+                      f"{i.size / 1048576:.1f} MiB", i.sandbox_id or "", f"{now - i.created_at:.0f}s")
+        out.print(t)
+
+    @snapshot.command("rm")
+    @click.argument("refs", nargs=-1, required=True)
+    def snapshot_rm(refs: tuple[str, ...]) -> None:
+        """Remove snapshots (by ref or digest); refused while a sandbox or another snapshot uses one."""
+        with client() as c:
+            for ref in refs:
+                c.delete_snapshot(ref)
+                console.print(f"removed {ref}")
 
     @main.command()
     @click.argument("sandbox_id")
@@ -419,18 +458,19 @@ def register(main: click.Group) -> None:
     @project.command("create")
     @click.argument("name")
     @click.option("--parent", default=None)
-    @click.option("--quota", required=True, help="sandboxes=N,cpu=C,memory=SIZE  e.g. sandboxes=100,cpu=50,memory=64G")
+    @click.option("--quota", required=True,
+                  help="sandboxes=N,cpu=C,memory=SIZE[,storage=SIZE]  e.g. sandboxes=100,cpu=50,memory=64G,storage=20G")
     def project_create(name: str, parent: str | None, quota: str) -> None:
         q: dict[str, float] = {}
         for part in quota.split(","):
             k, _, v = part.partition("=")
             k = k.strip()
-            if k == "memory":
+            if k in ("memory", "storage"):
                 q[k] = parse_size(v)
             elif k in ("sandboxes", "cpu"):
                 q[k] = float(v) if k == "cpu" else int(v)
             else:
-                raise click.BadParameter(f"unknown quota key {k!r}: use sandboxes, cpu, memory")
+                raise click.BadParameter(f"unknown quota key {k!r}: use sandboxes, cpu, memory, storage")
         with client() as c:
             info = c.create_project(name, quota=q, parent=parent)
         out.print_json(info.model_dump_json())

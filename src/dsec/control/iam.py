@@ -183,7 +183,7 @@ def check_storage_fits(
     raise QuotaExceeded(
         f"{what} {project!r} is over its storage quota: limit {quota} bytes, held by snapshots {used}, "
         f"carved out by sub-projects {reserved}, requested {want}; delete snapshots (`dsec snapshot rm`) "
-        f"or ask an ancestor for more (`dsec project set-quota --quota storage=...`)",
+        f"or have an ancestor's token raise it (PATCH /v1/projects/{project} with quota.storage)",
         project=project, resource="storage", limit=quota, used=used, reserved=reserved, requested=want,
         available=max(quota - used - reserved, 0), dimensions=["storage"],
     )

@@ -317,9 +317,14 @@ class AsyncClient:
     # ----- IAM (projects and tokens) -----
 
     async def create_project(self, name: str, *, quota: Mapping[str, float], parent: str | None = None) -> ProjectInfo:
-        """A sub-project whose quota (sandboxes, cpu, memory) is carved out of its parent's."""
-        body = CreateProject(name=name, parent=parent, quota=Quota.model_validate(dict(quota)))
-        resp = await self._call("POST", "/v1/projects", content=body.model_dump_json(), headers=_JSON)
+        """A sub-project whose quota (sandboxes, cpu, memory, and ``storage``: bytes of
+        snapshots) is carved out of its parent's."""
+        q = dict(quota)
+        storage = q.pop("storage", None)  # bytes of snapshots, carved out of the parent's too
+        body = CreateProject(name=name, parent=parent, quota=Quota.model_validate(q)).model_dump(mode="json")
+        if storage is not None:
+            body["quota"]["storage"] = int(storage)
+        resp = await self._call("POST", "/v1/projects", json=body)
         return ProjectInfo.model_validate_json(resp.content)
 
     async def list_projects(self) -> builtins.list[ProjectInfo]:
