@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 
 from conftest import RuntimeHarness, mountinfo_lines
-
 from dsec.errors import ExecError, InvalidSpec, SessionClosed
 from dsec.spec import FileRules, ImageRef, Resources, SandboxSpec, Stage
 
@@ -375,3 +374,11 @@ def test_pristine_start_process(h: RuntimeHarness, sb: Any) -> None:
         return data
 
     assert h.run(run()).strip() == SECRET.encode()
+
+
+def test_measure_stages_reports_its_figures(h: RuntimeHarness) -> None:
+    from dsec.bench.stages import measure_stages
+
+    figures = h.run(measure_stages(h.rt, _spec(None), n=3))
+    assert set(figures) == {"stage_switch_p50_ms", "exec_landlock_p50_ms", "exec_plain_p50_ms"}
+    assert all(v > 0 for v in figures.values())

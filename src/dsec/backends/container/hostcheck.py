@@ -31,3 +31,11 @@ def check_host() -> None:
         problems.append("user namespaces are disabled: sysctl -w user.max_user_namespaces=100000")
     if problems:
         raise HostError("this host cannot run DSec container sandboxes:\n- " + "\n- ".join(problems), problems=problems)
+
+
+def features() -> dict[str, int]:
+    """Optional kernel features, for reports: ``landlock_abi`` (0: none; stages with file
+    rules then fail with HostError, everything else works)."""
+    from dsec.backends.container.stages import landlock_abi
+
+    return {"landlock_abi": landlock_abi()}

@@ -934,6 +934,8 @@ class ContainerRuntime:
         """SIGKILL every process of the sandbox except its init (frozen first, so none forks
         meanwhile); returns how many were killed, once they are gone."""
         sid = rec.id
+        if all(p == rec.init_pid for p in self.cgroups.pids(sid)):
+            return 0  # the init alone never forks, and no start is in flight: nothing can appear
         await pausing.freeze(self.cgroups, sid)
         victims = [p for p in self.cgroups.pids(sid) if p != rec.init_pid]
         try:
@@ -1051,7 +1053,10 @@ class ContainerRuntime:
             raise
         finally:
             os.close(init_fd)
-            self._spawning[sandbox_id] -= 1
+            if (left := self._spawning[sandbox_id] - 1) > 0:
+                self._spawning[sandbox_id] = left
+            else:
+                del self._spawning[sandbox_id]
         os.close(spawned.pidfd)
         self.last_activity[sandbox_id] = time.monotonic()
         self._event(rec, "exec_started", pid=spawned.pid, argv0=argv[0])
