@@ -111,3 +111,94 @@ async def test_control_plane_drives_a_real_edge(edge_state: tuple[Path, str], ds
         await asyncio.to_thread(edge.stop)
         await ctl.stop()
     assert not leftovers(cfg), leftovers(cfg)
+
+
+async def test_pause_fork_snapshot_and_stages_through_the_control_plane_on_a_real_edge(
+    edge_state: tuple[Path, str], dsec_base: Path, tmp_path: Path
+) -> None:
+    from dsec.control import ControlConfig, serve_control
+    from dsec.edge.config import EdgeConfig
+    from dsec.edge.testing import EdgeThread, leftovers
+
+    state, name = edge_state
+    ctl = await serve_control(ControlConfig(
+        data_dir=tmp_path / "control", cluster_key=KEY, port=0, watcher=False, auth_cache_s=0.0,
+    ))
+    cfg = EdgeConfig(
+        edge_id="ry", cluster_key=KEY, port=0, state_dir=state, run_dir=dsec_base / "run", runtime_name=name,
+        destroy_on_shutdown=True, watchdog_interval_s=0.2, max_sandboxes=4, control_plane_url=ctl.url,
+        heartbeat_interval_s=0.2,
+    )
+    edge = await asyncio.to_thread(lambda: EdgeThread(cfg).start())
+    try:
+        async with httpx.AsyncClient(base_url=ctl.url, timeout=120,
+                                     headers={"authorization": f"Bearer {ctl.admin_token}"}) as c:
+            for _ in range(100):
+                edges = (await c.get("/v1/edges")).json()
+                if edges and edges[0]["health"]:
+                    break
+                await asyncio.sleep(0.05)
+            stages = {"work": {}, "locked": {"files": {"read_only": ["/tmp"]}}}
+            r = await c.post("/v1/tasks", json={"name": "rt", "stages": stages, "stage": "work"})
+            assert r.status_code == 201, r.text
+            r = await c.post("/v1/sandboxes", json={"spec": SPEC, "task": "rt"})
+            assert r.status_code == 201, r.text
+            sb = r.json()
+            async with httpx.AsyncClient(base_url=sb["edge_url"], timeout=60,
+                                         headers={"authorization": f"Bearer {sb['token']}"}) as data:
+                async def run(sid: str, cmd: str) -> dict[str, Any]:
+                    r = await data.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": ["sh", "-c", cmd]})
+                    assert r.status_code == 200, r.text
+                    return dict(r.json())
+
+                assert (await run(sb["id"], "echo one > /tmp/a && cat /tmp/a"))["exit_code"] == 0
+
+                # the task's stage switch reaches the real edge: /tmp is read-only now
+                r = await c.post("/v1/tasks/rt/stage", json={"stage": "locked"})
+                assert r.status_code == 200 and r.json()["done"] == [sb["id"]], r.text
+                assert (await run(sb["id"], "echo two > /tmp/b"))["exit_code"] != 0
+                r = await c.post("/v1/tasks/rt/stage", json={"stage": "work"})
+                assert r.json()["done"] == [sb["id"]]
+
+                r = await c.post("/v1/pause", params={"task": "rt"})
+                assert r.json()["done"] == [sb["id"]], r.text
+                assert (await c.get(f"/v1/sandboxes/{sb['id']}")).json()["state"] == "paused"
+                r = await c.post("/v1/resume", params={"task": "rt"})
+                assert r.json()["done"] == [sb["id"]], r.text
+
+                r = await c.post(f"/v1/sandboxes/{sb['id']}/fork", json={"n": 2})
+                assert r.status_code == 201, r.text
+                kids = r.json()
+                assert all(k["task"] == "rt" and k["token"] for k in kids)
+                listed = {x["id"] for x in (await c.get("/v1/sandboxes", params={"task": "rt"})).json()}
+                assert listed == {sb["id"], *(k["id"] for k in kids)}
+                async with httpx.AsyncClient(base_url=kids[0]["edge_url"], timeout=60,
+                                             headers={"authorization": f"Bearer {kids[0]['token']}"}) as kd:
+                    r = await kd.post(f"/v1/sandboxes/{kids[0]['id']}/exec", json={"cmd": ["cat", "/tmp/a"]})
+                    assert base64.b64decode(r.json()["stdout_b64"]) == b"one\n"
+
+                r = await c.post(f"/v1/sandboxes/{sb['id']}/snapshot", json={"name": "rsnap"})
+                assert r.status_code == 201, r.text
+                snap = r.json()
+                st = (await c.get("/v1/projects/root/storage")).json()
+                assert st["used"] == snap["size"] > 0
+                r = await c.post("/v1/sandboxes", json={"spec": {**SPEC, "image": {"base": "rsnap:latest"}}})
+                assert r.status_code == 201, r.text
+                user = r.json()
+                r = await c.delete("/v1/snapshots/rsnap:latest")
+                assert r.status_code == 409 and r.json()["error"]["code"] == "conflict"
+                assert (await c.delete(f"/v1/sandboxes/{user['id']}")).status_code == 204
+            assert (await c.delete("/v1/sandboxes", params={"task": "rt"})).json()["deleted"] == 3
+            for _ in range(100):  # the edge releases the layer once no sandbox uses it
+                r = await c.delete("/v1/snapshots/rsnap:latest")
+                if r.status_code == 204:
+                    break
+                assert r.status_code == 409, r.text
+                await asyncio.sleep(0.5)
+            assert r.status_code == 204, r.text
+            assert (await c.get("/v1/projects/root/storage")).json()["used"] == 0
+            assert (await c.get("/v1/projects/root")).json()["used"]["sandboxes"] == 0
+    finally:
+        await asyncio.to_thread(edge.stop)
+        await ctl.stop()
+    assert not leftovers(cfg), leftovers(cfg)
