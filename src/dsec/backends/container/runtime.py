@@ -495,8 +495,7 @@ class ContainerRuntime:
             return existing  # idempotent
         layers = self._layers_for(spec.image)
         policy = spec.effective_network()
-        if policy is not None:
-            await self.net.compile(policy)  # unknown permission names fail before anything is made
+        compiled = None if policy is None else await self.net.compile(policy)  # bad names fail first
         rec = SandboxRecord(sid, SandboxState.CREATING, spec, -1, layers, time.time(), meta=dict(meta or {}))
         self.sandboxes[sid] = rec
         lock = self._locks.setdefault(sid, asyncio.Lock())
@@ -522,7 +521,7 @@ class ContainerRuntime:
                 ]
                 if policy is not None:
                     lease = await self.net.take()
-                    await self.net.apply(sid, lease.fd, lease.info(), policy)
+                    await self.net.apply(sid, lease.fd, lease.info(), policy, compiled=compiled, fresh=True)
                     rec.net = {**lease.info(), "policy": policy.model_dump(mode="json")}
                 try:
                     spawned = await spawner.spawn("create", fields, fds=[lease.fd] if lease else [])
@@ -778,8 +777,7 @@ class ContainerRuntime:
         """Replace a sandbox's network policy at once (one nftables transaction); TCP
         connections the new policy forbids are cut. ``None``: nothing beyond loopback.
         A loopback-only sandbox gets its veth on the first policy. Works while paused."""
-        if policy is not None:
-            await self.net.compile(policy)
+        compiled = None if policy is None else await self.net.compile(policy)
         lock = self._locks.setdefault(sandbox_id, asyncio.Lock())
         async with lock:
             rec = self._live(sandbox_id)
@@ -792,14 +790,14 @@ class ContainerRuntime:
                     lease = await self.net.attach(sandbox_id, pidfd)
                     os.close(lease.fd)
                     try:
-                        cut = await self.net.apply(sandbox_id, pidfd, lease.info(), policy)
+                        cut = await self.net.apply(sandbox_id, pidfd, lease.info(), policy, compiled=compiled)
                     except BaseException:
                         if sandbox_id not in self.net.sandboxes:
                             self.net.release(lease)
                         raise
                     rec.net = lease.info()
                 else:
-                    cut = await self.net.apply(sandbox_id, pidfd, rec.net, policy)
+                    cut = await self.net.apply(sandbox_id, pidfd, rec.net, policy, compiled=compiled)
             finally:
                 os.close(pidfd)
             dumped = None if policy is None else policy.model_dump(mode="json")
@@ -914,21 +912,28 @@ class ContainerRuntime:
                 sess.ended_reason = f"the sandbox switched to stage {name!r}; open a new session"
                 with contextlib.suppress(Exception):
                     await sess.close()
-            restricted = staging.restricted_paths(stage.files)
             split: builtins.list[str] = []
-            if restricted:
-                split = await asyncio.to_thread(staging.split_hard_links, f"/proc/{rec.init_pid}/root",
-                                                f"/proc/{rec.init_pid}/fd/3/upper", restricted)
+            symlinked: builtins.list[str] = []
+            if not stage.files.unrestricted:
+                split, symlinked = await asyncio.to_thread(self._stage_fs_checks, rec, stage.files)
             await self.set_policy(sandbox_id, stage.network)
             rec.stage = name
             self._save(rec)
             self._event(rec, "stage_changed", **{"from": old, "to": name}, killed=killed, links_split=split,
-                        seconds=round(time.perf_counter() - t0, 6))
+                        symlinked_rule_paths=symlinked, seconds=round(time.perf_counter() - t0, 6))
             self.last_activity[sandbox_id] = time.monotonic()
             return rec
         finally:
             self._stage_gates.pop(sandbox_id, None)
             gate.set()
+
+    @staticmethod
+    def _stage_fs_checks(rec: SandboxRecord, files: Any) -> tuple[builtins.list[str], builtins.list[str]]:
+        """(files under restricted paths split off their hard links, rule paths that are symlinks)."""
+        root = f"/proc/{rec.init_pid}/root"
+        split = staging.split_hard_links(root, f"/proc/{rec.init_pid}/fd/3/upper", files)
+        named = (*staging.restricted_paths(files), *files.writable)
+        return split, staging.symlinked_paths(root, named)
 
     async def _kill_all_but_init(self, rec: SandboxRecord) -> int:
         """SIGKILL every process of the sandbox except its init (frozen first, so none forks
