@@ -208,6 +208,8 @@ def test_symlinked_rule_path_gets_no_grant(h: RuntimeHarness, sb: Any) -> None:
     # The agent replaces the writable /workspace with a symlink to /tests before the switch.
     h.ok(sb.id, "rm -rf /workspace && ln -s /tests /workspace")
     _stage(h, sb.id, "locked")
+    ev = [e for e in h.rt.events(sb.id) if e["event"] == "stage_changed"][-1]
+    assert ev["symlinked_rule_paths"] == ["/workspace"]  # the trainer sees the tampering
     _fails(h, sb.id, "echo pwned > /workspace/expected")
     _fails(h, sb.id, "echo pwned > /tests/expected")
     _fails(h, sb.id, "touch /workspace/new")
@@ -382,3 +384,10 @@ def test_measure_stages_reports_its_figures(h: RuntimeHarness) -> None:
     figures = h.run(measure_stages(h.rt, _spec(None), n=3))
     assert set(figures) == {"stage_switch_p50_ms", "exec_landlock_p50_ms", "exec_plain_p50_ms"}
     assert all(v > 0 for v in figures.values())
+
+
+def test_hard_link_into_a_default_read_only_area_is_broken(h: RuntimeHarness, sb: Any) -> None:
+    h.ok(sb.id, "ln /etc/passwd /workspace/pw")
+    _stage(h, sb.id, "locked")  # default ro, /workspace writable
+    h.ok(sb.id, "echo 'evil::0:0::/:/bin/sh' >> /workspace/pw")
+    assert "evil" not in h.ok(sb.id, "cat /etc/passwd")

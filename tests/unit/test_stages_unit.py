@@ -43,3 +43,17 @@ def test_check_pristine() -> None:
 
 def test_restricted_paths() -> None:
     assert restricted_paths(FileRules(hidden=("/a",), read_only=("/b",), writable=("/c",))) == ("/a", "/b")
+
+
+def test_access_class_deepest_rule_wins() -> None:
+    from dsec.backends.container.stages import access_class
+
+    rules = FileRules(default="ro", writable=("/workspace",), hidden=("/workspace/private",),
+                      read_only=("/workspace/private/open",))
+    assert access_class("/etc/passwd", rules) == "r"
+    assert access_class("/workspace/a", rules) == "w"
+    assert access_class("/workspace/private/k", rules) == "h"
+    assert access_class("/workspace/private/open/n", rules) == "r"
+    assert access_class("/workspace/privateer", rules) == "w"
+    assert access_class("/dev/null", rules) == "w"
+    assert access_class("/x", FileRules(hidden=("/tests",))) == "w"

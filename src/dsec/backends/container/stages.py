@@ -100,56 +100,84 @@ def restricted_paths(rules: FileRules) -> tuple[str, ...]:
     return tuple(rules.hidden) + tuple(rules.read_only)
 
 
-def split_hard_links(root_dir: str, upper_dir: str, paths: Iterable[str]) -> list[str]:
-    """Give every file under ``paths`` that the sandbox hard-linked its own inode.
+def access_class(path: str, rules: FileRules) -> str:
+    """"h", "r" or "w" for ``path`` under ``rules``: the deepest rule covering it wins,
+    else the default (the same semantics as the walk in the spawner)."""
+    best, cls = -1, "w" if rules.default == "rw" else "r"
+    for c, paths in (("h", rules.hidden), ("r", rules.read_only), ("w", rules.writable)):
+        for p in paths:
+            if _under(path, p) and len(p) > best:
+                best, cls = len(p), c
+    if best < 0 and any(_under(path, p) for p in IMPLICIT_WRITABLE):
+        cls = "w"
+    return cls
 
-    Landlock is path-based: a hard link made while a path was reachable (say
-    ``ln /tests/expected /workspace/e`` in an open stage) would reach the same
+
+def split_hard_links(root_dir: str, upper_dir: str, rules: FileRules) -> list[str]:
+    """Give every restricted name of a hard-linked file its own inode.
+
+    Landlock is path-based: a hard link made while both names were reachable
+    (``ln /tests/expected /workspace/e`` in an open stage) would reach the same
     inode from an allowed path after the switch — reading a hidden file's later
     content, or writing a read-only one. Only files in the writable layer can be
     such links (overlayfs copies a lower file up before linking it), so the
-    upper is searched (``upper_dir``, the host's view of it: small) and each
-    hit is copied to a fresh inode through the sandbox's root (``root_dir``,
-    confined with openat2), which is renamed over the restricted name. The
-    other names keep the old inode: what the agent could read when it made the
-    link. Returns the sandbox paths that were split. Call with the sandbox's
-    processes stopped (a stage switch kills them first).
+    upper is searched (``upper_dir``, the host's view of it: only what the
+    sandbox wrote), names are grouped by inode, and where the names' access
+    differs, each hidden or read-only name is copied to a fresh inode through
+    the sandbox's root (``root_dir``, confined with openat2) and renamed over
+    itself. The other names keep the old inode: what the agent could read when
+    it made the link. Returns the sandbox paths that were split. Call with the
+    sandbox's processes stopped (a stage switch kills them first).
     """
+    groups: dict[int, list[str]] = {}
+    upper = _open_dir(upper_dir)
+    try:
+        dfd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=upper)
+    finally:
+        os.close(upper)
+    try:
+        for dirpath, _dirs, files, dirfd in os.fwalk(".", dir_fd=dfd, follow_symlinks=False):
+            for name in files:
+                with contextlib.suppress(OSError):
+                    st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
+                    if stat_mod.S_ISREG(st.st_mode) and st.st_nlink > 1:
+                        groups.setdefault(st.st_ino, []).append("/" + posixpath.normpath(posixpath.join(dirpath, name)))
+    finally:
+        os.close(dfd)
     split: list[str] = []
-    for top in paths:
-        rel_top = top.lstrip("/")
-        upper = _open_dir(upper_dir)
-        try:
-            top_fd = openat2(upper, rel_top or ".", os.O_PATH,
-                             resolve=RESOLVE_IN_ROOT | RESOLVE_NO_SYMLINKS | RESOLVE_NO_XDEV)
-        except OSError:
-            continue  # nothing of it in the writable layer (or not a plain path there)
-        finally:
-            os.close(upper)
-        try:
-            st = os.fstat(top_fd)
-            if stat_mod.S_ISREG(st.st_mode):
-                if st.st_nlink > 1:
-                    _split_one(root_dir, top)
-                    split.append(top)
-                continue
-            if not stat_mod.S_ISDIR(st.st_mode):
-                continue
-            dfd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=top_fd)
+    for names in groups.values():
+        classes = {n: access_class(n, rules) for n in names}
+        if len(set(classes.values())) < 2:
+            continue
+        for n, cls in classes.items():
+            if cls != "w":
+                _split_one(root_dir, n)
+                split.append(n)
+    return sorted(split)
+
+
+def symlinked_paths(root_dir: str, paths: Iterable[str]) -> list[str]:
+    """Rule paths that are, or go through, a symlink in the sandbox now: Landlock grants
+    them nothing, and the host's files API (which follows symlinks inside the sandbox)
+    would write into the symlink's target — a trainer should know the agent did this."""
+    out: list[str] = []
+    root = _open_dir(root_dir)
+    try:
+        for p in paths:
             try:
-                for dirpath, _dirs, files, dirfd in os.fwalk(".", dir_fd=dfd, follow_symlinks=False):
-                    for name in files:
-                        with contextlib.suppress(OSError):
-                            fst = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
-                            if stat_mod.S_ISREG(fst.st_mode) and fst.st_nlink > 1:
-                                sub = posixpath.normpath(posixpath.join(top, dirpath, name))
-                                _split_one(root_dir, sub)
-                                split.append(sub)
-            finally:
-                os.close(dfd)
-        finally:
-            os.close(top_fd)
-    return split
+                os.close(openat2(root, p.lstrip("/") or ".", os.O_PATH | os.O_NOFOLLOW,
+                                 resolve=RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS | RESOLVE_NO_SYMLINKS))
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    out.append(p)
+                continue
+            with contextlib.suppress(OSError):
+                st = os.stat(p.lstrip("/") or ".", dir_fd=root, follow_symlinks=False)
+                if stat_mod.S_ISLNK(st.st_mode):
+                    out.append(p)
+    finally:
+        os.close(root)
+    return out
 
 
 def _open_dir(path: str) -> int:
@@ -206,9 +234,11 @@ def _split_one(root_dir: str, path: str) -> None:
 __all__ = [
     "IMPLICIT_WRITABLE",
     "MAX_PRISTINE",
+    "access_class",
     "check_pristine",
     "landlock_abi",
     "landlock_tokens",
     "restricted_paths",
     "split_hard_links",
+    "symlinked_paths",
 ]
