@@ -366,13 +366,18 @@ class SandboxFiles:
 
     # -- directories as tar --
 
-    def download(self, path: str = "/") -> bytes:
-        """A tar of ``path`` (recursively), symlinks kept as symlinks."""
+    def download(self, path: str = "/", *, max_bytes: int = MAX_READ) -> bytes:
+        """A tar of ``path`` (recursively), symlinks kept as symlinks.
+
+        Built in memory, so the files' sizes may add up to at most ``max_bytes``
+        (a sandbox can make a 64 GiB sparse file in a 16 MiB quota): over that,
+        FileAccessError before anything big is read; stream with :meth:`download_to`."""
         buf = io.BytesIO()
-        self.download_to(path, buf)
+        self.download_to(path, buf, max_bytes=max_bytes)
         return buf.getvalue()
 
-    def download_to(self, path: str, out: BinaryIO) -> None:
+    def download_to(self, path: str, out: BinaryIO, *, max_bytes: int | None = None) -> None:
+        """Stream a tar of ``path`` to ``out``; ``max_bytes`` caps the files' total size (None: no cap)."""
         rel = _norm(path)
         root = self._root()
         try:
@@ -381,6 +386,7 @@ class SandboxFiles:
             os.close(root)
             raise self._fail(exc, path, "download") from None
         os.close(root)
+        total = 0
         try:
             with tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT) as tar:
                 for dirpath, dirnames, filenames, dfd in os.fwalk(".", dir_fd=top, follow_symlinks=False):
@@ -388,7 +394,16 @@ class SandboxFiles:
                     for name in sorted(dirnames + filenames):
                         arc = posixpath.normpath(posixpath.join(dirpath, name))
                         for info, fobj in self._tar_entry(dfd, name, arc):
+                            total += info.size
+                            if max_bytes is not None and total > max_bytes:
+                                raise FileAccessError(
+                                    f"download {path!r}: files add up to more than {max_bytes} bytes "
+                                    f"(at {arc!r}); stream it with download_to()",
+                                    sandbox_id=self.sandbox_id, path=path, errno=errno.EFBIG,
+                                )
                             tar.addfile(info, fobj)
+        except FileAccessError:
+            raise
         except OSError as exc:
             raise self._fail(exc, path, "download") from None
         finally:

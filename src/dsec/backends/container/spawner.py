@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from dsec.errors import HostError
+from dsec.errors import HostError, InvalidSpec
 
 _MAX_MSG = 512 * 1024
 
@@ -127,11 +127,12 @@ class Spawner:
         parts = [op, rid]
         for k, v in fields:
             if "\0" in v:
-                raise ValueError(f"NUL byte in {k}")
+                # InvalidSpec (a ValueError): the caller's input, a 4xx at the edge, not a 500.
+                raise InvalidSpec(f"NUL byte in {k}", field=k)
             parts += [k, v]
         data = b"\0".join(p.encode() for p in parts) + b"\0"
         if len(data) > _MAX_MSG - 1:
-            raise ValueError(f"request too large ({len(data)} bytes; argv+env must stay under 500 KiB)")
+            raise InvalidSpec(f"request too large ({len(data)} bytes; argv+env must stay under 500 KiB)", field="cmd")
         assert self._loop is not None
         fut: asyncio.Future[tuple[list[str], int | None]] = self._loop.create_future()
         self._waiting[rid] = fut
