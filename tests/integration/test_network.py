@@ -354,3 +354,22 @@ def test_network_survives_runtime_restart(nrt: RuntimeHarness, remote: str) -> N
         nrt.destroy(other.id)
     finally:
         nrt.destroy(rec.id)
+
+
+def test_fork_children_get_the_parents_current_policy(nrt: RuntimeHarness, remote: str) -> None:
+    from dsec.spec import NetworkPolicy
+
+    rec = _create(nrt, allow=("remote-web",))
+    kids: list[Any] = []
+    try:
+        nrt.run(nrt.rt.set_policy(rec.id, NetworkPolicy(allow=("byname",))))
+        kids = nrt.run(nrt.rt.fork(rec.id, 2))
+        ips = {k.net["ip"] for k in kids} | {rec.net["ip"]}
+        assert len(ips) == 3  # each child has its own address
+        for k in kids:
+            assert _fetch(nrt, k.id, f"http://{remote}:9090/")[0] == 0
+            assert _fetch(nrt, k.id, f"http://{remote}:8080/")[0] != 0
+    finally:
+        for k in kids:
+            nrt.destroy(k.id)
+        nrt.destroy(rec.id)

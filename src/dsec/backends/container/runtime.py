@@ -1682,7 +1682,15 @@ class ContainerRuntime:
             )
         layer = await self.snapshot(sandbox_id, name=snapshots.FORK_NAME, tag=f"{sandbox_id}-{secrets.token_hex(3)}",
                                     exclude=exclude, ephemeral=True)
-        spec = rec.spec.model_copy(update={"image": ImageRef(base=layer.digest)})
+        # Children start where the parent is now: its current stage, else its current policy.
+        update: dict[str, Any] = {"image": ImageRef(base=layer.digest)}
+        current = rec.stage or rec.spec.stage
+        if current is not None:
+            update["stage"] = current
+        elif rec.net is not None:
+            pol = rec.net.get("policy")
+            update["network"] = None if pol is None else NetworkPolicy.model_validate(pol)
+        spec = rec.spec.model_copy(update=update)
         results = await asyncio.gather(*(self.create(spec, meta=dict(meta or {})) for _ in range(n)),
                                        return_exceptions=True)
         children = [r for r in results if isinstance(r, SandboxRecord)]
