@@ -391,3 +391,16 @@ def test_hard_link_into_a_default_read_only_area_is_broken(h: RuntimeHarness, sb
     _stage(h, sb.id, "locked")  # default ro, /workspace writable
     h.ok(sb.id, "echo 'evil::0:0::/:/bin/sh' >> /workspace/pw")
     assert "evil" not in h.ok(sb.id, "cat /etc/passwd")
+
+
+def test_pristine_in_a_sandbox_started_from_a_snapshot(h: RuntimeHarness, sb: Any) -> None:
+    # The agent's edit is packed into a snapshot: it is not "pristine" in the children.
+    h.ok(sb.id, "echo wrong > /tests/expected")
+    layer = h.run(h.rt.snapshot(sb.id, name="stagesnap", tag="t1"))
+    child = h.run(h.rt.create(_spec().model_copy(update={"image": ImageRef(base=layer.digest)})))
+    try:
+        assert h.ok(child.id, "cat /tests/expected").strip() == "wrong"
+        r = h.run(h.rt.exec(child.id, "cat /tests/expected", pristine=["/tests"]))
+        assert r.stdout.decode().strip() == SECRET
+    finally:
+        h.destroy(child.id)  # (the layer stays in the test's store: pinned for a grace period)
