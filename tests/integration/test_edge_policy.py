@@ -346,17 +346,20 @@ def test_stage_switch_through_http(edge: EdgeThread, api: httpx.Client) -> None:
 def test_pristine_exec_through_http(edge: EdgeThread, api: httpx.Client) -> None:
     if not runtime_has(edge, "pristine"):
         pytest.skip("the runtime's exec has no pristine= yet")
-    info = create(api)
+    info = create(api, {**SPEC, "resources": {**RES, "cpu": 0.25}})
     sid = info["id"]
     try:
-        original = sh(api, sid, "cat /etc/passwd")["out"]
-        assert original
-        # the agent rewrites a file and removes a tool from the image
-        assert sh(api, sid, "echo forged > /etc/passwd && rm /bin/wc")["exit_code"] == 0
-        assert sh(api, sid, "cat /etc/passwd")["out"] == "forged\n"
-        res = sh(api, sid, "cat /etc/passwd; echo x | wc -c", pristine=["/etc", "/bin"])
-        assert res["out"] == original + "2\n", res
-        assert sh(api, sid, "cat /etc/passwd")["out"] == "forged\n"  # the sandbox's own view is unchanged
+        # the agent replaces a tool and removes another from the image's /bin
+        assert sh(api, sid, "rm /bin/wc /bin/cat && printf '#!/bin/busybox sh\\necho HACKED\\n' > /bin/cat "
+                            "&& chmod 755 /bin/cat")["exit_code"] == 0
+        res = sh(api, sid, "echo real | /bin/cat; echo x | /bin/wc -c")
+        assert res["out"] == "HACKED\n" and "wc" in res["err"], res
+        res = sh(api, sid, "echo real | /bin/cat; echo x | /bin/wc -c", pristine=["/bin"])
+        assert res["out"] == "real\n2\n", res
+        assert sh(api, sid, "echo real | /bin/cat")["out"] == "HACKED\n"  # the sandbox's own view is unchanged
+        with httpx.Client(base_url=api.base_url, headers={"authorization": f"Bearer {info['token']}"}) as sb:
+            r = sb.post(f"/v1/sandboxes/{sid}/exec/stream", json={"cmd": "echo x | /bin/wc -c", "pristine": ["/bin"]})
+            assert r.status_code == 200 and json.loads(r.text.splitlines()[-1])["result"]["exit_code"] == 0, r.text
         r = api.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "true", "pristine": ["etc"]})
         assert r.status_code == 422 and err(r)["field"].startswith("pristine"), r.text
     finally:

@@ -131,11 +131,10 @@ def policy_options(f: Any) -> Any:
     return wrapper
 
 
-def _info_line(info: Any) -> str:
-    pol = info.network
+def _policy_line(sandbox_id: str, stage: str | None, pol: Any) -> str:
     net = "loopback only" if pol is None else (
         ", ".join([*pol.allow, *(f"{r.cidr}:{','.join(r.ports) or '*'}/{r.protocol}" for r in pol.rules)]) or "nothing")
-    return f"{info.id}: stage {info.stage or '-'}, network: {net}"
+    return f"{sandbox_id}: stage {stage or '-'}, network: {net}"
 
 
 def register(main: click.Group) -> None:
@@ -155,12 +154,17 @@ def register(main: click.Group) -> None:
             raise click.UsageError("--none and --allow/--allow-cidr exclude each other")
         with client() as c:
             sb = c.connect(sandbox_id)
-            info = sb.set_policy(new) if (new is not None or none_) else sb.info
+            if new is not None or none_:
+                info = sb.set_policy(new)
+                sid, stage_now, pol = info.id, info.stage, info.network
+            else:  # the edge is the truth for what is in force
+                net = sb.network()
+                sid, stage_now, pol = net.sandbox_id, net.stage, net.policy
         if as_json:
-            print(json.dumps({"id": info.id, "stage": info.stage,
-                              "network": None if info.network is None else info.network.model_dump(mode="json")}))
+            print(json.dumps({"id": sid, "stage": stage_now,
+                              "network": None if pol is None else pol.model_dump(mode="json")}))
         else:
-            print(_info_line(info))
+            print(_policy_line(sid, stage_now, pol))
 
     @main.command()
     @click.argument("sandbox_id")
@@ -174,7 +178,7 @@ def register(main: click.Group) -> None:
         if as_json:
             print(info.model_dump_json(exclude={"token"}))
         else:
-            print(_info_line(info))
+            print(_policy_line(info.id, info.stage, info.network))
 
     @main.command()
     @click.argument("sandbox_id")
