@@ -404,3 +404,23 @@ def test_pristine_in_a_sandbox_started_from_a_snapshot(h: RuntimeHarness, sb: An
         assert r.stdout.decode().strip() == SECRET
     finally:
         h.destroy(child.id)  # (the layer stays in the test's store: pinned for a grace period)
+
+
+def test_set_stage_applies_the_stage_network_policy(h: RuntimeHarness) -> None:
+    from dsec.spec import NetRule, NetworkPolicy
+
+    policy = NetworkPolicy(rules=(NetRule(cidr="192.0.2.7/32", ports=("443",)),))
+    stages = {**STAGES, "online": Stage(network=policy)}
+    rec = h.run(h.rt.create(_spec().model_copy(update={"stages": stages})))
+    try:
+        assert h.rt.network_info(rec.id) is None  # loopback only
+        h.run(h.rt.set_stage(rec.id, "online"))
+        info = h.rt.network_info(rec.id)
+        assert info is not None and info["policy"] == policy.model_dump(mode="json")
+        h.run(h.rt.set_stage(rec.id, "rollout"))
+        info = h.rt.network_info(rec.id)
+        assert info is not None and info["policy"] is None
+        kinds = [e["event"] for e in h.rt.events(rec.id)]
+        assert kinds.count("policy_changed") == 2 and kinds.count("stage_changed") == 2
+    finally:
+        h.destroy(rec.id)
