@@ -243,6 +243,16 @@ def test_create_with_policy_is_cold_and_enforced(api: httpx.Client) -> None:
     finally:
         api.delete(f"/v1/sandboxes/{plain['id']}")
         api.delete(f"/v1/sandboxes/{networked['id']}")
+    # stages with file rules only: a pooled sandbox, switched into its starting stage
+    assert wait_until(lambda: api.get("/v1/health").json()["pools"].get("plain") == 1, timeout=30)
+    staged = create(api, {**SPEC, "stages": {"eval": {"files": {"read_only": ["/etc"]}}, "open": {}}, "stage": "eval"})
+    try:
+        assert staged["from_pool"] is True and staged["stage"] == "eval", staged
+        res = sh(api, staged["id"], "cat /etc/passwd >/dev/null && echo x > /etc/passwd")
+        assert res["exit_code"] != 0, res  # readable, not writable
+        assert events(api, staged["id"], "stage_changed")[0]["to"] == "eval"
+    finally:
+        api.delete(f"/v1/sandboxes/{staged['id']}")
 
 
 def test_denied_attempts_reach_events_and_metrics(edge: EdgeThread, api: httpx.Client) -> None:

@@ -372,6 +372,16 @@ class EdgeService:
             if taken is not None:
                 rec, pool = taken
                 self.admission.claim(rec.id)
+                if spec.stage is not None:
+                    # A pooled sandbox has run nothing yet: entering the stage binds every later
+                    # process (2x faster than a cold create with the stage; docs/EDGE.md).
+                    try:
+                        rec = await self.runtime.set_stage(rec.id, spec.stage)
+                    except BaseException:
+                        with contextlib.suppress(Exception):
+                            await self.destroy(rec.id, reason="pool_stage_failed", tombstone=False)
+                        self.admission.release(rec.id)
+                        raise
                 return self._created(rec, req, "pool", t0, pool=pool.name)
         res = req.spec.resources
         try:
