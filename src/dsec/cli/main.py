@@ -113,6 +113,24 @@ def bench_snapshot(quick: bool, json_path: Path | None) -> None:
         console.print(f"wrote {json_path}")
 
 
+@bench.command("abuse")
+@click.option("--quick", is_flag=True, help="Shorter floods and spins, 2 neighbours, fewer network/stage samples (< ~3 min).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the flat JSON here.")
+@click.option("-k", "--neighbours", "k", type=click.IntRange(1, 64), default=None,
+              help="Neighbour sandboxes running a steady exec workload (default 4; 2 with --quick).")
+@click.option("--case", "only", multiple=True, help="Run only this case (repeatable).")
+def bench_abuse(quick: bool, json_path: Path | None, k: int | None, only: tuple[str, ...]) -> None:
+    """Abuse suite: each attack contained? neighbours' exec p50 during it vs quiet; network/stage figures."""
+    from dsec.bench.abuse import run
+
+    results = run(quick=quick, k_neighbours=k, only=list(only) or None,
+                  say=lambda m: console.print(f"[dim]{m}[/dim]", highlight=False))
+    _print_table("dsec bench abuse", results)
+    if json_path:
+        json_path.write_text(json.dumps(results, indent=2, sort_keys=True))
+        console.print(f"wrote {json_path}")
+
+
 @main.command()
 @click.option("-n", "count", type=click.IntRange(1, 5000), default=None, help="Rollouts / sandboxes (default 64; 100 with --runtime-only).")
 @click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
