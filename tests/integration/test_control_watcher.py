@@ -268,3 +268,29 @@ async def test_migrations_are_idempotent_and_match_the_models(db_url: str) -> No
                 assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 30000
     finally:
         store.close()
+
+
+async def test_a_create_answered_but_never_recorded_is_adopted_not_reaped(db_url: str, tmp_path: Path) -> None:
+    """The replica answered a create and died before recording the id: the watcher finds the
+    edge's sandbox, matches it to the reservation and records it (the client keeps its sandbox)."""
+    async with cluster(db_url, tmp_path, orphan_grace_s=0.0) as cl:
+        c = cl.client()
+        r = await c.post("/v1/sandboxes", json={"spec": SPEC, "task": "t", "labels": {"k": "v"}})
+        assert r.status_code == 201, r.text
+        sid = r.json()["id"]
+        other = (await c.post("/v1/sandboxes", json={"spec": SPEC, "task": "t"})).json()["id"]
+
+        def forget_id(s: Any) -> None:  # as if the record never happened
+            s.execute(sa.update(SandboxRow).where(SandboxRow.id == sid).values(id=None, state="creating"))
+
+        await cl.control.store.write(forget_id)
+        assert (await c.get(f"/v1/sandboxes/{sid}")).status_code == 404
+        await cl.tick()
+        got = await c.get(f"/v1/sandboxes/{sid}")
+        assert got.status_code == 200 and got.json()["state"] == "running" and got.json()["labels"] == {"k": "v"}
+        assert sid in cl.edges[0].live_ids() and other in cl.edges[0].live_ids()
+        assert (await c.get("/v1/projects/root")).json()["used"]["sandboxes"] == 2
+        # a sandbox nobody reserved is still an orphan
+        orphan = cl.edges[0].adopt_orphan()
+        await cl.tick()
+        assert orphan not in cl.edges[0].live_ids()

@@ -115,6 +115,7 @@ class Operations:
         return _Target(sandbox_id, row.edge_id or edge_of(sandbox_id), row.edge_url, project)
 
     async def _target(self, who: Principal, sandbox_id: str) -> _Target:
+        await self.sb.settled(sandbox_id)
         t = await self.store.read(lambda s: self._target_txn(s, who, sandbox_id))
         url = await self.sb._fresh_url(sandbox_id, t.url)
         return _Target(t.sandbox_id, t.edge_id, url, t.project)
@@ -171,6 +172,7 @@ class Operations:
         if task is None and not labels and not ids:
             raise InvalidSpec(f"say which sandboxes to {op}: a task, labels or ids", field="task")
         t0 = time.monotonic()
+        await self.sb.settled()
         live = (S.RUNNING.value, S.PAUSED.value)
         rows = await self.store.read(
             lambda s: self._select_txn(s, who, task=task, labels=labels, ids=ids, states=live)
@@ -300,6 +302,7 @@ class Operations:
         ledger.flush(s)
 
     async def fork(self, who: Principal, sandbox_id: str, req: ForkRequest) -> list[SandboxInfo]:
+        await self.sb.settled(sandbox_id)
         plan = await self.store.write(lambda s: self._fork_reserve_txn(s, who, sandbox_id, req))
         url = await self.sb._fresh_url(sandbox_id, plan.url)
         try:
@@ -400,6 +403,7 @@ class Operations:
         return StoredSnapshot.model_validate(data)
 
     async def snapshot(self, who: Principal, sandbox_id: str, req: SnapshotRequest) -> StoredSnapshot:
+        await self.sb.settled(sandbox_id)
         plan = await self.store.write(lambda s: self._snap_reserve_txn(s, who, sandbox_id))
         url = await self.sb._fresh_url(sandbox_id, plan.url)
         try:
@@ -558,6 +562,7 @@ class Operations:
         """Switch every running or paused sandbox of the task to ``stage`` (one edge call each,
         64 at a time); outcomes per sandbox. The task remembers it for sandboxes made later."""
         t0 = time.monotonic()
+        await self.sb.settled()
         rows = await self.store.write(lambda s: self._stage_txn(s, who, task, stage))
         out = GroupResult()
         sem = asyncio.Semaphore(64)

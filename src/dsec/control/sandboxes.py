@@ -243,6 +243,9 @@ class Sandboxes:
         self.directory = directory
         self.rng = random.Random()
         self.health = HealthCache()
+        self._confirming: dict[str, asyncio.Future[SandboxInfo | None]] = {}
+        """Creates answered but not yet recorded (id -> the commit): lookups by id wait for them."""
+        self._background: set[asyncio.Task[Any]] = set()
 
     # -------------------------------------------------------------- info ----
 
@@ -451,6 +454,8 @@ class Sandboxes:
         row = s.get(SandboxRow, key, with_for_update=True)
         if row is None:
             return None
+        if row.id == got.id and row.state in USABLE:  # the watcher adopted it first: same sandbox
+            return self.info(row, who.project, token=True)
         if row.state != S.CREATING.value:  # deleted meanwhile: keep the id so the stop can finish
             row.id = got.id
             return None
@@ -561,14 +566,72 @@ class Sandboxes:
                 await asyncio.shield(self.store.write_grouped(partial(self._release_txn, key=r.key)))
 
     async def _commit(self, who: Principal, r: Reserved, got: SandboxInfo) -> SandboxInfo:
+        """Answer at once and record the id after (group-committed off the reply path).
+
+        The reservation row already holds the quota, the edge's room and the request_id, so
+        nothing can be double-booked meanwhile; lookups by id in this replica wait for the
+        record (:meth:`settled`). If the replica dies before recording, the watcher's reconcile
+        adopts the edge's sandbox into the reservation (``adopt_unconfirmed``) instead of
+        reaping it as an orphan.
+        """
         if not got.id.startswith(f"{r.edge_id}-"):
             log.warning("edge %s returned id %s without its prefix: routing needs <edge>-<hex>", r.edge_id, got.id)
+        if got.state not in (S.RUNNING, S.CREATING):  # failed on the edge: the careful path, on the reply path
+            return await self._commit_now(who, r, got)
+        tok, exp = auth.mint(self.key, sandbox_id=got.id, project=who.project, ttl_s=self.config.sandbox_token_ttl_s)
+        created = got.created_at or r.created_at
+        info = SandboxInfo(
+            id=got.id, state=got.state, edge_id=r.edge_id, edge_url=got.edge_url or r.edge_url, token=tok,
+            token_expires_at=exp, labels=dict(r.labels), task=r.task, project=who.project, created_at=created,
+            expires_at=got.expires_at if got.expires_at is not None else r.expires_at, reason=got.reason,
+            from_pool=got.from_pool, image=got.image, resources=got.resources,
+        )
+        fut: asyncio.Future[SandboxInfo | None] = asyncio.ensure_future(
+            self.store.write_grouped(partial(self._commit_fast_txn, r=r, got=got, who=who))
+        )
+        self._confirming[got.id] = fut
+
+        def recorded(f: asyncio.Future[SandboxInfo | None]) -> None:
+            self._confirming.pop(got.id, None)
+            if f.cancelled():
+                return
+            exc = f.exception()
+            if exc is not None:
+                log.error("recording sandbox %s failed (the watcher adopts it): %s", got.id, exc)
+            elif f.result() is None:  # deleted while it was being created: finish the job
+                self._spawn(self._cleanup_deleted(r, got.id))
+
+        fut.add_done_callback(recorded)
+        return info
+
+    async def _commit_now(self, who: Principal, r: Reserved, got: SandboxInfo) -> SandboxInfo:
         info = await self.store.write_grouped(partial(self._commit_fast_txn, r=r, got=got, who=who))
         if info is None:  # deleted while we were creating it
-            await self._edge_delete_quietly(r.edge_id, r.edge_url, got.id)
-            await self.store.write(partial(self._finish_stopped_txn, sandbox_id=got.id))
+            await self._cleanup_deleted(r, got.id)
             raise SandboxFailed("the sandbox was deleted while it was being created", sandbox_id=got.id)
         return info
+
+    async def _cleanup_deleted(self, r: Reserved, sandbox_id: str) -> None:
+        await self._edge_delete_quietly(r.edge_id, r.edge_url, sandbox_id)
+        await self.store.write(partial(self._finish_stopped_txn, sandbox_id=sandbox_id))
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def settled(self, sandbox_id: str | None = None) -> None:
+        """Wait until creates this replica answered are recorded (one id, or all of them)."""
+        futs = list(self._confirming.values()) if sandbox_id is None else \
+            [f for f in (self._confirming.get(sandbox_id),) if f is not None]
+        if futs:
+            await asyncio.wait([asyncio.shield(f) for f in futs])
+
+    async def drain(self) -> None:
+        """At shutdown: let pending records and clean-ups finish."""
+        await self.settled()
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=10)
 
     async def _edge_delete_quietly(self, edge_id: str, url: str, sandbox_id: str) -> bool:
         try:
@@ -615,6 +678,7 @@ class Sandboxes:
         return row, proj.name if proj else ""
 
     async def get(self, who: Principal, sandbox_id: str) -> SandboxInfo:
+        await self.settled(sandbox_id)
         row, project = await self.store.read(lambda s: self._visible_row(s, who, sandbox_id))
         url = await self._fresh_url(sandbox_id, row.edge_url)
         return self.info(row, project, token=True, url=url)
@@ -622,6 +686,8 @@ class Sandboxes:
     async def list(
         self, who: Principal, *, task: str | None, states: Sequence[str], labels: dict[str, str | None], limit: int
     ) -> list[SandboxInfo]:
+        await self.settled()  # read your writes: creates answered here are listed
+
         def txn(s: Session) -> list[tuple[SandboxRow, str]]:
             q = (
                 sa.select(SandboxRow, Project.name)
@@ -658,6 +724,7 @@ class Sandboxes:
         return row.edge_id or edge_of(sandbox_id), row.edge_url
 
     async def delete(self, who: Principal, sandbox_id: str) -> None:
+        await self.settled(sandbox_id)
         target = await self.store.write(lambda s: self._stop_txn(s, who, sandbox_id))
         if target is None:
             return
@@ -671,6 +738,7 @@ class Sandboxes:
     ) -> int:
         if task is None and not labels and not states and not everything:
             raise InvalidSpec("give a task, labels or a state to delete by (or all=true)", field="task")
+        await self.settled()
 
         def txn(s: Session) -> list[tuple[str, str, str]]:
             q = sa.select(SandboxRow).where(

@@ -117,6 +117,8 @@ class Control:
             self._watch_task = asyncio.create_task(self.watcher.run(), name="dsec-control-watcher")
 
     async def stop(self) -> None:
+        if getattr(self, "sandboxes", None) is not None:
+            await self.sandboxes.drain()  # creates answered but not yet recorded
         if self._watch_task is not None:
             self._watch_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

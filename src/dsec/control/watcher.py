@@ -222,18 +222,34 @@ class Watcher:
             stopped.update(
                 s.execute(sa.select(SandboxRow.id).where(SandboxRow.id.in_(unknown[i : i + 500]))).scalars()  # type: ignore[arg-type]
             )
+        pending = self._unconfirmed(s, edge_id) if unknown else []
         for sid in unknown:
             sb = on_edge[sid]
             if sb.state == S.STOPPED:
                 continue
             if sid in stopped:  # the store says stopped or lost, the edge still has it
                 doomed.append(sid)
+            elif sb.created_at < now - self.config.orphan_grace_s and adopt_unconfirmed(pending, sb, ledger):
+                log.warning("edge %s: adopted %s into its create's reservation (the answer was never recorded)",
+                            edge_id, sid)
             elif self.config.reap_orphans and sb.project is not None and sb.created_at < now - self.config.orphan_grace_s:
                 # a project's sandbox nobody knows: a create whose answer was lost
                 log.warning("edge %s holds orphan %s (project %s): deleting it", edge_id, sid, sb.project)
                 doomed.append(sid)
+        ledger.flush(s)
         _recount_edge(s, edge_id)
         return doomed
+
+    @staticmethod
+    def _unconfirmed(s: Session, edge_id: str) -> list[tuple[SandboxRow, str]]:
+        """Reservations on this edge whose create never recorded an id, with their project names."""
+        return [
+            (row, name) for row, name in s.execute(
+                sa.select(SandboxRow, Project.name).join(Project, Project.id == SandboxRow.project_id)
+                .where(SandboxRow.edge_id == edge_id, SandboxRow.id.is_(None), SandboxRow.state == S.CREATING.value)
+                .order_by(SandboxRow.created_at).with_for_update(of=SandboxRow)
+            )
+        ]
 
     # --------------------------------------------------------- housekeeping ----
 
@@ -275,6 +291,30 @@ class Watcher:
                     SandboxRow.state == S.STOPPED.value, SandboxRow.updated_at < now - self.config.retention_s
                 )
             )
+
+
+def adopt_unconfirmed(pending: list[tuple[SandboxRow, str]], sb: SandboxInfo, ledger: Ledger) -> bool:
+    """A sandbox the edge holds that no row names, older than the orphan grace: if a reservation
+    on that edge asked for exactly it (project, task, labels, resources, made after the
+    reservation), it is that create's sandbox whose answer was never recorded (the replica
+    died after answering): record it instead of reaping it. Identical reservations are
+    interchangeable, so the first match is as good as any."""
+    for i, (row, project) in enumerate(pending):
+        if project != sb.project or row.task_name != sb.task or dict(row.labels or {}) != dict(sb.labels):
+            continue
+        if sb.resources is not None and (sb.resources.memory != row.memory or sb.resources.disk != row.disk):
+            continue
+        if sb.created_at < row.created_at - 5.0:
+            continue
+        row.id = sb.id
+        row.edge_url = sb.edge_url or row.edge_url
+        row.created_at = sb.created_at
+        row.expires_at = sb.expires_at if sb.expires_at is not None else row.expires_at
+        if sb.state in (S.RUNNING, S.PAUSED, S.FAILED):
+            move(row, sb.state, ledger)
+        del pending[i]
+        return True
+    return False
 
 
 # ---------------------------------------------------------------- recount ----
