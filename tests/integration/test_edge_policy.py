@@ -309,6 +309,17 @@ def test_limit_hits_reach_events_and_metrics(api: httpx.Client) -> None:
     finally:
         api.delete(f"/v1/sandboxes/{sid}")
 
+    # a background process killed by the OOM killer after its exec returned: the audit pass sees it
+    small = create(api, {**SPEC, "resources": {**RES, "memory": 32 << 20}})
+    try:
+        oom0 = metric(api, 'dsec_edge_limit_events_total{kind="oom"}')
+        assert sh(api, small["id"], "(sleep 0.3; tail /dev/zero) >/dev/null 2>&1 &")["exit_code"] == 0
+        assert not events(api, small["id"], "oom")
+        assert wait_until(lambda: bool(events(api, small["id"], "oom")), timeout=20)
+        assert metric(api, 'dsec_edge_limit_events_total{kind="oom"}') > oom0
+    finally:
+        api.delete(f"/v1/sandboxes/{small['id']}")
+
 
 def test_stage_switch_through_http(edge: EdgeThread, api: httpx.Client) -> None:
     if not runtime_has(edge, "set_stage"):
