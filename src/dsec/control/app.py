@@ -244,10 +244,12 @@ def create_app(config: ControlConfig, *, control: Control | None = None) -> Fast
 
     # --------------------------------------------------------- sandboxes ----
 
-    @app.post("/v1/sandboxes", status_code=201, tags=["sandboxes"])
-    async def create_sandbox(ctl: Ctl, who: Who, body: CreateBody) -> SandboxInfo:
+    @app.post("/v1/sandboxes", status_code=201, response_model=SandboxInfo, tags=["sandboxes"])
+    async def create_sandbox(ctl: Ctl, who: Who, body: CreateBody) -> Response:
         _check_create(body)
-        return await ctl.sandboxes.create(who, body)
+        info = await ctl.sandboxes.create(who, body)
+        # serialized here: FastAPI would validate the answer against its model once more
+        return Response(info.model_dump_json(), status_code=201, media_type="application/json")
 
     @app.post("/v1/sandboxes/batch", tags=["sandboxes"])
     async def create_batch(ctl: Ctl, who: Who, body: BatchBody) -> BatchResult:

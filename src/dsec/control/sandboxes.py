@@ -201,8 +201,9 @@ def forget(s: Session, row: SandboxRow, ledger: Ledger) -> None:
     s.delete(row)
 
 
-def request_hash(req: CreateSandbox) -> str:
-    body = req.model_dump(mode="json", exclude={"request_id"})
+def request_hash(req: CreateSandbox, dumped: dict[str, Any] | None = None) -> str:
+    body = dict(dumped) if dumped is not None else req.model_dump(mode="json")
+    body.pop("request_id", None)
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
@@ -318,7 +319,8 @@ class Sandboxes:
         )
 
     def _reserve_txn(
-        self, s: Session, who: Principal, req: CreateSandbox, rhash: str, demand: Demand
+        self, s: Session, who: Principal, req: CreateSandbox, rhash: str, demand: Demand,
+        dumped: dict[str, Any] | None = None,
     ) -> Reserved | Answered | InFlight:
         """Check quotas, choose an edge and charge everything, in one transaction (the hot path).
 
@@ -366,7 +368,7 @@ class Sandboxes:
         key = uuid.uuid4().hex
         labels = {**req.spec.labels, **req.labels}
         expires = now + req.lifecycle.ttl_s
-        spec = req.spec.model_dump(mode="json")
+        spec = dict(dumped["spec"]) if dumped is not None else req.spec.model_dump(mode="json")
         inherit = inherited_stages(t.stages if t is not None else None, req)
         if inherit is not None:
             spec.update(inherit)
@@ -374,7 +376,8 @@ class Sandboxes:
             "key": key, "id": None, "edge_id": chosen.id, "edge_url": urls[chosen.id],
             "project_id": who.project_id, "task_id": t.id if t is not None else None, "task_name": req.task,
             "labels": labels, "state": S.CREATING.value, "spec": spec,
-            "lifecycle": req.lifecycle.model_dump(mode="json"), "cpu_m": demand.need.cpu_m,
+            "lifecycle": dumped["lifecycle"] if dumped is not None else req.lifecycle.model_dump(mode="json"),
+            "cpu_m": demand.need.cpu_m,
             "memory": demand.need.memory, "disk": demand.need.disk, "created_at": now, "updated_at": now,
             "expires_at": expires, "request_id": req.request_id, "request_hash": rhash, "reason": "",
         })
@@ -475,18 +478,20 @@ class Sandboxes:
         if req.task is not None:
             check_name(req.task, "task")
         demand = self._demand(req)
-        rhash = request_hash(req)
+        dumped = req.model_dump(mode="json")  # once: the hash, the row and the edge's body share it
+        rhash = request_hash(req, dumped)
         deadline = time.monotonic() + self._create_budget()
         while True:
             r = await self.store.write_grouped(
-                partial(self._reserve_txn, who=who, req=req, rhash=rhash, demand=demand), checks_first=True
+                partial(self._reserve_txn, who=who, req=req, rhash=rhash, demand=demand, dumped=dumped),
+                checks_first=True,
             )
             if isinstance(r, Answered):
                 return r.info
             if isinstance(r, Reserved):
                 break
             await self._wait_in_flight(who, req, deadline)
-        return await self._launch(who, req, r, demand)
+        return await self._launch(who, req, r, demand, dumped)
 
     def _create_budget(self) -> float:
         return self.config.edge_timeout_s * self.config.placement.max_attempts + 5.0
@@ -512,11 +517,15 @@ class Sandboxes:
             reason="in_flight",
         )
 
-    async def _launch(self, who: Principal, req: CreateSandbox, r: Reserved, demand: Demand) -> SandboxInfo:
+    async def _launch(
+        self, who: Principal, req: CreateSandbox, r: Reserved, demand: Demand, dumped: dict[str, Any] | None = None
+    ) -> SandboxInfo:
         tried: set[str] = set()
         transient = False  # some edge refused or did not answer: a later retry may succeed
         last: DsecError | None = None
-        body = req.model_dump(mode="json", exclude={"edge_selector", "request_id"})
+        body = dict(dumped) if dumped is not None else req.model_dump(mode="json")
+        body.pop("edge_selector", None)
+        body["spec"] = dict(body["spec"])
         body["request_id"] = r.key  # idempotent on the edge too: a retried call makes no second sandbox
         body["project"] = who.project
         if r.stages is not None:
