@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 from dsec.bench.abuse_helper import HELPER_PATH
 from dsec.bench.stats import percentile
 from dsec.errors import DsecError, ExecTimeout, FileAccessError
-from dsec.spec import ImageRef, Resources, SandboxSpec
+from dsec.spec import FileRules, ImageRef, Resources, SandboxSpec, Stage
 from dsec.spec.results import ExecResult
 
 if TYPE_CHECKING:
@@ -407,6 +407,9 @@ class Case:
     needs_helper: bool = True
     needs_edge: bool = False
     needs_network: bool = False
+    needs_stages: bool = False
+    spec_update: dict[str, Any] = field(default_factory=dict)
+    """Applied to the attacked sandbox's spec (e.g. its stages)."""
     known_bug: str | None = None
     """Set while the case is known to get through (a tracked bug): tests mark it xfail(strict)."""
 
@@ -1120,6 +1123,72 @@ async def _files_special(a: Attack) -> None:
     a.check("host process grew by < 256 MiB", grown < 256 * MiB, f"{grown >> 20} MiB")
 
 
+# -- stages: file rules that bind root ----------------------------------------
+
+_STAGES = {"setup": Stage(),
+           "rollout": Stage(files=FileRules(hidden=("/tests",), read_only=("/workspace",)))}
+_TEST_SECRET = "expected-answer-42"
+
+
+@case("stage_escape", attack="in a stage with /tests hidden and /workspace read-only, as root: read, list, hard-link "
+                             "(also links made before the switch, whose file gets the answer after it), symlink, rename, "
+                             "chmod, copy /tests; write, "
+                             "delete, rename /workspace files; keep a /tests fd open across the switch",
+      asserts="the hidden file's content never comes out; /workspace unchanged; the fd holder did not survive the switch",
+      defence="Landlock rules on every exec'd process (root cannot lift them); set_stage kills every process but the "
+              "init; hard links split by access class", needs_helper=False, needs_stages=True,
+      spec_update={"stages": _STAGES, "stage": "setup"})
+async def _stage_escape(a: Attack) -> None:
+    fs = a.rt.files(a.sid)
+    # What the agent can read in "setup" is its own; the answer arrives after the switch
+    # (written whole, and appended to the placeholder's inode), so every way in is a real escape.
+    fs.write("/tests/answer.txt", b"placeholder\n", make_parents=True)
+    fs.write("/tests/appended.txt", b"placeholder\n")
+    fs.write("/workspace/solution.py", b"print('original')\n", make_parents=True)
+    await a.run("ln /tests/answer.txt /tmp/early-link; ln /tests/appended.txt /tmp/early-link2; "
+                "ln -s /tests/appended.txt /tmp/early-sym; "
+                "sleep 4714.5 < /tests/appended.txt >/dev/null 2>&1 &")
+    await a.rt.set_stage(a.sid, "rollout")
+    fs.write("/tests/answer.txt", f"{_TEST_SECRET}\n".encode())
+    fs.append("/tests/appended.txt", f"{_TEST_SECRET}\n".encode())
+    holders = [p for p in a.rt.cgroups.pids(a.sid) if b"4714.5" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    a.check("the process holding /tests open did not survive the switch", not holders, holders)
+    r = await a.run(
+        "cat /tests/answer.txt /tests/appended.txt; cat /tmp/early-link /tmp/early-link2 /tmp/early-sym; "
+        "ln /tests/answer.txt /tmp/late-link; "
+        "cat /tmp/late-link; ln -s /tests/answer.txt /tmp/sym; cat /tmp/sym; cat /proc/self/root/tests/answer.txt; "
+        "mv /tests /tmp/moved; cat /tmp/moved/answer.txt; chmod 777 /tests /tests/answer.txt; "
+        "cp /tests/answer.txt /tmp/copy; cat /tmp/copy; cd /tests && cat answer.txt; "
+        "for f in /proc/[0-9]*/fd/*; do cat $f 2>/dev/null | grep -a expected; done; true", timeout=30)
+    a.check("the hidden file never read", _TEST_SECRET not in r.stdout_text, r.stdout_text[:500])
+    r = await a.run("echo hacked > /workspace/solution.py; rm -f /workspace/solution.py; "
+                    "mv /workspace/solution.py /tmp/; touch /workspace/new; true")
+    a.check("/workspace file unchanged", fs.read("/workspace/solution.py") == b"print('original')\n")
+    a.check("no new /workspace file", not fs.exists("/workspace/new"))
+    await a.rt.set_stage(a.sid, "setup")
+    r = await a.run("cat /tests/answer.txt")
+    a.check("back in setup the answer is readable (the rules were what stopped it)", _TEST_SECRET in r.stdout_text, r)
+
+
+@case("pristine_eval", attack="replace /bin/sh (and /bin/busybox's neighbours) with a script that prints "
+                              "'ALL TESTS PASSED', then let the evaluator run its command",
+      asserts="an evaluation with pristine=['/bin'] runs the image's real shell, not the agent's",
+      defence="exec(pristine=...): read-only copies of chosen paths from the image layers for that command",
+      needs_helper=False, needs_stages=True,
+      known_bug="exec(pristine=[...]) fails with EINVAL ('clone image /bin') when the sandbox's image is a single "
+                "base layer (it works with base + workspace, as tests/integration/test_stages.py uses): the "
+                "evaluation cannot run at all (stages code, not the abuse suite's)")
+async def _pristine(a: Attack) -> None:
+    await a.run("rm -f /bin/sh /bin/cat && printf '#!/bin/busybox ash\necho ALL TESTS PASSED\nexit 0\n' > /bin/sh && "
+                "chmod 755 /bin/sh && cp /bin/sh /bin/cat")
+    r = await a.run("echo real-evaluation; exit 3")
+    a.check("the agent's /bin/sh is what a plain exec gets (the attack is real)", "ALL TESTS PASSED" in r.stdout_text, r)
+    r2 = await a.rt.exec(a.sid, "echo real-evaluation; exit 3", pristine=["/bin"], timeout=30)
+    a.check("pristine /bin runs the image's shell", r2.stdout_text.strip() == "real-evaluation" and r2.exit_code == 3, r2)
+    r3 = await a.rt.exec(a.sid, ["cat", "/etc/hostname"], pristine=["/bin"], timeout=30)
+    a.check("pristine /bin/cat is the image's", "ALL TESTS PASSED" not in r3.stdout_text, r3)
+
+
 # -- the platform's own secrets and the edge ----------------------------------
 
 
@@ -1349,9 +1418,14 @@ async def run_case(lab: Lab, c: Case, *, load: NeighbourLoad | None = None, time
     if c.needs_network and not network_supported(lab.rt):
         out.skipped = "network policies are not in the runtime yet"
         return out
+    if c.needs_stages and not callable(getattr(lab.rt, "set_stage", None)):
+        out.skipped = "stages are not in the runtime yet"
+        return out
     before = HostState.take()
     t0 = time.perf_counter()
     spec = lab.spec(**c.resources)
+    if c.spec_update:
+        spec = spec.model_copy(update=c.spec_update)
     if c.needs_network:
         from dsec.spec import NetRule, NetworkPolicy
 
