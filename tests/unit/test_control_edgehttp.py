@@ -119,3 +119,39 @@ async def test_failures_say_whether_the_request_may_have_happened() -> None:
             await h.request("GET", "/v1/health", headers={})
     with pytest.raises(ValueError):
         EdgeHTTP("https://edge:1", size=1, timeout=1, connect_timeout=1)
+
+
+async def test_requests_that_are_not_safe_to_repeat_never_meet_a_reused_connection() -> None:
+    """A server that answers once per connection and then closes without a word: an idempotent
+    request on the dead kept-alive connection is retried on a fresh one; a non-idempotent one
+    (fork, snapshot) went on a fresh connection in the first place, so it is sent exactly once."""
+    requests: list[bytes] = []
+    conns = 0
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        nonlocal conns
+        conns += 1
+        try:
+            requests.append(await _read_request(r))
+            w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")  # says keep-alive, then hangs up
+            await w.drain()
+            await r.read(1)  # the next request on this connection is read and dropped
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        w.close()
+
+    server, url = await serve(handler)
+    async with server:
+        h = EdgeHTTP(url, size=4, timeout=5, connect_timeout=1)
+        assert (await h.request("GET", "/a", headers={})).status_code == 200
+        await asyncio.sleep(0.05)
+        assert (await h.request("GET", "/b", headers={})).status_code == 200  # stale reuse, retried
+        assert (await h.request("POST", "/fork", headers={}, body=b"{}", retry_stale=False)).status_code == 200
+        assert [q.split(b" ")[1] for q in requests] == [b"/a", b"/b", b"/fork"]
+        assert conns == 3 and h.reused == 1 and h.stale_retries == 1  # /b: reused, dropped, resent fresh
+        # a connection idle longer than max_idle_s is not reused at all
+        h.max_idle_s = 0.0
+        before = h.reused
+        assert (await h.request("GET", "/c", headers={})).status_code == 200
+        assert h.reused == before
+        await h.aclose()
