@@ -424,3 +424,14 @@ def test_set_stage_applies_the_stage_network_policy(h: RuntimeHarness) -> None:
         assert kinds.count("policy_changed") == 2 and kinds.count("stage_changed") == 2
     finally:
         h.destroy(rec.id)
+
+
+def test_pristine_with_a_single_image_layer(h: RuntimeHarness) -> None:
+    rec = h.create()  # busybox alone: one layer
+    try:
+        h.ok(rec.id, "rm /bin/sh && printf '#!/bin/busybox sh\\necho HACKED\\n' > /bin/sh && chmod 755 /bin/sh")
+        assert h.ok(rec.id, ["/bin/sh", "-c", "echo real"]).strip() == "HACKED"
+        r = h.run(h.rt.exec(rec.id, ["/bin/sh", "-c", "echo real; ls /etc/passwd"], pristine=["/bin", "/etc"]))
+        assert r.stdout.decode().split() == ["real", "/etc/passwd"], r
+    finally:
+        h.destroy(rec.id)

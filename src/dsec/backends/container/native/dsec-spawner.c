@@ -1004,12 +1004,24 @@ static int pristine_layers(char **lowers, int userns_fd, int rfd) {
             child_fail(rfd, "pristine", "idmap %s", lowers[n]);
     }
     if (n == 0) { errno = EINVAL; child_fail(rfd, "pristine", "no image layers"); }
-    if (n == 1) return t[0]; /* overlayfs wants two lowers without an upper: the layer is the image */
+    if (n == 1) {
+        /* overlayfs wants two lowers without an upper (and a clone of a clone is refused):
+         * an empty tmpfs below the one layer changes nothing. */
+        int e = (int)syscall(SYS_fsopen, "tmpfs", 1 /* FSOPEN_CLOEXEC */);
+        if (e < 0 || syscall(SYS_fsconfig, e, 1 /* SET_STRING */, "size", "4k", 0) < 0 ||
+            syscall(SYS_fsconfig, e, 6 /* CMD_CREATE */, NULL, NULL, 0) < 0)
+            child_fail(rfd, "pristine", "empty bottom layer");
+        t[1] = (int)syscall(SYS_fsmount, e, 1 /* FSMOUNT_CLOEXEC */, MOUNT_ATTR_RDONLY);
+        if (t[1] < 0) child_fail(rfd, "pristine", "mount empty bottom layer");
+        close(e);
+        lowers[1] = NULL;
+        n = 2;
+    }
     int fs = (int)syscall(SYS_fsopen, "overlay", 1 /* FSOPEN_CLOEXEC */);
     if (fs < 0) child_fail(rfd, "pristine", "fsopen overlay");
     for (int i = 0; i < n; i++) /* top first, like lowerdir= */
         if (syscall(SYS_fsconfig, fs, 5 /* SET_FD */, "lowerdir+", NULL, t[i]) < 0)
-            child_fail(rfd, "pristine", "overlay layer %s", lowers[i]);
+            child_fail(rfd, "pristine", "overlay layer %s", lowers[i] ? lowers[i] : "(empty)");
     static const char *flags[] = {"redirect_dir=off", "metacopy=off", "xino=off", NULL};
     for (int i = 0; flags[i]; i++) {
         const char *eq = strchr(flags[i], '=');
