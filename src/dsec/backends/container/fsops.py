@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import BinaryIO
 
 from dsec.errors import FileAccessError, InvalidSpec
+from dsec.spec import FileRules
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _SYS_OPENAT2 = 437
@@ -89,10 +90,55 @@ def _norm(path: str) -> str:
 class SandboxFiles:
     """File operations inside one sandbox. Blocking syscalls on local filesystems."""
 
-    def __init__(self, root_dir: str, uid_base: int, sandbox_id: str) -> None:
+    def __init__(self, root_dir: str, uid_base: int, sandbox_id: str, *, rules: FileRules | None = None) -> None:
+        """``rules``: the file rules of the sandbox's current stage, applied to this API as
+        Landlock applies them to processes (docs/SECURITY.md, "Stages and Landlock"):
+        hidden paths cannot be read, listed, written or linked; read-only ones not changed.
+        Paths are judged where they *resolve* to, so a symlink planted by the agent does
+        not lead around a rule."""
         self._root_dir = root_dir
         self._uid_base = uid_base
         self.sandbox_id = sandbox_id
+        self._rules = None if rules is None or rules.unrestricted else rules
+        self._rule_list: list[tuple[str, str]] = []
+        if self._rules is not None:
+            r = self._rules
+            self._rule_list = sorted(
+                [(p, "hidden") for p in r.hidden] + [(p, "ro") for p in r.read_only] + [(p, "rw") for p in r.writable],
+                key=lambda pr: -len(pr[0]))
+
+    # -- stage rules --
+
+    def _access(self, canon: str) -> str:
+        """"rw", "ro" or "hidden" for a canonical sandbox path: the deepest rule wins."""
+        assert self._rules is not None
+        for rule, kind in self._rule_list:
+            if canon == rule or rule == "/" or canon.startswith(rule + "/"):
+                return kind
+        return self._rules.default
+
+    @staticmethod
+    def _canon(fd: int, name: str | None = None) -> str:
+        """Where an open fd is in the sandbox (the kernel resolved every symlink on the way)."""
+        where = os.readlink(f"/proc/self/fd/{fd}").removesuffix(" (deleted)")
+        return posixpath.normpath(posixpath.join(where, name)) if name else where
+
+    def _guard(self, fd: int, name: str | None, need: str, path: str, op: str, *, subtree: bool = False) -> None:
+        """Refuse ``op`` when the current stage's rules forbid it (``need``: "read" or "write";
+        ``subtree``: the op also touches everything below, e.g. a recursive remove)."""
+        if self._rules is None:
+            return
+        canon = self._canon(fd, name)
+        access = self._access(canon)
+        bad = access == "hidden" if need == "read" else access != "rw"
+        if not bad and subtree and need == "write":
+            bad = any(kind != "rw" and rule.startswith(canon.rstrip("/") + "/") for rule, kind in self._rule_list)
+        if bad:
+            what = "hidden" if access == "hidden" else "read-only"
+            raise FileAccessError(
+                f"{op} {path!r} in sandbox {self.sandbox_id}: {canon} is {what} in the current stage",
+                sandbox_id=self.sandbox_id, path=path, errno=errno.EACCES,
+            )
 
     # -- plumbing --
 
@@ -156,6 +202,11 @@ class SandboxFiles:
         finally:
             os.close(root)
         try:
+            self._guard(fd, None, "read", path, "read")
+        except FileAccessError:
+            os.close(fd)
+            raise
+        try:
             size = os.fstat(fd).st_size
             if size > max_bytes:
                 raise FileAccessError(
@@ -197,6 +248,7 @@ class SandboxFiles:
                 return self._info(root, ".", "/")
             parent, name = self._parent(root, rel, path)
             try:
+                self._guard(parent, name, "read", path, "stat")
                 return self._info(parent, name, "/" + rel)
             finally:
                 os.close(parent)
@@ -218,6 +270,7 @@ class SandboxFiles:
         try:
             d = openat2(root, rel or ".", os.O_RDONLY | os.O_DIRECTORY)
             try:
+                self._guard(d, None, "read", path, "list")
                 names = sorted(os.listdir(d))
                 return [self._info(d, n, "/" + posixpath.join(rel, n)) for n in names]
             finally:
@@ -241,6 +294,11 @@ class SandboxFiles:
             os.close(root)
             raise self._fail(exc, path, "write") from None
         os.close(root)
+        try:
+            self._guard(parent, name, "write", path, "write")
+        except FileAccessError:
+            os.close(parent)
+            raise
         tmp = f".{name}.dsec-{os.getpid()}-{os.urandom(4).hex()}"
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=parent)
@@ -266,6 +324,7 @@ class SandboxFiles:
         try:
             parent, name = self._parent(root, rel, path)
             try:
+                self._guard(parent, name, "write", path, "append")
                 fd = os.open(name, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
                              0o644, dir_fd=parent)
             finally:
@@ -300,6 +359,8 @@ class SandboxFiles:
             for sub in todo:
                 parent, name = self._parent(root, sub, path)
                 try:
+                    if not (parents and _is_dir_at(parent, name)):
+                        self._guard(parent, name, "write", path, "mkdir")
                     os.mkdir(name, mode, dir_fd=parent)
                     os.chown(name, *self._owner(user), dir_fd=parent, follow_symlinks=False)
                 except FileExistsError:
@@ -318,6 +379,7 @@ class SandboxFiles:
         try:
             parent, name = self._parent(root, rel, path)
             try:
+                self._guard(parent, name, "write", path, "remove", subtree=recursive)
                 st = os.stat(name, dir_fd=parent, follow_symlinks=False)
                 if stat_mod.S_ISDIR(st.st_mode):
                     if recursive:
@@ -354,6 +416,8 @@ class SandboxFiles:
             try:
                 pd, nd = self._parent(root, rd, dst)
                 try:
+                    self._guard(ps, ns, "write", src, "rename", subtree=True)
+                    self._guard(pd, nd, "write", dst, "rename", subtree=True)
                     os.rename(ns, nd, src_dir_fd=ps, dst_dir_fd=pd)
                 finally:
                     os.close(pd)
@@ -388,8 +452,13 @@ class SandboxFiles:
         os.close(root)
         total = 0
         try:
+            self._guard(top, None, "read", path, "download")
             with tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT) as tar:
                 for dirpath, dirnames, filenames, dfd in os.fwalk(".", dir_fd=top, follow_symlinks=False):
+                    if self._rules is not None:  # hidden entries are left out of the archive
+                        here = self._canon(dfd)
+                        dirnames[:] = [n for n in dirnames if self._access(posixpath.join(here, n)) != "hidden"]
+                        filenames = [n for n in filenames if self._access(posixpath.join(here, n)) != "hidden"]
                     dirnames.sort()
                     for name in sorted(dirnames + filenames):
                         arc = posixpath.normpath(posixpath.join(dirpath, name))
@@ -488,6 +557,7 @@ class SandboxFiles:
         try:
             parent, name = self._parent(root, rel, path)
             try:
+                self._guard(parent, name, "write", path, "symlink")
                 os.symlink(target, name, dir_fd=parent)
                 os.chown(name, *self._owner(user), dir_fd=parent, follow_symlinks=False)
             finally:
@@ -504,6 +574,9 @@ class SandboxFiles:
             ps, ns = self._parent(root, rs, existing)
             pd, nd = self._parent(root, rd, path)
             try:
+                # A link shares the inode: its source must be as writable as its new name.
+                self._guard(ps, ns, "write", existing, "link")
+                self._guard(pd, nd, "write", path, "link")
                 os.link(ns, nd, src_dir_fd=ps, dst_dir_fd=pd, follow_symlinks=False)
             finally:
                 os.close(ps)
@@ -512,6 +585,13 @@ class SandboxFiles:
             raise self._fail(exc, path, "link") from None
         finally:
             os.close(root)
+
+
+def _is_dir_at(dirfd: int, name: str) -> bool:
+    try:
+        return stat_mod.S_ISDIR(os.stat(name, dir_fd=dirfd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
 
 
 class _suppress:

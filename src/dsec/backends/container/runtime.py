@@ -1356,11 +1356,16 @@ class ContainerRuntime:
 
     # ----- files and sessions -----
 
-    def files(self, sandbox_id: str) -> SandboxFiles:
-        """Confined host-side file access (see :mod:`fsops`)."""
+    def files(self, sandbox_id: str, *, platform: bool = False) -> SandboxFiles:
+        """Confined host-side file access (see :mod:`fsops`). It obeys the current stage's
+        file rules like the sandbox's processes do (agents' file tools usually come through
+        here); ``platform=True`` is the platform's own access (fork identity, evaluation
+        set-up), confined to the sandbox root but not to the stage."""
         rec = self._running(sandbox_id)
         self.last_activity[sandbox_id] = time.monotonic()
-        return SandboxFiles(f"/proc/{rec.init_pid}/root", rec.uid_base, sandbox_id)
+        stage = rec.stage or rec.spec.stage
+        rules = rec.spec.stages[stage].files if stage is not None and stage in rec.spec.stages else None
+        return SandboxFiles(f"/proc/{rec.init_pid}/root", rec.uid_base, sandbox_id, rules=None if platform else rules)
 
     async def open_session(
         self, sandbox_id: str, *, env: Mapping[str, str] | None = None, cwd: str = "/", user: int | str = 0
@@ -1698,7 +1703,7 @@ class ContainerRuntime:
         if failure is None:
             try:
                 for child in children:
-                    await asyncio.to_thread(snapshots.fresh_identity, self.files(child.id))
+                    await asyncio.to_thread(snapshots.fresh_identity, self.files(child.id, platform=True))
                     self._event(child, "forked", parent=sandbox_id, layer=layer.digest)
             except Exception as exc:
                 failure = exc
@@ -1714,4 +1719,4 @@ class ContainerRuntime:
 
     def refresh_identity(self, sandbox_id: str) -> None:
         """Give a sandbox started from another's disk its own machine-id (fork does this)."""
-        snapshots.fresh_identity(self.files(sandbox_id))
+        snapshots.fresh_identity(self.files(sandbox_id, platform=True))
