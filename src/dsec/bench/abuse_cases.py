@@ -633,11 +633,14 @@ async def _port_scan(a: Attack) -> None:
     lst = _Listeners(addrs)
     try:
         ports = sorted({lst.port, 22, 80, 443, 7070, 7071, a.lab.edge.port if a.lab.edge else 7072})
-        targets = ["127.0.0.1:1-65535"] if not a.lab.quick else ["127.0.0.1:1-20000", f"127.0.0.1:{lst.port}"]
-        targets += ["::1:1-1024" if not a.lab.quick else "::1:1-200"]
+        targets = ["127.0.0.1:1-65535"] if not a.lab.quick else ["127.0.0.1:1-5000", f"127.0.0.1:{lst.port}"]
+        targets += ["::1:1-1024" if not a.lab.quick else "::1:1-200", f"::1:{lst.port}"]
         for addr in [*addrs, "169.254.169.254", "10.0.0.1", "172.17.0.1", "192.168.0.1"]:
             targets += [f"{addr}:{p}" for p in ports]
-        opened = await _scan(a, targets, timeout=120)
+        out = await a.helper(*[f"scan={t}" for t in targets], timeout=120)
+        opened = [ln for ln in out.lines if ln.startswith("open ")]
+        a.check("every scan ran", set(out.ops) == {f"scan={t}" for t in targets} and
+                all(v[0] >= 0 or v[1] == "EAFNOSUPPORT" for v in out.ops.values()), out.ops)
         await asyncio.sleep(0.2)
         a.check("no port answered", not opened, opened[:20])
         a.check("host listeners accepted no connection", lst.poll() == 0, lst.accepted)
@@ -1174,10 +1177,7 @@ async def _stage_escape(a: Attack) -> None:
                               "'ALL TESTS PASSED', then let the evaluator run its command",
       asserts="an evaluation with pristine=['/bin'] runs the image's real shell, not the agent's",
       defence="exec(pristine=...): read-only copies of chosen paths from the image layers for that command",
-      needs_helper=False, needs_stages=True,
-      known_bug="exec(pristine=[...]) fails with EINVAL ('clone image /bin') when the sandbox's image is a single "
-                "base layer (it works with base + workspace, as tests/integration/test_stages.py uses): the "
-                "evaluation cannot run at all (stages code, not the abuse suite's)")
+      needs_helper=False, needs_stages=True)
 async def _pristine(a: Attack) -> None:
     await a.run("rm -f /bin/sh /bin/cat && printf '#!/bin/busybox ash\necho ALL TESTS PASSED\nexit 0\n' > /bin/sh && "
                 "chmod 755 /bin/sh && cp /bin/sh /bin/cat")

@@ -68,8 +68,12 @@ static void *idle_thread(void *p) { (void)p; pause(); return NULL; }
 
 /* Scan "a.b.c.d:lo-hi" with non-blocking connects, 256 in flight; prints "open addr:port". */
 static long scan(const char *spec) {
+    /* "addr:lo-hi" where addr may be IPv6 (its own colons): the port part follows the last ':' */
     char host[64]; int lo = 0, hi = 0;
-    if (sscanf(spec, "%63[^:]:%d-%d", host, &lo, &hi) < 2) { errno = EINVAL; return -1; }
+    const char *colon = strrchr(spec, ':');
+    if (!colon || colon == spec || (size_t)(colon - spec) >= sizeof host) { errno = EINVAL; return -1; }
+    memcpy(host, spec, colon - spec); host[colon - spec] = 0;
+    if (sscanf(colon + 1, "%d-%d", &lo, &hi) < 1) { errno = EINVAL; return -1; }
     if (hi < lo) hi = lo;
     int v6 = strchr(host, '.') == NULL;
     long opened = 0;
