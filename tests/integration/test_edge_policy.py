@@ -112,12 +112,10 @@ def edge(dsec_base: Path, remote: str) -> Iterator[EdgeThread]:
     finally:
         e.stop()
         assert not leftovers(cfg), leftovers(cfg)
-        # namespaces die asynchronously in the kernel once their last fd is closed, veths with them
-        assert wait_until(lambda: not _sandbox_links(), timeout=15), _sandbox_links()
-
-
-def _sandbox_links() -> list[str]:
-    return re.findall(r"^\d+: (dsec-[^:@]+)", _ip("-o", "link", "show").stdout, re.M)
+        # Its network manager holds no namespace (they die with their last fd, veths with them).
+        # Host links are not checked by name: other runtimes on this machine use the same names.
+        net = e.service.runtime.net
+        assert not net.sandboxes and not net._pool, (net.sandboxes, net._pool)
 
 
 @pytest.fixture(scope="module")
