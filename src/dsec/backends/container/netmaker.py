@@ -28,6 +28,10 @@ from dsec.errors import HostError
 _MAX = 64 * 1024
 
 
+class SlotTaken(HostError):
+    """The link name or the address of a slot is held by someone else on this host."""
+
+
 def _send(sock: socket.socket, msg: dict[str, Any], fd: int | None = None) -> None:
     anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]).tobytes())] if fd is not None else []
     sock.sendmsg([json.dumps(msg).encode()], anc)
@@ -100,6 +104,8 @@ class NetMaker:
         if not reply.get("ok") or fd is None:
             if fd is not None:
                 os.close(fd)
+            if reply.get("taken"):
+                raise SlotTaken(str(reply.get("error")))
             raise HostError(str(reply.get("error") or "dsec-netmaker sent no namespace"))
         return fd
 
@@ -116,6 +122,9 @@ class NetMaker:
 def main(argv: list[str]) -> int:
     import ctypes
 
+    # This file runs as __main__ here: take SlotTaken from the package module, the one
+    # wire_netns raises.
+    from dsec.backends.container.netmaker import SlotTaken as Taken
     from dsec.backends.container.network import wire_netns
 
     libc = ctypes.CDLL(None, use_errno=True)
@@ -141,7 +150,7 @@ def main(argv: list[str]) -> int:
                 os.close(out)
         except Exception as exc:
             with contextlib.suppress(OSError):
-                _send(sock, {"ok": False, "error": str(exc)})
+                _send(sock, {"ok": False, "error": str(exc), "taken": isinstance(exc, Taken)})
         finally:
             if fd is not None:
                 os.close(fd)

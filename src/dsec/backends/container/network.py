@@ -12,7 +12,7 @@ Shape (docs/SECURITY.md, "Network"):
   it is one nftables transaction (atomic) followed by SOCK_DESTROY of established
   TCP connections the new policy forbids.
 - Some destinations are refused whatever the policy says (the ``never`` set inside
-  and the ``inet dsec_host`` table on the host): other sandboxes, the host itself
+  and the ``inet dsec_host_<tag>`` table on the host): other sandboxes, the host itself
   (which is where the edge and, in the all-in-one set-up, the control plane
   listen), link-local/metadata addresses, multicast, and configured ``blocked``
   ranges.
@@ -31,7 +31,9 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import errno
 import functools
+import hashlib
 import ipaddress
 import logging
 import os
@@ -46,16 +48,15 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from dsec.backends.container import netfilter
-from dsec.backends.container.netmaker import NetMaker
+from dsec.backends.container.netmaker import NetMaker, SlotTaken
 from dsec.errors import HostError, InvalidSpec
 from dsec.spec import NetRule, NetworkPolicy
 
 log = logging.getLogger("dsec.network")
 
 GATEWAY = "169.254.1.1"
-HOST_TABLE = "dsec_host"
-NAT_TABLE = "dsec_nat"
 LINK_PREFIX = "dsec-"
+"""Every sandbox link on the host starts with it; a runtime's own add a 4-hex tag of its name."""
 GC_AFTER = 32
 """Policy generations kept in a sandbox's table before the older ones are removed."""
 ALWAYS_BLOCKED: tuple[str, ...] = (
@@ -244,9 +245,18 @@ class NetState:
 class NetworkManager:
     """Network namespaces with veth and nftables for the sandboxes of one runtime."""
 
-    def __init__(self, config: NetworkConfig | None = None, *,
+    def __init__(self, config: NetworkConfig | None = None, *, runtime: str = "default",
                  resolver: Callable[[str], Sequence[str]] | None = None) -> None:
+        """``runtime`` names the owner: host objects carry a tag of it (links
+        ``dsec-<tag><slot>``, tables ``dsec_host_<tag>``/``dsec_nat_<tag>``), so several
+        runtimes (edges) on one host never touch each other's. Addresses and link names
+        are claimed from the kernel itself (a taken name or /32 route means "next slot"),
+        which makes them unique across runtimes sharing a subnet."""
         self.config = config or NetworkConfig()
+        self.tag = hashlib.sha256(runtime.encode()).hexdigest()[:4]
+        self.link_prefix = f"{LINK_PREFIX}{self.tag}"
+        self.host_table = f"dsec_host_{self.tag}"
+        self.nat_table = f"dsec_nat_{self.tag}"
         self._net = ipaddress.IPv4Network(self.config.subnet)
         self._resolver = resolver or _resolve_v4
         self._resolved: dict[str, _Resolved] = {}
@@ -270,6 +280,7 @@ class NetworkManager:
         self._policy_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="dsec-netpolicy")
         self._make_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dsec-netmake")
         self._maker: NetMaker | None = None
+        self._taken: list[int] = []
         self.open_netns: Callable[[str], int | None] | None = None
         """Gives a sandbox's netns fd (the runtime sets it): re-resolution re-applies through it."""
         self.started = False
@@ -294,29 +305,29 @@ class NetworkManager:
         self._host_addrs = tuple(sorted(_host_ipv4_addrs()))
         blocked = ", ".join(self.never)
         rules = f"""
-add table inet {HOST_TABLE}
-delete table inet {HOST_TABLE}
-table inet {HOST_TABLE} {{
+add table inet {self.host_table}
+delete table inet {self.host_table}
+table inet {self.host_table} {{
   comment "dsec: sandbox networks (docs/SECURITY.md)"
   set blocked4 {{ type ipv4_addr; flags interval; auto-merge; elements = {{ {blocked} }} }}
   chain input {{
     type filter hook input priority -10; policy accept;
-    iifname "{LINK_PREFIX}*" counter drop comment "sandbox to host"
+    iifname "{self.link_prefix}*" counter drop comment "sandbox to host"
   }}
   chain forward {{
     type filter hook forward priority -10; policy accept;
-    iifname "{LINK_PREFIX}*" oifname "{LINK_PREFIX}*" counter drop comment "sandbox to sandbox"
-    iifname "{LINK_PREFIX}*" ip saddr != {self.config.subnet} counter drop comment "spoofed source"
-    iifname "{LINK_PREFIX}*" ip daddr @blocked4 counter drop comment "never reachable"
-    iifname "{LINK_PREFIX}*" meta nfproto ipv6 counter drop comment "no IPv6 for sandboxes"
+    iifname "{self.link_prefix}*" oifname "{LINK_PREFIX}*" counter drop comment "sandbox to sandbox (any runtime)"
+    iifname "{self.link_prefix}*" ip saddr != {self.config.subnet} counter drop comment "spoofed source"
+    iifname "{self.link_prefix}*" ip daddr @blocked4 counter drop comment "never reachable"
+    iifname "{self.link_prefix}*" meta nfproto ipv6 counter drop comment "no IPv6 for sandboxes"
   }}
 }}
 """
         if self.config.egress_nat:
             rules += f"""
-add table ip {NAT_TABLE}
-delete table ip {NAT_TABLE}
-table ip {NAT_TABLE} {{
+add table ip {self.nat_table}
+delete table ip {self.nat_table}
+table ip {self.nat_table} {{
   chain postrouting {{
     type nat hook postrouting priority srcnat; policy accept;
     ip saddr {self.config.subnet} oifname != "{LINK_PREFIX}*" masquerade
@@ -369,7 +380,7 @@ table ip {NAT_TABLE} {{
 
     def remove_host_rules(self) -> None:
         """Delete the host tables (when the last networked runtime goes away)."""
-        for cmd in (f"delete table inet {HOST_TABLE}", f"delete table ip {NAT_TABLE}"):
+        for cmd in (f"delete table inet {self.host_table}", f"delete table ip {self.nat_table}"):
             with contextlib.suppress(netfilter.NftError):
                 netfilter.nft(cmd)
         self._host_ready = False
@@ -422,19 +433,34 @@ table ip {NAT_TABLE} {{
         it would hold the GIL against the event loop); in-process if that helper is gone."""
         if not self._host_ready:
             self._setup_host()
-        slot = self._claim_slot()
-        ip, ifname = self._slot_ip(slot), f"{LINK_PREFIX}{slot:05x}"
         never = ", ".join(self.never)
-        try:
-            if self._maker is not None and self._maker.alive:
-                fd = self._maker.make(slot, ip, ifname, never, into_fd)
-            else:
-                fd = wire_netns(ip, ifname, never, into_fd)
-        except BaseException:
-            self._release_slot(slot)
-            raise
-        self.made += 1
-        return Lease(fd, slot, ip, ifname)
+        for _attempt in range(256):
+            slot = self._claim_slot()
+            ip, ifname = self._slot_ip(slot), f"{self.link_prefix}{slot:05x}"
+            try:
+                if self._maker is not None and self._maker.alive:
+                    fd = self._maker.make(slot, ip, ifname, never, into_fd)
+                else:
+                    fd = wire_netns(ip, ifname, never, into_fd)
+            except SlotTaken:
+                # Another runtime holds this address, or our own dead namespace's link
+                # is not gone yet: keep the slot marked used and try the next one.
+                self._taken.append(slot)
+                continue
+            except BaseException:
+                self._release_slot(slot)
+                raise
+            self.made += 1
+            self._retry_taken()
+            return Lease(fd, slot, ip, ifname)
+        raise HostError(f"no free sandbox address in {self._net}: 256 slots in a row are taken on this host")
+
+    def _retry_taken(self) -> None:
+        """Slots found taken go back to the free list after a while (their holder may go)."""
+        if len(self._taken) > 64:
+            for slot in self._taken[:32]:
+                self._release_slot(slot)
+            del self._taken[:32]
 
     def _drop(self, lease: Lease) -> None:
         """Forget an unused lease: closing the fd destroys the namespace and its veth."""
@@ -692,18 +718,29 @@ def wire_netns(ip: str, ifname: str, never: str, into_fd: int | None = None) -> 
     /32 route back; IPv6 off; the baseline table (deny all but loopback). Returns the
     namespace fd. On failure nothing is left (the namespace and the link go)."""
     from pyroute2 import IPRoute  # the server extra; imported when first needed
+    from pyroute2.netlink.exceptions import NetlinkError
 
     fd = netfilter.new_netns() if into_fd is None else os.dup(into_fd)
     try:
         with IPRoute() as host:
-            for stale in host.link_lookup(ifname=ifname):  # a dead namespace's leftover
-                with contextlib.suppress(Exception):
-                    host.link("del", index=stale)
-            host.link("add", ifname=ifname, kind="veth", peer={"ifname": "eth0", "net_ns_fd": fd})
+            try:
+                host.link("add", ifname=ifname, kind="veth", peer={"ifname": "eth0", "net_ns_fd": fd})
+            except NetlinkError as exc:
+                if exc.code == errno.EEXIST:
+                    raise SlotTaken(f"link {ifname} exists") from None
+                raise
             idx = host.link_lookup(ifname=ifname)[0]
             host.link("set", index=idx, state="up")
+            try:
+                # "add", never "replace": the /32 route is how addresses stay unique
+                # across runtimes sharing a subnet on this host.
+                host.route("add", dst=f"{ip}/32", oif=idx)
+            except NetlinkError as exc:
+                host.link("del", index=idx)
+                if exc.code == errno.EEXIST:
+                    raise SlotTaken(f"address {ip} is routed elsewhere") from None
+                raise
             mac = host.get_links(idx)[0].get_attr("IFLA_ADDRESS")
-            host.route("replace", dst=f"{ip}/32", oif=idx)
 
         def inside() -> None:
             netfilter.write_sysctls([
@@ -724,9 +761,10 @@ def wire_netns(ip: str, ifname: str, never: str, into_fd: int | None = None) -> 
         netfilter.in_netns(fd, inside)
     except Exception as exc:
         os.close(fd)
-        with contextlib.suppress(Exception), IPRoute() as host:
-            for idx in host.link_lookup(ifname=ifname):
-                host.link("del", index=idx)
+        if not isinstance(exc, SlotTaken):
+            with contextlib.suppress(Exception), IPRoute() as host:
+                for idx in host.link_lookup(ifname=ifname):
+                    host.link("del", index=idx)
         if isinstance(exc, HostError):
             raise
         raise HostError(f"cannot prepare a sandbox network namespace: {exc}") from exc

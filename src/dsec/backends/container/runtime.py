@@ -321,7 +321,7 @@ class ContainerRuntime:
         self._spawning: dict[str, int] = {}
         self.landlock_abi = staging.landlock_abi()
         """The kernel's Landlock ABI (0: none; stages with file rules then fail to exec)."""
-        self.net = NetworkManager(network)
+        self.net = NetworkManager(network, runtime=name)
         """Sandbox networks (docs/SECURITY.md, "Network"); started at ``start()`` when
         ``network`` is given, else on the first sandbox that asks for a policy."""
         self._net_configured = network is not None
