@@ -230,6 +230,11 @@ def test_auth(edge: EdgeThread, api: httpx.Client) -> None:
             assert anon.get("/v1/sandboxes", headers=own).status_code == 403
             assert anon.get("/v1/health", headers=own).status_code == 403
             assert anon.get("/v1/health").status_code == 401
+            # nor snapshot or fork their own sandbox: those count against project quotas,
+            # which only the control plane (an edge-admin caller) checks
+            r = anon.post(f"/v1/sandboxes/{a}/fork", json={"n": 2}, headers=own)
+            assert r.status_code == 403 and err(r)["code"] == "forbidden"
+            assert anon.post(f"/v1/sandboxes/{a}/snapshot", json={}, headers=own).status_code == 403
             # its own token works; /metrics is open
             assert anon.post(url, json=body, headers=own).status_code == 200
             assert anon.get("/metrics").status_code == 200

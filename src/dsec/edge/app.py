@@ -355,11 +355,13 @@ def create_app(config: EdgeConfig, *, service: EdgeService | None = None) -> Fas
         return _json(await svc.resume_where(**_group_query(id, label, task)))
 
     @app.post("/v1/sandboxes/{sandbox_id}/snapshot", status_code=201, response_model=SnapshotInfo, tags=["snapshots"])
-    async def snapshot_sandbox(sandbox_id: str, _c: Owner, body: SnapshotRequest | None = None) -> Response:
+    async def snapshot_sandbox(sandbox_id: str, _c: Admin, body: SnapshotRequest | None = None) -> Response:
+        # Admin only: snapshots count against the project's storage quota and forks
+        # against its sandbox quota, which the control plane checks before asking here.
         return _json(await svc.snapshot(sandbox_id, body or SnapshotRequest()), 201)
 
     @app.post("/v1/sandboxes/{sandbox_id}/fork", status_code=201, response_model=list[SandboxInfo], tags=["snapshots"])
-    async def fork_sandbox(sandbox_id: str, body: ForkRequest, _c: Owner) -> Response:
+    async def fork_sandbox(sandbox_id: str, body: ForkRequest, _c: Admin) -> Response:
         return Response(_INFO_LIST.dump_json(await svc.fork(sandbox_id, body)), status_code=201, media_type=JSON)
 
     @app.get("/v1/snapshots", response_model=list[SnapshotInfo], tags=["snapshots"])
