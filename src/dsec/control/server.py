@@ -68,6 +68,9 @@ async def serve_control(config: ControlConfig) -> ControlHandle:
         uv = uvicorn.Config(
             app, host=config.host, port=config.port, log_level=config.log_level, access_log=False,
             lifespan="on", timeout_graceful_shutdown=5,
+            # longer than the SDK keeps an idle connection (sdk/_http.py KEEPALIVE_EXPIRY_S),
+            # so a client never writes to a connection the server is closing
+            timeout_keep_alive=30,
         )
         server = _Server(uv)
         task = asyncio.create_task(server.serve(), name="dsec-control-http")

@@ -59,6 +59,9 @@ def result_from_wire(w: ExecResultWire) -> ExecResult:
     )
 
 
+KEEPALIVE_EXPIRY_S = 20.0
+"""Below the edge's and control plane's keep-alive timeout (30 s, edge/server.py)."""
+
 _SSL: ssl.SSLContext | None = None
 
 
@@ -75,8 +78,11 @@ def make_http(base_url: str, *, timeout: float, transport: httpx.AsyncBaseTransp
     return httpx.AsyncClient(
         base_url=base_url,
         timeout=httpx.Timeout(timeout, connect=10.0),
+        # Idle connections are dropped well before the servers close them (uvicorn's
+        # timeout_keep_alive is 30 s): a request written to a connection the server is
+        # closing at that moment fails with ReadError, and an exec cannot be retried.
         limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections,
-                            keepalive_expiry=60.0),
+                            keepalive_expiry=KEEPALIVE_EXPIRY_S),
         transport=transport,
         verify=_ssl(),
     )
