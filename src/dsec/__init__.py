@@ -29,7 +29,16 @@ from dsec.sdk import (
     Sandbox,
     Session,
 )
-from dsec.spec import ImageRef, Resources, SandboxSpec, SandboxState
+from dsec.spec import (
+    FileRules,
+    ImageRef,
+    NetRule,
+    NetworkPolicy,
+    Resources,
+    SandboxSpec,
+    SandboxState,
+    Stage,
+)
 from dsec.spec.results import ExecResult
 
 __version__ = "0.1.0"
@@ -47,6 +56,7 @@ __all__ = [
     "ExecResult",
     "ExecTimeout",
     "FileAccessError",
+    "FileRules",
     "Forbidden",
     "HostError",
     "ImageError",
@@ -54,6 +64,8 @@ __all__ = [
     "InvalidSpec",
     "LayerInUse",
     "LayerNotFound",
+    "NetRule",
+    "NetworkPolicy",
     "OutputChunk",
     "QuotaExceeded",
     "Resources",
@@ -65,5 +77,6 @@ __all__ = [
     "SandboxStateError",
     "Session",
     "SessionClosed",
+    "Stage",
     "__version__",
 ]
