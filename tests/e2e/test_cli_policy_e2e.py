@@ -187,10 +187,14 @@ def test_stages_and_pristine(up: dict[str, str], tmp_path: Path) -> None:
         "setup": {"network": {"allow": ["web"]}},
         "evaluate": {"files": {"read_only": ["/workspace"]}},
     }))
-    r = dsec(up, "create", "busybox", "--stages-file", str(stages), "--stage", "setup")
+    r = dsec(up, "create", "busybox", "--stages-file", str(stages), "--stage", "setup", "--json")
     assert r.returncode == 0, r.stderr
-    sid = r.stdout.strip()
+    info = json.loads(r.stdout)
+    sid = info["id"]
     try:
+        # the control plane's answer carries what the edge enforces
+        assert info["stage"] == "setup" and sorted(info["stages"]) == ["evaluate", "setup"]
+        assert info["network"]["allow"] == ["web"]
         assert fetch(up, sid, 8080)
         assert dsec(up, "exec", sid, "--", "sh", "-c", "mkdir -p /workspace && echo v1 > /workspace/f").returncode == 0
         r = dsec(up, "stage", sid, "evaluate")

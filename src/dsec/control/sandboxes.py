@@ -450,7 +450,8 @@ class Sandboxes:
         return SandboxInfo(
             id=got.id, state=got.state, edge_id=r.edge_id, edge_url=url, token=tok, token_expires_at=exp,
             labels=dict(r.labels), task=r.task, project=who.project, created_at=created, expires_at=expires,
-            reason=got.reason,
+            reason=got.reason, from_pool=got.from_pool, image=got.image, resources=got.resources,
+            stage=got.stage, network=got.network, stages=list(got.stages),
         )
 
     def _commit_txn(self, s: Session, key: str, got: SandboxInfo, who: Principal) -> SandboxInfo | None:
@@ -594,6 +595,7 @@ class Sandboxes:
             token_expires_at=exp, labels=dict(r.labels), task=r.task, project=who.project, created_at=created,
             expires_at=got.expires_at if got.expires_at is not None else r.expires_at, reason=got.reason,
             from_pool=got.from_pool, image=got.image, resources=got.resources,
+            stage=got.stage, network=got.network, stages=list(got.stages),
         )
         fut: asyncio.Future[SandboxInfo | None] = asyncio.ensure_future(
             self.store.write_grouped(partial(self._commit_fast_txn, r=r, got=got, who=who))
