@@ -132,6 +132,12 @@ class Forbidden(DsecError, PermissionError):
     code = "forbidden"
 
 
+class PayloadTooLarge(DsecError, ValueError):
+    """A request body or header section over the server's limit (HTTP 413/431)."""
+
+    code = "too_large"
+
+
 class HostError(DsecError, RuntimeError):
     """The host lacks something DSec needs (a kernel feature, a binary, privilege)."""
 
@@ -159,6 +165,7 @@ ERRORS_BY_CODE: dict[str, type[DsecError]] = {
         Forbidden,
         NotFound,
         Conflict,
+        PayloadTooLarge,
         HostError,
     )
 }

@@ -1295,10 +1295,8 @@ async def _edge_malformed(a: Attack) -> None:
 @case("edge_header_flood", attack="requests to the real edge with an 8 MiB header and with 10,000 headers, "
                                   "before any authentication",
       asserts="refused (431/400 or the connection closed), never processed; the edge still serves",
-      defence="(missing) a header size/count limit in the edge's HTTP server", needs_helper=False, needs_edge=True,
-      known_bug="the edge's uvicorn runs the httptools parser, which has no header size or count limit: an "
-                "unauthenticated client makes the edge buffer and parse megabytes of headers per request "
-                "(edge/server.py; h11 with h11_max_incomplete_event_size, or a proxy in front, would bound it)")
+      defence="the servers' HTTP protocol counts each request head as it arrives: 431 and close past 64 KiB or "
+              "128 headers (dsec/httplimits.py)", needs_helper=False, needs_edge=True)
 async def _edge_headers(a: Attack) -> None:
     import httpx
 
@@ -1320,10 +1318,9 @@ async def _edge_headers(a: Attack) -> None:
 @case("edge_oversized_upload", attack="PUT a 512 MiB body to the files route of a 16 MiB sandbox (the whole body is "
                                       "buffered in the edge before the quota says no)",
       asserts="refused with 413 before the body is buffered: the edge process grows by < 64 MiB",
-      defence="(missing) a request body limit in the edge", needs_helper=False, needs_edge=True,
-      known_bug="the edge reads whole request bodies into memory (await request.body()) with no size limit: "
-                "N concurrent uploads cost N x body size of edge memory; needs a Content-Length / streaming cap "
-                "(edge/app.py, not the abuse suite's code)")
+      defence="file and tar bodies are read capped at the sandbox's disk quota (+1 MiB; tar: twice that): a "
+              "larger Content-Length is refused with 413 before reading, a streamed body at the cap "
+              "(dsec/httplimits.read_body)", needs_helper=False, needs_edge=True)
 async def _edge_upload(a: Attack) -> None:
     import httpx
 

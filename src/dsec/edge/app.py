@@ -38,6 +38,7 @@ from dsec.backends.container.fsops import FileInfo
 from dsec.edge.config import EdgeConfig
 from dsec.edge.service import EdgeService, error_body, result_to_wire
 from dsec.errors import AuthError, DsecError, Forbidden, InvalidSpec
+from dsec.httplimits import read_body
 from dsec.spec import NetworkPolicy
 from dsec.spec.api import (
     STATUS_BY_CODE,
@@ -62,6 +63,8 @@ from dsec.spec.api import (
 log = logging.getLogger("dsec.edge.app")
 T = TypeVar("T")
 
+MAX_BODY_BYTES = 1 << 30
+"""The largest file or tar body the edge reads (and never more than a sandbox's disk quota)."""
 JSON = "application/json"
 NDJSON = "application/x-ndjson"
 _INFO_LIST = TypeAdapter(list[SandboxInfo])
@@ -381,20 +384,29 @@ def create_app(config: EdgeConfig, *, service: EdgeService | None = None) -> Fas
         data = await svc.files(sandbox_id, lambda fs: fs.read(path))
         return Response(data, media_type="application/octet-stream")
 
+    def _body_limit(sandbox_id: str) -> int:
+        """No body bigger than the sandbox's disk quota is worth reading: it could not
+        be written. Unknown sandboxes get the edge-wide cap (the route then 404s)."""
+        try:
+            disk = int(svc.runtime.get(sandbox_id).spec.resources.disk)
+        except Exception:
+            return MAX_BODY_BYTES
+        return min(MAX_BODY_BYTES, disk + (1 << 20))
+
     @app.put("/v1/sandboxes/{sandbox_id}/files", status_code=204, tags=["files"])
     async def write_file(sandbox_id: str, path: FilePath, request: Request, _c: Owner,
                          mode: Mode = "644",
                          user: Uid = 0,
                          parents: bool = False) -> Response:
         perm = int(mode.replace("o", ""), 8)
-        data = await request.body()
+        data = await read_body(request, _body_limit(sandbox_id), what="file")
         await svc.files(sandbox_id, lambda fs: fs.write(path, data, mode=perm, user=user, make_parents=parents))
         return Response(status_code=204)
 
     @app.post("/v1/sandboxes/{sandbox_id}/files/append", status_code=204, tags=["files"])
     async def append_file(sandbox_id: str, path: FilePath, request: Request, _c: Owner,
                           user: Uid = 0) -> Response:
-        data = await request.body()
+        data = await read_body(request, _body_limit(sandbox_id), what="appended data")
         await svc.files(sandbox_id, lambda fs: fs.append(path, data, user=user))
         return Response(status_code=204)
 
@@ -428,7 +440,8 @@ def create_app(config: EdgeConfig, *, service: EdgeService | None = None) -> Fas
     @app.put("/v1/sandboxes/{sandbox_id}/files/tar", tags=["files"])
     async def upload_tar(sandbox_id: str, path: FilePath, request: Request, _c: Owner,
                          user: Uid = 0) -> Response:
-        data = await request.body()
+        # a tar is larger than what it unpacks to (headers, padding): twice the quota
+        data = await read_body(request, 2 * _body_limit(sandbox_id), what="tar upload")
         entries = await svc.files(sandbox_id, lambda fs: fs.upload(path, data, user=user))
         return JSONResponse({"entries": entries})
 

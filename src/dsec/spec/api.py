@@ -358,6 +358,7 @@ STATUS_BY_CODE: dict[str, int] = {
     "forbidden": 403,
     "image_error": 400,
     "host_error": 503,
+    "too_large": 413,
     "dsec_error": 500,
     # control plane: projects, tasks, tokens and edges (no SDK class yet: DsecError)
     "not_found": 404,

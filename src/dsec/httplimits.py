@@ -1,0 +1,97 @@
+"""Limits on what one HTTP request may make a DSec server hold in memory.
+
+uvicorn's httptools protocol accepts a header section of any size and any number
+of headers (an 8 MiB header or 10,000 headers were answered 200 by the edge
+before any authentication: the abuse suite's ``edge_header_flood``). The
+protocol below counts the bytes of each request's head as they arrive and
+answers ``431`` and closes the connection past :data:`MAX_HEAD_BYTES` or
+:data:`MAX_HEADERS`, before the parser has buffered more than that.
+
+Bodies are the routes' business: :func:`read_body` refuses a declared or
+streamed body over a limit with :class:`~dsec.errors.PayloadTooLarge` (413)
+without buffering more than the limit.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.requests import Request
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from dsec.errors import PayloadTooLarge
+
+MAX_HEAD_BYTES = 64 * 1024
+"""Request line plus headers (nginx's default large_client_header_buffers is 4 x 8 KiB)."""
+MAX_HEADERS = 128
+
+_431 = (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
+        b"connection: close\r\ncontent-length: %d\r\n\r\n%s")
+
+
+class LimitedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with a bounded request head (pass as ``http=``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._head_bytes = 0
+        self._in_head = True
+        self._n_headers = 0
+        self._refused = False
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        if self._in_head:
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD_BYTES:
+                self._refuse(f"request head over {MAX_HEAD_BYTES} bytes")
+                return
+        super().data_received(data)
+
+    def on_message_begin(self) -> None:
+        self._in_head = True
+        self._n_headers = 0
+        super().on_message_begin()
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._n_headers += 1
+        if self._n_headers > MAX_HEADERS:
+            self._refuse(f"more than {MAX_HEADERS} headers")
+            return
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        if self._refused:
+            return
+        self._in_head = False
+        self._head_bytes = 0
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        if self._refused:
+            return
+        super().on_message_complete()
+        self._in_head = True  # a pipelined next request starts its head now
+
+    def _refuse(self, why: str) -> None:
+        self._refused = True
+        body = (b'{"error": {"code": "too_large", "message": "%s"}}' % why.encode())
+        if not self.transport.is_closing():
+            self.transport.write(_431 % (len(body), body))
+            self.transport.close()
+
+
+async def read_body(request: Request, limit: int, *, what: str = "request body") -> bytes:
+    """The body, refused with PayloadTooLarge once it (declared or streamed) passes ``limit``."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"{what} of {int(declared)} bytes is over the {limit}-byte limit", limit=limit)
+    chunks: list[bytes] = []
+    total = 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > limit:
+            raise PayloadTooLarge(f"{what} is over the {limit}-byte limit", limit=limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
