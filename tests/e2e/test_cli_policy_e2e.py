@@ -119,8 +119,14 @@ ports = ["8080"]
                 assert proc.poll() is None, (data / "up.log").read_text()
                 assert time.monotonic() < deadline, "dsec up did not start"
                 time.sleep(0.2)
-            time.sleep(0.5)  # the edge registers
-            env.update(DSEC_URL=url, DSEC_TOKEN=(data / "control/admin.token").read_text().strip())
+            token = (data / "control/admin.token").read_text().strip()
+            while True:  # the edge registers with the control plane a moment after it is up
+                r = httpx.get(url + "/v1/edges", headers={"authorization": f"Bearer {token}"}, timeout=5)
+                if r.status_code == 200 and r.json():
+                    break
+                assert time.monotonic() < deadline, f"no edge registered: {r.status_code} {r.text[:300]}"
+                time.sleep(0.1)
+            env.update(DSEC_URL=url, DSEC_TOKEN=token)
             yield env
         finally:
             proc.send_signal(signal.SIGINT)
