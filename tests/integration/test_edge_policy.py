@@ -297,6 +297,8 @@ def test_limit_hits_reach_events_and_metrics(api: httpx.Client) -> None:
         assert metric(api, 'dsec_edge_limit_events_total{kind="disk_full"}') - disk0 == 1
         sh(api, sid, "rm /fill")
         r = api.put(f"/v1/sandboxes/{sid}/files", params={"path": "/big"}, content=b"x" * (12 << 20))
+        assert r.status_code == 413 and err(r)["code"] == "too_large", r.text  # over the quota: not even read
+        r = api.put(f"/v1/sandboxes/{sid}/files", params={"path": "/big"}, content=b"x" * ((8 << 20) + (1 << 19)))
         assert r.status_code == 400 and err(r)["code"] == "file_error", r.text
         full = events(api, sid, "disk_full")
         assert [f["source"] for f in full] == ["statvfs", "files_api"], full

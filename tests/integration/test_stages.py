@@ -122,7 +122,7 @@ def test_hidden_path_unreadable_even_by_root(h: RuntimeHarness, sb: Any) -> None
     assert r.exit_code != 0 and SECRET.encode() not in r.stdout
     # Documented: names in a hidden directory can still be listed (READ_DIR on "/").
     assert "expected" in h.ok(sb.id, "ls /tests")
-    assert h.rt.files(sb.id).read("/tests/expected") == (SECRET + "\n").encode()  # the host still can
+    assert h.rt.files(sb.id, platform=True).read("/tests/expected") == (SECRET + "\n").encode()  # the platform still can
 
 
 def test_hidden_path_through_a_symlink_planted_before_the_switch(h: RuntimeHarness, sb: Any) -> None:
@@ -142,7 +142,7 @@ def test_hard_link_made_before_the_switch_is_broken(h: RuntimeHarness, sb: Any) 
     # Writing through the other name no longer reaches the test runner...
     h.ok(sb.id, "printf '#!/bin/sh\\necho PASS\\n' > /workspace/runner")
     # ...and the trainer's later write of the answer does not show through the link.
-    h.rt.files(sb.id).write("/tests/expected", b"new-secret\n")
+    h.rt.files(sb.id, platform=True).write("/tests/expected", b"new-secret\n")
     assert b"new-secret" not in h.sh(sb.id, "cat /workspace/hl").stdout
     _stage(h, sb.id, "evaluate")
     assert h.ok(sb.id, "/tests/run.sh").strip() == "FAIL"

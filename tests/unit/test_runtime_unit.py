@@ -273,6 +273,7 @@ def test_public_surface_is_deliberate() -> None:
         "ExecResult",
         "ExecTimeout",
         "FileAccessError",
+        "FileRules",
         "Forbidden",
         "HostError",
         "ImageError",
@@ -280,6 +281,8 @@ def test_public_surface_is_deliberate() -> None:
         "InvalidSpec",
         "LayerInUse",
         "LayerNotFound",
+        "NetRule",
+        "NetworkPolicy",
         "OutputChunk",
         "QuotaExceeded",
         "Resources",
@@ -291,6 +294,7 @@ def test_public_surface_is_deliberate() -> None:
         "SandboxStateError",
         "Session",
         "SessionClosed",
+        "Stage",
         "__version__",
     ]
     for name in dsec.__all__:
