@@ -7,6 +7,7 @@ servers in it; the host routes between it and the sandboxes like a real router.
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import subprocess
 import sys
@@ -412,3 +413,36 @@ def test_two_runtimes_on_one_host_never_collide(nrt: RuntimeHarness, make_runtim
         assert _fetch(nrt, again.id, f"http://{remote}:8080/")[0] == 0
     finally:
         nrt.destroy(again.id)
+
+
+def test_destroyed_sandbox_namespace_is_recycled_clean(nrt: RuntimeHarness, remote: str) -> None:
+    net = nrt.rt.net
+    a = _create(nrt, allow=("remote-web",))
+    link = a.net["ifname"]
+    nrt.sh(a.id, f"nc -w 1 {remote} 22 </dev/null", timeout=10)  # a denied attempt, counted
+    nrt.run(nrt.rt.collect_denied())
+    recycled = net.recycled
+    nrt.destroy(a.id)
+    for _ in range(100):  # the reset runs in the background on the runtime's loop
+        if net.recycled > recycled:
+            break
+        nrt.run(asyncio.sleep(0.02))
+    assert net.recycled > recycled
+    # a later sandbox may get that very namespace: it must start from nothing
+    seen: list[Any] = []
+    try:
+        for _ in range(4):
+            b = _create(nrt, allow=("byname",))
+            seen.append(b)
+            if b.net["ifname"] == link:
+                break
+        b = next((x for x in seen if x.net["ifname"] == link), None)
+        assert b is not None, "the recycled namespace was not reused"
+        assert _fetch(nrt, b.id, f"http://{remote}:9090/")[0] == 0
+        assert _fetch(nrt, b.id, f"http://{remote}:8080/")[0] != 0  # the old policy is gone
+        nrt.run(nrt.rt.collect_denied())
+        info = nrt.rt.network_info(b.id)
+        assert info is not None and info["denied_packets"] == 1 and not any(":22/" in d for d in info["denied_recent"])
+    finally:
+        for x in seen:
+            nrt.destroy(x.id)

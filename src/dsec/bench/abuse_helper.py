@@ -66,6 +66,15 @@ static long child_clone(long flags) {
 
 static void *idle_thread(void *p) { (void)p; pause(); return NULL; }
 
+/* A TCP "self-connect": connecting to a loopback port that happens to be the
+ * ephemeral source port the kernel picked (simultaneous open) succeeds without any
+ * listener. Not an open port. */
+static int self_connect(int s) {
+    struct sockaddr_storage a, b; socklen_t la = sizeof a, lb = sizeof b;
+    if (getsockname(s, (struct sockaddr *)&a, &la) < 0 || getpeername(s, (struct sockaddr *)&b, &lb) < 0) return 0;
+    return la == lb && memcmp(&a, &b, la) == 0;
+}
+
 /* Scan "a.b.c.d:lo-hi" with non-blocking connects, 256 in flight; prints "open addr:port". */
 static long scan(const char *spec) {
     /* "addr:lo-hi" where addr may be IPv6 (its own colons): the port part follows the last ':' */
@@ -94,7 +103,7 @@ static long scan(const char *spec) {
                 inet_pton(AF_INET, host, &a.sin_addr);
                 rc = connect(s, (struct sockaddr *)&a, sizeof a);
             }
-            if (rc == 0) { printf("open %s:%d\n", host, next); opened++; close(s); }
+            if (rc == 0) { if (!self_connect(s)) { printf("open %s:%d\n", host, next); opened++; } close(s); }
             else if (errno == EINPROGRESS) { pf[n].fd = s; pf[n].events = POLLOUT; port_of[n] = next; n++; }
             else close(s);
             next++;
@@ -105,7 +114,7 @@ static long scan(const char *spec) {
             if (pf[i].revents) {
                 int err = 0; socklen_t l = sizeof err;
                 getsockopt(pf[i].fd, SOL_SOCKET, SO_ERROR, &err, &l);
-                if (err == 0) { printf("open %s:%d\n", host, port_of[i]); opened++; }
+                if (err == 0 && !self_connect(pf[i].fd)) { printf("open %s:%d\n", host, port_of[i]); opened++; }
                 close(pf[i].fd);
                 pf[i] = pf[n - 1]; port_of[i] = port_of[n - 1]; n--;
             } else i++;

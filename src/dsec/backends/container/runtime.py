@@ -586,6 +586,9 @@ class ContainerRuntime:
         """Kill, unmount (the mount namespace dies with its last process), remove cgroups,
         release layers, uid range and record. Safe to call on a half-made sandbox."""
         sid = rec.id
+        # A networked sandbox's namespace outlives it when we hold an fd: it is reset and
+        # goes back to the pool (no veth to make, no namespace teardown: both are slow).
+        keep_netns = self._netns_fd(rec, check=False) if rec.net is not None and rec.init_pid else None
         if rec.state is SandboxState.PAUSED or pausing.freezer_state(self.cgroups, sid) not in ("THAWED", ""):
             self.cgroups.kill_all(sid)  # frozen: kill, then thaw, or the init never exits
         if rec.init_pid:
@@ -600,6 +603,10 @@ class ContainerRuntime:
             await self._unuse_layer(d, sid)
         if rec.slot >= 0:
             self._release_slot(rec)
+        if keep_netns is not None and not self.cgroups.pids(sid):
+            self.net.recycle(sid, keep_netns)  # takes the fd
+        elif keep_netns is not None:
+            os.close(keep_netns)
         if rec.net is not None or sid in self.net.sandboxes:
             self.net.forget(sid)  # the namespace and its veth die with the last process
         if not left:
