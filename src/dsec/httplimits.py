@@ -95,3 +95,50 @@ async def read_body(request: Request, limit: int, *, what: str = "request body")
             raise PayloadTooLarge(f"{what} is over the {limit}-byte limit", limit=limit)
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+JSON_BODY_LIMIT = 16 << 20
+"""Largest body of a JSON route (specs, exec requests with stdin): 16 MiB."""
+
+
+class BodyLimit:
+    """ASGI middleware: bodies of routes not in ``exempt`` (path suffixes, e.g. the
+    files routes, which cap by the sandbox's quota themselves) stop at ``limit`` bytes:
+    413 at once when Content-Length says more, or as soon as a streamed body passes
+    it, before any of it is parsed (a 64 MiB JSON body used to be read and parsed
+    whole by the event loop the neighbours' execs share)."""
+
+    def __init__(self, app: Any, *, limit: int = JSON_BODY_LIMIT, exempt: tuple[str, ...] = ()) -> None:
+        self.app = app
+        self.limit = limit
+        self.exempt = exempt
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"].endswith(self.exempt):
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length" and value.isdigit() and int(value) > self.limit:
+                await self._refuse(send, f"request body of {int(value)} bytes is over the {self.limit}-byte limit")
+                return
+        seen = 0
+
+        async def limited_receive() -> Any:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise PayloadTooLarge(f"request body is over the {self.limit}-byte limit", limit=self.limit)
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+    async def _refuse(self, send: Any, why: str) -> None:
+        import json
+
+        body = json.dumps({"error": {"code": "too_large", "message": why, "limit": self.limit}}).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})

@@ -1219,7 +1219,8 @@ async def _secrets(a: Attack) -> None:
                                "missing/garbage/expired/foreign-key tokens, another sandbox's token, sandbox tokens "
                                "on admin routes",
       asserts="every request gets a 4xx (never 5xx, never a host file); the edge still serves afterwards",
-      defence="FastAPI validation, signed tokens bound to one sandbox, files API confinement, h11 header limits",
+      defence="FastAPI validation, signed tokens bound to one sandbox, files API confinement, JSON bodies refused "
+              "over 16 MiB before parsing (413), bounded request heads (dsec/httplimits.py)",
       needs_helper=False, needs_edge=True)
 async def _edge_malformed(a: Attack) -> None:
     import httpx

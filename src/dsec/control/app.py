@@ -38,6 +38,7 @@ from dsec.control.wire import (
     UpdateProjectBody,
 )
 from dsec.errors import AuthError, DsecError, Forbidden, InvalidSpec
+from dsec.httplimits import BodyLimit
 from dsec.spec import SandboxState
 from dsec.spec.api import (
     STATUS_BY_CODE,
@@ -197,6 +198,7 @@ def create_app(config: ControlConfig, *, control: Control | None = None) -> Fast
         lifespan=lifespan,
         responses=_ERRORS,
     )
+    app.add_middleware(BodyLimit)  # JSON bodies stop at 16 MiB (dsec/httplimits.py)
 
     # ------------------------------------------------------------ errors ----
 

@@ -38,7 +38,7 @@ from dsec.backends.container.fsops import FileInfo
 from dsec.edge.config import EdgeConfig
 from dsec.edge.service import EdgeService, error_body, result_to_wire
 from dsec.errors import AuthError, DsecError, Forbidden, InvalidSpec
-from dsec.httplimits import read_body
+from dsec.httplimits import BodyLimit, read_body
 from dsec.spec import NetworkPolicy
 from dsec.spec.api import (
     STATUS_BY_CODE,
@@ -223,6 +223,8 @@ def create_app(config: EdgeConfig, *, service: EdgeService | None = None) -> Fas
     )
     app.state.edge = svc
     app.state.auth = auth
+    # JSON bodies stop at 16 MiB; file bodies are capped by the sandbox's quota (read_body)
+    app.add_middleware(BodyLimit, exempt=("/files", "/files/append", "/files/tar"))
 
     # ------------------------------------------------------------ errors --
 
