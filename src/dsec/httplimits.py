@@ -29,6 +29,10 @@ _431 = (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: applicat
         b"connection: close\r\ncontent-length: %d\r\n\r\n%s")
 
 
+class _Refused(Exception):
+    """Raised from a parser callback to stop parsing a refused request."""
+
+
 class LimitedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with a bounded request head (pass as ``http=``)."""
 
@@ -58,7 +62,10 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._n_headers += 1
         if self._n_headers > MAX_HEADERS:
             self._refuse(f"more than {MAX_HEADERS} headers")
-            return
+            # Stop the parser here: it would otherwise call back for every header left
+            # in the buffer. httptools turns this into HttpParserCallbackError, which
+            # uvicorn's data_received catches (its 400 goes to a closed transport).
+            raise _Refused
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
