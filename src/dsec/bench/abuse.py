@@ -15,8 +15,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import json
 import os
 import secrets
+import signal
+import socket
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -94,10 +99,53 @@ async def _stage_figures(rt: Any, lab: Lab, n: int, say: Progress) -> dict[str, 
     return dict(res)
 
 
+class _EdgeProcess:
+    """``python -m dsec.edge`` on a free loopback port, stopped with SIGTERM."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], url: str) -> None:
+        self.proc = proc
+        self.url = url
+
+    @classmethod
+    async def start(cls, work: Path, key: bytes, state: Path) -> _EdgeProcess:
+        import httpx
+
+        with socket.socket() as sk:
+            sk.bind(("127.0.0.1", 0))
+            port = int(sk.getsockname()[1])
+        cfg = {"edge_id": "abuse", "cluster_key": key.hex(), "port": port, "state_dir": str(state),
+               "run_dir": str(work / "run"), "runtime_name": "bench-abuse-edge", "destroy_on_shutdown": True}
+        cfg_path = work / "abuse-edge.json"
+        cfg_path.write_text(json.dumps(cfg))
+        log = open(work / "abuse-edge.log", "ab")  # noqa: SIM115 - owned by the child
+        proc = subprocess.Popen([sys.executable, "-m", "dsec.edge", "--config", str(cfg_path)],
+                                stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+        url = f"http://127.0.0.1:{port}"
+        edge = cls(proc, url)
+        for _ in range(300):
+            if proc.poll() is not None:
+                raise RuntimeError(f"the abuse edge exited at start (see {work / 'abuse-edge.log'})")
+            with contextlib.suppress(httpx.HTTPError):
+                async with httpx.AsyncClient() as h:
+                    if (await h.get(url + "/metrics", timeout=1)).status_code == 200:
+                        return edge
+            await asyncio.sleep(0.1)
+        await edge.stop()
+        raise RuntimeError("the abuse edge did not come up")
+
+    async def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.to_thread(self.proc.wait, 60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            await asyncio.to_thread(self.proc.wait)
+
+
 async def _run(work: Path, *, quick: bool, k: int, only: list[str] | None, say: Progress) -> dict[str, Any]:
     from dsec.backends.container.runtime import ContainerRuntime
-    from dsec.edge.config import EdgeConfig
-    from dsec.edge.testing import EdgeThread, prepare_busybox
+    from dsec.edge.testing import prepare_busybox
     from dsec.images.build import build_busybox
 
     cache = Path(os.environ.get("DSEC_STATE_DIR", "/var/lib/dsec")) / "cache"
@@ -111,9 +159,9 @@ async def _run(work: Path, *, quick: bool, k: int, only: list[str] | None, say: 
     key = secrets.token_bytes(32)
     edge_state = work / "edge-state"
     prepare_busybox(edge_state, name="abuse-busybox", tag="latest")  # the same name as the lab's image
-    edge = EdgeThread(EdgeConfig(edge_id="abuse", cluster_key=key, port=0, state_dir=edge_state,
-                                 run_dir=work / "run", runtime_name="bench-abuse-edge", destroy_on_shutdown=True))
-    edge.start()
+    # The edge runs in its own process, as deployed: the edge cases then load it, not the
+    # process that drives the neighbours (a thread here would share its GIL with them).
+    edge = await _EdgeProcess.start(work, key, edge_state)
     try:
         async with ContainerRuntime(name="bench-abuse", state_dir=work / "state", run_dir=work / "run") as rt:
             await asyncio.to_thread(build_busybox, rt.store, name="abuse-busybox", tag="latest")
@@ -151,7 +199,7 @@ async def _run(work: Path, *, quick: bool, k: int, only: list[str] | None, say: 
                 await lab.close()
     finally:
         with contextlib.suppress(Exception):
-            edge.stop()
+            await edge.stop()
     results["load_avg_end"] = round(os.getloadavg()[0], 2)
     return results
 
