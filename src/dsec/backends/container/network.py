@@ -57,6 +57,8 @@ log = logging.getLogger("dsec.network")
 GATEWAY = "169.254.1.1"
 LINK_PREFIX = "dsec-"
 """Every sandbox link on the host starts with it; a runtime's own add a 4-hex tag of its name."""
+REFILL_DELAY_S = 0.25
+"""How long the pool waits after a take before making namespaces (recycled ones come back first)."""
 GC_AFTER = 32
 """Policy generations kept in a sandbox's table before the older ones are removed."""
 ALWAYS_BLOCKED: tuple[str, ...] = (
@@ -475,7 +477,11 @@ table ip {self.nat_table} {{
         loop = asyncio.get_running_loop()
         failures = 0
         while True:
-            while len(self._pool) < self.config.pool_size:
+            # Wait a moment before making: a sandbox destroyed meanwhile gives its namespace
+            # back (recycle), which costs nothing, while making one costs ~10 ms of CPU and
+            # its eventual teardown the kernel's RCU barriers.
+            await asyncio.sleep(REFILL_DELAY_S)
+            while len(self._pool) + self._recycling < self.config.pool_size:
                 try:
                     lease = await loop.run_in_executor(self._make_pool, self._make)
                 except Exception as exc:  # keep trying, slower: creates still make their own
@@ -498,6 +504,11 @@ table ip {self.nat_table} {{
             return self._pool.popleft()
         self.pool_misses += 1
         return await asyncio.get_running_loop().run_in_executor(self._make_pool, self._make)
+
+    @property
+    def pool_ready(self) -> int:
+        """Prepared namespaces waiting in the pool now."""
+        return len(self._pool)
 
     def release(self, lease: Lease) -> None:
         """Free the slot of a lease that never became a sandbox's (its fd is the caller's to close)."""
@@ -649,7 +660,7 @@ table ip {self.nat_table} {{
         root inside could not change its links, routes, sysctls or rules, and its sockets
         died with its processes. Takes ``netns_fd``; closes it when the pool is full."""
         st = self.sandboxes.pop(sandbox_id, None)
-        if st is None or not self.started or len(self._pool) + self._recycling >= self.config.pool_size:
+        if st is None or not self.started or len(self._pool) + self._recycling >= 2 * self.config.pool_size:
             os.close(netns_fd)
             if st is not None:
                 self._release_slot(st.slot)
