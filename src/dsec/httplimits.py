@@ -42,15 +42,23 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._in_head = True
         self._n_headers = 0
         self._refused = False
+        self._tail = b""
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return
         if self._in_head:
-            self._head_bytes += len(data)
+            # Only the head counts: it ends at the first blank line (the body may come
+            # in the same chunk). The last 3 bytes of the previous chunk catch a
+            # CRLFCRLF split across chunks.
+            seen = self._tail + data
+            end = seen.find(b"\r\n\r\n")
+            head = len(data) if end < 0 else max(0, end + 4 - len(self._tail))
+            self._head_bytes += head
             if self._head_bytes > MAX_HEAD_BYTES:
                 self._refuse(f"request head over {MAX_HEAD_BYTES} bytes")
                 return
+            self._tail = seen[-3:] if end < 0 else b""
         super().data_received(data)
 
     def on_message_begin(self) -> None:
@@ -73,6 +81,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             return
         self._in_head = False
         self._head_bytes = 0
+        self._tail = b""
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
