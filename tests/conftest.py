@@ -24,6 +24,7 @@ import secrets
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 import warnings
@@ -706,3 +707,68 @@ def sb(rtx: RuntimeHarness) -> Iterator[Any]:
     """A default sandbox for one test, destroyed afterwards."""
     with rtx.sandbox() as rec:
         yield rec
+
+
+# ------------------------------------------------------------ remote hosts ----
+
+_REMOTE_SERVER = r"""
+import socket, threading
+def serve(port, reply):
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("0.0.0.0", port)); s.listen(64)
+    while True:
+        c, _ = s.accept()
+        def handle(c=c):
+            try:
+                if reply == b"hold":  # a connection held open: sends a line, then waits
+                    c.sendall(b"hello\n")
+                    while c.recv(4096):
+                        pass
+                else:
+                    c.recv(4096)
+                    c.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(reply), reply))
+            finally:
+                c.close()
+        threading.Thread(target=handle, daemon=True).start()
+for port, reply in ((8080, b"remote-8080"), (9090, b"remote-9090"), (7000, b"hold")):
+    threading.Thread(target=serve, args=(port, reply), daemon=True).start()
+print("ready", flush=True)
+threading.Event().wait()
+"""
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
+
+
+@contextlib.contextmanager
+def remote_host(netns: str, link: str, host_ip: str, remote_ip: str) -> Iterator[str]:
+    """A "remote host": network namespace ``netns`` joined to the host by a veth
+    (host end ``link`` with ``host_ip``/30, ``eth0`` inside with ``remote_ip``/30 and a
+    default route back), serving HTTP on 8080 and 9090 and a held-open TCP line on
+    7000. The host routes between it and sandboxes like a router. Yields ``remote_ip``.
+    ``link`` must not start with "dsec-" (that prefix means a sandbox's link)."""
+    assert not link.startswith("dsec-") and "dsec" in netns
+    _ip("netns", "del", netns, check=False)
+    _ip("link", "del", link, check=False)
+    _ip("netns", "add", netns)
+    server: subprocess.Popen[str] | None = None
+    try:
+        _ip("link", "add", link, "type", "veth", "peer", "name", "eth0", "netns", netns)
+        _ip("addr", "add", f"{host_ip}/30", "dev", link)
+        _ip("link", "set", link, "up")
+        for cmd in (["addr", "add", f"{remote_ip}/30", "dev", "eth0"], ["link", "set", "eth0", "up"],
+                    ["link", "set", "lo", "up"], ["route", "add", "default", "via", host_ip]):
+            _ip("netns", "exec", netns, "ip", *cmd)
+        server = subprocess.Popen(["ip", "netns", "exec", netns, sys.executable, "-c", _REMOTE_SERVER],
+                                  stdout=subprocess.PIPE, text=True)
+        assert server.stdout is not None and server.stdout.readline().strip() == "ready"
+        yield remote_ip
+    finally:
+        if server is not None:
+            server.kill()
+            server.wait()
+            if server.stdout is not None:
+                server.stdout.close()
+        _ip("link", "del", link, check=False)
+        _ip("netns", "del", netns, check=False)

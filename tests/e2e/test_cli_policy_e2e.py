@@ -18,6 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from conftest import remote_host
+
 pytestmark = pytest.mark.root
 DSEC = [sys.executable, "-m", "dsec.cli.main"]
 REMOTE_NS = "dsec-test-cremote"
@@ -25,53 +27,12 @@ REMOTE_LINK = "dtc-remote0"
 REMOTE_IP = "10.220.0.2"
 HOST_SIDE_IP = "10.220.0.1"
 
-_SERVER = r"""
-import socket, threading
-def serve(port, reply):
-    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    s.bind(("0.0.0.0", port)); s.listen(64)
-    while True:
-        c, _ = s.accept()
-        try:
-            c.recv(4096); c.sendall(b"HTTP/1.0 200 OK\r\n\r\n" + reply)
-        finally:
-            c.close()
-for port, reply in ((8080, b"remote-8080"), (9090, b"remote-9090")):
-    threading.Thread(target=serve, args=(port, reply), daemon=True).start()
-print("ready", flush=True)
-threading.Event().wait()
-"""
-
-
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
 
 
 @pytest.fixture(scope="module")
 def remote() -> Iterator[str]:
-    _ip("netns", "del", REMOTE_NS, check=False)
-    _ip("link", "del", REMOTE_LINK, check=False)
-    _ip("netns", "add", REMOTE_NS)
-    server: subprocess.Popen[str] | None = None
-    try:
-        _ip("link", "add", REMOTE_LINK, "type", "veth", "peer", "name", "eth0", "netns", REMOTE_NS)
-        _ip("addr", "add", f"{HOST_SIDE_IP}/30", "dev", REMOTE_LINK)
-        _ip("link", "set", REMOTE_LINK, "up")
-        for cmd in (["addr", "add", f"{REMOTE_IP}/30", "dev", "eth0"], ["link", "set", "eth0", "up"],
-                    ["link", "set", "lo", "up"], ["route", "add", "default", "via", HOST_SIDE_IP]):
-            _ip("netns", "exec", REMOTE_NS, "ip", *cmd)
-        server = subprocess.Popen(["ip", "netns", "exec", REMOTE_NS, sys.executable, "-c", _SERVER],
-                                  stdout=subprocess.PIPE, text=True)
-        assert server.stdout is not None and server.stdout.readline().strip() == "ready"
-        yield REMOTE_IP
-    finally:
-        if server is not None:
-            server.kill()
-            server.wait()
-            if server.stdout is not None:
-                server.stdout.close()
-        _ip("link", "del", REMOTE_LINK, check=False)
-        _ip("netns", "del", REMOTE_NS, check=False)
+    with remote_host(REMOTE_NS, REMOTE_LINK, HOST_SIDE_IP, REMOTE_IP) as ip:
+        yield ip
 
 
 def _free_port() -> int:

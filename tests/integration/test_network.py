@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -18,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from conftest import RuntimeHarness, wait_until
+from conftest import RuntimeHarness, remote_host, wait_until
 
 pytestmark = pytest.mark.root
 
@@ -27,58 +26,12 @@ REMOTE_IP = "10.214.0.2"
 HOST_SIDE_IP = "10.214.0.1"
 REMOTE_LINK = "dtr-remote0"  # not "dsec-*": that prefix means "a sandbox's link" to the host rules
 
-_SERVER = r"""
-import socket, sys, threading
-def serve(port, reply):
-    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    s.bind(("0.0.0.0", port)); s.listen(64)
-    while True:
-        c, _ = s.accept()
-        def handle(c=c):
-            try:
-                if reply == b"hold":
-                    c.sendall(b"hello\n")
-                    while c.recv(4096): pass
-                else:
-                    c.recv(4096)
-                    c.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(reply), reply))
-            finally:
-                c.close()
-        threading.Thread(target=handle, daemon=True).start()
-for port, reply in ((8080, b"remote-8080"), (9090, b"remote-9090"), (7000, b"hold")):
-    threading.Thread(target=serve, args=(port, reply), daemon=True).start()
-print("ready", flush=True)
-threading.Event().wait()
-"""
-
-
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
 
 
 @pytest.fixture(scope="module")
 def remote() -> Iterator[str]:
-    _ip("netns", "del", REMOTE_NS, check=False)
-    _ip("link", "del", REMOTE_LINK, check=False)
-    _ip("netns", "add", REMOTE_NS)
-    server: subprocess.Popen[str] | None = None
-    try:
-        _ip("link", "add", REMOTE_LINK, "type", "veth", "peer", "name", "eth0", "netns", REMOTE_NS)
-        _ip("addr", "add", f"{HOST_SIDE_IP}/30", "dev", REMOTE_LINK)
-        _ip("link", "set", REMOTE_LINK, "up")
-        for cmd in (["addr", "add", f"{REMOTE_IP}/30", "dev", "eth0"], ["link", "set", "eth0", "up"],
-                    ["link", "set", "lo", "up"], ["route", "add", "default", "via", HOST_SIDE_IP]):
-            _ip("netns", "exec", REMOTE_NS, "ip", *cmd)
-        server = subprocess.Popen(["ip", "netns", "exec", REMOTE_NS, sys.executable, "-c", _SERVER],
-                                  stdout=subprocess.PIPE, text=True)
-        assert server.stdout is not None and server.stdout.readline().strip() == "ready"
-        yield REMOTE_IP
-    finally:
-        if server is not None:
-            server.kill()
-            server.wait()
-        _ip("link", "del", REMOTE_LINK, check=False)
-        _ip("netns", "del", REMOTE_NS, check=False)
+    with remote_host(REMOTE_NS, REMOTE_LINK, HOST_SIDE_IP, REMOTE_IP) as ip:
+        yield ip
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +85,7 @@ def _fetch(h: RuntimeHarness, sid: str, url: str) -> tuple[int | None, str]:
 
 
 def _links() -> set[str]:
-    out = _ip("-o", "link", "show").stdout
+    out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
     return {line.split(":")[1].strip().split("@")[0] for line in out.splitlines()}
 
 
