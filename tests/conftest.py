@@ -23,6 +23,7 @@ import re
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -772,3 +773,49 @@ def remote_host(netns: str, link: str, host_ip: str, remote_ip: str) -> Iterator
                 server.stdout.close()
         _ip("link", "del", link, check=False)
         _ip("netns", "del", netns, check=False)
+
+
+# ------------------------------------------------------------ dsec up ----
+
+
+@contextlib.contextmanager
+def dsec_up(data: Path, env: dict[str, str], *extra: str) -> Iterator[dict[str, str]]:
+    """``dsec up`` as a subprocess with ``data`` as its data directory; yields ``env`` with
+    DSEC_URL/DSEC_TOKEN once the control plane answers and an edge has registered.
+    Stopped with Ctrl-C (SIGINT), which must exit 0 after destroying the sandboxes."""
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    log = open(data / "up.log", "wb")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen([sys.executable, "-m", "dsec.cli.main", "up", "--data-dir", str(data), "--port", str(port),
+                             *extra], env=env, stdout=log, stderr=log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(url + "/healthz", timeout=1).status_code == 200 and (data / "control/admin.token").exists():
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None, (data / "up.log").read_text()
+            assert time.monotonic() < deadline, "dsec up did not start"
+            time.sleep(0.2)
+        token = (data / "control/admin.token").read_text().strip()
+        while True:  # the edge registers with the control plane a moment after it is up
+            r = httpx.get(url + "/v1/edges", headers={"authorization": f"Bearer {token}"}, timeout=5)
+            if r.status_code == 200 and r.json():
+                break
+            assert time.monotonic() < deadline, f"no edge registered: {r.status_code} {r.text[:300]}"
+            time.sleep(0.1)
+        yield {**env, "DSEC_URL": url, "DSEC_TOKEN": token}
+    finally:
+        proc.send_signal(signal.SIGINT)  # Ctrl-C: a clean stop that destroys the sandboxes
+        try:
+            assert proc.wait(60) == 0, (data / "up.log").read_text()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            log.close()

@@ -4,26 +4,18 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
+
+from conftest import dsec_up
 
 pytestmark = pytest.mark.root
 DSEC = [sys.executable, "-m", "dsec.cli.main"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -34,39 +26,8 @@ def up() -> Iterator[dict[str, str]]:
         build = subprocess.run([*DSEC, "image", "build", "--busybox", "--name", "busybox", "--tag", "latest", "-q"],
                                env=env, capture_output=True, text=True, timeout=120)
         assert build.returncode == 0, build.stderr
-        port = _free_port()
-        log = open(data / "up.log", "wb")  # noqa: SIM115 - closed below
-        proc = subprocess.Popen([*DSEC, "up", "--data-dir", str(data), "--port", str(port)], env=env,
-                                stdout=log, stderr=log)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    if httpx.get(url + "/healthz", timeout=1).status_code == 200 and (data / "control/admin.token").exists():
-                        break
-                except httpx.HTTPError:
-                    pass
-                assert proc.poll() is None, (data / "up.log").read_text()
-                assert time.monotonic() < deadline, "dsec up did not start"
-                time.sleep(0.2)
-            token = (data / "control/admin.token").read_text().strip()
-            while True:  # the edge registers with the control plane a moment after it is up
-                r = httpx.get(url + "/v1/edges", headers={"authorization": f"Bearer {token}"}, timeout=5)
-                if r.status_code == 200 and r.json():
-                    break
-                assert time.monotonic() < deadline, f"no edge registered: {r.status_code} {r.text[:300]}"
-                time.sleep(0.1)
-            env.update(DSEC_URL=url, DSEC_TOKEN=token)
-            yield env
-        finally:
-            proc.send_signal(signal.SIGINT)  # Ctrl-C: a clean stop that destroys the sandboxes
-            try:
-                assert proc.wait(60) == 0, (data / "up.log").read_text()
-            finally:
-                if proc.poll() is None:
-                    proc.kill()
-                log.close()
+        with dsec_up(data, env) as ready:
+            yield ready
 
 
 def dsec(env: dict[str, str], *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:

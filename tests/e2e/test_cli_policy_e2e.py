@@ -6,19 +6,15 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
-from conftest import remote_host
+from conftest import dsec_up, remote_host
 
 pytestmark = pytest.mark.root
 DSEC = [sys.executable, "-m", "dsec.cli.main"]
@@ -33,12 +29,6 @@ HOST_SIDE_IP = "10.220.0.1"
 def remote() -> Iterator[str]:
     with remote_host(REMOTE_NS, REMOTE_LINK, HOST_SIDE_IP, REMOTE_IP) as ip:
         yield ip
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -64,39 +54,8 @@ ports = ["8080"]
         bad = subprocess.run([*DSEC, "up", "--data-dir", str(data), "--edge-config", str(data / "nope.json")],
                              env=env, capture_output=True, text=True, timeout=60)
         assert bad.returncode == 2 and "nope.json" in bad.stderr
-        port = _free_port()
-        log = open(data / "up.log", "wb")  # noqa: SIM115 - closed below
-        proc = subprocess.Popen([*DSEC, "up", "--data-dir", str(data), "--port", str(port), "--edge-config",
-                                 str(edge_cfg)], env=env, stdout=log, stderr=log)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    if httpx.get(url + "/healthz", timeout=1).status_code == 200 and (data / "control/admin.token").exists():
-                        break
-                except httpx.HTTPError:
-                    pass
-                assert proc.poll() is None, (data / "up.log").read_text()
-                assert time.monotonic() < deadline, "dsec up did not start"
-                time.sleep(0.2)
-            token = (data / "control/admin.token").read_text().strip()
-            while True:  # the edge registers with the control plane a moment after it is up
-                r = httpx.get(url + "/v1/edges", headers={"authorization": f"Bearer {token}"}, timeout=5)
-                if r.status_code == 200 and r.json():
-                    break
-                assert time.monotonic() < deadline, f"no edge registered: {r.status_code} {r.text[:300]}"
-                time.sleep(0.1)
-            env.update(DSEC_URL=url, DSEC_TOKEN=token)
-            yield env
-        finally:
-            proc.send_signal(signal.SIGINT)
-            try:
-                assert proc.wait(60) == 0, (data / "up.log").read_text()
-            finally:
-                if proc.poll() is None:
-                    proc.kill()
-                log.close()
+        with dsec_up(data, env, "--edge-config", str(edge_cfg)) as ready:
+            yield ready
 
 
 def dsec(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
