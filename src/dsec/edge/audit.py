@@ -21,13 +21,13 @@ failing pass is logged and the next one runs anyway.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import logging
 import os
 import time
 from typing import TYPE_CHECKING, Any
 
+from dsec.edge.loop import BackgroundLoop
 from dsec.spec import SandboxState
 
 if TYPE_CHECKING:
@@ -49,24 +49,15 @@ FULL_PASS_S = 60.0
 (a limit hit by a background process of an idle sandbox shows up within this)."""
 
 
-class Auditor:
+class Auditor(BackgroundLoop):
+    task_name = "dsec-edge-audit"
+
     def __init__(self, service: EdgeService) -> None:
         self.service = service
         self.interval = service.config.audit_interval_s
-        self._task: asyncio.Task[None] | None = None
         self._disk_full: set[str] = set()
         self._last_full = 0.0
         self.passes = 0
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="dsec-edge-audit")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
 
     def forget(self, sandbox_id: str) -> None:
         self._disk_full.discard(sandbox_id)

@@ -9,13 +9,13 @@ edge waits for it (admission, TTL and the data path work without it).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from typing import TYPE_CHECKING
 
 import httpx
 
 from dsec.auth import mint
+from dsec.edge.loop import BackgroundLoop
 
 if TYPE_CHECKING:
     from dsec.edge.service import EdgeService
@@ -23,24 +23,15 @@ if TYPE_CHECKING:
 log = logging.getLogger("dsec.edge.heartbeat")
 
 
-class Heartbeat:
+class Heartbeat(BackgroundLoop):
+    task_name = "dsec-edge-heartbeat"
+
     def __init__(self, service: EdgeService, url: str) -> None:
         self.service = service
         self.url = url.rstrip("/")
         self.registered = False
         self.beats = 0
         self.failures = 0
-        self._task: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="dsec-edge-heartbeat")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
 
     def _headers(self) -> dict[str, str]:
         cfg = self.service.config

@@ -17,11 +17,11 @@ destroyed); paused time counts toward its TTL and idle timeout. Never blocks: a 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+from dsec.edge.loop import BackgroundLoop
 from dsec.spec import SandboxState
 
 if TYPE_CHECKING:
@@ -39,22 +39,13 @@ def lifecycle_meta(created_at: float, ttl_s: float, idle_timeout_s: float | None
     return meta
 
 
-class Watchdog:
+class Watchdog(BackgroundLoop):
+    task_name = "dsec-edge-watchdog"
+
     def __init__(self, service: EdgeService) -> None:
         self.service = service
         self.interval = service.config.watchdog_interval_s
-        self._task: asyncio.Task[None] | None = None
         self._expiring: set[str] = set()
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="dsec-edge-watchdog")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
 
     async def _run(self) -> None:
         while True:
