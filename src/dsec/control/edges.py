@@ -31,7 +31,7 @@ from dsec import auth
 from dsec.control.db import EDGES, EdgeRow, Store
 from dsec.control.edgehttp import Answer, ConnectFailed, EdgeHTTP, NoAnswer
 from dsec.control.errors import NotFound
-from dsec.control.iam import Amount
+from dsec.control.iam import Amount, bump_statement
 from dsec.control.placement import EdgeView, Room, layer_set, room_of_health
 from dsec.errors import Backpressure, DsecError, InvalidSpec, error_from_wire
 from dsec.spec.api import (
@@ -370,16 +370,7 @@ def layers_txn(s: Session) -> list[LayerInfo]:
 
 
 _ED = EDGES
-_BUMP_EDGE = (
-    sa.update(_ED)
-    .where(_ED.c.id == sa.bindparam("b_id"))
-    .values(
-        committed_sandboxes=_ED.c.committed_sandboxes + sa.bindparam("b_n"),
-        committed_cpu_m=_ED.c.committed_cpu_m + sa.bindparam("b_cpu"),
-        committed_memory=_ED.c.committed_memory + sa.bindparam("b_mem"),
-        committed_disk=_ED.c.committed_disk + sa.bindparam("b_disk"),
-    )
-)
+_BUMP_EDGE = bump_statement(_ED, "committed", ("disk",))
 
 
 def bump_edge(s: Session, edge_id: str, delta: Room) -> None:

@@ -214,33 +214,20 @@ def task_quota_of(t: Task) -> TaskQuota:
 
 _PJ = PROJECTS
 _TK = TASKS
-_BUMP_PROJECT = (
-    sa.update(_PJ)
-    .where(_PJ.c.id == sa.bindparam("b_id"))
-    .values(
-        used_sandboxes=_PJ.c.used_sandboxes + sa.bindparam("b_n"),
-        used_cpu_m=_PJ.c.used_cpu_m + sa.bindparam("b_cpu"),
-        used_memory=_PJ.c.used_memory + sa.bindparam("b_mem"),
+def bump_statement(table: sa.Table, prefix: str, extra: tuple[str, ...] = ()) -> sa.Update:
+    """``UPDATE table SET <prefix>_sandboxes += :b_n, <prefix>_cpu_m += :b_cpu,
+    <prefix>_memory += :b_mem [, <prefix>_<x> += :b_<x>] WHERE id = :b_id``, built once."""
+    params = {"sandboxes": "b_n", "cpu_m": "b_cpu", "memory": "b_mem", **{x: f"b_{x}" for x in extra}}
+    return (
+        sa.update(table)
+        .where(table.c.id == sa.bindparam("b_id"))
+        .values({f"{prefix}_{col}": table.c[f"{prefix}_{col}"] + sa.bindparam(bp) for col, bp in params.items()})
     )
-)
-_BUMP_TASK = (
-    sa.update(_TK)
-    .where(_TK.c.id == sa.bindparam("b_id"))
-    .values(
-        used_sandboxes=_TK.c.used_sandboxes + sa.bindparam("b_n"),
-        used_cpu_m=_TK.c.used_cpu_m + sa.bindparam("b_cpu"),
-        used_memory=_TK.c.used_memory + sa.bindparam("b_mem"),
-    )
-)
-_BUMP_RESERVED = (
-    sa.update(_PJ)
-    .where(_PJ.c.id == sa.bindparam("b_id"))
-    .values(
-        reserved_sandboxes=_PJ.c.reserved_sandboxes + sa.bindparam("b_n"),
-        reserved_cpu_m=_PJ.c.reserved_cpu_m + sa.bindparam("b_cpu"),
-        reserved_memory=_PJ.c.reserved_memory + sa.bindparam("b_mem"),
-    )
-)
+
+
+_BUMP_PROJECT = bump_statement(_PJ, "used")
+_BUMP_TASK = bump_statement(_TK, "used")
+_BUMP_RESERVED = bump_statement(_PJ, "reserved")
 # Counters move by relative UPDATEs built once (statement construction dominates otherwise).
 # ORM objects of these rows loaded earlier in the transaction do not see the change:
 # re-read with lock_project() (populate_existing) when you need the new values.
