@@ -66,6 +66,14 @@ def _print_table(title: str, results: dict[str, Any]) -> None:
     Console().print(table)
 
 
+def _report(title: str, results: dict[str, Any], json_path: Path | None) -> None:
+    """Every bench ends alike: the table, then the flat JSON when asked for."""
+    _print_table(title, results)
+    if json_path:
+        json_path.write_text(json.dumps(results, indent=2, sort_keys=True))
+        console.print(f"wrote {json_path}")
+
+
 @bench.command("runtime")
 @click.option("--quick", is_flag=True, help="Fewer samples and N=200 instead of 2,000.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the flat JSON here.")
@@ -78,10 +86,7 @@ def bench_runtime(quick: bool, json_path: Path | None, n_keep: int | None, debia
     from dsec.bench.runtime import run
 
     results = run(quick=quick, n_keep=n_keep, debian=debian, say=lambda m: console.print(f"[dim]{m}[/dim]"))
-    _print_table("dsec bench runtime", results)
-    if json_path:
-        json_path.write_text(json.dumps(results, indent=2, sort_keys=True))
-        console.print(f"wrote {json_path}")
+    _report("dsec bench runtime", results, json_path)
 
 
 @bench.command("service")
@@ -92,10 +97,7 @@ def bench_service(quick: bool, json_path: Path | None) -> None:
     from dsec.bench.service import run
 
     results = run(quick=quick, say=lambda m: console.print(f"[dim]{m}[/dim]"))
-    _print_table("dsec bench service", results)
-    if json_path:
-        json_path.write_text(json.dumps(results, indent=2, sort_keys=True))
-        console.print(f"wrote {json_path}")
+    _report("dsec bench service", results, json_path)
 
 
 @bench.command("snapshot")
@@ -107,10 +109,7 @@ def bench_snapshot(quick: bool, json_path: Path | None) -> None:
     from dsec.bench.snapshot import run
 
     results = run(quick=quick, say=lambda m: console.print(f"[dim]{m}[/dim]"))
-    _print_table("dsec bench snapshot", results)
-    if json_path:
-        json_path.write_text(json.dumps(results, indent=2, sort_keys=True))
-        console.print(f"wrote {json_path}")
+    _report("dsec bench snapshot", results, json_path)
 
 
 @bench.command("abuse")
@@ -125,10 +124,7 @@ def bench_abuse(quick: bool, json_path: Path | None, k: int | None, only: tuple[
 
     results = run(quick=quick, k_neighbours=k, only=list(only) or None,
                   say=lambda m: console.print(f"[dim]{m}[/dim]", highlight=False))
-    _print_table("dsec bench abuse", results)
-    if json_path:
-        json_path.write_text(json.dumps(results, indent=2, sort_keys=True))
-        console.print(f"wrote {json_path}")
+    _report("dsec bench abuse", results, json_path)
 
 
 @main.command()
