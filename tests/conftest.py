@@ -171,6 +171,14 @@ def netns_names() -> set[str]:
         return set()
 
 
+def nft_tables() -> set[str]:
+    """The host's nftables tables named for DSec (sandbox networks put theirs there)."""
+    if not IS_ROOT or shutil.which("nft") is None:
+        return set()
+    out = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True).stdout
+    return {ln.strip() for ln in out.splitlines() if "dsec" in ln}
+
+
 def runtime_cgroups(prefix: str = RT_PREFIX) -> list[Path]:
     """cgroup dirs of our runtimes (``dsec/<prefix>*``) in every controller hierarchy."""
     out: list[Path] = []
@@ -570,6 +578,7 @@ def _dsec_leak_check(dsec_base: Path) -> Iterator[None]:
     """Fail the run if anything of ours outlives it: mounts, cgroups, netns, processes, files."""
     before_mounts = {_mount_key(ln) for ln in mountinfo_lines() if "dsec" in ln}
     before_netns = netns_names()
+    before_tables = nft_tables()
     before_procs = set(dsec_processes()) if IS_ROOT else set()
     yield
     if not IS_ROOT:
@@ -607,6 +616,7 @@ def _dsec_leak_check(dsec_base: Path) -> Iterator[None]:
     problems += [f"cgroup: {p}" for p in cgroups()]
     problems += [f"process: {d}" for d in procs().values()]
     problems += [f"netns: {n}" for n in sorted(netns_names() - before_netns)]
+    problems += [f"nftables table: {t}" for t in sorted(nft_tables() - before_tables)]
     problems += [f"file: {p}" for p in files()]
     foreign = [ln for ln in new_dsec_mounts() if ln not in mounts()]
     if foreign:

@@ -283,6 +283,8 @@ class NetworkManager:
         self._make_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dsec-netmake")
         self._maker: NetMaker | None = None
         self._taken: list[int] = []
+        self.host_tables_made = False
+        """This manager put its tables on the host (the runtime removes them on a full close)."""
         self._recycling = 0
         self.recycled = 0
         self.open_netns: Callable[[str], int | None] | None = None
@@ -341,6 +343,7 @@ table ip {self.nat_table} {{
         # Sets merge overlapping ranges only with auto-merge; never4 inside sandboxes too.
         netfilter.nft(rules)
         self._host_ready = True
+        self.host_tables_made = True
 
     async def start(self, *, prefill: bool = True) -> None:
         """Make the host ready and start filling the pool (a no-op when started)."""

@@ -370,7 +370,7 @@ class ContainerRuntime:
         if destroy_all:
             await asyncio.gather(*(self.destroy(i) for i in list(self.sandboxes)), return_exceptions=True)
         await self.net.close()
-        if destroy_all and self.net.made and not any(r.net for r in self.sandboxes.values()):
+        if destroy_all and self.net.host_tables_made and not any(r.net for r in self.sandboxes.values()):
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(self.net.remove_host_rules)
         if self.spawner is not None:
