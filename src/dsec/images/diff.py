@@ -438,17 +438,22 @@ def apply_diff(
         copier = _Copier(dfd, uid_shift, exclude, stats, record)
         copier.apply_dir(src_dir_fd, dfd, "/")
         if root_meta:
-            st = os.fstat(src_dir_fd)
-            xattrs = copier._xattrs(src_dir_fd, ".")
-            xattrs.pop(OVL_OPAQUE, None)  # the root of a layer is never opaque
-            os.chown(dfd, _shift_id(st.st_uid, uid_shift), _shift_id(st.st_gid, uid_shift))
-            os.chmod(dfd, stat.S_IMODE(st.st_mode))
-            for x, v in xattrs.items():
-                os.setxattr(dfd, x, v)
-            os.utime(dfd, ns=(st.st_atime_ns, st.st_mtime_ns))
+            _copy_root_meta(copier, src_dir_fd, dfd, uid_shift)
     finally:
         os.close(dfd)
     return stats
+
+
+def _copy_root_meta(copier: _Copier, src_dir_fd: int, dfd: int, uid_shift: int) -> None:
+    """Owner, mode, xattrs and times of the source's root onto the copy's root."""
+    st = os.fstat(src_dir_fd)
+    xattrs = copier._xattrs(src_dir_fd, ".")
+    xattrs.pop(OVL_OPAQUE, None)  # the root of a layer is never opaque
+    os.chown(dfd, _shift_id(st.st_uid, uid_shift), _shift_id(st.st_gid, uid_shift))
+    os.chmod(dfd, stat.S_IMODE(st.st_mode))
+    for x, v in xattrs.items():
+        os.setxattr(dfd, x, v)
+    os.utime(dfd, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
 def resync_diff(
@@ -473,14 +478,7 @@ def resync_diff(
     try:
         copier = _Copier(dfd, uid_shift, exclude, stats)
         copier.resync_dir(src_dir_fd, dfd, "/", seen, since_ns)
-        st = os.fstat(src_dir_fd)
-        xattrs = copier._xattrs(src_dir_fd, ".")
-        xattrs.pop(OVL_OPAQUE, None)
-        os.chown(dfd, _shift_id(st.st_uid, uid_shift), _shift_id(st.st_gid, uid_shift))
-        os.chmod(dfd, stat.S_IMODE(st.st_mode))
-        for x, v in xattrs.items():
-            os.setxattr(dfd, x, v)
-        os.utime(dfd, ns=(st.st_atime_ns, st.st_mtime_ns))
+        _copy_root_meta(copier, src_dir_fd, dfd, uid_shift)
     finally:
         os.close(dfd)
     return stats
