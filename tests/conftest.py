@@ -829,3 +829,24 @@ def dsec_up(data: Path, env: dict[str, str], *extra: str) -> Iterator[dict[str, 
             if proc.poll() is None:
                 proc.kill()
             log.close()
+
+
+# ------------------------------------------------------------ edges ----
+
+
+def edge_config(dsec_base: Path, suffix: str, edge_id: str, key: bytes, **kw: Any) -> Any:
+    """The EdgeConfig of a test edge ``<prefix>-<suffix>`` with the busybox layer in its
+    store (skips the test when that layer cannot be built); ``kw`` are more settings."""
+    from dsec.edge.config import EdgeConfig
+    from dsec.edge.testing import prepare_busybox
+    from dsec.errors import HostError
+
+    name = f"{RT_PREFIX}-{suffix}"
+    state = dsec_base / f"state-{name}"
+    try:
+        prepare_busybox(state)
+    except HostError as exc:
+        pytest.skip(f"cannot build the busybox layer: {exc}")
+    kw.setdefault("destroy_on_shutdown", True)
+    return EdgeConfig(edge_id=edge_id, cluster_key=key, port=0, state_dir=state, run_dir=dsec_base / "run",
+                      runtime_name=name, **kw)

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from conftest import RT_PREFIX, RuntimeHarness
+from conftest import RuntimeHarness, edge_config
 from dsec.bench.abuse_cases import CASES, Case, EdgeTarget, Lab, NeighbourLoad, Outcome, run_case
 from dsec.bench.abuse_helper import build_helper
 
@@ -36,19 +36,10 @@ def _param(c: Case) -> Any:
 
 @pytest.fixture(scope="module")
 def edge(dsec_base: Path) -> Iterator[EdgeTarget]:
-    from dsec.edge.config import EdgeConfig
-    from dsec.edge.testing import EdgeThread, leftovers, prepare_busybox
-    from dsec.errors import HostError
+    from dsec.edge.testing import EdgeThread, leftovers
 
-    name = f"{RT_PREFIX}-abedge"
-    state = dsec_base / f"state-{name}"
-    try:
-        prepare_busybox(state)
-    except HostError as exc:
-        pytest.skip(f"cannot build the busybox layer: {exc}")
     key = secrets.token_bytes(32)
-    cfg = EdgeConfig(edge_id="ab", cluster_key=key, port=0, state_dir=state, run_dir=dsec_base / "run",
-                     runtime_name=name, destroy_on_shutdown=True)
+    cfg = edge_config(dsec_base, "abedge", "ab", key)
     e = EdgeThread(cfg).start()
     try:
         yield EdgeTarget(e.url, key)

@@ -19,13 +19,11 @@ from typing import Any, TypeVar
 import pytest
 from click.testing import CliRunner
 
-from conftest import RT_PREFIX, wait_until
+from conftest import edge_config, wait_until
 from dsec import AsyncClient, Client, ImageRef, Resources, SandboxSpec
 from dsec.backends.container.zram import active_swaps, read_label, swap_label
-from dsec.edge.config import EdgeConfig
-from dsec.edge.testing import EdgeThread, leftovers, prepare_busybox
+from dsec.edge.testing import EdgeThread, leftovers
 from dsec.errors import (
-    HostError,
     ImageError,
     InvalidSpec,
     LayerInUse,
@@ -61,14 +59,8 @@ class Harness:
 
 @pytest.fixture(scope="module")
 def h(dsec_base: Path) -> Iterator[Harness]:
-    name = f"{RT_PREFIX}-esnap"
-    state = dsec_base / f"state-{name}"
-    try:
-        prepare_busybox(state)
-    except HostError as exc:
-        pytest.skip(f"cannot build the busybox layer: {exc}")
-    cfg = EdgeConfig(edge_id="es", cluster_key=KEY, port=0, state_dir=state, run_dir=dsec_base / "run",
-                     runtime_name=name, destroy_on_shutdown=True, watchdog_interval_s=0.1, zram_size=256 << 20)
+    cfg = edge_config(dsec_base, "esnap", "es", KEY, watchdog_interval_s=0.1, zram_size=256 << 20)
+    name = cfg.runtime_name
     edge = EdgeThread(cfg).start()
     harness = Harness(edge)
     try:

@@ -19,10 +19,9 @@ from typing import Any
 import httpx
 import pytest
 
-from conftest import RT_PREFIX, wait_until
+from conftest import edge_config, wait_until
 from dsec.edge.config import EdgeConfig, PoolConfig
-from dsec.edge.testing import EdgeThread, leftovers, prepare_busybox
-from dsec.errors import HostError
+from dsec.edge.testing import EdgeThread, leftovers
 from dsec.spec import ImageRef, Resources
 
 pytestmark = pytest.mark.root
@@ -33,14 +32,7 @@ POOL_RES = Resources(cpu=0.25, memory=64 * MiB, disk=16 * MiB)
 
 
 def _config(dsec_base: Path, suffix: str, edge_id: str, **kw: Any) -> EdgeConfig:
-    name = f"{RT_PREFIX}-{suffix}"
-    state = dsec_base / f"state-{name}"
-    try:
-        prepare_busybox(state)
-    except HostError as exc:
-        pytest.skip(f"cannot build the busybox layer: {exc}")
-    return EdgeConfig(edge_id=edge_id, cluster_key=KEY, port=0, state_dir=state, run_dir=dsec_base / "run",
-                      runtime_name=name, destroy_on_shutdown=True, watchdog_interval_s=0.2, **kw)
+    return edge_config(dsec_base, suffix, edge_id, KEY, watchdog_interval_s=0.2, **kw)
 
 
 @pytest.fixture

@@ -19,11 +19,9 @@ from typing import Any
 import httpx
 import pytest
 
-from conftest import RT_PREFIX, wait_until
+from conftest import edge_config, wait_until
 from dsec.auth import mint
-from dsec.edge.config import EdgeConfig
-from dsec.edge.testing import EdgeThread, leftovers, prepare_busybox
-from dsec.errors import HostError
+from dsec.edge.testing import EdgeThread, leftovers
 
 pytestmark = pytest.mark.root
 
@@ -33,14 +31,7 @@ SPEC: dict[str, Any] = {"image": {"base": "busybox:test"}, "resources": {"cpu": 
 
 @pytest.fixture(scope="module")
 def edge(dsec_base: Path) -> Iterator[EdgeThread]:
-    name = f"{RT_PREFIX}-eapi"
-    state = dsec_base / f"state-{name}"
-    try:
-        prepare_busybox(state)
-    except HostError as exc:
-        pytest.skip(f"cannot build the busybox layer: {exc}")
-    cfg = EdgeConfig(edge_id="ea", cluster_key=KEY, port=0, state_dir=state, run_dir=dsec_base / "run",
-                     runtime_name=name, destroy_on_shutdown=True, watchdog_interval_s=0.2)
+    cfg = edge_config(dsec_base, "eapi", "ea", KEY, watchdog_interval_s=0.2)
     e = EdgeThread(cfg).start()
     try:
         yield e

@@ -19,11 +19,10 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from conftest import RT_PREFIX, wait_until
+from conftest import edge_config, wait_until
 from dsec.auth import verify
 from dsec.edge.config import EdgeConfig, PoolConfig
-from dsec.edge.testing import EdgeThread, leftovers, prepare_busybox
-from dsec.errors import HostError
+from dsec.edge.testing import EdgeThread, leftovers
 from dsec.spec import ImageRef, Resources
 from dsec.spec.api import EdgeHealth
 
@@ -36,15 +35,7 @@ SPEC = {"image": {"base": "busybox:test"}, "resources": RES}
 
 
 def _config(dsec_base: Path, suffix: str, edge_id: str, **kw: Any) -> EdgeConfig:
-    name = f"{RT_PREFIX}-{suffix}"
-    state = dsec_base / f"state-{name}"
-    try:
-        prepare_busybox(state)
-    except HostError as exc:
-        pytest.skip(f"cannot build the busybox layer: {exc}")
-    kw.setdefault("destroy_on_shutdown", True)
-    return EdgeConfig(edge_id=edge_id, cluster_key=KEY, port=0, state_dir=state, run_dir=dsec_base / "run",
-                      runtime_name=name, watchdog_interval_s=0.1, **kw)
+    return edge_config(dsec_base, suffix, edge_id, KEY, watchdog_interval_s=0.1, **kw)
 
 
 @pytest.fixture(scope="module")

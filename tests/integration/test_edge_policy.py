@@ -20,10 +20,9 @@ from typing import Any
 import httpx
 import pytest
 
-from conftest import RT_PREFIX, remote_host, wait_until
+from conftest import RT_PREFIX, edge_config, remote_host, wait_until
 from dsec.edge.config import EdgeConfig
 from dsec.edge.testing import EdgeThread, leftovers, prepare_busybox
-from dsec.errors import HostError
 
 pytestmark = pytest.mark.root
 
@@ -46,15 +45,8 @@ def remote() -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def edge(dsec_base: Path, remote: str) -> Iterator[EdgeThread]:
-    name = f"{RT_PREFIX}-epol"
-    state = dsec_base / f"state-{name}"
-    try:
-        prepare_busybox(state)
-    except HostError as exc:
-        pytest.skip(f"cannot build the busybox layer: {exc}")
-    cfg = EdgeConfig(
-        edge_id="ep", cluster_key=KEY, port=0, state_dir=state, run_dir=dsec_base / "run", runtime_name=name,
-        destroy_on_shutdown=True, watchdog_interval_s=0.2, audit_interval_s=0.2,
+    cfg = edge_config(
+        dsec_base, "epol", "ep", KEY, watchdog_interval_s=0.2, audit_interval_s=0.2,
         pools=[{"image": {"base": "busybox:test"}, "resources": RES, "size": 1, "name": "plain"}],
         network={"subnet": SUBNET, "pool_size": 2,
                  "permissions": {"remote-web": {"cidrs": [f"{remote}/32"], "ports": ["8080"]},
