@@ -120,7 +120,6 @@ def register(main: click.Group) -> None:
                   help="JSON or TOML of EdgeConfig fields for every edge, e.g. a `network` section (docs/EDGE.md).")
     def up(data_dir: Path | None, port: int, edges: int, host: str, detach: bool, edge_config: Path | None) -> None:
         """All-in-one on this machine: control plane + edge(s) + SQLite. Ctrl-C stops it cleanly."""
-        import asyncio
 
         from dsec.cli.up import data_dir_default, load_edge_overrides, run_foreground
 
@@ -129,8 +128,10 @@ def register(main: click.Group) -> None:
         if detach:
             _detach(data, port, edges, host, edge_config)
             return
-        asyncio.run(run_foreground(data, port=port, edges=edges, host=host, say=lambda m: console.print(m),
-                                   edge_overrides=overrides))
+        from dsec import loop as dsec_loop
+
+        dsec_loop.run(run_foreground(data, port=port, edges=edges, host=host, say=lambda m: console.print(m),
+                                     edge_overrides=overrides))
 
     @main.command(context_settings={"ignore_unknown_options": True})
     @click.argument("image")

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from dsec import loop as dsec_loop
 from dsec.control.config import ControlConfig
 from dsec.control.server import serve_control
 
@@ -55,7 +56,7 @@ async def run(config: ControlConfig) -> None:
 def main(argv: list[str] | None = None) -> None:
     config = parse_args(argv)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    asyncio.run(run(config))
+    dsec_loop.run(run(config))
 
 
 if __name__ == "__main__":

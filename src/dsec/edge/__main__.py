@@ -21,6 +21,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from dsec import loop as dsec_loop
 from dsec.edge.config import EdgeConfig
 
 
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValidationError, OSError, ValueError) as exc:
         print(f"dsec edge: bad configuration: {exc}", file=sys.stderr)
         return 2
-    asyncio.run(_run(config, args.log_level.lower()))
+    dsec_loop.run(_run(config, args.log_level.lower()))
     return 0
 
 
