@@ -29,11 +29,11 @@ from sqlalchemy.orm import Session
 
 from dsec import auth
 from dsec.control.db import EDGES, EdgeRow, Store
-from dsec.control.edgehttp import Answer, ConnectFailed, EdgeHTTP, NoAnswer
 from dsec.control.errors import NotFound
 from dsec.control.iam import Amount, bump_statement
 from dsec.control.placement import EdgeView, Room, layer_set, room_of_health
 from dsec.errors import Backpressure, DsecError, InvalidSpec, error_from_wire
+from dsec.http1 import Answer, ConnectFailed, EdgeHTTP, NoAnswer
 from dsec.spec.api import (
     EDGE_ID_PATTERN,
     EdgeHealth,

@@ -31,7 +31,8 @@ from dsec.errors import (
     InvalidSpec,
     SandboxNotFound,
 )
-from dsec.sdk._http import make_http, raise_for_error, result_from_wire
+from dsec.sdk._http import UNSET as UNSET  # defined beside the HTTP plumbing, which needs it too
+from dsec.sdk._http import Endpoint, Response, _Unset, raise_for_error, result_from_wire
 from dsec.spec import NetworkPolicy, SandboxSpec
 from dsec.spec.api import (
     BatchResult,
@@ -59,17 +60,10 @@ from dsec.spec.api import (
 )
 from dsec.spec.results import ExecResult
 
-
-class _Unset:
-    def __repr__(self) -> str:
-        return "UNSET"
-
-
-UNSET: Final = _Unset()
-"""A left-out argument (its default applies); ``None`` means none, e.g. no timeout."""
 DEFAULT_EXEC_TIMEOUT: Final = 600.0
 W = TypeVar("W", bound=pydantic.BaseModel)
 EDGE_SHARDS: Final = 32
+"""httpx pools per edge (the lean client needs one; see sdk/_http.py Endpoint)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +112,10 @@ def _labels_query(labels: Mapping[str, str] | None) -> list[tuple[str, str]]:
 
 
 class AsyncClient:
-    """Client of a DSec control plane. ``url``/``token`` default to $DSEC_URL/$DSEC_TOKEN."""
+    """Client of a DSec control plane. ``url``/``token`` default to $DSEC_URL/$DSEC_TOKEN.
+
+    ``transport``: an httpx transport that carries every call (tests); without one, plain
+    calls to ``http://`` URLs take the lean HTTP/1.1 client (sdk/_http.py :class:`Endpoint`)."""
 
     def __init__(
         self,
@@ -136,9 +133,9 @@ class AsyncClient:
         self._token = token
         self._timeout = timeout
         self._transport = transport
-        self._http = make_http(self.url, timeout=timeout, transport=transport)
-        self._http.headers["authorization"] = f"Bearer {token}"
-        self._edges: dict[str, httpx.AsyncClient] = {}
+        self._http = Endpoint(self.url, timeout=timeout, transport=transport,
+                              headers={"authorization": f"Bearer {token}"})
+        self._edges: dict[str, Endpoint] = {}
         self._closed = False
 
     async def __aenter__(self) -> AsyncClient:
@@ -157,18 +154,16 @@ class AsyncClient:
             await c.aclose()
         self._edges.clear()
 
-    def _edge(self, url: str, key: str = "") -> httpx.AsyncClient:
-        """A pooled connection to an edge. Sandboxes are spread over EDGE_SHARDS pools:
-        httpcore's pool does work proportional to the requests in it on every event,
-        so one pool with 1,000 requests in flight burns a core on bookkeeping."""
-        shard = f"{url}#{hash(key) % EDGE_SHARDS}"
-        client = self._edges.get(shard)
-        if client is None:
-            client = make_http(url, timeout=self._timeout, transport=self._transport, max_connections=256)
-            self._edges[shard] = client
-        return client
+    def _edge(self, url: str) -> Endpoint:
+        """Pooled connections to an edge (its httpx fallback is spread over EDGE_SHARDS pools)."""
+        edge = self._edges.get(url)
+        if edge is None:
+            edge = Endpoint(url, timeout=self._timeout, transport=self._transport, shards=EDGE_SHARDS,
+                            max_connections=256)
+            self._edges[url] = edge
+        return edge
 
-    async def _call(self, method: str, path: str, **kw: Any) -> httpx.Response:
+    async def _call(self, method: str, path: str, **kw: Any) -> Response:
         resp = await self._http.request(method, path, **kw)
         raise_for_error(resp)
         return resp
@@ -194,7 +189,9 @@ class AsyncClient:
             lifecycle=Lifecycle(ttl_s=ttl_s, idle_timeout_s=idle_timeout_s, auto_pause_s=auto_pause_s),
             request_id=request_id or uuid.uuid4().hex,
         )
-        resp = await self._call("POST", "/v1/sandboxes", content=body.model_dump_json(), headers=_JSON)
+        # safe to resend on a dead kept-alive connection: the control plane de-duplicates the request_id
+        resp = await self._call("POST", "/v1/sandboxes", content=body.model_dump_json(), headers=_JSON,
+                                idempotent=True)
         return AsyncSandbox(self, SandboxInfo.model_validate_json(resp.content))
 
     async def create_many(
@@ -244,7 +241,7 @@ class AsyncClient:
                     except DsecError as exc:
                         await queue.put(CreateOutcome(i, None, exc))
                         return
-                    except httpx.HTTPError as exc:
+                    except httpx.HTTPError as exc:  # no answer (both clients raise httpx's): same request_id again
                         attempt += 1
                         if attempt > 3 or loop.time() > deadline:
                             await queue.put(CreateOutcome(i, None, DsecError(f"create failed: {exc!r}")))
@@ -436,11 +433,11 @@ class AsyncSandbox:
             with contextlib.suppress(SandboxNotFound):
                 await self._request("DELETE", "", retry_auth=False)
 
-    async def _request(self, method: str, path: str, *, retry_auth: bool = True, **kw: Any) -> httpx.Response:
-        http = self._client._edge(self.info.edge_url, self.id)
+    async def _request(self, method: str, path: str, *, retry_auth: bool = True, **kw: Any) -> Response:
+        http = self._client._edge(self.info.edge_url)
         extra = {k: v for k, v in kw.items() if k != "headers"}
         headers = {"authorization": f"Bearer {self.info.token}", **kw.get("headers", {})}
-        resp = await http.request(method, f"/v1/sandboxes/{self.id}{path}", headers=headers, **extra)
+        resp = await http.request(method, f"/v1/sandboxes/{self.id}{path}", key=self.id, headers=headers, **extra)
         if resp.status_code == 401 and retry_auth:
             await self._client._refresh(self)  # expired data-path token: get a fresh one
             return await self._request(method, path, retry_auth=False, **kw)
@@ -481,9 +478,9 @@ class AsyncSandbox:
     ) -> AsyncIterator[OutputChunk | ExecResult]:
         """Yield :class:`OutputChunk` as output is produced, then the :class:`ExecResult`."""
         req = self._exec_request(cmd, env, cwd, user, stdin, timeout, idle_timeout, pristine)
-        http = self._client._edge(self.info.edge_url, self.id)
+        http = self._client._edge(self.info.edge_url)
         headers = {"authorization": f"Bearer {self.info.token}", **_JSON}
-        async with http.stream("POST", f"/v1/sandboxes/{self.id}/exec/stream", content=req.model_dump_json(),
+        async with http.stream("POST", f"/v1/sandboxes/{self.id}/exec/stream", key=self.id, content=req.model_dump_json(),
                                headers=headers, timeout=self._http_timeout(req)) as resp:
             if resp.status_code >= 400:
                 await resp.aread()
@@ -530,7 +527,7 @@ class AsyncSandbox:
 
     # ----- network policy, stages, audit -----
 
-    def _take_info(self, resp: httpx.Response) -> SandboxInfo:
+    def _take_info(self, resp: Response) -> SandboxInfo:
         info = SandboxInfo.model_validate_json(resp.content)
         if info.token is None:  # a sandbox token gets no fresh token back: keep ours
             info = info.model_copy(update={"token": self.info.token, "token_expires_at": self.info.token_expires_at})
@@ -675,9 +672,10 @@ class AsyncFiles:
 
     async def upload(self, path: str, tar_bytes: bytes) -> int:
         """Extract a tar archive into directory ``path`` in the sandbox."""
-        resp = await self._sb._request("PUT", "/files/tar", params={"path": path}, content=tar_bytes)
+        # httpx: its timeout is per read, so a long transfer that keeps moving is not cut short
+        resp = await self._sb._request("PUT", "/files/tar", params={"path": path}, content=tar_bytes, lean=False)
         return int(json.loads(resp.content).get("entries", 0))
 
     async def download(self, path: str = "/") -> bytes:
         """A tar of ``path`` in the sandbox."""
-        return (await self._sb._request("GET", "/files/tar", params={"path": path})).content
+        return (await self._sb._request("GET", "/files/tar", params={"path": path}, lean=False)).content
