@@ -20,6 +20,7 @@ Counters follow the sandbox state through one table (:data:`HOLDS_QUOTA`,
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import logging
@@ -57,8 +58,10 @@ from dsec.control.iam import (
     check_task_fits,
     get_or_create_task,
     subtree_ids,
+    task_limit,
 )
 from dsec.control.placement import Demand, EdgeView, Room, normalize_ref, place, why_nothing_fits
+from dsec.control.planner import LaunchPlanner, Plan, Seen
 from dsec.errors import (
     Backpressure,
     DsecError,
@@ -115,15 +118,22 @@ _COMMIT = (
 )
 
 
+def _task_stages_doc(task_stages: Any) -> dict[str, Any]:
+    if not task_stages:
+        return {}
+    doc = task_stages if isinstance(task_stages, dict) else json.loads(task_stages)
+    return doc if doc.get("stages") else {}
+
+
 def inherited_stages(task_stages: Any, req: CreateSandbox) -> dict[str, Any] | None:
     """A sandbox of a task with stages, whose spec declares none, gets the task's (and starts
     in the task's current stage)."""
-    if not task_stages or req.spec.stages:
+    if req.spec.stages:
         return None
-    doc = task_stages if isinstance(task_stages, dict) else json.loads(task_stages)
-    stages = doc.get("stages") or {}
-    if not stages:
+    doc = _task_stages_doc(task_stages)
+    if not doc:
         return None
+    stages = doc["stages"]
     return {"stages": stages, "stage": doc.get("stage") or next(iter(stages))}
 
 
@@ -221,6 +231,8 @@ class Reserved:
     expires_at: float | None = None
     stages: dict[str, Any] | None = None
     """The task's stages (and starting stage) the sandbox inherits: its spec declares none."""
+    seen: Seen | None = None
+    """What the reserve transaction saw (for optimistic launches, planner.py)."""
 
 
 @dataclass(frozen=True)
@@ -244,6 +256,9 @@ class Sandboxes:
         self.directory = directory
         self.rng = random.Random()
         self.health = HealthCache()
+        self.planner = LaunchPlanner(
+            k=config.placement.k, require_layers=config.placement.require_layers, rng=self.rng
+        )
         self._confirming: dict[str, asyncio.Future[SandboxInfo | None]] = {}
         """Creates answered but not yet recorded (id -> the commit): lookups by id wait for them."""
         self._background: set[asyncio.Task[Any]] = set()
@@ -286,14 +301,14 @@ class Sandboxes:
 
     def _pick(
         self, s: Session, demand: Demand, exclude: frozenset[str]
-    ) -> tuple[EdgeView | None, list[EdgeView], dict[str, str]]:
+    ) -> tuple[EdgeView | None, list[EdgeView], dict[str, str], list[tuple[EdgeView, str]]]:
         loaded = load_views(s, self.health)
         views = [v for v, _ in loaded]
         chosen = place(
             views, demand, k=self.config.placement.k, rng=self.rng, exclude=exclude,
             require_layers=self.config.placement.require_layers,
         )
-        return chosen, views, {v.id: url for v, url in loaded}
+        return chosen, views, {v.id: url for v, url in loaded}, loaded
 
     @staticmethod
     def _unknown_layer(views: Sequence[EdgeView], demand: Demand) -> LayerNotFound | None:
@@ -320,7 +335,7 @@ class Sandboxes:
 
     def _reserve_txn(
         self, s: Session, who: Principal, req: CreateSandbox, rhash: str, demand: Demand,
-        dumped: dict[str, Any] | None = None,
+        dumped: dict[str, Any] | None = None, plan: Plan | None = None,
     ) -> Reserved | Answered | InFlight:
         """Check quotas, choose an edge and charge everything, in one transaction (the hot path).
 
@@ -328,6 +343,9 @@ class Sandboxes:
         of every burst. Lock order everywhere: projects, tasks, edges. Every
         refusal is raised before the first write (``checks_first``); only a
         task made on first use may precede one, and it may stay.
+
+        ``plan``: the create's edge call already started there (planner.py): the row records
+        that edge instead of choosing one, under the plan's key.
         """
         conn = s.connection()
         now = time.time()
@@ -345,27 +363,32 @@ class Sandboxes:
                 get_or_create_task(s, who.project_id, req.task, lock=True)
                 t = conn.execute(_Q_TASK, {"pid": who.project_id, "name": req.task}).one()
         want = Amount(1, demand.need.cpu_m, demand.need.memory)
-        check_fits(
-            project=p.name, quota=Amount(p.quota_sandboxes, p.quota_cpu_m, p.quota_memory),
-            used=Amount(p.used_sandboxes, p.used_cpu_m, p.used_memory),
-            reserved=Amount(p.reserved_sandboxes, p.reserved_cpu_m, p.reserved_memory), want=want,
-        )
+        quota = Amount(p.quota_sandboxes, p.quota_cpu_m, p.quota_memory)
+        used = Amount(p.used_sandboxes, p.used_cpu_m, p.used_memory)
+        reserved = Amount(p.reserved_sandboxes, p.reserved_cpu_m, p.reserved_memory)
+        check_fits(project=p.name, quota=quota, used=used, reserved=reserved, want=want)
+        task_free: dict[str, int | None] | None = None
         if t is not None:
             tq = TaskQuota(
                 sandboxes=t.quota_sandboxes, memory=t.quota_memory,
                 cpu=None if t.quota_cpu_m is None else t.quota_cpu_m / 1000,
             )
-            check_task_fits(
-                task=str(req.task), project=p.name, quota=tq,
-                used=Amount(t.used_sandboxes, t.used_cpu_m, t.used_memory), want=want,
-            )
-        chosen, views, urls = self._pick(s, demand, frozenset())
-        unknown = self._unknown_layer(views, demand)
-        if unknown is not None:
-            raise unknown
-        if chosen is None:
-            raise self._nothing_fits(views, demand, frozenset())
-        key = uuid.uuid4().hex
+            t_used = Amount(t.used_sandboxes, t.used_cpu_m, t.used_memory)
+            check_task_fits(task=str(req.task), project=p.name, quota=tq, used=t_used, want=want)
+            task_free = {d: None if v is None else v - t_used.get(d) - want.get(d) for d, v in task_limit(tq).items()}
+        if plan is None:
+            chosen, views, urls, loaded = self._pick(s, demand, frozenset())
+            unknown = self._unknown_layer(views, demand)
+            if unknown is not None:
+                raise unknown
+            if chosen is None:
+                raise self._nothing_fits(views, demand, frozenset())
+            key = uuid.uuid4().hex
+        else:  # the edge call is under way: record it there (the edge has the final say on room)
+            loaded = load_views(s, self.health)
+            # at the edge's address now: an edge that moved makes the caller drop the plan
+            urls = {v.id: u for v, u in loaded if v.id == plan.edge.id} or {plan.edge.id: plan.url}
+            chosen, key = plan.edge, plan.key
         labels = {**req.spec.labels, **req.labels}
         expires = now + req.lifecycle.ttl_s
         spec = dict(dumped["spec"]) if dumped is not None else req.spec.model_dump(mode="json")
@@ -385,9 +408,16 @@ class Sandboxes:
         if t is not None:
             bump_task(s, t.id, want)
         bump_edge(s, chosen.id, demand.need)
+        seen = Seen(
+            project_id=who.project_id, project_free=quota - used - reserved - want, task=req.task,
+            task_free=task_free, task_has_stages=bool(t is not None and _task_stages_doc(t.stages)),
+            # as the next transaction will see them: with this create's room on its edge
+            views=tuple((dataclasses.replace(v, committed=v.committed + demand.need) if v.id == chosen.id else v, u)
+                        for v, u in loaded),
+        )
         return Reserved(
             key=key, edge_id=chosen.id, edge_url=urls[chosen.id], labels=labels, task=req.task,
-            created_at=now, expires_at=expires, stages=inherit,
+            created_at=now, expires_at=expires, stages=inherit, seen=seen,
         )
 
     def _replay(self, s: Session, key: str, rhash: str, who: Principal) -> Answered | InFlight:
@@ -411,7 +441,7 @@ class Sandboxes:
         row = s.get(SandboxRow, key, with_for_update=True)
         if row is None or row.state != S.CREATING.value:
             return SandboxFailed("the sandbox was deleted while it was being created", reason="deleted")
-        chosen, views, urls = self._pick(s, demand, tried)
+        chosen, views, urls, _ = self._pick(s, demand, tried)
         ledger = Ledger()
         if chosen is None:
             forget(s, row, ledger)
@@ -482,17 +512,63 @@ class Sandboxes:
         dumped = req.model_dump(mode="json")  # once: the hash, the row and the edge's body share it
         rhash = request_hash(req, dumped)
         deadline = time.monotonic() + self._create_budget()
+        key = uuid.uuid4().hex
+        plan = self.planner.plan(who.project_id, req.task, bool(req.spec.stages), demand, key, req.request_id)
+        first: asyncio.Task[SandboxInfo] | None = None
+        if plan is not None:
+            first = asyncio.ensure_future(self.edges.create(plan.edge.id, plan.url, self._edge_body(who, key, dumped, None)))
         while True:
-            r = await self.store.write_grouped(
-                partial(self._reserve_txn, who=who, req=req, rhash=rhash, demand=demand, dumped=dumped),
-                checks_first=True,
-            )
-            if isinstance(r, Answered):
-                return r.info
+            try:
+                r = await self.store.write_grouped(
+                    partial(self._reserve_txn, who=who, req=req, rhash=rhash, demand=demand, dumped=dumped, plan=plan),
+                    checks_first=True,
+                )
+            except BaseException:
+                self.planner.refused(who.project_id, plan.key if plan is not None else None)
+                if plan is not None:
+                    self._spawn(self._discard(first, plan))
+                raise
+            if plan is not None and (
+                not isinstance(r, Reserved) or r.stages is not None or r.edge_url != plan.url
+            ):
+                # The transaction disagrees with the plan (a replayed request_id, stages to
+                # inherit, the edge moved): drop the optimistic sandbox. A reservation made stays and is launched
+                # with care, under the same key, so the edge must have forgotten it first.
+                self.planner.done(plan.key)
+                if isinstance(r, Reserved):
+                    await self._discard(first, plan)
+                else:
+                    self._spawn(self._discard(first, plan))
+                plan = first = None
             if isinstance(r, Reserved):
                 break
+            if isinstance(r, Answered):
+                return r.info
             await self._wait_in_flight(who, req, deadline)
-        return await self._launch(who, req, r, demand, dumped)
+        assert r.seen is not None
+        self.planner.seen(r.seen, key=r.key)
+        return await self._launch(who, req, r, demand, dumped, first=first)
+
+    def _edge_body(self, who: Principal, key: str, dumped: dict[str, Any], stages: dict[str, Any] | None) -> dict[str, Any]:
+        body = dict(dumped)
+        body.pop("edge_selector", None)
+        body["spec"] = dict(body["spec"])
+        body["request_id"] = key  # idempotent on the edge too: a retried call makes no second sandbox
+        body["project"] = who.project
+        if stages is not None:
+            body["spec"].update(stages)
+        return body
+
+    async def _discard(self, first: asyncio.Task[SandboxInfo] | None, plan: Plan) -> None:
+        """An optimistic edge call whose create must not stand: delete what it made."""
+        if first is None:
+            return
+        self.planner.discarded += 1
+        try:
+            got = await first
+        except Exception:
+            return  # refused or failed: nothing was made (or the watcher reaps it as an orphan)
+        await self._edge_delete_quietly(plan.edge.id, plan.url, got.id)
 
     def _create_budget(self) -> float:
         return self.config.edge_timeout_s * self.config.placement.max_attempts + 5.0
@@ -519,24 +595,25 @@ class Sandboxes:
         )
 
     async def _launch(
-        self, who: Principal, req: CreateSandbox, r: Reserved, demand: Demand, dumped: dict[str, Any] | None = None
+        self, who: Principal, req: CreateSandbox, r: Reserved, demand: Demand, dumped: dict[str, Any] | None = None,
+        *, first: asyncio.Task[SandboxInfo] | None = None,
     ) -> SandboxInfo:
+        """Call edges until one makes the sandbox. ``first``: the call to ``r``'s edge is already
+        under way (an optimistic launch): its answer is the first attempt's."""
         tried: set[str] = set()
         transient = False  # some edge refused or did not answer: a later retry may succeed
         last: DsecError | None = None
-        body = dict(dumped) if dumped is not None else req.model_dump(mode="json")
-        body.pop("edge_selector", None)
-        body["spec"] = dict(body["spec"])
-        body["request_id"] = r.key  # idempotent on the edge too: a retried call makes no second sandbox
-        body["project"] = who.project
-        if r.stages is not None:
-            body["spec"].update(r.stages)
+        body = self._edge_body(who, r.key, dumped if dumped is not None else req.model_dump(mode="json"), r.stages)
         attempts = self.config.placement.max_attempts
         done = False
         try:
             while True:
                 try:
-                    got = await self.edges.create(r.edge_id, r.edge_url, body)
+                    if first is not None:
+                        call, first = first, None
+                        got = await call
+                    else:
+                        got = await self.edges.create(r.edge_id, r.edge_url, body)
                 except Backpressure as exc:
                     log.info("edge %s refused %s: %s", r.edge_id, r.key, exc.fields.get("reason", exc))
                     transient, last = True, exc
