@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
@@ -19,7 +19,7 @@ from fastapi import Body, Depends, FastAPI, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dsec.control import edges as edges_mod
@@ -38,6 +38,7 @@ from dsec.control.wire import (
     UpdateProjectBody,
 )
 from dsec.errors import AuthError, DsecError, Forbidden, InvalidSpec
+from dsec.fastroute import Answer, FastRequest, FastRoutes, answer_of
 from dsec.httplimits import BodyLimit
 from dsec.spec import SandboxState
 from dsec.spec.api import (
@@ -96,6 +97,15 @@ def _field_of(loc: tuple[Any, ...] | list[Any]) -> str:
     if parts and parts[0] in ("body", "query", "path", "header"):
         parts = parts[1:]
     return ".".join(parts) or "body"
+
+
+def validation_response(errors: Sequence[Any]) -> JSONResponse:
+    details = [
+        {"field": _field_of(e.get("loc", ())), "message": str(e.get("msg", "")), "type": str(e.get("type", ""))}
+        for e in errors
+    ]
+    first = details[0] if details else {"field": "body", "message": "invalid request"}
+    return error_response(InvalidSpec(f"{first['field']}: {first['message']}", field=first["field"], errors=details[:20]))
 
 
 # -------------------------------------------------------------- auth ----
@@ -169,6 +179,13 @@ def _check_create(body: CreateSandbox | CreateBatch) -> None:
         iam.check_name(body.task, "task")
 
 
+async def _create(ctl: Control, who: Principal, body: CreateSandbox) -> str:
+    _check_create(body)
+    info = await ctl.sandboxes.create(who, body)
+    # serialized here: FastAPI would validate the answer against its model once more
+    return info.model_dump_json()
+
+
 def _check_health(body: EdgeHealth) -> None:
     validate.finite(body.model_dump(mode="python"))
     validate.text(body.url, "url", max_len=512)
@@ -198,7 +215,23 @@ def create_app(config: ControlConfig, *, control: Control | None = None) -> Fast
         lifespan=lifespan,
         responses=_ERRORS,
     )
-    app.add_middleware(BodyLimit)  # JSON bodies stop at 16 MiB (dsec/httplimits.py)
+    # Creates, below FastAPI's machinery (dsec/fastroute.py): the FastAPI route of the same
+    # name answers what this passes on, and documents the API.
+    async def fast_create(req: FastRequest) -> Answer:
+        ctl: Control = app.state.ctl
+        who = await ctl.auth.project(req.bearer())
+        body = CreateSandbox.model_validate_json(req.body)
+        return Answer(201, (await _create(ctl, who, body)).encode())
+
+    def fast_error(exc: Exception) -> Answer | None:
+        if isinstance(exc, DsecError):
+            return answer_of(error_response(exc))
+        if isinstance(exc, ValidationError):
+            return answer_of(validation_response(exc.errors()))
+        return None
+
+    app.add_middleware(FastRoutes, errors=fast_error, routes={("POST", "/v1/sandboxes"): fast_create})
+    app.add_middleware(BodyLimit)  # JSON bodies stop at 16 MiB (dsec/httplimits.py), fast routes too
 
     # ------------------------------------------------------------ errors ----
 
@@ -208,14 +241,7 @@ def create_app(config: ControlConfig, *, control: Control | None = None) -> Fast
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = [
-            {"field": _field_of(e.get("loc", ())), "message": str(e.get("msg", "")), "type": str(e.get("type", ""))}
-            for e in exc.errors()
-        ]
-        first = errors[0] if errors else {"field": "body", "message": "invalid request"}
-        return error_response(
-            InvalidSpec(f"{first['field']}: {first['message']}", field=first["field"], errors=errors[:20])
-        )
+        return validation_response(exc.errors())
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -248,10 +274,7 @@ def create_app(config: ControlConfig, *, control: Control | None = None) -> Fast
 
     @app.post("/v1/sandboxes", status_code=201, response_model=SandboxInfo, tags=["sandboxes"])
     async def create_sandbox(ctl: Ctl, who: Who, body: CreateBody) -> Response:
-        _check_create(body)
-        info = await ctl.sandboxes.create(who, body)
-        # serialized here: FastAPI would validate the answer against its model once more
-        return Response(info.model_dump_json(), status_code=201, media_type="application/json")
+        return Response(await _create(ctl, who, body), status_code=201, media_type="application/json")
 
     @app.post("/v1/sandboxes/batch", tags=["sandboxes"])
     async def create_batch(ctl: Ctl, who: Who, body: BatchBody) -> BatchResult:

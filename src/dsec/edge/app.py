@@ -23,7 +23,7 @@ import logging
 import math
 import re
 import time
-from collections.abc import AsyncIterator, Coroutine, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from typing import Annotated, Any, TypeVar
 
 from fastapi import Body, Depends, FastAPI, Query, Request
@@ -38,6 +38,7 @@ from dsec.backends.container.fsops import FileInfo
 from dsec.edge.config import EdgeConfig
 from dsec.edge.service import EdgeService, error_body, result_to_wire
 from dsec.errors import AuthError, DsecError, Forbidden, InvalidSpec
+from dsec.fastroute import Answer, FastRequest, FastRoutes, answer_of
 from dsec.httplimits import BodyLimit, read_body
 from dsec.spec import NetworkPolicy
 from dsec.spec.api import (
@@ -127,7 +128,9 @@ class _Auth:
         self._cache: dict[str, Claims] = {}
 
     def claims(self, request: Request) -> Claims:
-        header = request.headers.get("authorization")
+        return self.claims_of(request.headers.get("authorization"))
+
+    def claims_of(self, header: str | None) -> Claims:
         if not header:
             raise AuthError("missing Authorization: Bearer <token> (a dsec1 token from the control plane)")
         scheme, _, token = header.strip().partition(" ")
@@ -146,13 +149,14 @@ class _Auth:
         return claims
 
 
-async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T | None:
+async def _unless_disconnected(receive: Callable[[], Awaitable[Any]], work: Coroutine[Any, Any, T]) -> T | None:
     """Await ``work``, cancelling it if the client goes away first (for exec: the command's
-    process tree is killed rather than left running for a caller who gave up)."""
+    process tree is killed rather than left running for a caller who gave up). ``receive``:
+    the request's, its body already read."""
     task = asyncio.ensure_future(work)
 
     async def gone() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
+        while (await receive())["type"] != "http.disconnect":
             pass
 
     watcher = asyncio.ensure_future(gone())
@@ -175,7 +179,10 @@ def _auth(request: Request) -> _Auth:
 
 # async on purpose: FastAPI runs a sync dependency in a worker thread (a thread hop per request).
 async def _admin(request: Request) -> Claims:
-    claims = _auth(request).claims(request)
+    return _must_be_admin(_auth(request).claims(request))
+
+
+def _must_be_admin(claims: Claims) -> Claims:
     if claims.scope != "edge-admin":
         raise Forbidden("this call needs an edge-admin token (sandbox tokens reach only their sandbox)")
     return claims
@@ -223,7 +230,39 @@ def create_app(config: EdgeConfig, *, service: EdgeService | None = None) -> Fas
     )
     app.state.edge = svc
     app.state.auth = auth
-    # JSON bodies stop at 16 MiB; file bodies are capped by the sandbox's quota (read_body)
+
+    # The rollout's hot routes, below FastAPI's machinery (dsec/fastroute.py); the FastAPI
+    # routes of the same name below answer what these pass on, and document the API.
+    def header(req: FastRequest) -> str | None:
+        raw = req.headers.get(b"authorization")
+        return None if raw is None else raw.decode("latin-1")
+
+    async def fast_create(req: FastRequest) -> Answer:
+        _must_be_admin(auth.claims_of(header(req)))
+        info = await svc.create(EdgeCreateSandbox.model_validate_json(req.body))
+        return Answer(201, info.model_dump_json().encode())
+
+    async def fast_exec(req: FastRequest) -> Answer:
+        sandbox_id = req.params[0]
+        check_sandbox(auth.claims_of(header(req)), sandbox_id)
+        result = await _unless_disconnected(req.receive, svc.exec(sandbox_id, ExecRequest.model_validate_json(req.body)))
+        if result is None:
+            return Answer(499, b"")  # client closed the request (nginx's code)
+        return Answer(200, result_to_wire(result).model_dump_json().encode())
+
+    def fast_error(exc: Exception) -> Answer | None:
+        if isinstance(exc, DsecError):
+            return answer_of(_error_response(exc))
+        if isinstance(exc, ValidationError):
+            return answer_of(_validation_response(exc.errors()))
+        return None
+
+    app.add_middleware(FastRoutes, errors=fast_error, routes={
+        ("POST", "/v1/sandboxes"): fast_create,
+        ("POST", "/v1/sandboxes/{}/exec"): fast_exec,
+    })
+    # JSON bodies stop at 16 MiB; file bodies are capped by the sandbox's quota (read_body).
+    # Added last, so it is outside the fast routes too.
     app.add_middleware(BodyLimit, exempt=("/files", "/files/append", "/files/tar"))
 
     # ------------------------------------------------------------ errors --
@@ -305,7 +344,7 @@ def create_app(config: EdgeConfig, *, service: EdgeService | None = None) -> Fas
 
     @app.post("/v1/sandboxes/{sandbox_id}/exec", response_model=ExecResultWire, tags=["exec"])
     async def exec_command(sandbox_id: str, body: ExecRequest, request: Request, _c: Owner) -> Response:
-        result = await _unless_disconnected(request, svc.exec(sandbox_id, body))
+        result = await _unless_disconnected(request.receive, svc.exec(sandbox_id, body))
         if result is None:
             return Response(status_code=499)  # client closed the request (nginx's code)
         return _json(result_to_wire(result))
