@@ -122,3 +122,21 @@ async def test_an_edge_refusing_an_optimistic_create_sends_it_elsewhere(db_url: 
         assert planner.launched == 1 and idle.refusals == 1
         assert r.json()["edge_id"] == first["edge_id"] and not idle.live_ids()
         assert (await c.get("/v1/projects/root")).json()["used"]["sandboxes"] == 2
+
+
+async def test_a_burst_past_the_quota_leaves_exactly_the_quota(db_url: str, tmp_path: Path) -> None:
+    async with cluster(db_url, tmp_path, edges=[{}, {}]) as cl:
+        token = await cl.project("burst", sandboxes=12, cpu=1000, memory=1 << 40)
+        c = cl.client(token)
+        planner = cl.control.sandboxes.planner
+        assert (await create(c)).status_code == 201  # the planner has seen the project
+        rs = await asyncio.gather(*(create(c) for _ in range(30)))
+        codes = sorted(r.status_code for r in rs)
+        assert codes.count(201) == 11 and codes.count(403) == 19, [r.text[:150] for r in rs if r.status_code != 201]
+        assert planner.launched >= 1
+        live = lambda: set().union(*(e.live_ids() for e in cl.edges))  # noqa: E731
+        await until(lambda: len(live()) == 12)  # dropped optimistic sandboxes are gone
+        listed = {s["id"] for s in (await c.get("/v1/sandboxes")).json()}
+        assert listed == live()
+        info = (await c.get("/v1/projects/burst")).json()
+        assert info["used"]["sandboxes"] == 12
