@@ -138,17 +138,27 @@ class BodyLimit:
                 await self._refuse(send, f"request body of {int(value)} bytes is over the {self.limit}-byte limit")
                 return
         seen = 0
+        over = False
 
         async def limited_receive() -> Any:
-            nonlocal seen
+            nonlocal seen, over
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.limit:
+                    over = True
                     raise PayloadTooLarge(f"request body is over the {self.limit}-byte limit", limit=self.limit)
             return message
 
-        await self.app(scope, limited_receive, send)
+        async def refusing_send(message: Any) -> None:
+            # Past the limit the answer is this 413, whatever the app made of the exception
+            # (FastAPI turns an error while it reads a body into a 400).
+            if not over:
+                await send(message)
+            elif message["type"] == "http.response.start":
+                await self._refuse(send, f"request body is over the {self.limit}-byte limit")
+
+        await self.app(scope, limited_receive, refusing_send)
 
     async def _refuse(self, send: Any, why: str) -> None:
         import json

@@ -19,7 +19,7 @@ from fastapi import Body, Depends, FastAPI, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dsec.control import edges as edges_mod
@@ -125,9 +125,13 @@ Ctl = Annotated[Control, Depends(ctl_of)]
 
 
 def _token(cred: HTTPAuthorizationCredentials | None) -> str:
-    if cred is None or not cred.credentials:
+    return _required(None if cred is None else cred.credentials)
+
+
+def _required(token: str | None) -> str:
+    if not token:
         raise AuthError("missing credentials: send 'Authorization: Bearer dsk_...'")
-    return cred.credentials
+    return token
 
 
 async def caller(request: Request, cred: Bearer) -> Principal:
@@ -219,14 +223,14 @@ def create_app(config: ControlConfig, *, control: Control | None = None) -> Fast
     # name answers what this passes on, and documents the API.
     async def fast_create(req: FastRequest) -> Answer:
         ctl: Control = app.state.ctl
-        who = await ctl.auth.project(req.bearer())
-        body = CreateSandbox.model_validate_json(req.body)
-        return Answer(201, (await _create(ctl, who, body)).encode())
+        who = await ctl.auth.project(_required(req.bearer()))
+        return Answer(201, (await _create(ctl, who, req.model(CreateSandbox))).encode())
 
     def fast_error(exc: Exception) -> Answer | None:
+        # the exception handlers below, for what a fast route raises; the rest goes to _bug (500)
         if isinstance(exc, DsecError):
             return answer_of(error_response(exc))
-        if isinstance(exc, ValidationError):
+        if isinstance(exc, RequestValidationError):
             return answer_of(validation_response(exc.errors()))
         return None
 

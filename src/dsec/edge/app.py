@@ -239,21 +239,22 @@ def create_app(config: EdgeConfig, *, service: EdgeService | None = None) -> Fas
 
     async def fast_create(req: FastRequest) -> Answer:
         _must_be_admin(auth.claims_of(header(req)))
-        info = await svc.create(EdgeCreateSandbox.model_validate_json(req.body))
+        info = await svc.create(req.model(EdgeCreateSandbox))
         return Answer(201, info.model_dump_json().encode())
 
     async def fast_exec(req: FastRequest) -> Answer:
         sandbox_id = req.params[0]
         check_sandbox(auth.claims_of(header(req)), sandbox_id)
-        result = await _unless_disconnected(req.receive, svc.exec(sandbox_id, ExecRequest.model_validate_json(req.body)))
+        result = await _unless_disconnected(req.receive, svc.exec(sandbox_id, req.model(ExecRequest)))
         if result is None:
             return Answer(499, b"")  # client closed the request (nginx's code)
         return Answer(200, result_to_wire(result).model_dump_json().encode())
 
     def fast_error(exc: Exception) -> Answer | None:
+        # the exception handlers below, for what a fast route raises; the rest goes to _unexpected
         if isinstance(exc, DsecError):
             return answer_of(_error_response(exc))
-        if isinstance(exc, ValidationError):
+        if isinstance(exc, (RequestValidationError, ValidationError)):
             return answer_of(_validation_response(exc.errors()))
         return None
 

@@ -141,6 +141,19 @@ def _check_pristine(v: list[str]) -> list[str]:
     return v
 
 
+def _check_utf8(v: Any) -> Any:
+    """A string must have a UTF-8 form: argv, environment and paths are bytes to the kernel,
+    and JSON can spell a lone surrogate (``"\\ud800"``), which has none."""
+    items = [*v, *v.values()] if isinstance(v, dict) else v if isinstance(v, list) else [v]
+    for s in items:
+        if isinstance(s, str) and not s.isascii():
+            try:
+                s.encode()
+            except UnicodeEncodeError:
+                raise ValueError("a string has a character with no UTF-8 form (a lone surrogate)") from None
+    return v
+
+
 class ExecRequest(_Wire):
     cmd: list[str] | str
     env: dict[str, str] = Field(default_factory=dict)
@@ -157,7 +170,12 @@ class ExecRequest(_Wire):
     @field_validator("pristine")
     @classmethod
     def _pristine(cls, v: list[str]) -> list[str]:
-        return _check_pristine(v)
+        return _check_pristine(_check_utf8(v))
+
+    @field_validator("cmd", "env", "cwd", "user")
+    @classmethod
+    def _utf8(cls, v: Any) -> Any:
+        return _check_utf8(v)
 
 
 class ExecResultWire(_Wire):
