@@ -119,6 +119,28 @@ async def test_delete_while_the_edge_is_down_finishes_later(db_url: str, tmp_pat
         assert (await c.get(f"/v1/sandboxes/{sb2['id']}")).json()["edge_url"] == edge.url
 
 
+async def test_a_sandbox_recorded_after_the_listing_is_not_stopped(db_url: str, tmp_path: Path) -> None:
+    """The watcher lists an edge, then reconciles in a transaction: a create recorded in
+    between is missing from the listing and must not be called gone (it used to be moved to
+    stopped, and deleted on the edge at the next round)."""
+    async with cluster(db_url, tmp_path) as cl:
+        c = cl.client()
+        watcher = cl.control.watcher
+        listed_at = time.time()
+        sb = await create(c)
+        await cl.control.sandboxes.settled()
+        doomed = await cl.control.db.write(lambda s: watcher._reconcile_txn(s, "e1", {}, listed_at))
+        assert doomed == []
+        assert (await c.get(f"/v1/sandboxes/{sb['id']}")).json()["state"] == "running"
+        await cl.tick()  # a real round lists it: still running, still on the edge
+        assert (await c.get(f"/v1/sandboxes/{sb['id']}")).json()["state"] == "running"
+        assert sb["id"] in cl.edges[0].live_ids()
+        # a listing asked for after the record that lacks it: it is gone from the edge
+        cl.edges[0].drop(sb["id"])
+        await cl.tick()
+        assert (await c.get(f"/v1/sandboxes/{sb['id']}")).json()["state"] == "stopped"
+
+
 async def test_orphans_are_reaped_after_the_grace(db_url: str, tmp_path: Path) -> None:
     async with cluster(db_url, tmp_path, orphan_grace_s=30.0) as cl:
         c = cl.client()

@@ -163,6 +163,7 @@ class Watcher:
     # ------------------------------------------------------------ reconcile ----
 
     async def reconcile(self, edge_id: str, url: str) -> None:
+        listed_at = time.time()  # before the listing: a row recorded since may be missing from it
         try:
             listing = await self.edges.list(edge_id, url)
         except Exception as exc:
@@ -170,7 +171,7 @@ class Watcher:
             return
         self._reconciled[edge_id] = time.time()
         on_edge = {sb.id: sb for sb in listing}
-        doomed = await self.store.write(lambda s: self._reconcile_txn(s, edge_id, on_edge))
+        doomed = await self.store.write(lambda s: self._reconcile_txn(s, edge_id, on_edge, listed_at))
         if not doomed:
             return
         sem = asyncio.Semaphore(32)
@@ -188,8 +189,15 @@ class Watcher:
         if gone:
             await self.store.write(lambda s: _finish_many(s, gone))
 
-    def _reconcile_txn(self, s: Session, edge_id: str, on_edge: dict[str, SandboxInfo]) -> list[str]:
-        """Apply what the edge holds to the store; returns ids to delete on the edge."""
+    def _reconcile_txn(
+        self, s: Session, edge_id: str, on_edge: dict[str, SandboxInfo], listed_at: float | None = None
+    ) -> list[str]:
+        """Apply what the edge holds to the store; returns ids to delete on the edge.
+
+        ``listed_at``: when the listing was asked for. A row changed since (a create recorded
+        after the edge answered the listing) is not judged missing from it: the edge made the
+        sandbox after its list was taken, and calling it gone would stop a live sandbox (and
+        the next round would delete it on the edge as "stopped in the store")."""
         now = time.time()
         ledger = Ledger()
         doomed: list[str] = []
@@ -206,6 +214,8 @@ class Watcher:
                     move(row, S.STOPPED, ledger)
                 else:
                     doomed.append(row.id)
+            elif there is None and listed_at is not None and row.updated_at >= listed_at:
+                continue  # too new for this listing: the next round judges it
             elif there is None or there.state == S.STOPPED:
                 expired = row.expires_at is not None and now >= row.expires_at - 1.0
                 why = "expired (ttl)" if expired else f"gone from edge {edge_id} (idle timeout or destroyed there)"
