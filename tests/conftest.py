@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -831,6 +831,38 @@ def dsec_up(data: Path, env: dict[str, str], *extra: str) -> Iterator[dict[str, 
             log.close()
 
 
+# ------------------------------------------------------------ servers ----
+
+
+@contextlib.asynccontextmanager
+async def serve_asgi(app: Any, **config: Any) -> AsyncIterator[str]:
+    """Serve the ASGI ``app`` in the running event loop with uvicorn on a free 127.0.0.1
+    port (warnings only, no lifespan); yields its URL once it is started, and on the way
+    out stops it and waits for it (10 s at most). ``config``: more ``uvicorn.Config``
+    settings, or other values for these."""
+    import uvicorn
+
+    class Quiet(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield  # the test runner keeps its own signal handlers (Ctrl-C stops the run)
+
+    settings: dict[str, Any] = {"host": "127.0.0.1", "port": 0, "log_level": "warning", "lifespan": "off",
+                                **config}
+    server = Quiet(uvicorn.Config(app, **settings))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():
+            raise RuntimeError(f"server did not start: {task.exception()}")
+        await asyncio.sleep(0.005)
+    host, port = server.servers[0].sockets[0].getsockname()[:2]
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 10)
+
+
 # ------------------------------------------------------------ edges ----
 
 
@@ -850,3 +882,17 @@ def edge_config(dsec_base: Path, suffix: str, edge_id: str, key: bytes, **kw: An
     kw.setdefault("destroy_on_shutdown", True)
     return EdgeConfig(edge_id=edge_id, cluster_key=key, port=0, state_dir=state, run_dir=dsec_base / "run",
                       runtime_name=name, **kw)
+
+
+@contextlib.contextmanager
+def running_edge(cfg: Any) -> Iterator[Any]:
+    """An edge agent (an ``EdgeThread``) on ``cfg``, e.g. an :func:`edge_config`, started;
+    on the way out it is stopped and must have left nothing on the host."""
+    from dsec.edge.testing import EdgeThread, leftovers
+
+    e = EdgeThread(cfg).start()
+    try:
+        yield e
+    finally:
+        e.stop()
+    assert not leftovers(cfg), leftovers(cfg)

@@ -36,10 +36,10 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
+from conftest import serve_asgi
 from dsec import auth
 from dsec.spec.api import EdgeHealth, SandboxInfo
 
@@ -47,35 +47,6 @@ MiB = 1024 * 1024
 GiB = 1024 * MiB
 BASE_LAYER = "busybox:test"
 SPEC: dict[str, Any] = {"image": {"base": BASE_LAYER}, "resources": {"cpu": 1, "memory": 256 * MiB, "disk": 64 * MiB}}
-
-
-# ----------------------------------------------------------------- servers ----
-
-
-class _QuietServer(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
-async def serve_app(app: FastAPI) -> tuple[str, _QuietServer, asyncio.Task[None]]:
-    server = _QuietServer(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        if task.done():
-            raise RuntimeError(f"server did not start: {task.exception()}")
-        await asyncio.sleep(0.005)
-    host, port = server.servers[0].sockets[0].getsockname()[:2]
-    return f"http://{host}:{port}", server, task
-
-
-async def stop_server(server: uvicorn.Server, task: asyncio.Task[None]) -> None:
-    server.should_exit = True
-    try:
-        await asyncio.wait_for(task, 5)
-    except TimeoutError:
-        server.force_exit = True
-        await task
 
 
 # --------------------------------------------------------------- stub edge ----
@@ -111,8 +82,7 @@ class StubEdge:
     stage_calls: list[tuple[str, str]] = field(default_factory=list)
     fail_stage: set[str] = field(default_factory=set)
     url: str = ""
-    _server: Any = None
-    _task: Any = None
+    _served: contextlib.AsyncExitStack | None = None
 
     # -- what the edge holds --
 
@@ -390,13 +360,14 @@ class StubEdge:
         return app
 
     async def start(self) -> StubEdge:
-        self.url, self._server, self._task = await serve_app(self.app())
+        self._served = contextlib.AsyncExitStack()
+        self.url = await self._served.enter_async_context(serve_asgi(self.app()))
         return self
 
     async def stop(self) -> None:
-        if self._server is not None:
-            await stop_server(self._server, self._task)
-            self._server = None
+        if self._served is not None:
+            await self._served.aclose()
+            self._served = None
 
     async def register(self, control_url: str) -> None:
         tok, _ = auth.mint(self.key, sandbox_id="*", project="*", scope="edge-admin")

@@ -19,9 +19,9 @@ from typing import Any
 import httpx
 import pytest
 
-from conftest import edge_config, wait_until
+from conftest import edge_config, running_edge, wait_until
 from dsec.auth import mint
-from dsec.edge.testing import EdgeThread, leftovers
+from dsec.edge.testing import EdgeThread
 
 pytestmark = pytest.mark.root
 
@@ -31,13 +31,8 @@ SPEC: dict[str, Any] = {"image": {"base": "busybox:test"}, "resources": {"cpu": 
 
 @pytest.fixture(scope="module")
 def edge(dsec_base: Path) -> Iterator[EdgeThread]:
-    cfg = edge_config(dsec_base, "eapi", "ea", KEY, watchdog_interval_s=0.2)
-    e = EdgeThread(cfg).start()
-    try:
+    with running_edge(edge_config(dsec_base, "eapi", "ea", KEY, watchdog_interval_s=0.2)) as e:
         yield e
-    finally:
-        e.stop()
-    assert not leftovers(cfg), leftovers(cfg)
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from conftest import RT_PREFIX, edge_config, remote_host, wait_until
+from conftest import RT_PREFIX, edge_config, remote_host, running_edge, wait_until
 from dsec.edge.config import EdgeConfig
 from dsec.edge.testing import EdgeThread, leftovers, prepare_busybox
 
@@ -52,16 +52,12 @@ def edge(dsec_base: Path, remote: str) -> Iterator[EdgeThread]:
                  "permissions": {"remote-web": {"cidrs": [f"{remote}/32"], "ports": ["8080"]},
                                  "remote-alt": {"cidrs": [f"{remote}/32"], "ports": ["9090"]}}},
     )
-    e = EdgeThread(cfg).start()
-    try:
+    with running_edge(cfg) as e:
         yield e
-    finally:
-        e.stop()
-        assert not leftovers(cfg), leftovers(cfg)
-        # Its network manager holds no namespace (they die with their last fd, veths with them).
-        # Host links are not checked by name: other runtimes on this machine use the same names.
-        net = e.service.runtime.net
-        assert not net.sandboxes and not net._pool, (net.sandboxes, net._pool)
+    # Its network manager holds no namespace (they die with their last fd, veths with them).
+    # Host links are not checked by name: other runtimes on this machine use the same names.
+    net = e.service.runtime.net
+    assert not net.sandboxes and not net._pool, (net.sandboxes, net._pool)
 
 
 @pytest.fixture(scope="module")

@@ -31,9 +31,9 @@ import test_control_support as support
 from test_control_support import SPEC as CONTROL_SPEC
 from test_control_support import cluster
 
-from conftest import edge_config, pid_alive, wait_until
+from conftest import edge_config, pid_alive, running_edge, wait_until
 from dsec.auth import mint
-from dsec.edge.testing import EdgeThread, leftovers
+from dsec.edge.testing import EdgeThread
 from dsec.fastroute import FastRoutes
 from dsec.httplimits import JSON_BODY_LIMIT
 
@@ -321,13 +321,8 @@ async def test_control_plane_creates_on_both_paths(db_url: str, tmp_path: Path) 
 
 @pytest.fixture(scope="module")
 def edge(dsec_base: Path) -> Iterator[EdgeThread]:
-    cfg = edge_config(dsec_base, "efast", "ef", KEY, watchdog_interval_s=0.2, max_sandboxes=3)
-    e = EdgeThread(cfg).start()
-    try:
+    with running_edge(edge_config(dsec_base, "efast", "ef", KEY, watchdog_interval_s=0.2, max_sandboxes=3)) as e:
         yield e
-    finally:
-        e.stop()
-    assert not leftovers(cfg), leftovers(cfg)
 
 
 @pytest.fixture(scope="module")

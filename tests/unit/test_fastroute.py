@@ -6,18 +6,17 @@ chunking, a real client going away)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from conftest import serve_asgi
 from dsec.errors import AuthError, Backpressure, DsecError, SandboxNotFound
 from dsec.fastroute import Answer, FastRequest, FastRoutes
 from dsec.httplimits import BodyLimit
@@ -373,12 +372,6 @@ async def test_an_exception_the_callback_does_not_render_propagates(handlers: Ha
 # ------------------------------------------------- behind BodyLimit, served ----
 
 
-class _Quiet(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
 @dataclass
 class Served:
     url: str
@@ -402,19 +395,8 @@ async def served() -> AsyncIterator[Served]:
 
     fast = FastRoutes(inner, errors=errors, routes={("POST", "/v1/sandboxes"): handlers.create,
                                                     ("POST", EXEC): wait_exec})
-    server = _Quiet(uvicorn.Config(BodyLimit(fast, limit=1 << 20), host="127.0.0.1", port=0, log_level="warning",
-                                   lifespan="off"))
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        if task.done():
-            raise RuntimeError(f"server did not start: {task.exception()}")
-        await asyncio.sleep(0.005)
-    host, port = server.servers[0].sockets[0].getsockname()[:2]
-    try:
-        yield Served(f"http://{host}:{port}", handlers, inner, gone)
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, 10)
+    async with serve_asgi(BodyLimit(fast, limit=1 << 20)) as url:
+        yield Served(url, handlers, inner, gone)
 
 
 def urlsplit_host_port(url: str) -> tuple[str, int]:

@@ -6,17 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import json
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
+from conftest import serve_asgi
 from dsec import AsyncClient, SandboxNotFound
 from dsec.http1 import Answer
 from dsec.spec import ImageRef, SandboxSpec
@@ -95,29 +94,12 @@ class FakeService:
         return 404, b'{"error": {"code": "dsec_error", "message": "no route"}}', "application/json"
 
 
-class _QuietServer(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
 @pytest.fixture
 async def service() -> AsyncIterator[FakeService]:
     app = FakeService()
-    server = _QuietServer(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off",
-                                         timeout_graceful_shutdown=2))
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        if task.done():
-            raise RuntimeError(f"server did not start: {task.exception()}")
-        await asyncio.sleep(0.005)
-    host, port = server.servers[0].sockets[0].getsockname()[:2]
-    app.url = f"http://{host}:{port}"
-    try:
+    async with serve_asgi(app, timeout_graceful_shutdown=2) as url:
+        app.url = url
         yield app
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, 10)
 
 
 async def test_plain_calls_take_the_lean_path_and_errors_stay_typed(service: FakeService) -> None:
