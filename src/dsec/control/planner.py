@@ -164,9 +164,6 @@ class LaunchPlanner:
         if s.views:
             self._views = (now, s.views)
 
-    def views_seen(self, views: Sequence[tuple[EdgeView, str]]) -> None:
-        self._views = (time.monotonic(), tuple(views))
-
     def refused(self, project_id: int, key: str | None = None) -> None:
         """A reserve for this project was refused (quota, gone...): no optimism until the
         next transaction says otherwise."""
