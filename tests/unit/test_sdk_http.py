@@ -159,3 +159,43 @@ async def test_transport_failures_raise_httpx_errors(service: FakeService) -> No
     async with AsyncClient(f"http://127.0.0.1:{port}", "dsk_t") as c:
         with pytest.raises(httpx.ConnectError):
             await c.info("e1-000000000001")
+
+
+async def test_a_proxy_from_the_environment_is_honoured(service: FakeService, monkeypatch: pytest.MonkeyPatch) -> None:
+    """HTTP_PROXY applies as httpx applies it: the call goes through httpx and the proxy;
+    NO_PROXY naming the host puts it back on the lean path, straight to the server."""
+    seen: list[bytes] = []
+
+    async def proxy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        seen.append(await reader.readline())
+        while (await reader.readline()) not in (b"\r\n", b""):
+            pass
+        body = b'{"via": "proxy"}'
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                     % (len(body), body))
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(proxy, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{port}")
+        monkeypatch.delenv("NO_PROXY", raising=False)
+        monkeypatch.delenv("no_proxy", raising=False)
+        c = AsyncClient(service.url, "dsk_t")
+        try:
+            resp = await c._call("GET", "/healthz")
+            assert isinstance(resp, httpx.Response) and resp.json() == {"via": "proxy"}
+            assert seen and seen[0].startswith(f"GET {service.url}/healthz".encode())
+        finally:
+            await c.aclose()
+        monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+        c = AsyncClient(service.url, "dsk_t")
+        try:
+            resp = await c._call("GET", "/v1/sandboxes/e1-000000000001")
+            assert isinstance(resp, Answer) and len(seen) == 1
+        finally:
+            await c.aclose()
+    finally:
+        server.close()
+        await server.wait_closed()

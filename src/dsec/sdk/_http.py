@@ -4,7 +4,9 @@ Plain request/response calls to an ``http://`` URL go through the lean client
 (dsec/http1.py: ~0.1 ms a keep-alive round trip, against httpx's ~0.4 ms; SDK
 create and exec latency is a benchmark target). Everything else — streams,
 ``https://``, a custom ``transport=`` (the unit tests' MockTransport), large
-transfers — goes through httpx. Callers cannot tell which one carried a call:
+transfers, and a URL that the environment sends through a proxy (``HTTP_PROXY``
+/ ``ALL_PROXY`` not bypassed by ``NO_PROXY``, as httpx reads them) — goes
+through httpx. Callers cannot tell which one carried a call:
 both answer with the same attributes (status_code, headers, content, json(),
 text), and the lean client's failures are raised as the httpx exceptions httpx
 would raise (``httpx.ConnectError``, ``httpx.ReadTimeout``, ``httpx.ReadError``).
@@ -18,7 +20,8 @@ import ssl
 from collections.abc import Mapping
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Final
-from urllib.parse import quote, urlencode
+from urllib.parse import quote, urlencode, urlsplit
+from urllib.request import getproxies_environment, proxy_bypass_environment
 
 import httpx
 
@@ -151,7 +154,7 @@ class Endpoint:
         self._per_shard = max_connections
         self._httpx: dict[int, httpx.AsyncClient] = {}
         self._lean: EdgeHTTP | None = None
-        if transport is None and self.base_url.startswith("http://"):
+        if transport is None and self.base_url.startswith("http://") and not _proxied(self.base_url):
             self._lean = EdgeHTTP(
                 self.base_url, size=MAX_IN_FLIGHT, timeout=timeout, connect_timeout=CONNECT_TIMEOUT_S,
                 max_idle_s=KEEPALIVE_EXPIRY_S,
@@ -231,6 +234,14 @@ class Endpoint:
             await c.aclose()
         if self._lean is not None:
             await self._lean.aclose()
+
+
+def _proxied(url: str) -> bool:
+    """Whether httpx would send a request to ``url`` through a proxy from the environment."""
+    proxies = getproxies_environment()
+    if not (proxies.get("http") or proxies.get("all")):
+        return False
+    return not proxy_bypass_environment(urlsplit(url).hostname or "", proxies)
 
 
 def _lean_timeout(timeout: Timeout) -> float | None:
