@@ -21,7 +21,10 @@ from collections.abc import Mapping
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Final
 from urllib.parse import quote, urlencode, urlsplit
-from urllib.request import getproxies_environment, proxy_bypass_environment
+from urllib.request import (  # type: ignore[attr-defined]  # proxy_bypass_environment: not in typeshed
+    getproxies_environment,
+    proxy_bypass_environment,
+)
 
 import httpx
 
