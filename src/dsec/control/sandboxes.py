@@ -603,7 +603,7 @@ class Sandboxes:
         tried: set[str] = set()
         transient = False  # some edge refused or did not answer: a later retry may succeed
         last: DsecError | None = None
-        body = self._edge_body(who, r.key, dumped if dumped is not None else req.model_dump(mode="json"), r.stages)
+        body: dict[str, Any] | None = None  # made when first needed: an optimistic launch sent its own
         attempts = self.config.placement.max_attempts
         done = False
         try:
@@ -613,6 +613,9 @@ class Sandboxes:
                         call, first = first, None
                         got = await call
                     else:
+                        if body is None:
+                            doc = dumped if dumped is not None else req.model_dump(mode="json")
+                            body = self._edge_body(who, r.key, doc, r.stages)
                         got = await self.edges.create(r.edge_id, r.edge_url, body)
                 except Backpressure as exc:
                     log.info("edge %s refused %s: %s", r.edge_id, r.key, exc.fields.get("reason", exc))
