@@ -39,7 +39,7 @@ from dsec.spec import (
     SandboxState,
     Stage,
 )
-from dsec.spec.results import ExecResult
+from dsec.spec.results import ExecResult, LimitHit
 
 __version__ = "0.1.0"
 
@@ -64,6 +64,7 @@ __all__ = [
     "InvalidSpec",
     "LayerInUse",
     "LayerNotFound",
+    "LimitHit",
     "NetRule",
     "NetworkPolicy",
     "OutputChunk",

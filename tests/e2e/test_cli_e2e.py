@@ -40,6 +40,34 @@ def test_run_exits_with_the_command_code(up: dict[str, str]) -> None:
     assert r.stdout == "out\n" and "err" in r.stderr
 
 
+HOG = "x=$(head -c 400000000 /dev/zero | tr '\\0' a); echo ${#x}"
+"""A shell holding 400 MB in a variable (anonymous memory)."""
+
+
+def test_a_limit_that_ends_a_command_is_one_line_on_stderr(up: dict[str, str]) -> None:
+    r = dsec(up, "run", "busybox", "--memory", "64M", "--", "sh", "-c", HOG)
+    assert r.returncode == 137, r.stderr
+    said = [line for line in r.stderr.splitlines() if line.startswith("dsec:")]
+    assert said == ["dsec: killed by the memory limit (64 MiB): raise it with --memory / Resources.memory"], r.stderr
+    r = dsec(up, "run", "busybox", "--timeout", "0.5", "--", "sleep", "30")
+    assert r.returncode == 124
+    assert r.stderr.splitlines()[-1] == "dsec: killed by the timeout (0.5 s): raise it with --timeout / timeout=", r.stderr
+    sid = dsec(up, "create", "busybox", "--disk", "8M", "--pids", "16").stdout.strip()
+    try:
+        r = dsec(up, "exec", sid, "--", "dd", "if=/dev/zero", "of=/tmp/big", "bs=1M", "count=20")
+        assert r.returncode == 1
+        assert r.stderr.splitlines()[-1] == (
+            "dsec: the writable layer is full (disk quota 8 MiB): raise it with --disk / Resources.disk"), r.stderr
+        r = dsec(up, "exec", sid, "--", "sh", "-c", "while :; do sleep 60 & done")
+        assert r.returncode != 0
+        assert r.stderr.splitlines()[-1] == (
+            "dsec: the pids limit (16 processes) refused a fork: raise it with --pids / Resources.pids"), r.stderr
+        r = dsec(up, "exec", sid, "--", "sh", "-c", "echo fails >&2; exit 3")
+        assert r.returncode == 3 and r.stderr == "fails\n"  # no limit, no line
+    finally:
+        dsec(up, "rm", sid)
+
+
 def test_create_exec_cp_shell_ls_rm(up: dict[str, str], tmp_path: Path) -> None:
     sid = dsec(up, "create", "busybox", "--label", "who=cli").stdout.strip()
     assert sid.startswith("e1-")

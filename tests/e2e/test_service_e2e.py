@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import shlex
 import tarfile
 import tempfile
 import uuid
@@ -18,7 +19,7 @@ from typing import Any, TypeVar
 import httpx
 import pytest
 
-from dsec import AsyncClient, Client, ImageRef, Resources, SandboxSpec
+from dsec import AsyncClient, Client, ExecResult, ImageRef, Resources, SandboxSpec
 from dsec.errors import (
     AuthError,
     ExecTimeout,
@@ -107,6 +108,34 @@ def test_round_trip_through_the_sdk(svc: Harness) -> None:
                 assert info.state.value in ("stopped", "stopping", "failed"), info
             except SandboxNotFound:
                 pass
+
+    svc.run(go())
+
+
+def test_results_name_the_limit_that_ended_a_command(svc: Harness) -> None:
+    hog = "x=$(head -c 400000000 /dev/zero | tr '\\0' a); echo ${#x}"  # 400 MB in a shell variable
+    spec = SandboxSpec(image=ImageRef(base="busybox:latest"), resources=Resources(cpu=0.5, memory=64 << 20, pids=16))
+    line = "dsec: killed by the memory limit (64 MiB): raise it with --memory / Resources.memory"
+
+    async def go() -> None:
+        async with svc.client() as c, await c.create(spec) as sb:
+            res = await sb.exec(hog)
+            assert res.signal == 9 and res.limit is not None, res
+            assert (res.limit.kind, res.limit.value, res.limit.message) == ("memory", 64 << 20, line)
+            streamed = [item async for item in sb.exec_stream(hog)]
+            final = streamed[-1]
+            assert isinstance(final, ExecResult) and final.limit is not None and final.limit.kind == "memory", final
+            async with await sb.session() as sh:
+                ran = await sh.run(f"sh -c {shlex.quote(hog)}")
+                assert ran.exit_code == 137 and ran.limit is not None and ran.limit.kind == "memory", ran
+            res = await sb.exec("i=0; while [ $i -lt 50 ]; do sleep 30 & i=$((i+1)); done")
+            assert res.limit is not None and (res.limit.kind, res.limit.value) == ("pids", 16), res
+            await sb.exec("killall -9 sleep")
+            with pytest.raises(ExecTimeout) as ei:
+                await sb.exec("sleep 30", timeout=0.5)
+            hit = ei.value.result.limit
+            assert hit is not None and (hit.kind, hit.value) == ("timeout", 0.5)
+            assert (await sb.exec("exit 1")).limit is None
 
     svc.run(go())
 

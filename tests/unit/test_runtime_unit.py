@@ -281,6 +281,7 @@ def test_public_surface_is_deliberate() -> None:
         "InvalidSpec",
         "LayerInUse",
         "LayerNotFound",
+        "LimitHit",
         "NetRule",
         "NetworkPolicy",
         "OutputChunk",

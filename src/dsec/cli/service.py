@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -57,7 +58,7 @@ def client() -> Any:
 
 
 def _spec(image: str, workspace: str | None, toolkit: tuple[str, ...], cpu: float | None, memory: str | None,
-          disk: str | None, env: tuple[str, ...]) -> Any:
+          disk: str | None, env: tuple[str, ...], pids: int | None = None, output_cap: str | None = None) -> Any:
     from dsec.spec import ImageRef, Resources, SandboxSpec
 
     res: dict[str, Any] = {}
@@ -67,8 +68,11 @@ def _spec(image: str, workspace: str | None, toolkit: tuple[str, ...], cpu: floa
         res["memory"] = parse_size(memory)
     if disk:
         res["disk"] = parse_size(disk)
+    if pids is not None:
+        res["pids"] = pids
+    extra: dict[str, Any] = {} if not output_cap else {"output_cap": parse_size(output_cap)}
     return SandboxSpec(image=ImageRef(base=image, workspace=workspace, toolkits=toolkit),
-                       resources=Resources(**res), env=parse_kv(env, "--env"))
+                       resources=Resources(**res), env=parse_kv(env, "--env"), **extra)
 
 
 def sandbox_options(f: Any) -> Any:
@@ -78,6 +82,9 @@ def sandbox_options(f: Any) -> Any:
         click.option("--cpu", type=float, default=None, help="CPU cores (quota)."),
         click.option("--memory", default=None, help="Memory limit, e.g. 512M, 2G."),
         click.option("--disk", default=None, help="Writable-layer quota, e.g. 1G."),
+        click.option("--pids", type=int, default=None, help="Most processes and threads at once (default 512)."),
+        click.option("--output-cap", default=None,
+                     help="Output kept per stream in a result, head and tail each, e.g. 1M (default 256K)."),
         click.option("--ttl", type=float, default=3600.0, show_default=True, help="Maximum lifetime, seconds."),
         click.option("--env", "-e", multiple=True, help="KEY=VALUE for every command; repeat."),
         click.option("--label", "-l", multiple=True, help="KEY=VALUE label; repeat."),
@@ -87,23 +94,39 @@ def sandbox_options(f: Any) -> Any:
     return f
 
 
+def say_limit(result: Any) -> bool:
+    """Print the limit that ended a command (``ExecResult.limit``) on stderr, as one plain
+    line (no wrapping, no markup); True if there was one."""
+    hit = getattr(result, "limit", None)
+    if hit is None:
+        return False
+    sys.stdout.flush()
+    sys.stderr.write(hit.message.replace("\n", " ") + "\n")
+    sys.stderr.flush()
+    return True
+
+
 def _stream_exec(sb: Any, cmd: list[str], timeout: float | None, pristine: tuple[str, ...] = ()) -> int:
     from dsec.errors import ExecTimeout
     from dsec.sdk import OutputChunk
 
     argv: list[str] | str = cmd[0] if len(cmd) == 1 and " " in cmd[0] else cmd
     try:
-        for item in sb.exec_stream(argv, timeout=timeout, pristine=list(pristine)):
-            if isinstance(item, OutputChunk):
-                stream = sys.stdout if item.stream == "stdout" else sys.stderr
-                stream.buffer.write(item.data)
-                stream.flush()
-            else:
-                if item.truncated:
-                    console.print(f"[yellow]output truncated ({item.stdout_bytes} bytes of stdout in all)[/yellow]")
-                return int(item.exit_code if item.exit_code is not None else 128 + (item.signal or 0))
+        # closed here, while the SDK's loop runs: left to the GC at exit, the stream's
+        # clean-up would land on a stopped loop ("Task was destroyed but it is pending")
+        with contextlib.closing(sb.exec_stream(argv, timeout=timeout, pristine=list(pristine))) as items:
+            for item in items:
+                if isinstance(item, OutputChunk):
+                    stream = sys.stdout if item.stream == "stdout" else sys.stderr
+                    stream.buffer.write(item.data)
+                    stream.flush()
+                else:
+                    if not say_limit(item) and item.truncated:
+                        console.print(f"[yellow]output truncated ({item.stdout_bytes} bytes of stdout in all)[/yellow]")
+                    return int(item.exit_code if item.exit_code is not None else 128 + (item.signal or 0))
     except ExecTimeout as exc:
-        console.print(f"[red]{exc}[/red]")
+        if not say_limit(exc.fields.get("result")):
+            console.print(f"[red]{exc}[/red]")
         return 124
     return 0
 
@@ -140,10 +163,12 @@ def register(main: click.Group) -> None:
     @click.option("--timeout", type=float, default=600.0, show_default=True)
     @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
     def run(image: str, workspace: str | None, toolkit: tuple[str, ...], cpu: float | None, memory: str | None,
-            disk: str | None, ttl: float, env: tuple[str, ...], label: tuple[str, ...], task: str | None,
-            timeout: float, cmd: tuple[str, ...], policy: PolicyArgs) -> None:
-        """Create a sandbox, run CMD, print its output, destroy it; exit with CMD's code."""
-        spec = policy.apply(_spec(image, workspace, toolkit, cpu, memory, disk, env))
+            disk: str | None, pids: int | None, output_cap: str | None, ttl: float, env: tuple[str, ...],
+            label: tuple[str, ...], task: str | None, timeout: float, cmd: tuple[str, ...], policy: PolicyArgs) -> None:
+        """Create a sandbox, run CMD, print its output, destroy it; exit with CMD's code.
+
+        When a limit ended CMD (memory, pids, timeout, disk), one line on stderr says which."""
+        spec = policy.apply(_spec(image, workspace, toolkit, cpu, memory, disk, env, pids, output_cap))
         with client() as c, c.create(spec, labels=parse_kv(label, "--label"), task=task, ttl_s=ttl) as sb:
             code = _stream_exec(sb, list(cmd), timeout)
         sys.exit(code)
@@ -157,10 +182,11 @@ def register(main: click.Group) -> None:
     @click.option("--json", "as_json", is_flag=True)
     @policy_options
     def create(image: str, workspace: str | None, toolkit: tuple[str, ...], cpu: float | None, memory: str | None,
-               disk: str | None, ttl: float, env: tuple[str, ...], label: tuple[str, ...], task: str | None,
-               count: int, concurrency: int, as_json: bool, policy: PolicyArgs) -> None:
+               disk: str | None, pids: int | None, output_cap: str | None, ttl: float, env: tuple[str, ...],
+               label: tuple[str, ...], task: str | None, count: int, concurrency: int, as_json: bool,
+               policy: PolicyArgs) -> None:
         """Create sandboxes and print their ids (one per line)."""
-        spec = policy.apply(_spec(image, workspace, toolkit, cpu, memory, disk, env))
+        spec = policy.apply(_spec(image, workspace, toolkit, cpu, memory, disk, env, pids, output_cap))
         labels = parse_kv(label, "--label")
         with client() as c:
             if count == 1:
@@ -195,7 +221,8 @@ def register(main: click.Group) -> None:
                   help="Run against the image's own copy of PATH, whatever the sandbox did to it; repeat.")
     @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
     def exec_(sandbox_id: str, timeout: float, pristine: tuple[str, ...], cmd: tuple[str, ...]) -> None:
-        """Run CMD in a sandbox, streaming its output; exit with its code."""
+        """Run CMD in a sandbox, streaming its output; exit with its code (a limit that ended
+        it is named in one line on stderr)."""
         with client() as c:
             sys.exit(_stream_exec(c.connect(sandbox_id), list(cmd), timeout, pristine))
 
@@ -217,6 +244,7 @@ def register(main: click.Group) -> None:
                     sys.stdout.buffer.write(res.stdout)
                     sys.stderr.buffer.write(res.stderr)
                     sys.stdout.flush()
+                    say_limit(res)
 
     @main.command()
     @click.argument("src")

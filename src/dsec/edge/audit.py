@@ -7,7 +7,7 @@ Sources, and where each lands:
 |---|---|---|---|
 | packets refused by the network policy | ``runtime.collect_denied()`` every ``audit_interval_s`` | ``net_denied`` (runtime): count, recent destinations | ``dsec_edge_net_denied_total`` |
 | OOM kills, pids-limit hits | cgroup counters after each exec and every audit pass | ``oom``, ``pids_limit`` (runtime): count | ``dsec_edge_limit_events_total{kind}`` |
-| the writable layer full (blocks or inodes) | statvfs after each exec, every audit pass, ENOSPC from the files API | ``disk_full`` (edge) | same, ``kind="disk_full"`` |
+| the writable layer full (blocks or inodes) | ``runtime.disk_room`` after each exec and every audit pass, ENOSPC from the files API | ``disk_full`` (edge) | same, ``kind="disk_full"`` |
 | output beyond ``output_cap`` | each exec / session result | ``output_capped`` (edge) | same, ``kind="output_cap"`` |
 | policy and stage changes | the runtime when applying them | ``policy_changed``, ``stage_changed`` (runtime) | ``dsec_edge_policy_changes_total``, ``dsec_edge_stage_changes_total`` |
 
@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
-import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -36,8 +35,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dsec.edge.audit")
 
-DISK_FULL_BYTES = 64 * 1024
-"""A writable layer with less than this free (or no free inode) is full: a write just failed or will."""
 DISK_REARM_FRACTION = 0.02
 """A full layer is reported again only after at least this share of its quota was freed."""
 FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
@@ -113,17 +110,14 @@ class Auditor(BackgroundLoop):
         self.check_disk(rec)
 
     def check_disk(self, rec: SandboxRecord) -> None:
-        if rec.init_pid <= 0:
-            return
-        try:
-            st = os.statvfs(f"/proc/{rec.init_pid}/fd/3")
-        except OSError:
+        # The runtime's test, the same one that judges an exec's ``limit`` (disk_full).
+        room = self.service.runtime.disk_room(rec)
+        if room is None:
             return  # gone, or not there yet: nothing to say
-        free = st.f_bavail * st.f_frsize
-        full = free < DISK_FULL_BYTES or (st.f_files > 0 and st.f_favail == 0)
-        if full and rec.id not in self._disk_full:
-            self.note_disk_full(rec.id, bytes_free=free, inodes_free=int(st.f_favail), source="statvfs")
-        elif not full and rec.id in self._disk_full and free >= DISK_REARM_FRACTION * rec.spec.resources.disk:
+        if room.full and rec.id not in self._disk_full:
+            self.note_disk_full(rec.id, bytes_free=room.bytes_free, inodes_free=room.inodes_free, source="statvfs")
+        elif (not room.full and rec.id in self._disk_full
+              and room.bytes_free >= DISK_REARM_FRACTION * rec.spec.resources.disk):
             self._disk_full.discard(rec.id)
 
     def note_disk_full(self, sandbox_id: str, *, source: str, bytes_free: int | None = None,

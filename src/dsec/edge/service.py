@@ -55,6 +55,7 @@ from dsec.spec.api import (
     ForkRequest,
     GroupResult,
     Lifecycle,
+    LimitHitWire,
     NetworkInfo,
     PauseReport,
     SandboxInfo,
@@ -85,6 +86,7 @@ def result_to_wire(r: ExecResult) -> ExecResultWire:
         truncated=r.truncated,
         duration_s=r.duration_s,
         timed_out=r.timed_out,
+        limit=None if r.limit is None else LimitHitWire(kind=r.limit.kind, value=r.limit.value, message=r.limit.message),
     )
 
 

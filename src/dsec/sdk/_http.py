@@ -31,7 +31,7 @@ import httpx
 from dsec.errors import AuthError, Backpressure, DsecError, error_from_wire
 from dsec.http1 import NO_TIMEOUT, Answer, AnswerTimeout, ConnectFailed, EdgeHTTP, NoAnswer
 from dsec.spec.api import ExecResultWire
-from dsec.spec.results import ExecResult
+from dsec.spec.results import ExecResult, LimitHit
 
 
 class _Unset:
@@ -93,6 +93,7 @@ def result_from_wire(w: ExecResultWire) -> ExecResult:
         duration_s=w.duration_s,
         start_latency_s=0.0,
         timed_out=w.timed_out,
+        limit=None if w.limit is None else LimitHit(w.limit.kind, w.limit.value, w.limit.message),
     )
 
 

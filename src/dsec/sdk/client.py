@@ -457,6 +457,8 @@ class AsyncSandbox:
         pristine: Sequence[str] = (),
     ) -> ExecResult:
         """Run a command to completion. A timeout raises :class:`ExecTimeout` with ``.result``.
+        When a sandbox limit ended the command (memory, pids, disk, output cap), the result's
+        ``limit`` says which, with its value and a one-line ``message``.
 
         ``pristine``: paths the command sees as they are in the image layers, whatever the
         sandbox did to them (run an evaluation against untouched tests and tools)."""
@@ -480,11 +482,17 @@ class AsyncSandbox:
         req = self._exec_request(cmd, env, cwd, user, stdin, timeout, idle_timeout, pristine)
         http = self._client._edge(self.info.edge_url)
         headers = {"authorization": f"Bearer {self.info.token}", **_JSON}
+        final: ExecResultWire | None = None
+        failure: dict[str, Any] | None = None
         async with http.stream("POST", f"/v1/sandboxes/{self.id}/exec/stream", key=self.id, content=req.model_dump_json(),
                                headers=headers, timeout=self._http_timeout(req)) as resp:
             if resp.status_code >= 400:
                 await resp.aread()
                 raise_for_error(resp)
+            # Read to the end (the result is the last line) before handing the result over:
+            # the line reader and httpx's generators under it finish here, rather than being
+            # finalized later on a loop that a sync client's exit may have stopped already
+            # (which printed "Task was destroyed but it is pending!" after `dsec exec`).
             async for line in resp.aiter_lines():
                 if not line.strip():
                     continue
@@ -492,12 +500,15 @@ class AsyncSandbox:
                 if chunk.kind in ("stdout", "stderr"):
                     yield OutputChunk(chunk.kind, base64.b64decode(chunk.data_b64 or ""))
                 elif chunk.kind == "result" and chunk.result is not None:
-                    yield self._finish(result_from_wire(chunk.result), req)
-                    return
+                    final = chunk.result
                 elif chunk.kind == "error":
-                    from dsec.errors import error_from_wire
+                    failure = chunk.error or {}
+        if failure is not None:
+            from dsec.errors import error_from_wire
 
-                    raise error_from_wire(chunk.error or {})
+            raise error_from_wire(failure)
+        if final is not None:
+            yield self._finish(result_from_wire(final), req)
 
     def _exec_request(self, cmd: Sequence[str] | str, env: Mapping[str, str] | None, cwd: str, user: int | str,
                       stdin: bytes | None, timeout: float | _Unset | None, idle_timeout: float | None,

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from dsec.spec import ImageRef, NetworkPolicy, Resources, SandboxSpec, SandboxState
+from dsec.spec.results import LimitKind
 
 _LABEL_KEY = re.compile(r"^[a-z0-9]([a-z0-9._/-]{0,62})$")
 
@@ -178,6 +179,16 @@ class ExecRequest(_Wire):
         return _check_utf8(v)
 
 
+class LimitHitWire(_Wire):
+    """:class:`dsec.spec.results.LimitHit` on the wire: the limit that ended a command."""
+
+    kind: LimitKind
+    value: int | float
+    """Bytes (memory, disk_full, output_cap), a count (pids) or seconds (timeouts)."""
+    message: str
+    """One line: which limit, its value, how to raise it."""
+
+
 class ExecResultWire(_Wire):
     exit_code: int | None = None
     signal: int | None = None
@@ -188,6 +199,8 @@ class ExecResultWire(_Wire):
     truncated: bool
     duration_s: float
     timed_out: str | None = None
+    limit: LimitHitWire | None = None
+    """Set when a sandbox limit ended the command (or cut its output): see ``ExecResult.limit``."""
 
 
 class StreamChunk(_Wire):

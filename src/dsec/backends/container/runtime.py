@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from dsec.backends.container import cgroups
+from dsec.backends.container import limits as limit_evidence
 from dsec.backends.container import pause as pausing
 from dsec.backends.container import snapshot as snapshots
 from dsec.backends.container import stages as staging
@@ -53,6 +54,7 @@ from dsec.errors import (
 )
 from dsec.images.layer import Layer, LayerKind
 from dsec.spec import ImageRef, NetworkPolicy, SandboxSpec, SandboxState, can_move
+from dsec.spec.results import LimitHit
 
 UID_RANGE: Final = 65536
 UID_FIRST_BASE: Final = 1 << 24  # well above any host account
@@ -98,6 +100,9 @@ class SandboxRecord:
     """The stage in force once :meth:`ContainerRuntime.set_stage` switched it (None: ``spec.stage``)."""
     net: dict[str, Any] | None = None
     """Its network when it has one beyond loopback: slot, ip, ifname, policy (JSON)."""
+    disk_full: bool = False
+    """Its writable layer was full when last looked at (:meth:`ContainerRuntime.disk_room`);
+    not saved: it only tells the next command's limit verdict where it started from."""
 
     @property
     def uid_base(self) -> int:
@@ -719,17 +724,63 @@ class ContainerRuntime:
         self._save(rec)
         return rec
 
-    def _check_limits(self, rec: SandboxRecord) -> None:
-        """Turn new OOM kills and pids-limit hits into events (counters are cumulative)."""
-        try:
-            counters = self.cgroups.limit_counters(rec.id)
-        except (OSError, ValueError, IndexError):
+    def _check_limits(self, rec: SandboxRecord, counters: limit_evidence.Counters | None = None) -> None:
+        """Turn new OOM kills and pids-limit hits into events (counters are cumulative);
+        ``counters`` when the caller has just read them."""
+        now = counters if counters is not None else limit_evidence.counters(self.cgroups, rec.id)
+        if now is None:
             return
         seen = self._limits_seen.setdefault(rec.id, [0, 0])
-        for i, event in enumerate(("oom", "pids_limit")):
-            if counters[i] > seen[i]:
-                self._event(rec, event, count=counters[i] - seen[i])
-                seen[i] = counters[i]
+        for i, (event, value) in enumerate((("oom", now.oom_kills), ("pids_limit", now.pids_hits))):
+            if value > seen[i]:
+                self._event(rec, event, count=value - seen[i])
+                seen[i] = value
+
+    def limit_baseline(self, rec: SandboxRecord) -> limit_evidence.Baseline:
+        """What a command starts from, for :meth:`limit_hit`: the sandbox's OOM-kill and
+        pids-limit counters now (two small reads) and whether its layer was last seen full."""
+        return limit_evidence.Baseline(limit_evidence.counters(self.cgroups, rec.id), rec.disk_full)
+
+    def limit_hit(
+        self,
+        rec: SandboxRecord,
+        before: limit_evidence.Baseline | None,
+        *,
+        exit_code: int | None,
+        sig: int | None,
+        timed_out: str | None = None,
+        timeout_s: float | None = None,
+        idle_timeout_s: float | None = None,
+        truncated: bool = False,
+        output_cap: int = 0,
+        output: tuple[bytes, ...] = (),
+    ) -> LimitHit | None:
+        """Which limit ended a command that just finished (``ExecResult.limit``), judged from
+        the counters ``before`` it and now (see :mod:`limits`). A failed command's counters
+        are read here and turned into events at once; a succeeded one's are left to
+        :meth:`_check_limits`, off the reply path."""
+        after = disk = None
+        if limit_evidence.failed(exit_code, sig) and timed_out is None:
+            after = limit_evidence.counters(self.cgroups, rec.id)
+            if after is not None:
+                self._check_limits(rec, after)
+            disk = self.disk_room(rec)
+        return limit_evidence.judge(
+            rec.spec.resources, exit_code=exit_code, sig=sig, timed_out=timed_out, timeout_s=timeout_s,
+            idle_timeout_s=idle_timeout_s, truncated=truncated, output_cap=output_cap, before=before, after=after,
+            disk=disk, output=output,
+        )
+
+    def disk_room(self, rec: SandboxRecord) -> limit_evidence.DiskRoom | None:
+        """Room left in the sandbox's writable layer under its quota (None: cannot tell);
+        whether it is full is remembered in ``rec.disk_full``."""
+        room = self._measure_disk(rec)
+        if room is not None:
+            rec.disk_full = room.full
+        return room
+
+    def _measure_disk(self, rec: SandboxRecord) -> limit_evidence.DiskRoom | None:
+        return limit_evidence.disk_room(rec.init_pid)
 
     def events(self, sandbox_id: str) -> builtins.list[dict[str, Any]]:
         return list(self.get(sandbox_id).events)
@@ -1132,6 +1183,7 @@ class ContainerRuntime:
             raise InvalidSpec("timeout must be positive (or None for no timeout)", field="timeout")
         rec = self._running(sandbox_id)
         cap = output_cap or rec.spec.output_cap
+        before = self.limit_baseline(rec)
         in_r, in_w = os.pipe2(os.O_CLOEXEC)
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
@@ -1146,7 +1198,7 @@ class ContainerRuntime:
             raise
         for fd in (in_r, out_w, err_w):
             os.close(fd)
-        return await self._collect(proc, in_w, out_r, err_r, stdin, limit, idle_timeout, on_output, cap)
+        return await self._collect(proc, in_w, out_r, err_r, stdin, limit, idle_timeout, on_output, cap, before)
 
     async def _collect(
         self,
@@ -1159,6 +1211,7 @@ class ContainerRuntime:
         idle_timeout: float | None,
         on_output: OutputCallback | None,
         cap: int,
+        before: limit_evidence.Baseline | None = None,
     ) -> ExecResult:
         loop = asyncio.get_running_loop()
         caps = {out_r: BoundedCapture(cap), err_r: BoundedCapture(cap)}
@@ -1244,19 +1297,26 @@ class ContainerRuntime:
             if proc.track is not None:
                 self.cgroups.drop_track(proc.track)  # stays while background jobs run
         self.last_activity[proc.sandbox_id] = time.monotonic()
+        so, se = caps[out_r], caps[err_r]
+        stdout, stderr = so.value(), se.value()
         rec = self.sandboxes.get(proc.sandbox_id)
+        hit = None
         if rec is not None:
+            hit = self.limit_hit(rec, before, exit_code=ex.exit_code, sig=ex.signal,
+                                 timed_out=timed_out[0] if timed_out else None, timeout_s=limit,
+                                 idle_timeout_s=idle_timeout, truncated=so.truncated or se.truncated, output_cap=cap,
+                                 output=(stderr, stdout))
             self._event(rec, "exec_ended", pid=proc.pid, exit_code=ex.exit_code, signal=ex.signal,
                         duration_s=round(time.monotonic() - proc.started_at, 6),
                         timed_out=timed_out[0] if timed_out else None,
-                        output_truncated=caps[out_r].truncated or caps[err_r].truncated)
-            loop.call_soon(self._check_limits, rec)  # two cgroup reads: off the reply path
-        so, se = caps[out_r], caps[err_r]
+                        output_truncated=so.truncated or se.truncated, limit=None if hit is None else hit.kind)
+            if not limit_evidence.failed(ex.exit_code, ex.signal) or timed_out:
+                loop.call_soon(self._check_limits, rec)  # two cgroup reads: off the reply path
         result = ExecResult(
             exit_code=ex.exit_code,
             signal=ex.signal,
-            stdout=so.value(),
-            stderr=se.value(),
+            stdout=stdout,
+            stderr=stderr,
             stdout_bytes=so.total,
             stderr_bytes=se.total,
             truncated=so.truncated or se.truncated,
@@ -1265,6 +1325,7 @@ class ContainerRuntime:
             timed_out=timed_out[0] if timed_out else None,
             cpu_user_s=ex.utime_s,
             cpu_system_s=ex.stime_s,
+            limit=hit,
         )
         if result.timed_out:
             what = "produced no output for" if result.timed_out == "idle_timeout" else "ran longer than"

@@ -132,6 +132,8 @@ class Session:
                 f"printf '\\n%s\\n' '{marker.decode()}' >&2\n"
             ).encode()
             started = time.monotonic()
+            rec = self.runtime.sandboxes.get(self.sandbox_id)
+            before = None if rec is None else self.runtime.limit_baseline(rec)
             try:
                 await self._write(script)
             except BrokenPipeError:
@@ -171,18 +173,24 @@ class Session:
                         w.cancel()
             out, rc = self._take(self._streams[out_fd], marker, with_rc=True)
             err, _ = self._take(self._streams[err_fd], marker, with_rc=False)
+            sig = None
             if rc is None:
                 self.closed = True
                 ex = self._proc.exited.result() if self._proc.exited.done() else None
-                rc = ex.exit_code if ex else None
+                rc, sig = (ex.exit_code, ex.signal) if ex else (None, None)
             so, se = BoundedCapture(output_cap), BoundedCapture(output_cap)
             so.feed(out)
             se.feed(err)
+            stdout, stderr = so.value(), se.value()
+            hit = None if rec is None else self.runtime.limit_hit(
+                rec, before, exit_code=rc, sig=sig, timed_out="timeout" if timed_out else None, timeout_s=timeout,
+                truncated=so.truncated or se.truncated, output_cap=output_cap, output=(stderr, stdout),
+            )
             result = ExecResult(
-                exit_code=rc, signal=None, stdout=so.value(), stderr=se.value(), stdout_bytes=so.total,
+                exit_code=rc, signal=sig, stdout=stdout, stderr=stderr, stdout_bytes=so.total,
                 stderr_bytes=se.total, truncated=so.truncated or se.truncated,
                 duration_s=time.monotonic() - started, start_latency_s=0.0,
-                timed_out="timeout" if timed_out else None,
+                timed_out="timeout" if timed_out else None, limit=hit,
             )
             self.runtime.last_activity[self.sandbox_id] = time.monotonic()
             if timed_out:
