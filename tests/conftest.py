@@ -85,6 +85,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # ------------------------------------------------------------ host probes ----
 
 
+def loop_backing_files() -> dict[str, str]:
+    """Attached loop devices and their backing files (/sys/block/loopN/loop/backing_file)."""
+    out = {}
+    for d in Path("/sys/block").glob("loop*"):
+        with contextlib.suppress(OSError):
+            out[f"/dev/{d.name}"] = (d / "loop" / "backing_file").read_text().strip()
+    return out
+
+
 def mountinfo_lines() -> list[str]:
     with open("/proc/self/mountinfo") as f:
         return f.read().splitlines()
@@ -497,8 +506,13 @@ class RuntimeHarness:
         return out
 
     def layer_mounts(self) -> list[str]:
-        root = str(self.run_dir / self.name / "layers") + "/"
+        """Mounts of this runtime: its layers, /dev skeleton and writable-layer store."""
+        root = str(self.run_dir / self.name) + "/"
         return [ln for ln in mountinfo_lines() if ln.split()[4].startswith(root)]
+
+    def loop_devices(self) -> list[str]:
+        """Loop devices backing this runtime's writable-layer store image."""
+        return [d for d, f in loop_backing_files().items() if f.startswith(str(self.state_dir) + "/")]
 
     def inits(self) -> list[int]:
         """Live dsec-init processes in this runtime's cgroups."""
@@ -516,6 +530,7 @@ class RuntimeHarness:
         left += [f"record {p}" for p in self.records()]
         left += [f"uid slot {p}" for p in self.slot_files()]
         left += [f"mount {ln}" for ln in self.layer_mounts()]
+        left += [f"loop device {d}" for d in self.loop_devices()]
         left += [f"process dsec-init pid {p}" for p in self.inits()]
         return left
 
@@ -618,6 +633,7 @@ def _dsec_leak_check(dsec_base: Path) -> Iterator[None]:
     problems += [f"netns: {n}" for n in sorted(netns_names() - before_netns)]
     problems += [f"nftables table: {t}" for t in sorted(nft_tables() - before_tables)]
     problems += [f"file: {p}" for p in files()]
+    problems += [f"loop device: {d} ({f})" for d, f in loop_backing_files().items() if f.startswith(str(dsec_base))]
     foreign = [ln for ln in new_dsec_mounts() if ln not in mounts()]
     if foreign:
         warnings.warn(

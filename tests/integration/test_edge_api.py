@@ -288,11 +288,12 @@ def test_bad_input_never_500(edge: EdgeThread, api: httpx.Client) -> None:
 
 
 def test_events_metrics_health(edge: EdgeThread, api: httpx.Client) -> None:
-    info = create(api, lifecycle={"ttl_s": 600}, **{"spec": {**SPEC, "resources": {"memory": 48 << 20, "disk": 128 << 20}}})
+    info = create(api, lifecycle={"ttl_s": 600}, **{"spec": {**SPEC, "resources": {
+        "memory": 48 << 20, "disk": 128 << 20, "disk_medium": "memory"}}})
     sid = info["id"]
     try:
         api.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "exit 7"})
-        # fill the tmpfs upper past the memory limit: the kernel OOM-kills dd
+        # fill the tmpfs upper (memory medium) past the memory limit: the kernel OOM-kills dd
         r = api.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "dd if=/dev/zero of=/big bs=1M count=100", "timeout": 30})
         assert r.json()["signal"] == 9 or r.json()["exit_code"] != 0, r.json()
         events = api.get(f"/v1/sandboxes/{sid}/events").json()

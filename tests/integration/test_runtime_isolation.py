@@ -313,4 +313,6 @@ def test_init_cannot_be_signalled_traced_or_read(rtx: RuntimeHarness, sb) -> Non
     # The init's binary cannot be replaced from inside: not reachable, and the
     # host file is not writable through /proc/1/exe (checked above); it stays intact.
     exe = os.readlink(f"/proc/{init}/exe")
-    assert "dsec-spawner" in exe
+    assert exe.endswith("/dsec-init"), exe  # the static init, exec'd: no memory shared with the spawner
+    maps = Path(f"/proc/{init}/maps").read_text()
+    assert "dsec-spawner" not in maps and ".so" not in maps, maps  # static: no library of the image

@@ -28,6 +28,7 @@ import pytest
 from conftest import CGROUP_ROOT, MiB, RuntimeHarness, mountinfo_lines, pid_alive, wait_until
 from dsec.backends.container import snapshot as snapshots
 from dsec.backends.container.runtime import ContainerRuntime
+from dsec.backends.container.uppers import UpperUsage
 from dsec.errors import InvalidSpec, LayerInUse, SandboxFailed, SandboxStateError
 from dsec.images import LocalLayerStore, build_from_dir
 from dsec.images.diff import Excluder
@@ -325,7 +326,7 @@ def test_full_disk_while_packing_is_typed_and_leaves_nothing(
             pytest.skip("needs mkfs.ext4 for a small filesystem to fill")
         if stage != "check":  # get past the up-front check, so the copy or mkfs itself hits ENOSPC
             monkeypatch.setattr(snapshots, "SPACE_MARGIN", 0)
-            monkeypatch.setattr(snapshots, "_used", lambda _p: 0)
+            monkeypatch.setattr(h.rt, "disk_usage", lambda _sid: UpperUsage(used=0, limit=64 * MiB))
         # "copy": the tree is copied beside the image (no RAM scratch), so the copy fills the disk;
         # otherwise the tree is in RAM and mkfs fills it.
         h.rt.snapshot_scratch = "store" if stage == "copy" else "auto"

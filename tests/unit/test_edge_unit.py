@@ -20,6 +20,7 @@ from dsec.spec import ImageRef, Resources
 from dsec.spec.api import EdgeCreateSandbox, SandboxInfo, StreamChunk
 from dsec.spec.results import ExecResult
 
+GiB = 1 << 30
 MiB = 1 << 20
 KEY = secrets.token_hex(32)
 
@@ -112,6 +113,37 @@ def test_pooled_capacity_yields_to_real_creates() -> None:
     assert (adm.real.sandboxes, adm.pooled.sandboxes) == (2, 2)
     adm.resync([("x", res(), False), ("y", res(), True)])
     assert (adm.real.sandboxes, adm.pooled.sandboxes) == (1, 1) and adm.holds("y") and not adm.holds("p1")
+
+
+def test_memory_medium_takes_no_disk_budget_and_the_disk_itself_is_guarded() -> None:
+    free = [10 * GiB]
+    adm = Admission(Budgets(sandboxes=10, cpu=10.0, memory=1000 * MiB, disk=15 * MiB),
+                    store_free=lambda: free[0], disk_reserve=1 * GiB)
+    adm.reserve("d", res())
+    with pytest.raises(Backpressure) as bp:
+        adm.check(res())  # 20 MiB of quota > 15 MiB of disk budget
+    assert bp.value.reason == "disk"  # type: ignore[attr-defined]
+    mem = Resources(cpu=1.0, memory=100 * MiB, disk=10 * MiB, disk_medium="memory")
+    assert adm.check(mem) is None  # tmpfs pages are memory: its memory limit holds them
+    adm.reserve("m", mem)
+    assert adm.real.disk == 10 * MiB and adm.real.memory == 200 * MiB
+    adm.release("d")
+    free[0] = 900 * MiB  # the disk under the store fell below the reserve
+    with pytest.raises(Backpressure) as bp:
+        adm.check(res())
+    assert bp.value.reason == "disk" and "reserve" in str(bp.value)  # type: ignore[attr-defined]
+    assert bp.value.to_wire()["store_free"] == 900 * MiB
+    assert adm.check(mem) is None  # the memory medium does not write to the disk
+
+
+def test_disk_budget_keeps_a_reserve_and_may_overcommit(tmp_path: Path) -> None:
+    import shutil
+
+    free = shutil.disk_usage(tmp_path).free
+    plain = resolve_budgets(cfg(state_dir=tmp_path, disk_reserve=1 * GiB))
+    assert abs(plain.disk - (free - GiB)) < 256 * MiB
+    over4 = resolve_budgets(cfg(state_dir=tmp_path, disk_reserve=1 * GiB, disk_overcommit=4.0))
+    assert abs(over4.disk - 4 * (free - GiB)) < 1024 * MiB
 
 
 def test_over() -> None:

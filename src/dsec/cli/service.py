@@ -58,7 +58,8 @@ def client() -> Any:
 
 
 def _spec(image: str, workspace: str | None, toolkit: tuple[str, ...], cpu: float | None, memory: str | None,
-          disk: str | None, env: tuple[str, ...], pids: int | None = None, output_cap: str | None = None) -> Any:
+          disk: str | None, env: tuple[str, ...], pids: int | None = None, output_cap: str | None = None,
+          disk_medium: str | None = None) -> Any:
     from dsec.spec import ImageRef, Resources, SandboxSpec
 
     res: dict[str, Any] = {}
@@ -70,6 +71,8 @@ def _spec(image: str, workspace: str | None, toolkit: tuple[str, ...], cpu: floa
         res["disk"] = parse_size(disk)
     if pids is not None:
         res["pids"] = pids
+    if disk_medium:
+        res["disk_medium"] = disk_medium
     extra: dict[str, Any] = {} if not output_cap else {"output_cap": parse_size(output_cap)}
     return SandboxSpec(image=ImageRef(base=image, workspace=workspace, toolkits=toolkit),
                        resources=Resources(**res), env=parse_kv(env, "--env"), **extra)
@@ -82,6 +85,8 @@ def sandbox_options(f: Any) -> Any:
         click.option("--cpu", type=float, default=None, help="CPU cores (quota)."),
         click.option("--memory", default=None, help="Memory limit, e.g. 512M, 2G."),
         click.option("--disk", default=None, help="Writable-layer quota, e.g. 1G."),
+        click.option("--disk-medium", type=click.Choice(["disk", "memory"]), default=None,
+                     help="Where written files live: the node's disk (default) or RAM (tmpfs, charged to --memory)."),
         click.option("--pids", type=int, default=None, help="Most processes and threads at once (default 512)."),
         click.option("--output-cap", default=None,
                      help="Output kept per stream in a result, head and tail each, e.g. 1M (default 256K)."),
@@ -163,12 +168,13 @@ def register(main: click.Group) -> None:
     @click.option("--timeout", type=float, default=600.0, show_default=True)
     @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
     def run(image: str, workspace: str | None, toolkit: tuple[str, ...], cpu: float | None, memory: str | None,
-            disk: str | None, pids: int | None, output_cap: str | None, ttl: float, env: tuple[str, ...],
-            label: tuple[str, ...], task: str | None, timeout: float, cmd: tuple[str, ...], policy: PolicyArgs) -> None:
+            disk: str | None, disk_medium: str | None, pids: int | None, output_cap: str | None, ttl: float,
+            env: tuple[str, ...], label: tuple[str, ...], task: str | None, timeout: float, cmd: tuple[str, ...],
+            policy: PolicyArgs) -> None:
         """Create a sandbox, run CMD, print its output, destroy it; exit with CMD's code.
 
         When a limit ended CMD (memory, pids, timeout, disk), one line on stderr says which."""
-        spec = policy.apply(_spec(image, workspace, toolkit, cpu, memory, disk, env, pids, output_cap))
+        spec = policy.apply(_spec(image, workspace, toolkit, cpu, memory, disk, env, pids, output_cap, disk_medium))
         with client() as c, c.create(spec, labels=parse_kv(label, "--label"), task=task, ttl_s=ttl) as sb:
             code = _stream_exec(sb, list(cmd), timeout)
         sys.exit(code)
@@ -182,11 +188,11 @@ def register(main: click.Group) -> None:
     @click.option("--json", "as_json", is_flag=True)
     @policy_options
     def create(image: str, workspace: str | None, toolkit: tuple[str, ...], cpu: float | None, memory: str | None,
-               disk: str | None, pids: int | None, output_cap: str | None, ttl: float, env: tuple[str, ...],
-               label: tuple[str, ...], task: str | None, count: int, concurrency: int, as_json: bool,
-               policy: PolicyArgs) -> None:
+               disk: str | None, disk_medium: str | None, pids: int | None, output_cap: str | None, ttl: float,
+               env: tuple[str, ...], label: tuple[str, ...], task: str | None, count: int, concurrency: int,
+               as_json: bool, policy: PolicyArgs) -> None:
         """Create sandboxes and print their ids (one per line)."""
-        spec = policy.apply(_spec(image, workspace, toolkit, cpu, memory, disk, env, pids, output_cap))
+        spec = policy.apply(_spec(image, workspace, toolkit, cpu, memory, disk, env, pids, output_cap, disk_medium))
         labels = parse_kv(label, "--label")
         with client() as c:
             if count == 1:
@@ -434,14 +440,19 @@ def register(main: click.Group) -> None:
 
         def render(c: Any) -> Table:
             t = Table(title=f"dsec top — {time.strftime('%H:%M:%S')}")
-            for col in ("edge", "sandboxes", "cpu committed", "memory committed", "pools"):
+            for col in ("edge", "sandboxes", "cpu committed", "memory committed", "disk committed", "disk used",
+                        "pools"):
                 t.add_column(col)
             for e in c.edges():
                 h = e.get("health") or e
+                host = h.get("host") or {}
+                total, free = host.get("store_total"), host.get("store_free")
+                used = f"{(total - free) / 2**30:.1f}/{total / 2**30:.0f} GiB" if total and free is not None else "?"
                 t.add_row(str(e.get("id", h.get("edge_id"))), f"{h.get('sandboxes', '?')}/{h.get('capacity_sandboxes', '?')}",
                           f"{h.get('cpu_committed', 0):.1f}/{h.get('cpu_capacity', 0):.0f}",
                           f"{h.get('memory_committed', 0) / 2**30:.1f}/{h.get('memory_capacity', 0) / 2**30:.0f} GiB",
-                          ", ".join(f"{k}:{v}" for k, v in (h.get("pools") or {}).items()))
+                          f"{h.get('disk_committed', 0) / 2**30:.1f}/{h.get('disk_capacity', 0) / 2**30:.0f} GiB",
+                          used, ", ".join(f"{k}:{v}" for k, v in (h.get("pools") or {}).items()))
             states: dict[str, int] = {}
             for i in c.list():
                 states[i.state.value] = states.get(i.state.value, 0) + 1

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 from dsec.edge.config import BYTES_PER_SANDBOX_SLOT, CPU_OVERCOMMIT, MEMORY_FRACTION, EdgeConfig
 from dsec.errors import Backpressure, QuotaExceeded
@@ -58,14 +59,31 @@ def resolve_budgets(config: EdgeConfig) -> Budgets:
     if config.disk_capacity is not None:
         disk = config.disk_capacity
     else:
-        probe = config.state_dir
-        while not probe.exists() and probe != probe.parent:
-            probe = probe.parent
-        disk = shutil.disk_usage(probe).free
+        usage = shutil.disk_usage(_existing(config.state_dir))
+        disk = int(max(0, usage.free - disk_reserve(config)) * config.disk_overcommit)
     count = config.max_sandboxes if config.max_sandboxes is not None else min(
         UID_SLOTS, max(16, mem // BYTES_PER_SANDBOX_SLOT)
     )
     return Budgets(sandboxes=count, cpu=cpu, memory=memory, disk=disk)
+
+
+def _existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def disk_reserve(config: EdgeConfig) -> int:
+    """Bytes of the node's disk a create must leave free (see ``EdgeConfig.disk_reserve``)."""
+    if config.disk_reserve is not None:
+        return config.disk_reserve
+    return max(1 << 30, shutil.disk_usage(_existing(config.state_dir)).total // 20)
+
+
+def disk_of(res: Resources) -> int:
+    """Disk budget a sandbox takes: its quota on the disk medium; none on the memory medium
+    (those pages are memory, and its memory limit holds them)."""
+    return res.disk if res.disk_medium == "disk" else 0
 
 
 @dataclass(slots=True)
@@ -79,7 +97,7 @@ class Usage:
         self.sandboxes += sign
         self.cpu += sign * res.cpu
         self.memory += sign * res.memory
-        self.disk += sign * res.disk
+        self.disk += sign * disk_of(res)
 
     def plus(self, other: Usage) -> Usage:
         return Usage(self.sandboxes + other.sandboxes, self.cpu + other.cpu,
@@ -87,7 +105,7 @@ class Usage:
 
     @staticmethod
     def of(res: Resources) -> Usage:
-        return Usage(1, res.cpu, res.memory, res.disk)
+        return Usage(1, res.cpu, res.memory, disk_of(res))
 
 
 _EPS = 1e-9
@@ -110,9 +128,14 @@ def over(usage: Usage, budgets: Budgets) -> list[str]:
 class Admission:
     """Committed resources of this edge, split into real sandboxes and pooled ones."""
 
-    def __init__(self, budgets: Budgets, *, retry_after_s: float = 1.0) -> None:
+    def __init__(self, budgets: Budgets, *, retry_after_s: float = 1.0,
+                 store_free: Callable[[], int] | None = None, disk_reserve: int = 0) -> None:
+        """``store_free`` tells the free bytes of the disk holding writable layers (cheap,
+        cached by the caller); below ``disk_reserve`` disk-medium creates are refused."""
         self.budgets = budgets
         self.retry_after_s = retry_after_s
+        self.store_free = store_free
+        self.disk_reserve = disk_reserve
         self._real: dict[str, Resources] = {}
         self._pooled: dict[str, Resources] = {}
         self.real = Usage()
@@ -165,6 +188,7 @@ class Admission:
         QuotaExceeded if it exceeds the node's whole budget (never fits here),
         Backpressure if real sandboxes hold the room (retry later or elsewhere)."""
         want = Usage.of(res)
+        self._check_store(res)
         alone = over(want, self.budgets)
         if alone:
             raise QuotaExceeded(
@@ -187,10 +211,24 @@ class Admission:
             max(0, total.memory - b.memory), max(0, total.disk - b.disk),
         )
 
+    def _check_store(self, res: Resources) -> None:
+        """The disk itself, whatever was committed: layers, snapshots and other writers share it."""
+        if self.store_free is None or disk_of(res) == 0:
+            return
+        free = self.store_free()
+        if free < self.disk_reserve:
+            raise Backpressure(
+                f"edge is full (disk): the writable-layer store has {free >> 20} MiB free, below its reserve "
+                f"of {self.disk_reserve >> 20} MiB (free disk, or lower EdgeConfig.disk_reserve)",
+                retry_after=self.retry_after_s, reason="disk", reasons=["disk"], store_free=free,
+                store_reserve=self.disk_reserve, **self._figures(),
+            )
+
     def check_room(self, res: Resources, n: int) -> None:
         """Refuse at once if ``n`` sandboxes of ``res`` cannot all fit, even after evicting
         pooled ones (a fork checks this before it freezes and packs anything)."""
-        want = Usage(n, n * res.cpu, n * res.memory, n * res.disk)
+        want = Usage(n, n * res.cpu, n * res.memory, n * disk_of(res))
+        self._check_store(res)
         alone = over(want, self.budgets)
         if alone:
             raise QuotaExceeded(

@@ -94,7 +94,18 @@ class EdgeConfig(_Config):
     memory_capacity: Annotated[int | None, Field(ge=0)] = None
     """Bytes; default 90% of host RAM."""
     disk_capacity: Annotated[int | None, Field(ge=0)] = None
-    """Bytes of writable layers; default the free space of state_dir at start."""
+    """Bytes of writable-layer quota (``Resources.disk`` of sandboxes on the disk medium) the
+    edge may commit; default (the free space of state_dir at start - ``disk_reserve``) x
+    ``disk_overcommit``. Memory-medium layers count against memory (their tmpfs pages are)."""
+    disk_reserve: Annotated[int | None, Field(ge=0)] = None
+    """Bytes of the node's disk kept free: a create is refused (``Backpressure``, reason
+    ``disk``) while the writable-layer store has less; default max(1 GiB, 5 % of the disk)."""
+    disk_overcommit: Annotated[float, Field(gt=0, le=1000)] = 1.0
+    """Disk quotas may add up to this many times the disk: 1.0 guarantees every sandbox can
+    fill its quota; agents rarely do, so dense nodes raise it (the reserve still guards the disk)."""
+    uppers_path: Path | None = None
+    """An existing btrfs mount for writable layers on disk; default the runtime's own image
+    in ``state_dir/uppers`` (docs/RUNTIME.md, "Writable layer on disk")."""
 
     pools: list[PoolConfig] = Field(default_factory=list)
     pool_refill_per_s: Annotated[float, Field(gt=0, le=10000)] = 20.0

@@ -17,6 +17,7 @@ import builtins
 import contextlib
 import logging
 import secrets
+import shutil
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, TypeVar
@@ -25,7 +26,7 @@ from dsec.auth import mint
 from dsec.backends.container.fsops import SandboxFiles
 from dsec.backends.container.runtime import ContainerRuntime, SandboxRecord
 from dsec.backends.container.sessions import Session
-from dsec.edge.admission import Admission, Budgets, resolve_budgets
+from dsec.edge.admission import Admission, Budgets, disk_reserve, resolve_budgets
 from dsec.edge.audit import FULL_ERRNOS, Auditor
 from dsec.edge.config import EdgeConfig
 from dsec.edge.events import EventLog, Tombstone
@@ -169,8 +170,9 @@ class EdgeService:
             net["network"] = config.network.model_copy(update={"blocked": platform_blocked(config)})
         self.runtime = ContainerRuntime(
             name=config.runtime, state_dir=config.state_dir, run_dir=config.run_dir, id_prefix=config.edge_id,
-            zram_size=config.zram_size, reclaim_method=config.reclaim_method, **net,
+            zram_size=config.zram_size, reclaim_method=config.reclaim_method, uppers_path=config.uppers_path, **net,
         )
+        self._store_cache: tuple[float, tuple[int, int]] = (float("-inf"), (1 << 62, 1 << 62))
         self.budgets: Budgets | None = None
         self.admission: Admission = Admission(Budgets(0, 0.0, 0, 0))
         self.events = EventLog(tombstones=config.tombstones)
@@ -196,7 +198,9 @@ class EdgeService:
         if self.started:
             return
         self.budgets = await asyncio.to_thread(resolve_budgets, self.config)
-        self.admission = Admission(self.budgets, retry_after_s=self.config.retry_after_s)
+        reserve = await asyncio.to_thread(disk_reserve, self.config)
+        self.admission = Admission(self.budgets, retry_after_s=self.config.retry_after_s,
+                                   store_free=self._store_free, disk_reserve=reserve)
         await self.runtime.start()
         for rec in self.runtime.list():
             edge = rec.meta.get("edge") or {}
@@ -517,6 +521,24 @@ class EdgeService:
         self.record(sandbox_id)  # raises the 404
         return []
 
+    def _store_space(self) -> tuple[int, int]:
+        """(free, total) bytes of the disk holding writable layers, re-read at most once a second."""
+        now = time.monotonic()
+        if now - self._store_cache[0] > 1.0:
+            try:
+                if self.runtime.uppers.ready:
+                    space = self.runtime.uppers.space()
+                else:
+                    usage = shutil.disk_usage(self.config.state_dir)
+                    space = (usage.free, usage.total)
+            except OSError:
+                space = self._store_cache[1]
+            self._store_cache = (now, space)
+        return self._store_cache[1]
+
+    def _store_free(self) -> int:
+        return self._store_space()[0]
+
     def health(self) -> EdgeHealth:
         b = self.admission.budgets
         real = self.admission.real
@@ -526,7 +548,9 @@ class EdgeService:
             memory_capacity=b.memory, disk_committed=real.disk, disk_capacity=b.disk,
             layers=self._layers(), pools={p.name: len(p.ready) for p in self.pools.pools},
             pool_targets={p.name: p.target for p in self.pools.pools}, draining=self.draining,
-            labels=dict(self.config.labels), host=self.host.sample(),
+            labels=dict(self.config.labels),
+            host={**self.host.sample(), "store_free": float(self._store_space()[0]),
+                  "store_total": float(self._store_space()[1])},
             paused=sum(1 for r in self.runtime.sandboxes.values() if r.state is SandboxState.PAUSED),
         )
 

@@ -68,10 +68,18 @@ class Resources(_Model):
     cpu_weight: Annotated[int, Field(ge=2, le=262144)] = 1024
     """Relative weight under contention (cgroup v1 cpu.shares)."""
     memory: Annotated[int, Field(ge=16 * MiB, le=1 << 40)] = 1024 * MiB
-    """Hard memory limit; includes the writable layer's pages (it is tmpfs)."""
+    """Hard memory limit. With ``disk_medium="memory"`` it also holds the writable layer's
+    files (they are tmpfs pages); with ``"disk"`` (the default) written files are ordinary,
+    reclaimable page cache of the node's disk."""
     pids: Annotated[int, Field(ge=8, le=1 << 20)] = 512
     disk: Annotated[int, Field(ge=1 * MiB, le=1 << 40)] = 1024 * MiB
-    """Quota of the writable layer."""
+    """Hard quota of the writable layer: writes past it fail with ENOSPC/EDQUOT."""
+    disk_medium: Literal["disk", "memory"] = "disk"
+    """Where the writable layer lives. ``"disk"`` (default): on the node's disk under a hard
+    quota of ``disk`` bytes; file data is page cache, reclaimable, and does not count against
+    ``memory`` beyond what the kernel keeps cached. ``"memory"``: a tmpfs of ``disk`` bytes,
+    for small, short-lived sandboxes; every byte written is charged to ``memory`` (a sandbox
+    that writes more than its memory limit allows is OOM-killed, not given ENOSPC)."""
     nofile: Annotated[int, Field(ge=16, le=1 << 20)] = 4096
 
 

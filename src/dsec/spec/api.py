@@ -366,7 +366,8 @@ class EdgeHealth(_Wire):
     """Configured size of each warm pool (``pools`` holds the ready count)."""
     host: dict[str, float] = Field(default_factory=dict)
     """Node use: cpu_util (0..1 since the last report), load1, cpu_cores, memory_total,
-    memory_available, disk_total, disk_free (bytes, of the edge's state directory)."""
+    memory_available, disk_total, disk_free (bytes, of the edge's state directory),
+    store_total, store_free (bytes, of the disk holding writable layers)."""
     paused: int = 0
     """Sandboxes paused now (they count in ``sandboxes`` and in the committed resources)."""
 

@@ -18,6 +18,9 @@ from dsec.errors import HostError
 NATIVE_DIR = Path(__file__).resolve().parent / "native"
 SOURCE = NATIVE_DIR / "dsec-spawner.c"
 BINARY = NATIVE_DIR / "dsec-spawner"
+INIT_SOURCE = NATIVE_DIR / "dsec-init.c"
+INIT_BINARY = NATIVE_DIR / "dsec-init"
+"""The sandboxes' pid 1, static, exec'd by the spawner from beside its own binary."""
 CFLAGS = ["-O2", "-Wall", "-Wextra", "-D_FORTIFY_SOURCE=2", "-fstack-protector-strong"]
 
 
@@ -29,7 +32,8 @@ def spawner_path(*, build: bool = True) -> Path:
         if not os.access(path, os.X_OK):
             raise HostError(f"DSEC_SPAWNER={override} is not an executable file", path=override)
         return path
-    fresh = BINARY.exists() and BINARY.stat().st_mtime >= SOURCE.stat().st_mtime
+    fresh = all(b.exists() and b.stat().st_mtime >= src.stat().st_mtime
+                for b, src in ((BINARY, SOURCE), (INIT_BINARY, INIT_SOURCE)))
     if not fresh:
         if not build:
             raise HostError(
@@ -53,6 +57,15 @@ def compile_spawner(out: Path = BINARY) -> Path:
             command=" ".join(cmd),
         )
     os.replace(tmp, out)
+    init_out = out.with_name(INIT_BINARY.name)
+    tmp = init_out.with_name(init_out.name + f".tmp{os.getpid()}")
+    cmd = [gcc, *CFLAGS, "-static", "-o", str(tmp), str(INIT_SOURCE)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise HostError("building dsec-init failed (static libc: apt-get install libc6-dev):\n"
+                        + proc.stderr.strip(), command=" ".join(cmd))
+    os.replace(tmp, init_out)
     return out
 
 

@@ -156,6 +156,7 @@ class SandboxFiles:
             errno.ENOTDIR: "a component is not a directory",
             errno.EISDIR: "it is a directory",
             errno.ENOSPC: "the sandbox's disk quota is full",
+            errno.EDQUOT: "the sandbox's disk quota is full",
             errno.EEXIST: "it already exists",
             errno.ENOTEMPTY: "the directory is not empty (use recursive=True)",
             errno.EFBIG: "the file is too big",

@@ -40,6 +40,7 @@ from dsec.backends.container.network import Lease, NetworkConfig, NetworkManager
 from dsec.backends.container.output import BoundedCapture, ExecResult
 from dsec.backends.container.sessions import Session
 from dsec.backends.container.spawner import ChildExit, Spawner, SpawnError
+from dsec.backends.container.uppers import UpperStore, UpperUsage
 from dsec.backends.container.zram import ZramStats, ZramSwap
 from dsec.errors import (
     DsecError,
@@ -269,10 +270,18 @@ class ContainerRuntime:
         zram_size: int = 0,
         reclaim_method: pausing.ReclaimMethod = "pageout+force_empty",
         network: NetworkConfig | None = None,
+        uppers_path: Path | str | None = None,
+        uppers_image_size: int = 0,
     ) -> None:
         """``zram_size`` (bytes, 0: none) sets up a zram swap device at ``start()`` for
         paused sandboxes' memory (docs/SNAPSHOTS.md, "Pause"); ``reclaim_method`` is how
-        :meth:`pause` pushes memory out (see :mod:`dsec.backends.container.pause`)."""
+        :meth:`pause` pushes memory out (see :mod:`dsec.backends.container.pause`).
+
+        Writable layers on disk (``Resources.disk_medium="disk"``) live in this runtime's
+        own btrfs filesystem (:mod:`dsec.backends.container.uppers`): by default a sparse
+        image ``<state_dir>/uppers/<name>.img`` of ``uppers_image_size`` bytes (0: 80 % of
+        its disk's free space) mounted at ``<run_dir>/<name>/uppers``; ``uppers_path`` is
+        an existing btrfs mount to use instead."""
         if not _NAME_RE.match(name):
             raise InvalidSpec(f"runtime name {name!r} must match {_NAME_RE.pattern}", field="name")
         self.name = name
@@ -331,6 +340,21 @@ class ContainerRuntime:
         ``network`` is given, else on the first sandbox that asks for a policy."""
         self._net_configured = network is not None
         self.net.open_netns = self.netns_fd
+        self.skel_dir = self.run_dir / "skel"
+        self.devskel_dir = self.skel_dir / "devskel"
+        """The read-only skeleton every sandbox's /dev is bound from (no tmpfs per sandbox)."""
+        self.empty_dir = self.skel_dir / "empty"
+        """An empty read-only directory bound over /sys and masked /proc directories."""
+        self.uppers = UpperStore(
+            name,
+            mountpoint=Path(uppers_path) if uppers_path else self.run_dir / "uppers",
+            image=None if uppers_path else base_state / "uppers" / f"{name}.img",
+            image_size=uppers_image_size,
+        )
+        if any(c in str(self.uppers.mountpoint) for c in ",:\\ \n"):
+            raise InvalidSpec(f"uppers path {self.uppers.mountpoint} must not contain , : \\ or spaces "
+                              "(it goes into overlayfs options)", field="uppers_path")
+        self._uppers_lock = asyncio.Lock()
 
     # ----- lifecycle of the runtime itself -----
 
@@ -359,11 +383,25 @@ class ContainerRuntime:
         for d in (self.run_dir, self.records_dir, self.stage_dir, self.slots_dir):
             d.mkdir(parents=True, exist_ok=True)
         self._devnull = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
-        self._mounts = LayerMounts(self.store, self.run_dir / "layers")
-        await asyncio.to_thread(self._mounts.adopt)
-        self.spawner = Spawner(spawner_path())
-        await self.spawner.start()
-        self.reconciled = await self._reconcile()
+        self._mounts = LayerMounts(self.store, self.run_dir / "layers")  # checks the paths first
+        try:
+            await asyncio.to_thread(_make_skeletons, self.skel_dir)
+            if self.uppers.image is None or self.uppers.image.exists():
+                # Adopt the store a previous run left (its sandboxes' layers are there).
+                with contextlib.suppress(HostError):
+                    await asyncio.to_thread(self.uppers.setup)
+            await asyncio.to_thread(self._mounts.adopt)
+            self.spawner = Spawner(spawner_path())
+            await self.spawner.start()
+            self.reconciled = await self._reconcile()
+        except BaseException:
+            # Half started: leave nothing behind that no sandbox of ours uses.
+            if not self.sandboxes:
+                with contextlib.suppress(Exception):
+                    await asyncio.to_thread(self.uppers.close, unmount=True)
+                with contextlib.suppress(Exception):
+                    await asyncio.to_thread(_unmount_skeletons, self.skel_dir)
+            raise
         await self._setup_swap()
         await asyncio.to_thread(snapshots.clean_scratch, self)
         if self._net_configured or self.net.sandboxes:
@@ -391,6 +429,12 @@ class ContainerRuntime:
             self._devnull = -1
         with contextlib.suppress(OSError):
             snapshots.clean_scratch(self)
+        if destroy_all and not self.sandboxes:
+            await asyncio.to_thread(self.uppers.close, unmount=True)
+            with contextlib.suppress(OSError):
+                await asyncio.to_thread(_unmount_skeletons, self.skel_dir)
+        else:
+            self.uppers.close(unmount=False)
         if destroy_all:
             self.cgroups.remove_parents()
             if not self.sandboxes:
@@ -516,9 +560,11 @@ class ContainerRuntime:
                 # No record until the init runs: until then every host resource is
                 # found by name (cgroups, uid slot file) and the reconciler removes it.
                 rec.slot = self._claim_slot(sid)
-                cg_dirs = await asyncio.to_thread(self._make_cgroups, sid, spec.resources)
-                lowers = [str(await self._use_layer(d, sid)) for d in layers]
                 res = spec.resources
+                if res.disk_medium == "disk" and not self.uppers.ready:
+                    await self._setup_uppers()
+                cg_dirs, upper = await asyncio.to_thread(self._make_host_parts, sid, res, rec.uid_base)
+                lowers = [str(await self._use_layer(d, sid)) for d in layers]
                 fields = [
                     ("id", sid),
                     ("stage", str(self.stage_dir)),
@@ -526,7 +572,9 @@ class ContainerRuntime:
                     ("uid_count", str(UID_RANGE)),
                     ("disk", str(res.disk)),
                     ("inodes", str(max(16384, res.disk // 8192))),
-                    ("shm", str(min(res.memory // 2, 64 * 1024 * 1024))),
+                    ("devskel", str(self.devskel_dir)),
+                    ("empty", str(self.empty_dir)),
+                    *([("upper", str(upper))] if upper is not None else []),
                     *[("lower", p) for p in lowers],
                     *[("cg", str(d)) for d in cg_dirs],
                 ]
@@ -604,6 +652,11 @@ class ContainerRuntime:
             while self.cgroups.pids(sid) and time.monotonic() < deadline:
                 await asyncio.sleep(0.002)
         left = [str(p) for p in await asyncio.to_thread(self.cgroups.remove, sid)]
+        if self.uppers.ready:
+            try:
+                await asyncio.to_thread(self.uppers.destroy, sid)
+            except OSError as exc:
+                left.append(f"writable layer {self.uppers.path(sid)} ({exc})")
         for d in set(rec.layers):
             await self._unuse_layer(d, sid)
         if rec.slot >= 0:
@@ -780,6 +833,13 @@ class ContainerRuntime:
         return room
 
     def _measure_disk(self, rec: SandboxRecord) -> limit_evidence.DiskRoom | None:
+        if rec.spec.resources.disk_medium == "disk":
+            # statvfs of a subvolume shows the whole store: its qgroup holds the quota.
+            try:
+                use = self.uppers.usage(rec.id)
+            except (OSError, ValueError, HostError):
+                return None
+            return limit_evidence.DiskRoom(use.free, -1, use.free < limit_evidence.DISK_FULL_BYTES)
         return limit_evidence.disk_room(rec.init_pid)
 
     def events(self, sandbox_id: str) -> builtins.list[dict[str, Any]]:
@@ -1408,6 +1468,12 @@ class ContainerRuntime:
                 await asyncio.sleep(0.005)
             self.cgroups.remove(orphan)
             destroyed.append(orphan)
+        # Writable layers on disk that no live sandbox holds (named after the sandbox).
+        if self.uppers.ready:
+            for name in set(self.uppers.names()) - set(self.sandboxes):
+                with contextlib.suppress(OSError):
+                    await asyncio.to_thread(self.uppers.destroy, name)
+                    destroyed.append(name)
         # uid slots of this runtime that no live sandbox holds.
         for slot_file in self.slots_dir.iterdir():
             with contextlib.suppress(OSError):
@@ -1470,6 +1536,26 @@ class ContainerRuntime:
         return {"id": rec.id, "state": rec.state.value, "init_pid": rec.init_pid, **dataclasses.asdict(st)}
 
     # ----- pause / resume (docs/SNAPSHOTS.md, "Pause") -----
+
+    async def _setup_uppers(self) -> None:
+        async with self._uppers_lock:
+            if not self.uppers.ready:
+                await asyncio.to_thread(self.uppers.setup)
+
+    def _make_host_parts(self, sandbox_id: str, res: Any, uid_base: int) -> tuple[builtins.list[Path], Path | None]:
+        """The sandbox's cgroups and, on the disk medium, its writable layer (one thread hop)."""
+        dirs = self._make_cgroups(sandbox_id, res)
+        if res.disk_medium != "disk":
+            return dirs, None
+        return dirs, self.uppers.create(sandbox_id, quota=res.disk, uid=uid_base)
+
+    def disk_usage(self, sandbox_id: str) -> UpperUsage:
+        """Bytes the sandbox's writable layer holds and may hold, on either medium."""
+        rec = self._live(sandbox_id)
+        if rec.spec.resources.disk_medium == "disk":
+            return self.uppers.usage(sandbox_id)
+        st = os.statvfs(f"/proc/{rec.init_pid}/fd/3")
+        return UpperUsage(used=(st.f_blocks - st.f_bfree) * st.f_frsize, limit=st.f_blocks * st.f_frsize)
 
     def _make_cgroups(self, sandbox_id: str, res: Any) -> builtins.list[Path]:
         dirs = self.cgroups.create(sandbox_id, res)
@@ -1794,3 +1880,44 @@ class ContainerRuntime:
     def refresh_identity(self, sandbox_id: str) -> None:
         """Give a sandbox started from another's disk its own machine-id (fork does this)."""
         snapshots.fresh_identity(self.files(sandbox_id, platform=True))
+
+
+def _make_skeletons(skel: Path) -> None:
+    """The node's /dev skeleton and empty directory, on a small tmpfs of the runtime's own
+    (idempotent): sandboxes bind them read-only, and a bind of a tmpfs shows only
+    ``/devskel`` in their mountinfo, never a host path."""
+    from dsec.images import sysmount
+
+    skel.mkdir(mode=0o755, parents=True, exist_ok=True)
+    if not any(m.mount_point == str(skel) for m in sysmount.mountinfo()):
+        sysmount.mount("dsec-skel", str(skel), "tmpfs", sysmount.MS_NOSUID | sysmount.MS_NODEV,
+                       "size=64k,nr_inodes=64,mode=0755")
+    devskel, empty = skel / "devskel", skel / "empty"
+    empty.mkdir(mode=0o555, exist_ok=True)
+    os.chmod(empty, 0o555)
+    if devskel.is_dir():
+        return  # made whole by the rename below
+    tmp = skel / "devskel.new"
+    if tmp.exists():
+        import shutil
+
+        shutil.rmtree(tmp)
+    tmp.mkdir(mode=0o755)
+    for name in ("null", "zero", "full", "random", "urandom", "tty"):
+        (tmp / name).touch(mode=0o666)
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
+                         ("stderr", "/proc/self/fd/2"), ("ptmx", "pts/ptmx")):
+        os.symlink(target, tmp / name)
+    (tmp / "pts").mkdir(mode=0o755)
+    (tmp / "shm").mkdir(mode=0o1777)
+    os.chmod(tmp / "shm", 0o1777)
+    os.rename(tmp, devskel)
+
+
+def _unmount_skeletons(skel: Path) -> None:
+    from dsec.images import sysmount
+
+    if any(m.mount_point == str(skel) for m in sysmount.mountinfo()):
+        sysmount.umount(str(skel), sysmount.MNT_DETACH)
+    with contextlib.suppress(OSError):
+        skel.rmdir()

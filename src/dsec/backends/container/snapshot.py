@@ -121,11 +121,6 @@ def _free(path: Path) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def _used(path: str) -> int:
-    st = os.statvfs(path)
-    return (st.f_blocks - st.f_bfree) * st.f_frsize
-
-
 def _storage_full(exc: OSError, stage: str, where: Path, sandbox_id: str) -> StorageFull:
     return StorageFull(
         f"no space left in the layer store ({where}) while packing a snapshot of {sandbox_id} "
@@ -235,7 +230,7 @@ async def make_snapshot(
             try:
                 upper = Path(f"/proc/{rec.init_pid}/fd/3")
                 try:
-                    used = _used(str(upper))
+                    used = rt.disk_usage(sandbox_id).used
                     upper_fd = open_dir(upper / "upper")
                 except OSError:
                     rt._mark_failed(rec, "the sandbox's init process is gone")

@@ -1,0 +1,88 @@
+/*
+ * dsec-init: a sandbox's pid 1, exec'd by the spawner's create child once the
+ * sandbox's mounts are in place and its root is pivoted (static: no library
+ * of the sandbox's image is ever loaded).
+ *
+ * Why an exec and not the spawner's fork: a never-exec'd fork shares the
+ * spawner's anonymous pages copy-on-write, so every page's reverse map grows
+ * with the number of sandboxes, and the host's page-out monitor (DAMON) and
+ * reclaim walk it (0.04 -> 1.28 ms per sandbox at high N).  An exec'd init
+ * owns a fresh, tiny address space.
+ *
+ * It is exec'd as host root (so its memory stays owned by the host user
+ * namespace: root inside the sandbox can neither ptrace it nor read it), then
+ * enters the sandbox's user namespace, drops every capability, sets
+ * no_new_privs, becomes non-dumpable, reports "ok" and reaps orphans forever.
+ * Pid-namespace init drops signals it has no handler for, so processes in the
+ * sandbox cannot kill it.
+ *
+ * fds on entry: 0-2 /dev/null, 3 the writable layer's directory (the host
+ * reads it at /proc/PID/fd/3: kept), 4 the sandbox's user namespace, 5 the
+ * report pipe ("ok", or stage NUL errno NUL message NUL, as the spawner's
+ * create child writes).
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <grp.h>
+#include <linux/capability.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#ifndef SYS_close_range
+#define SYS_close_range 436
+#endif
+
+enum { FD_UPPER = 3, FD_USERNS = 4, FD_REPORT = 5 };
+
+static void fail(const char *stage, const char *msg) __attribute__((noreturn));
+static void fail(const char *stage, const char *msg) {
+    int err = errno;
+    char buf[600];
+    int l1 = snprintf(buf, sizeof buf, "%s", stage) + 1;
+    int l2 = snprintf(buf + l1, sizeof buf - l1, "%d", err) + 1;
+    int l3 = snprintf(buf + l1 + l2, sizeof buf - l1 - l2, "%s", msg) + 1;
+    if (write(FD_REPORT, buf, l1 + l2 + l3) < 0) { /* nothing else we can do */ }
+    _exit(127);
+}
+
+static int drop_caps(void) {
+    for (int c = 0; c <= 63; c++)
+        if (prctl(PR_CAPBSET_DROP, c, 0, 0, 0) < 0 && errno != EINVAL) return -1;
+    struct __user_cap_header_struct h = {.version = _LINUX_CAPABILITY_VERSION_3, .pid = 0};
+    struct __user_cap_data_struct d[2];
+    memset(d, 0, sizeof d);
+    if (syscall(SYS_capset, &h, d) < 0) return -1;
+    prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0);
+    return 0;
+}
+
+int main(void) {
+    prctl(PR_SET_NAME, "dsec-init", 0, 0, 0);
+    if (setns(FD_USERNS, CLONE_NEWUSER) < 0) fail("userns", "setns user");
+    close(FD_USERNS);
+    if (setgroups(0, NULL) < 0 || setresgid(0, 0, 0) < 0 || setresuid(0, 0, 0) < 0)
+        fail("userns", "switch to sandbox root");
+    if (drop_caps() < 0) fail("caps", "drop capabilities");
+    if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) fail("nnp", "no_new_privs");
+    prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGCHLD);
+    sigprocmask(SIG_BLOCK, &set, NULL);
+    if (write(FD_REPORT, "ok", 3) != 3) _exit(126);
+    syscall(SYS_close_range, FD_USERNS, ~0U, 0);
+    for (;;) {
+        while (waitpid(-1, NULL, WNOHANG) > 0) {
+        }
+        siginfo_t si;
+        sigwaitinfo(&set, &si);
+    }
+}
