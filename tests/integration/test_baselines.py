@@ -211,6 +211,37 @@ def test_bwrap_create_rate(rootfs: Path, workdir: Path) -> None:
 @needs_crun
 @needs_bwrap
 @pytest.mark.usefixtures("no_leaks")
+@pytest.mark.parametrize("tool", ["crun", "bwrap"])
+def test_keeper_holds_sandboxes_until_teardown(tool: str, rootfs: Path, workdir: Path) -> None:
+    """Between spawn and teardown the sandboxes idle in their own mount namespaces."""
+    with baselines.Keeper(tool, rootfs, workdir=workdir) as k:
+        k.spawn(3)
+        pids = [k.sandbox_pid(i) for i in range(3)]
+        assert len(set(pids)) == 3
+        host_ns = os.readlink("/proc/self/ns/mnt")
+        for pid in pids:
+            assert os.readlink(f"/proc/{pid}/ns/mnt") != host_ns
+            assert " /proc " in Path(f"/proc/{pid}/mountinfo").read_text()
+        assert len(k.done_s()) == 3
+        _sane_rate(k.teardown(), 3)
+        for pid in pids:
+            assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+
+
+@pytest.mark.root
+@needs_crun
+@pytest.mark.usefixtures("no_leaks")
+def test_keeper_cleans_up_without_teardown(rootfs: Path, workdir: Path) -> None:
+    with baselines.Keeper("crun", rootfs, workdir=workdir) as k:
+        k.spawn(2)
+        pid = k.sandbox_pid(1)
+    assert not Path(f"/proc/{pid}").exists()
+
+
+@pytest.mark.root
+@needs_crun
+@needs_bwrap
+@pytest.mark.usefixtures("no_leaks")
 def test_rootfs_under_private_dir_and_host_root_variant(workdir: Path) -> None:
     """A rootfs in a 0700 directory works (the runners bind it into their own namespace)."""
     private = workdir / "private"

@@ -32,6 +32,11 @@ What is measured, and how it is kept fair:
   figures that is ``/bin/true`` run to completion (crun run / bwrap, both
   tearing the sandbox down before they return). For the create-and-keep rates
   it is until the sandbox's shell has written ``ready`` to a pipe.
+- Create-and-keep (:class:`Keeper`) holds its ``n`` sandboxes between
+  :meth:`Keeper.spawn` and :meth:`Keeper.teardown`, so the caller can measure
+  them while they idle (host memory, a sandbox's mounts). Each crun container
+  holds one process (its shell, pid 1); a bwrap sandbox holds the same shell
+  under bwrap's own pid-1 init, plus the outer bwrap that waits for it.
 
 Every temporary path, container id and cgroup made here contains
 ``dsec-bench``; everything is removed before a function returns, also on
@@ -65,12 +70,14 @@ from typing import IO, Any
 __all__ = [
     "BENCH_HOST_UID",
     "BaselineError",
+    "Keeper",
     "bwrap_create_latency",
     "bwrap_create_rate",
     "crun_config",
     "crun_create_latency",
     "crun_create_rate",
     "crun_exec_latency",
+    "decile_rates",
     "prepare_busybox_rootfs",
 ]
 
@@ -329,13 +336,9 @@ def crun_create_rate(
     ``teardown_rate``, ``teardown_s`` and ``n`` (defined in :func:`_rate_summary`).
     """
     _check_n(n)
-    _ensure_pid_headroom(2 * n)
-    with _Session("crun", rootfs, host_uid=host_uid, workdir=workdir) as s:
-        bundle = s.bundle("wait", ["/bin/sh", "-c", _WAIT_SCRIPT, str(s.bench_dir)])
-        argv = s.crun_argv("run", "-d", "--bundle", str(bundle), "{id}")
-        created = s.runner.call("spawn", kind="crun", argv=argv, n=n, id_prefix=s.cid("keep"))
-        removed = s.runner.call("teardown")
-        return _rate_summary(n, created, removed)
+    with Keeper("crun", rootfs, host_uid=host_uid, workdir=workdir) as k:
+        k.spawn(n)
+        return k.teardown()
 
 
 def bwrap_create_rate(
@@ -353,14 +356,78 @@ def bwrap_create_rate(
     outer bwrap. Returns the same keys as :func:`crun_create_rate`.
     """
     _check_n(n)
-    _ensure_pid_headroom(4 * n)
-    with _Session("bwrap", rootfs, host_uid=host_uid, workdir=workdir) as s:
-        argv = _bwrap_argv(
-            s.view, ["/bin/sh", "-c", _WAIT_SCRIPT, str(s.bench_dir)], info_fd="{info_fd}"
-        )
-        created = s.runner.call("spawn", kind="bwrap", argv=argv, n=n, id_prefix=s.cid("keep"))
-        removed = s.runner.call("teardown")
-        return _rate_summary(n, created, removed)
+    with Keeper("bwrap", rootfs, host_uid=host_uid, workdir=workdir) as k:
+        k.spawn(n)
+        return k.teardown()
+
+
+class Keeper:
+    """Create-and-keep for one tool, with the sandboxes held between the calls.
+
+    ``with Keeper("crun", rootfs) as k:`` starts the runner (and nothing
+    else, so host memory can be read before :meth:`spawn`); :meth:`spawn`
+    creates ``n`` sandboxes one after another (see :func:`crun_create_rate`
+    and :func:`bwrap_create_rate` for what "created" and "teardown" mean);
+    :meth:`sandbox_pid` names a kept sandbox's pid 1 as the host sees it;
+    :meth:`teardown` removes them all and returns :func:`_rate_summary`.
+    Leaving the block without :meth:`teardown` still removes everything.
+    """
+
+    def __init__(
+        self,
+        tool: str,
+        rootfs: Path,
+        *,
+        host_uid: int | None = BENCH_HOST_UID,
+        workdir: Path | None = None,
+    ) -> None:
+        if tool not in ("crun", "bwrap"):
+            raise ValueError(f"tool must be crun or bwrap, got {tool!r}")
+        self.tool = tool
+        self._session = _Session(tool, rootfs, host_uid=host_uid, workdir=workdir)
+        self._created: dict[str, Any] | None = None
+        self.n = 0
+
+    def __enter__(self) -> Keeper:
+        self._session.__enter__()
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        self._session.__exit__(exc_type, exc, tb)
+
+    def spawn(self, n: int) -> None:
+        """Create ``n`` sandboxes and keep them (once per Keeper)."""
+        _check_n(n)
+        if self._created is not None:
+            raise RuntimeError("Keeper.spawn runs once")
+        s = self._session
+        # crun: the shell per container; bwrap: outer bwrap, its pid-1 init and the shell.
+        _ensure_pid_headroom((2 if self.tool == "crun" else 4) * n)
+        script = ["/bin/sh", "-c", _WAIT_SCRIPT, str(s.bench_dir)]
+        if self.tool == "crun":
+            bundle = s.bundle("wait", script)
+            argv = s.crun_argv("run", "-d", "--bundle", str(bundle), "{id}")
+        else:
+            argv = _bwrap_argv(s.view, script, info_fd="{info_fd}")
+        self._created = s.runner.call("spawn", kind=self.tool, argv=argv, n=n, id_prefix=s.cid("keep"))
+        self.n = n
+
+    def done_s(self) -> list[float]:
+        """Seconds from the start of :meth:`spawn` until each sandbox was ready, in order."""
+        if self._created is None:
+            raise RuntimeError("nothing spawned yet")
+        return [float(t) for t in self._created["done"]]
+
+    def sandbox_pid(self, index: int) -> int:
+        """Host pid of kept sandbox ``index``'s pid 1 (crun: the shell; bwrap: its init)."""
+        return int(self._session.runner.call("pid", index=index))
+
+    def teardown(self) -> dict[str, float]:
+        """Remove every kept sandbox; the whole series' :func:`_rate_summary`."""
+        if self._created is None:
+            raise RuntimeError("nothing spawned yet")
+        removed = self._session.runner.call("teardown")
+        return _rate_summary(self.n, self._created, removed)
 
 
 def crun_exec_latency(
@@ -400,6 +467,25 @@ def _check_n(n: int) -> None:
         raise ValueError(f"n must be >= 1, got {n}")
 
 
+def decile_rates(done_s: Sequence[float]) -> tuple[float, float]:
+    """Creation rate over the first and over the last tenth of a series (per second).
+
+    ``done_s``: when each sandbox was ready, in seconds since the series
+    began (any order). A decile is ``max(1, n // 10)`` sandboxes; the first
+    decile's rate counts from the series' start, the last decile's from the
+    sandbox just before it. Pure; raises ``ValueError`` on an empty series.
+    """
+    done = sorted(float(t) for t in done_s)
+    n = len(done)
+    if n == 0:
+        raise ValueError("no samples")
+    k = max(1, n // 10)
+    first_span = done[k - 1]
+    last_span = done[-1] - (done[n - k - 1] if n > k else 0.0)
+    tiny = 1e-9  # two sandboxes ready within the clock's resolution
+    return k / max(first_span, tiny), k / max(last_span, tiny)
+
+
 def _rate_summary(n: int, created: dict[str, Any], removed: dict[str, Any]) -> dict[str, float]:
     """Rates from the runner's per-sandbox completion times (seconds since the series began).
 
@@ -415,16 +501,14 @@ def _rate_summary(n: int, created: dict[str, Any], removed: dict[str, Any]) -> d
     done = [float(t) for t in created["done"]]
     if len(done) != n:
         raise BaselineError(f"runner created {len(done)} sandboxes, expected {n}")
-    k = max(1, n // 10)
-    first_span = done[k - 1]
-    last_span = done[-1] - (done[n - k - 1] if n > k else 0.0)
+    first, last = decile_rates(done)
     gone = [float(t) for t in removed["done"]]
     out = {
         "n": float(n),
         "create_s": done[-1],
         "rate": n / done[-1],
-        "first_decile_rate": k / first_span,
-        "last_decile_rate": k / last_span,
+        "first_decile_rate": first,
+        "last_decile_rate": last,
         "ready_p50_ms": percentile(created["ms"], 50),
         "ready_p99_ms": percentile(created["ms"], 99),
         "teardown_s": gone[-1] if gone else 0.0,
@@ -886,6 +970,23 @@ class _Runner:
             os.close(out_r)
             os.close(info_r)
 
+    def op_pid(self, req: dict[str, Any]) -> int:
+        """Host pid of kept box ``index``'s pid 1."""
+        box = self.boxes[int(req["index"])]
+        if self.tool == "bwrap":
+            if box.init_pid is None:
+                raise RuntimeError(f"{box.name}: no pid from bwrap --info-fd")
+            return box.init_pid
+        crun = ["crun", "--root", self.crun_root, "--cgroup-manager", "cgroupfs"]
+        state = subprocess.run(
+            [*crun, "state", box.name],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            timeout=COMMAND_TIMEOUT_S,
+            check=True,
+        )
+        return int(json.loads(state.stdout)["pid"])
+
     def op_teardown(self, req: dict[str, Any]) -> dict[str, list[float]]:
         done: list[float] = []
         t_begin = time.perf_counter()
@@ -1065,6 +1166,7 @@ def _serve(args: argparse.Namespace, stdin: IO[bytes], stdout: IO[bytes]) -> int
         "ping": runner.op_ping,
         "time": runner.op_time,
         "spawn": runner.op_spawn,
+        "pid": runner.op_pid,
         "teardown": runner.op_teardown,
         "cleanup": runner.op_cleanup,
     }

@@ -1,32 +1,194 @@
-"""``dsec bench runtime``: the node runtime beside crun and bwrap, in one run.
+"""``dsec bench runtime``: the node runtime beside crun and bwrap, in one run, at the same N.
 
 Every figure is measured on the same busybox rootfs in the same process run,
 so ratios hold on a noisy machine. Figures, not assertions.
+
+How the three runtimes are kept comparable:
+
+- **Same N.** DSec, crun and bwrap each create-and-keep the same number of
+  sandboxes (``-n``; full mode 10,000, or the largest N that MemAvailable
+  holds, said so in the output; ``--quick`` 200), and the keys say it:
+  ``keep_n``, ``crun_keep_n``, ``bwrap_keep_n``. A kept sandbox holds one idle
+  process: DSec's an idle shell waiting on stdin (started with the runtime's
+  ``start_process``), crun's and bwrap's the same shell as their pid 1 / under
+  bwrap's init (:class:`dsec.bench.baselines.Keeper`). Per runtime at that N:
+  the create rate, its first and last decile and their ratio, the teardown
+  rate, and host memory per idle sandbox (the drop in MemAvailable).
+- **Rotating order.** The runtimes run one after another, each its whole
+  block (latency, exec, create-and-keep), in an order that changes from run
+  to run (a counter under ``$DSEC_STATE_DIR/bench``; ``--order`` fixes it):
+  some kernel state that a runtime grows outlives its sandboxes, so the one
+  that always came last would always pay for the others. The key ``order``
+  records the order used.
+- **Kernel state.** Every superblock (each tmpfs, proc, overlay, devpts,
+  mqueue mount that is not a bind) registers one memcg-aware shrinker, and the
+  kernel's shrinker ids have a high-water mark (``shrinker_nr_max``) that
+  **only grows until reboot**: every memory cgroup then carries a map of that
+  many ids (one 1 KiB slab object per 64 ids per NUMA node), made anew for each
+  new memcg and walked by its reclaim. There is no counter for it (this kernel
+  has no shrinker debugfs, CONFIG_SHRINKER_DEBUG, nor /proc/kcore), so
+  ``shrinkers_*`` estimate it from the outside: create 32 empty probe memcgs
+  and count the kmalloc-1k objects they take, x64 (:func:`shrinker_id_hwm`;
+  resolution 64 ids, repeated reads agree within about 2 units; others making
+  or freeing memcgs at the same moment disturb it). ``shrinkers_before`` / ``shrinkers_after`` bound the whole bench,
+  ``<rt>shrinkers_keep_before`` / ``_after`` each runtime's keep phase.
+  ``<rt>superblocks_per_sandbox`` counts the superblocks made for one idle
+  sandbox: the devices in its mount namespace (mountinfo's major:minor) and
+  of its pid 1's open files, less those the host or a second sandbox of the
+  same runtime also has (:func:`own_superblocks`).
+- **Writable-layer media** (DSec only, after the three blocks):
+  ``Resources(disk_medium="disk" | "memory")`` create latency, memory per idle
+  sandbox after each of K sandboxes wrote 50 MiB of incompressible data, write
+  throughput, teardown. Until the runtime has the disk medium both behave the
+  same (tmpfs); the bench works either way.
+
+Must never: leave a sandbox, mount, cgroup (its probe memcgs included) or
+process behind; create more sandboxes than MemAvailable holds with headroom.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import functools
+import math
 import os
+import re
+import resource
+import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from dsec.bench.baselines import decile_rates
 from dsec.bench.stats import percentile
 
 Progress = Callable[[str], None]
+Medium = Literal["disk", "memory"]
+
+MiB = 1 << 20
+RUNTIMES = ("dsec", "crun", "bwrap")
+ORDERS: tuple[tuple[str, ...], ...] = (
+    ("dsec", "crun", "bwrap"),
+    ("crun", "bwrap", "dsec"),
+    ("bwrap", "dsec", "crun"),
+    ("dsec", "bwrap", "crun"),
+    ("bwrap", "crun", "dsec"),
+    ("crun", "dsec", "bwrap"),
+)
+"""Six runs put each runtime in each place twice and after each other runtime equally
+often, and no two runs in a row start with the same runtime."""
+FULL_N = 10_000
+QUICK_N = 200
+FULL_WRITTEN_N = 1_000
+QUICK_WRITTEN_N = 50
+WRITE_BYTES = 50 * MiB
+"""What each sandbox of the written phase writes (from /dev/urandom: incompressible)."""
+THROUGHPUT_MIB = 256
+"""One sandbox writes this many MiB with dd conv=fsync: a build artifact flushed to stable storage."""
+IDLE_MIB_BUDGET = 1.0
+"""Host memory of one idle sandbox, any runtime, besides its memcg's shrinker map. Measured at
+N=1,000: DSec 0.87, crun 0.65, bwrap 0.74 MiB, the first two including a 0.46 MiB map."""
+SUPERBLOCKS_BUDGET = 8
+"""Superblocks one sandbox makes, at most (measured: DSec 2, or 3 with the memory medium;
+bwrap 5; crun 7)."""
+_PROBES = 8
+_PROBE_ROUNDS = 7
 
 
-def _mem_used_bytes() -> int:
+def key(runtime: str, name: str) -> str:
+    """A runtime's key: DSec's bare (``keep_n``), the baselines' prefixed (``crun_keep_n``)."""
+    if runtime not in RUNTIMES:
+        raise ValueError(f"unknown runtime {runtime!r}")
+    return name if runtime == "dsec" else f"{runtime}_{name}"
+
+
+# ------------------------------------------------------------------- order --
+
+
+def parse_order(text: str) -> tuple[str, ...]:
+    """``"crun,dsec,bwrap"`` -> ``("crun", "dsec", "bwrap")``: each of the three runtimes once."""
+    names = tuple(p.strip().lower() for p in text.split(",") if p.strip())
+    if sorted(names) != sorted(RUNTIMES):
+        raise ValueError(f"order must name each of {', '.join(RUNTIMES)} once, got {text!r}")
+    return names
+
+
+def rotated_order(counter: int) -> tuple[str, ...]:
+    """The order of run number ``counter`` (cycles through :data:`ORDERS`)."""
+    return ORDERS[counter % len(ORDERS)]
+
+
+def next_run_counter(directory: Path) -> tuple[int, str]:
+    """This run's number from a counter file in ``directory`` (then bumped); with where it came from.
+
+    Falls back to the current minute when the file cannot be kept (read-only state dir).
+    """
+    path = directory / "runtime-bench-runs"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        try:
+            counter = int(path.read_text().strip() or 0)
+        except (FileNotFoundError, ValueError):
+            counter = 0
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(f"{counter + 1}\n")
+        tmp.replace(path)
+        return counter, f"rotation, run {counter}"
+    except OSError:
+        minute = int(time.time() // 60)
+        return minute, "current minute"
+
+
+# ---------------------------------------------------------------- memory ----
+
+
+def _meminfo() -> dict[str, int]:
     info: dict[str, int] = {}
     with open("/proc/meminfo") as f:
         for line in f:
             k, v = line.split(":", 1)
             info[k] = int(v.split()[0]) * 1024
-    return info["MemTotal"] - info["MemAvailable"]
+    return info
+
+
+def _mem_available() -> int:
+    return _meminfo()["MemAvailable"]
+
+
+def headroom_bytes(mem_total: int) -> int:
+    """Memory a bench leaves alone: 1 GiB or 5 % of the machine, the larger (others share it)."""
+    return max(1 << 30, mem_total // 20)
+
+
+def mib_per_sandbox(n: int, *, hwm_ids: int, nodes: int = 1, extra_mib: float = 0.0) -> float:
+    """Host memory one of ``n`` kept sandboxes is budgeted (MiB).
+
+    :data:`IDLE_MIB_BUDGET` plus its memcg's shrinker map: 1 KiB per 64 shrinker
+    ids per node, with the ids' high-water mark at least what ``n`` sandboxes of
+    :data:`SUPERBLOCKS_BUDGET` superblocks each push it to (so the whole grows
+    as n squared: 10,000 sandboxes about 2.2 MiB each), plus ``extra_mib``.
+    """
+    ids = max(hwm_ids, SUPERBLOCKS_BUDGET * n)
+    return IDLE_MIB_BUDGET + nodes * math.ceil(ids / 64) / 1024 + extra_mib
+
+
+def fit_n(want: int, free_bytes: int, per_sandbox_mib: Callable[[int], float]) -> int:
+    """The largest n <= ``want`` whose ``n * per_sandbox_mib(n)`` MiB fit in ``free_bytes`` (0 if none).
+
+    ``per_sandbox_mib`` must not decrease with n.
+    """
+    lo, hi = 0, max(0, want)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if mid * per_sandbox_mib(mid) * MiB <= free_bytes:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _ensure_pid_max(need: int, say: Progress) -> None:
@@ -35,6 +197,223 @@ def _ensure_pid_max(need: int, say: Progress) -> None:
     if cur < need:
         path.write_text(str(min(4194304, need * 2)))
         say(f"raised kernel.pid_max from {cur} to {path.read_text().strip()} for this run")
+
+
+def _raise_nofile() -> None:
+    """N kept sandboxes are N stdin pipes held by this process."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+# ---------------------------------------------------- shrinkers & superblocks --
+
+
+def _slab_objects(cache: str) -> int:
+    """Active objects of slab cache ``cache`` (/proc/slabinfo, root only)."""
+    with open("/proc/slabinfo") as f:
+        for line in f:
+            fields = line.split()
+            if fields and fields[0] == cache:
+                return int(fields[1])
+    raise LookupError(f"no slab cache {cache!r}")
+
+
+def _memcg_root() -> Path | None:
+    v1 = Path("/sys/fs/cgroup/memory")
+    if (v1 / "memory.limit_in_bytes").exists():
+        return v1
+    v2 = Path("/sys/fs/cgroup")
+    with contextlib.suppress(OSError):
+        if "memory" in (v2 / "cgroup.subtree_control").read_text().split():
+            return v2
+    return None
+
+
+def _possible_nodes() -> int:
+    count = 0
+    with contextlib.suppress(OSError):
+        for part in Path("/sys/devices/system/node/possible").read_text().strip().split(","):
+            a, _, b = part.partition("-")
+            count += int(b or a) - int(a) + 1
+    return max(1, count)
+
+
+def _kernel_at_least(major: int, minor: int) -> bool:
+    m = re.match(r"(\d+)\.(\d+)", os.uname().release)
+    return m is not None and (int(m.group(1)), int(m.group(2))) >= (major, minor)
+
+
+def units_to_ids(objects_per_memcg: float, nodes: int) -> int:
+    """kmalloc-1k objects one new memcg takes -> shrinker ids (64 per object per node)."""
+    return 64 * round(objects_per_memcg / nodes)
+
+
+def _settled_slab(cache: str, *, quiet: int = 16, timeout: float = 3.0) -> None:
+    """Wait until ``cache`` stops moving (memcgs of torn-down sandboxes are freed asynchronously)."""
+    deadline = time.monotonic() + timeout
+    last = _slab_objects(cache)
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = _slab_objects(cache)
+        if abs(now - last) <= quiet:
+            return
+        last = now
+
+
+def shrinker_id_hwm() -> int | None:
+    """Estimate of the kernel's memcg shrinker id high-water mark; None when not measurable.
+
+    Linux >= 6.7 gives every memcg, per NUMA node, one ``shrinker_info_unit``
+    (64 deferred counters and a 64-bit map, a kmalloc-1k object) per 64
+    shrinker ids up to the high-water mark (``shrinker_nr_max``, which never
+    falls until reboot). Making a few empty memcgs and counting the kmalloc-1k
+    objects they took reads it. The window is kept short (8 memcgs) and the
+    median of 7 rounds taken, because memcgs being freed meanwhile (ours of the
+    round before, a teardown's) give objects back and hide some: one 32-memcg
+    round read 16 units where 8-memcg rounds read 472. Probe memcgs are named
+    ``dsec-bench-probe-*`` and removed before returning.
+    """
+    root = _memcg_root()
+    if root is None or not _kernel_at_least(6, 7):
+        return None
+    rounds: list[float] = []
+    try:
+        _settled_slab("kmalloc-1k")
+        for r in range(_PROBE_ROUNDS):
+            made: list[Path] = []
+            try:
+                before = _slab_objects("kmalloc-1k")
+                for i in range(_PROBES):
+                    p = root / f"dsec-bench-probe-{os.getpid()}-{r}-{i}"
+                    p.mkdir()
+                    made.append(p)
+                after = _slab_objects("kmalloc-1k")
+            finally:
+                for p in made:
+                    for _ in range(100):
+                        try:
+                            p.rmdir()
+                            break
+                        except FileNotFoundError:
+                            break
+                        except OSError:
+                            time.sleep(0.01)
+            rounds.append((after - before) / _PROBES)
+            time.sleep(0.02)
+    except (OSError, LookupError):
+        return None
+    return units_to_ids(statistics.median(rounds), _possible_nodes())
+
+
+def mountinfo_devs(text: str) -> dict[str, str]:
+    """``{"major:minor": fstype}`` of every mount in a mountinfo text (one superblock each)."""
+    devs: dict[str, str] = {}
+    for line in text.splitlines():
+        left, sep, right = line.partition(" - ")
+        fields = left.split()
+        if not sep or len(fields) < 3 or not right:
+            continue
+        devs.setdefault(fields[2], right.split()[0])
+    return devs
+
+
+_FS_MAGIC = {
+    0x01021994: "tmpfs", 0x794C7630: "overlay", 0x9FA0: "proc", 0x1CD1: "devpts",
+    0x19800202: "mqueue", 0xE0F5E1E2: "erofs", 0x9123683E: "btrfs", 0x62656572: "sysfs",
+    0x50495045: "pipefs", 0x534F434B: "sockfs", 0x6E736673: "nsfs", 0x09041934: "anon_inodefs",
+    0xEF53: "ext4", 0x73717368: "squashfs", 0x27E0EB: "cgroup", 0x63677270: "cgroup2",
+}  # fmt: skip
+_SUBVOLUME_DEVS = {"btrfs"}
+"""Filesystems whose files report a per-subvolume st_dev: not a superblock each."""
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _fs_type(path: str) -> str:
+    buf = ctypes.create_string_buffer(256)  # struct statfs; f_type is its first word
+    if _libc().statfs(path.encode(), buf) != 0:
+        return "?"
+    magic = int.from_bytes(buf.raw[: ctypes.sizeof(ctypes.c_long)], "little", signed=True) & 0xFFFFFFFF
+    return _FS_MAGIC.get(magic, hex(magic))
+
+
+def sandbox_devs(pid: int) -> dict[str, str]:
+    """Superblocks one sandbox can reach, from its pid 1 ``pid``: ``{"major:minor": fstype}``.
+
+    The mounts of its mount namespace, and the devices of the files pid 1 holds
+    open (DSec's init keeps the writable layer's tmpfs open behind the overlay,
+    where no mountinfo shows it). A btrfs file's st_dev names its subvolume, not
+    a superblock: those are left out.
+    """
+    devs = mountinfo_devs(Path(f"/proc/{pid}/mountinfo").read_text())
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            link = f"/proc/{pid}/fd/{fd}"
+            try:
+                st = os.stat(link)
+            except OSError:
+                continue
+            dev = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+            if dev not in devs:
+                kind = _fs_type(link)
+                if kind not in _SUBVOLUME_DEVS:
+                    devs[dev] = kind
+    return devs
+
+
+def own_superblocks(one: Mapping[str, str], other: Mapping[str, str], host: Iterable[str]) -> dict[str, str]:
+    """The superblocks of sandbox ``one`` made for it: neither the host's nor a second sandbox's.
+
+    ``other`` is a sandbox of the same runtime; what both reach (a shared base
+    layer, pipefs, nsfs) was not made per sandbox.
+    """
+    shared = set(other) | set(host)
+    return {d: t for d, t in one.items() if d not in shared}
+
+
+def kinds_summary(devs: Mapping[str, str]) -> str:
+    """``{"0:51": "tmpfs", "0:52": "tmpfs", "0:53": "proc"}`` -> ``"proc:1 tmpfs:2"``."""
+    counts: dict[str, int] = {}
+    for kind in devs.values():
+        counts[kind] = counts.get(kind, 0) + 1
+    return " ".join(f"{k}:{v}" for k, v in sorted(counts.items()))
+
+
+def _host_devs() -> set[str]:
+    return set(mountinfo_devs(Path("/proc/self/mountinfo").read_text()))
+
+
+# ------------------------------------------------------------ keep figures --
+
+
+def keep_keys(runtime: str, *, n: int, done_s: Sequence[float], idle_bytes: float, teardown_s: float,
+              superblocks: Mapping[str, str]) -> dict[str, Any]:
+    """One runtime's create-and-keep keys, named after it (:func:`key`).
+
+    ``done_s``: when each sandbox was ready, seconds since the series began;
+    ``idle_bytes``: the drop in MemAvailable with all ``n`` idle.
+    """
+    if len(done_s) != n:
+        raise ValueError(f"{runtime}: {len(done_s)} ready times for n={n}")
+    first, last = decile_rates(done_s)
+    return {
+        key(runtime, "keep_n"): n,
+        key(runtime, "create_rate"): n / max(done_s),
+        key(runtime, "create_rate_first_decile"): first,
+        key(runtime, "create_rate_last_decile"): last,
+        key(runtime, "create_rate_last_decile_ratio"): last / first,
+        key(runtime, "idle_mib_per_sandbox"): idle_bytes / n / MiB,
+        key(runtime, "teardown_rate"): n / teardown_s,
+        key(runtime, "superblocks_per_sandbox"): len(superblocks),
+        key(runtime, "superblocks_per_sandbox_kinds"): kinds_summary(superblocks),
+    }
+
+
+# -------------------------------------------------------------- rootfs ------
 
 
 def debian_rootfs(cache: Path, say: Progress) -> Path:
@@ -57,6 +436,9 @@ def debian_rootfs(cache: Path, say: Progress) -> Path:
     return target
 
 
+# ------------------------------------------------------------------ DSec ----
+
+
 async def _dsec_latency(rt: Any, spec: Any, n: int) -> tuple[list[float], list[float]]:
     lat: list[float] = []
     full: list[float] = []
@@ -71,13 +453,75 @@ async def _dsec_latency(rt: Any, spec: Any, n: int) -> tuple[list[float], list[f
     return lat, full
 
 
-async def _dsec_side(rootfs: Path, work: Path, *, n_lat: int, n_keep: int, n_exec: int, say: Progress,
-                     debian: Path | None = None) -> dict[str, float]:
+async def _all(coros: Iterable[Coroutine[Any, Any, None]]) -> None:
+    """Run them all; on the first failure cancel the rest (no sandbox made after the cleanup)."""
+    async with asyncio.TaskGroup() as tg:
+        for c in coros:
+            tg.create_task(c)
+
+
+class _Idlers:
+    """Kept DSec sandboxes, each with an idle shell on a stdin pipe this process holds."""
+
+    def __init__(self, rt: Any) -> None:
+        self.rt = rt
+        self.ids: list[str] = []
+        self.ready: list[float] = []
+        self._stdins: list[int] = []
+        self._devnull = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
+
+    async def add(self, spec: Any, t_start: float, *, before_idle: Callable[[str], Any] | None = None) -> None:
+        sb = await self.rt.create(spec)
+        self.ids.append(sb.id)  # before anything else can fail: close() must find it
+        if before_idle is not None:
+            await before_idle(sb.id)
+        r, w = os.pipe2(os.O_CLOEXEC)
+        try:
+            self._stdins.append(w)
+            await self.rt.start_process(sb.id, ["/bin/sh"], stdin=r, stdout=self._devnull, stderr=self._devnull)
+        finally:
+            os.close(r)
+        self.ready.append(time.perf_counter() - t_start)
+
+    async def teardown(self, concurrency: int = 16) -> float:
+        """Destroy them all; seconds taken."""
+        self._close_stdins()
+        sem = asyncio.Semaphore(concurrency)
+
+        async def kill(i: str) -> None:
+            async with sem:
+                await self.rt.destroy(i)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(kill(i) for i in self.ids))
+        took = time.perf_counter() - t0
+        self.ids.clear()
+        return took
+
+    def _close_stdins(self) -> None:
+        for w in self._stdins:
+            with contextlib.suppress(OSError):
+                os.close(w)
+        self._stdins.clear()
+
+    async def close(self) -> None:
+        """Whatever is left (after an error): destroyed, fds closed."""
+        self._close_stdins()
+        for i in self.ids:
+            with contextlib.suppress(Exception):
+                await self.rt.destroy(i)
+        self.ids.clear()
+        with contextlib.suppress(OSError):
+            os.close(self._devnull)
+
+
+async def _dsec_side(rootfs: Path, work: Path, *, n_lat: int, n_keep: int, n_exec: int, host: set[str],
+                     say: Progress, debian: Path | None = None) -> dict[str, Any]:
     from dsec.backends.container.runtime import ContainerRuntime
     from dsec.images.build import build_from_dir
     from dsec.spec import ImageRef, Resources, SandboxSpec
 
-    out: dict[str, float] = {}
+    out: dict[str, Any] = {}
     async with ContainerRuntime(name="bench", state_dir=work / "state", run_dir=work / "run") as rt:
         layer = await asyncio.to_thread(build_from_dir, rt.store, rootfs, name="bench-busybox", tag="latest", kind="base")
         spec = SandboxSpec(
@@ -135,112 +579,260 @@ async def _dsec_side(rootfs: Path, work: Path, *, n_lat: int, n_keep: int, n_exe
         for o in others:
             await rt.destroy(o.id)
 
+        out["shrinkers_keep_before"] = await asyncio.to_thread(shrinker_id_hwm)
         say(f"dsec: create-and-keep {n_keep} sandboxes, each with a shell waiting on stdin")
-        mem0 = _mem_used_bytes()
-        devnull = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
-        stdins: list[int] = []
-        ids: list[str] = []
-        stamps: list[float] = []
-        sem = asyncio.Semaphore(8)
-
-        async def keep() -> None:
-            async with sem:
-                s = await rt.create(spec)
-                r, w = os.pipe2(os.O_CLOEXEC)
-                try:
-                    await rt.start_process(s.id, ["/bin/sh"], stdin=r, stdout=devnull, stderr=devnull)
-                finally:
-                    os.close(r)
-                stdins.append(w)
-                ids.append(s.id)
-                stamps.append(time.perf_counter())
-
-        t_start = time.perf_counter()
+        idlers = _Idlers(rt)
         try:
-            await asyncio.gather(*(keep() for _ in range(n_keep)))
-            total = time.perf_counter() - t_start
-            stamps.sort()
-            dec = max(1, n_keep // 10)
-            first = dec / (stamps[dec - 1] - t_start)
-            last = dec / (stamps[-1] - stamps[-dec - 1]) if n_keep > dec else first
-            out["create_rate"] = n_keep / total
-            out["create_rate_first_decile"] = first
-            out["create_rate_last_decile"] = last
-            out["create_rate_last_decile_ratio"] = last / first
-            await asyncio.sleep(1.0)  # let lazily freed memory settle
-            out["idle_mib_per_sandbox"] = (_mem_used_bytes() - mem0) / n_keep / (1 << 20)
-            out["idle_n"] = n_keep
-            say(f"dsec: teardown of {n_keep}")
-            tsem = asyncio.Semaphore(16)
+            sem = asyncio.Semaphore(8)
 
-            async def kill(i: str) -> None:
-                async with tsem:
-                    await rt.destroy(i)
+            async def keep(t_start: float) -> None:
+                async with sem:
+                    await idlers.add(spec, t_start)
 
-            for w in stdins:
-                os.close(w)
-            stdins.clear()
+            mem0 = _mem_available()
             t0 = time.perf_counter()
-            await asyncio.gather(*(kill(i) for i in ids))
-            out["teardown_rate"] = n_keep / (time.perf_counter() - t0)
+            await _all(keep(t0) for _ in range(n_keep))
+            await asyncio.sleep(1.0)  # let lazily freed memory settle
+            idle = mem0 - _mem_available()
+            own = own_superblocks(sandbox_devs(rt.get(idlers.ids[0]).init_pid),
+                                  sandbox_devs(rt.get(idlers.ids[-1]).init_pid), host)
+            say(f"dsec: teardown of {n_keep}")
+            took = await idlers.teardown()
         finally:
-            for w in stdins:
-                os.close(w)
-            os.close(devnull)
+            await idlers.close()
+        out.update(keep_keys("dsec", n=n_keep, done_s=idlers.ready, idle_bytes=idle, teardown_s=took,
+                             superblocks=own))
+        out["idle_n"] = n_keep
+        out["keep_disk_medium"] = spec.resources.disk_medium
+        out["shrinkers_keep_after"] = await asyncio.to_thread(shrinker_id_hwm)
         with contextlib.suppress(Exception):
             rt.store.remove(layer.digest)
     return out
 
 
-def run(*, quick: bool = False, n_keep: int | None = None, debian: bool | None = None,
-        cache_dir: Path | None = None, say: Progress = print) -> dict[str, Any]:
+async def _dsec_media(rootfs: Path, work: Path, *, n_lat: int, k: int, media: Sequence[Medium], host: set[str],
+                      say: Progress) -> dict[str, Any]:
+    """The writable layer on ``disk`` vs in ``memory``: latency, written density, throughput, teardown."""
+    from dsec.backends.container.runtime import ContainerRuntime
+    from dsec.images.build import build_from_dir
+    from dsec.spec import ImageRef, Resources, SandboxSpec
+
+    out: dict[str, Any] = {}
+    async with ContainerRuntime(name="bench", state_dir=work / "state", run_dir=work / "run") as rt:
+        layer = await asyncio.to_thread(build_from_dir, rt.store, rootfs, name="bench-busybox", tag="latest", kind="base")
+
+        def spec(medium: Medium, *, memory: int = 256 * MiB, disk: int = 128 * MiB) -> SandboxSpec:
+            return SandboxSpec(image=ImageRef(base=layer.digest),
+                               resources=Resources(cpu=1, memory=memory, pids=256, disk=disk, disk_medium=medium))
+
+        async def run_ok(sid: str, script: str) -> float:
+            t0 = time.perf_counter()
+            res = await rt.exec(sid, ["/bin/busybox", "sh", "-c", script])
+            took = time.perf_counter() - t0
+            if res.exit_code != 0:
+                raise RuntimeError(f"sandbox {sid}: {script!r} exited {res.exit_code}/{res.signal}: "
+                                   f"{res.stderr[-400:].decode(errors='replace')}")
+            return took
+
+        for m in media:
+            await _dsec_latency(rt, spec(m), 3)
+        say(f"dsec media: create + first exec, {n_lat} samples each, {' and '.join(media)} alternating")
+        lat: dict[str, list[float]] = {m: [] for m in media}
+        for _ in range(n_lat):
+            for m in media:
+                lat[m] += (await _dsec_latency(rt, spec(m), 1))[0]
+        for m in media:
+            out[f"create_p50_ms_{m}"] = percentile(lat[m], 50)
+
+        for m in media:
+            say(f"dsec media: one sandbox writes {THROUGHPUT_MIB} MiB with dd conv=fsync ({m})")
+            sb = await rt.create(spec(m, memory=(THROUGHPUT_MIB + 256) * MiB, disk=(THROUGHPUT_MIB + 128) * MiB))
+            try:
+                took = await run_ok(sb.id, f"busybox dd if=/dev/zero of=/w bs=1048576 count={THROUGHPUT_MIB} "
+                                           "conv=fsync 2>/dev/null")
+            finally:
+                await rt.destroy(sb.id)
+            out[f"write_mib_s_{m}"] = THROUGHPUT_MIB / took
+
+        write = f"busybox mkdir -p /root && busybox head -c {WRITE_BYTES} /dev/urandom > /root/f"
+
+        async def written(medium: Medium) -> tuple[float, float, dict[str, str]]:
+            """K sandboxes that each wrote WRITE_BYTES, then idle: MiB each, teardown rate, own superblocks."""
+            idlers = _Idlers(rt)
+            sem = asyncio.Semaphore(4)  # /dev/urandom and the copy take a core each
+
+            async def one(t_start: float) -> None:
+                async with sem:
+                    await idlers.add(spec(medium), t_start, before_idle=lambda sid: run_ok(sid, write))
+
+            try:
+                mem0 = _mem_available()
+                await _all(one(time.perf_counter()) for _ in range(k))
+                await asyncio.sleep(1.0)
+                mib = (mem0 - _mem_available()) / k / MiB
+                own = own_superblocks(sandbox_devs(rt.get(idlers.ids[0]).init_pid),
+                                      sandbox_devs(rt.get(idlers.ids[-1]).init_pid), host) if k > 1 else {}
+                took = await idlers.teardown()
+            finally:
+                await idlers.close()
+            return mib, k / took, own
+
+        for m in media:
+            say(f"dsec media: {k} sandboxes ({m}) each write {WRITE_BYTES // MiB} MiB, then idle")
+            mib, rate, own = await written(m)
+            out[f"idle_mib_per_sandbox_written_50mb_{m}"] = mib
+            out[f"teardown_rate_{m}"] = rate
+            out[f"superblocks_per_sandbox_{m}"] = len(own)
+            out[f"superblocks_per_sandbox_{m}_kinds"] = kinds_summary(own)
+        with contextlib.suppress(Exception):
+            rt.store.remove(layer.digest)
+    out["written_50mb_n"] = k
+    out["media_order"] = ",".join(media)
+    out["create_disk_vs_memory_ratio"] = out["create_p50_ms_disk"] / out["create_p50_ms_memory"]
+    return out
+
+
+# ------------------------------------------------------------- baselines ----
+
+
+def _baseline_side(tool: str, rootfs: Path, *, n_lat: int, n_keep: int, n_exec: int, host: set[str],
+                   say: Progress, debian: Path | None = None) -> dict[str, Any]:
+    from dsec.bench import baselines
+
+    out: dict[str, Any] = {}
+    latency = baselines.crun_create_latency if tool == "crun" else baselines.bwrap_create_latency
+    say(f"{tool}: create + first exec, {n_lat} samples")
+    lat = latency(rootfs, n_lat)
+    out[key(tool, "create_p50_ms")] = percentile(lat, 50)
+    out[key(tool, "create_p95_ms")] = percentile(lat, 95)
+    if debian is not None:
+        say(f"{tool}: create + first exec on the Debian rootfs, {n_lat} samples")
+        out[f"debian_{tool}_create_p50_ms"] = percentile(latency(debian, n_lat), 50)
+    if tool == "crun":
+        say(f"crun: exec round trip, {n_exec} samples")
+        out["crun_exec_p50_ms"] = percentile(baselines.crun_exec_latency(rootfs, n_exec), 50)
+
+    out[key(tool, "shrinkers_keep_before")] = shrinker_id_hwm()
+    say(f"{tool}: create-and-keep {n_keep}, each with a shell waiting on stdin")
+    with baselines.Keeper(tool, rootfs) as kept:
+        mem0 = _mem_available()
+        kept.spawn(n_keep)
+        time.sleep(1.0)  # as for DSec: let lazily freed memory settle
+        idle = mem0 - _mem_available()
+        own = own_superblocks(sandbox_devs(kept.sandbox_pid(0)), sandbox_devs(kept.sandbox_pid(n_keep - 1)), host)
+        say(f"{tool}: teardown of {n_keep}")
+        summary = kept.teardown()
+        done = kept.done_s()
+    out.update(keep_keys(tool, n=n_keep, done_s=done, idle_bytes=idle, teardown_s=summary["teardown_s"],
+                         superblocks=own))
+    out[key(tool, "shrinkers_keep_after")] = shrinker_id_hwm()
+    return out
+
+
+# ------------------------------------------------------------------- run ----
+
+
+def in_table_order(results: Mapping[str, Any]) -> dict[str, Any]:
+    """The same keys in an order that does not depend on the run's order: the run's facts and
+    DSec's figures, then crun's, bwrap's, then the ratios and what the kernel kept."""
+    def group(k: str) -> int:
+        if k.startswith("crun_") or k.startswith("debian_crun_"):
+            return 1
+        if k.startswith("bwrap_") or k.startswith("debian_bwrap_"):
+            return 2
+        if "_vs_" in k or k in ("shrinkers_after", "cpus", "mem_total_mib"):
+            return 3
+        return 0
+
+    return dict(sorted(results.items(), key=lambda kv: group(kv[0])))  # stable within a group
+
+
+def _ratio(results: dict[str, Any], a: str, b: str) -> float:
+    try:
+        return float(results[a]) / float(results[b])
+    except (KeyError, TypeError, ZeroDivisionError):
+        return float("nan")
+
+
+def run(*, quick: bool = False, n_keep: int | None = None, order: Sequence[str] | None = None,
+        written_n: int | None = None, debian: bool | None = None, cache_dir: Path | None = None,
+        say: Progress = print) -> dict[str, Any]:
     from dsec.bench import baselines
 
     n_lat = 30 if quick else 200
     n_exec = 50 if quick else 300
-    keep = n_keep if n_keep is not None else (200 if quick else 2000)
-    n_base_keep = min(keep, 200 if quick else 2000)
+    state_dir = Path(os.environ.get("DSEC_STATE_DIR", "/var/lib/dsec"))
+    counter, counter_source = next_run_counter(state_dir / "bench")
+    run_order = tuple(order) if order is not None else rotated_order(counter)
+    media: tuple[Medium, Medium] = ("disk", "memory") if counter % 2 == 0 else ("memory", "disk")
+    results: dict[str, Any] = {"quick": quick, "order": ",".join(run_order),
+                               "order_source": "--order" if order is not None else counter_source}
+
+    _raise_nofile()
+    info = _meminfo()
+    nodes = _possible_nodes()
+    hwm0 = shrinker_id_hwm()
+    results["shrinkers_before"] = hwm0
+    free = info["MemAvailable"] - headroom_bytes(info["MemTotal"])
+    want = n_keep if n_keep is not None else (QUICK_N if quick else FULL_N)
+    cap = fit_n(max(want, FULL_N), free, lambda n: mib_per_sandbox(n, hwm_ids=hwm0 or 0, nodes=nodes))
+    keep = min(want, cap)
+    if keep < want:
+        say(f"note: MemAvailable {info['MemAvailable'] / MiB:,.0f} MiB holds {cap:,} sandboxes per runtime "
+            f"(budget {mib_per_sandbox(cap, hwm_ids=hwm0 or 0, nodes=nodes):.2f} MiB each, headroom "
+            f"{headroom_bytes(info['MemTotal']) / MiB:,.0f} MiB): N = {keep:,}, not {want:,}")
+    if keep < 10:
+        raise RuntimeError(f"MemAvailable {info['MemAvailable'] / MiB:,.0f} MiB holds no useful N ({keep})")
+    for rt_name in RUNTIMES:
+        results[key(rt_name, "keep_n")] = keep
+    results["keep_n_wanted"] = want
+    results["keep_n_memory_cap"] = cap
+    say(f"order {results['order']} ({results['order_source']}); N = {keep:,} for each runtime")
+    say("note: shrinkers_* estimate the kernel's memcg shrinker id high-water mark (64 x kmalloc-1k "
+        "objects per new memcg); it only grows until reboot, so every later memcg on this boot pays for it")
+
     _ensure_pid_max(keep * 4 + 2000, say)
-    results: dict[str, Any] = {"quick": quick}
     with tempfile.TemporaryDirectory(prefix="dsec-bench-") as tmp:
         work = Path(tmp)
         rootfs = baselines.prepare_busybox_rootfs(work / "rootfs")
         deb_root = None
         if debian if debian is not None else not quick:
-            cache = cache_dir or Path(os.environ.get("DSEC_STATE_DIR", "/var/lib/dsec")) / "cache"
+            cache = cache_dir or state_dir / "cache"
             deb_root = debian_rootfs(cache, say)
-        results.update(asyncio.run(_dsec_side(rootfs, work, n_lat=n_lat, n_keep=keep, n_exec=n_exec, say=say,
-                                              debian=deb_root)))
-        if deb_root is not None:
-            say(f"crun and bwrap: create + first exec on the Debian rootfs, {n_lat} samples")
-            results["debian_crun_create_p50_ms"] = percentile(baselines.crun_create_latency(deb_root, n_lat), 50)
-            results["debian_bwrap_create_p50_ms"] = percentile(baselines.bwrap_create_latency(deb_root, n_lat), 50)
-            results["debian_create_p50_vs_crun"] = results["debian_create_p50_ms"] / results["debian_crun_create_p50_ms"]
+        host = _host_devs()
+        for rt_name in run_order:
+            if rt_name == "dsec":
+                results.update(asyncio.run(_dsec_side(rootfs, work, n_lat=n_lat, n_keep=keep, n_exec=n_exec,
+                                                      host=host, say=say, debian=deb_root)))
+            else:
+                results.update(_baseline_side(rt_name, rootfs, n_lat=n_lat, n_keep=keep, n_exec=n_exec,
+                                              host=host, say=say, debian=deb_root))
 
-        say(f"crun: create + first exec, {n_lat} samples")
-        crun_lat = baselines.crun_create_latency(rootfs, n_lat)
-        results["crun_create_p50_ms"] = percentile(crun_lat, 50)
-        results["crun_create_p95_ms"] = percentile(crun_lat, 95)
-        say(f"bwrap: create + first exec, {n_lat} samples")
-        bw_lat = baselines.bwrap_create_latency(rootfs, n_lat)
-        results["bwrap_create_p50_ms"] = percentile(bw_lat, 50)
-        results["bwrap_create_p95_ms"] = percentile(bw_lat, 95)
-        say(f"crun: exec round trip, {n_exec} samples")
-        results["crun_exec_p50_ms"] = percentile(baselines.crun_exec_latency(rootfs, n_exec), 50)
-        say(f"crun: create-and-keep {n_base_keep}")
-        cr = baselines.crun_create_rate(rootfs, n_base_keep)
-        results["crun_create_rate"] = cr["rate"]
-        results["crun_create_rate_last_decile_ratio"] = cr.get("last_decile_ratio", float("nan"))
-        results["crun_teardown_rate"] = cr.get("teardown_rate", float("nan"))
-        say(f"bwrap: create-and-keep {n_base_keep}")
-        br = baselines.bwrap_create_rate(rootfs, n_base_keep)
-        results["bwrap_create_rate"] = br["rate"]
-        results["bwrap_create_rate_last_decile_ratio"] = br.get("last_decile_ratio", float("nan"))
+        k_want = written_n if written_n is not None else (QUICK_WRITTEN_N if quick else FULL_WRITTEN_N)
+        info = _meminfo()
+        hwm = shrinker_id_hwm() or 0
+        k_cap = fit_n(max(k_want, FULL_WRITTEN_N), info["MemAvailable"] - headroom_bytes(info["MemTotal"]),
+                      lambda n: mib_per_sandbox(n, hwm_ids=hwm, nodes=nodes, extra_mib=WRITE_BYTES / MiB))
+        if k_cap < k_want:
+            say(f"note: MemAvailable holds {k_cap:,} sandboxes that wrote {WRITE_BYTES // MiB} MiB each in memory: "
+                f"written_50mb_n = {k_cap:,}, not {k_want:,}")
+        if k_cap < 1:
+            raise RuntimeError("MemAvailable holds not one sandbox of the written phase")
+        results["written_50mb_n_memory_cap"] = k_cap
+        results.update(asyncio.run(_dsec_media(rootfs, work, n_lat=n_lat, k=min(k_want, k_cap), media=media,
+                                               host=host, say=say)))
 
-    results["create_p50_vs_crun"] = results["create_p50_ms"] / results["crun_create_p50_ms"]
-    results["create_exec_destroy_p50_vs_crun"] = results["create_exec_destroy_p50_ms"] / results["crun_create_p50_ms"]
-    results["create_p50_vs_bwrap"] = results["create_p50_ms"] / results["bwrap_create_p50_ms"]
-    results["create_rate_vs_crun"] = results["create_rate"] / results["crun_create_rate"]
-    results["exec_p50_vs_crun"] = results["exec_p50_ms"] / results["crun_exec_p50_ms"]
+    results["create_p50_vs_crun"] = _ratio(results, "create_p50_ms", "crun_create_p50_ms")
+    results["create_exec_destroy_p50_vs_crun"] = _ratio(results, "create_exec_destroy_p50_ms", "crun_create_p50_ms")
+    results["create_p50_vs_bwrap"] = _ratio(results, "create_p50_ms", "bwrap_create_p50_ms")
+    results["create_rate_vs_crun"] = _ratio(results, "create_rate", "crun_create_rate")
+    results["create_rate_last_decile_vs_crun"] = _ratio(results, "create_rate_last_decile", "crun_create_rate_last_decile")
+    results["teardown_rate_vs_crun"] = _ratio(results, "teardown_rate", "crun_teardown_rate")
+    results["exec_p50_vs_crun"] = _ratio(results, "exec_p50_ms", "crun_exec_p50_ms")
+    if deb_root is not None:
+        results["debian_create_p50_vs_crun"] = _ratio(results, "debian_create_p50_ms", "debian_crun_create_p50_ms")
+    results["shrinkers_after"] = shrinker_id_hwm()
     results["cpus"] = os.cpu_count() or 0
-    return results
+    results["mem_total_mib"] = info["MemTotal"] // MiB
+    say("note: the shrinker id high-water mark (shrinkers_after) stays until reboot: the next run starts there")
+    return in_table_order(results)

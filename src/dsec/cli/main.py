@@ -75,17 +75,29 @@ def _report(title: str, results: dict[str, Any], json_path: Path | None) -> None
 
 
 @bench.command("runtime")
-@click.option("--quick", is_flag=True, help="Fewer samples and N=200 instead of 2,000.")
+@click.option("--quick", is_flag=True, help="Fewer samples; N=200 and 50 written sandboxes instead of 10,000 and 1,000.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the flat JSON here.")
 @click.option("-n", "--keep", "n_keep", type=click.IntRange(10, 20000), default=None,
-              help="Sandboxes for the create-and-keep and idle-memory figures (default 2,000; 200 with --quick).")
+              help="Sandboxes each runtime (DSec, crun, bwrap) creates and keeps (default 10,000, or the most "
+                   "MemAvailable holds; 200 with --quick).")
+@click.option("--order", default=None, metavar="RT,RT,RT",
+              help="Order of the runtimes, e.g. crun,dsec,bwrap (default: rotates from run to run).")
+@click.option("--written-n", type=click.IntRange(1, 20000), default=None,
+              help="Sandboxes per writable-layer medium that each write 50 MiB (default 1,000, or the most "
+                   "MemAvailable holds; 50 with --quick).")
 @click.option("--debian/--no-debian", default=None,
               help="Also measure on a Debian rootfs (default: on, except with --quick). Built once with debootstrap.")
-def bench_runtime(quick: bool, json_path: Path | None, n_keep: int | None, debian: bool | None) -> None:
-    """Create latency, sustained create rate, idle memory, exec round trip, teardown: DSec vs crun vs bwrap."""
-    from dsec.bench.runtime import run
+def bench_runtime(quick: bool, json_path: Path | None, n_keep: int | None, order: str | None,
+                  written_n: int | None, debian: bool | None) -> None:
+    """Create latency, create-and-keep at the same N, idle memory, kernel state, exec, teardown: DSec vs crun vs bwrap."""
+    from dsec.bench.runtime import parse_order, run
 
-    results = run(quick=quick, n_keep=n_keep, debian=debian, say=lambda m: console.print(f"[dim]{m}[/dim]"))
+    try:
+        runtimes = parse_order(order) if order is not None else None
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--order") from None
+    results = run(quick=quick, n_keep=n_keep, order=runtimes, written_n=written_n, debian=debian,
+                  say=lambda m: console.print(f"[dim]{m}[/dim]", highlight=False))
     _report("dsec bench runtime", results, json_path)
 
 
