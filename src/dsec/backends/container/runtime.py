@@ -355,6 +355,7 @@ class ContainerRuntime:
             raise InvalidSpec(f"uppers path {self.uppers.mountpoint} must not contain , : \\ or spaces "
                               "(it goes into overlayfs options)", field="uppers_path")
         self._uppers_lock = asyncio.Lock()
+        self._disk_commits: dict[str, float] = {}
 
     # ----- lifecycle of the runtime itself -----
 
@@ -630,6 +631,7 @@ class ContainerRuntime:
             self._locks.pop(sandbox_id, None)
             self.last_activity.pop(sandbox_id, None)
             self._limits_seen.pop(sandbox_id, None)
+            self._disk_commits.pop(sandbox_id, None)
             self._wake_gen.pop(sandbox_id, None)
             if left:
                 raise HostError(f"sandbox {sandbox_id}: could not remove {left}", sandbox_id=sandbox_id)
@@ -837,6 +839,14 @@ class ContainerRuntime:
             # statvfs of a subvolume shows the whole store: its qgroup holds the quota.
             try:
                 use = self.uppers.usage(rec.id)
+                seen = self.last_activity.get(rec.id, 0.0)
+                if use.free < limit_evidence.DISK_FULL_BYTES and self._disk_commits.get(rec.id) != seen:
+                    # Looks full: the figures may predate an rm (qgroups update at commits).
+                    # Commit (a few ms) and look again, once per burst of activity: a full
+                    # sandbox left idle costs nothing more.
+                    self._disk_commits[rec.id] = seen
+                    self.uppers.commit()
+                    use = self.uppers.usage(rec.id)
             except (OSError, ValueError, HostError):
                 return None
             return limit_evidence.DiskRoom(use.free, -1, use.free < limit_evidence.DISK_FULL_BYTES)

@@ -33,6 +33,7 @@ import re
 import shutil
 import struct
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -54,6 +55,8 @@ _SUBVOL_CREATE: Final = _ioc(_W, 14, 4096)
 _SNAP_DESTROY: Final = _ioc(_W, 15, 4096)
 _INO_LOOKUP: Final = _ioc(_RW, 18, 4096)
 _QUOTA_CTL: Final = _ioc(_RW, 40, 16)
+_START_SYNC: Final = _ioc(_R, 24, 8)
+_WAIT_SYNC: Final = _ioc(_W, 22, 8)
 _QGROUP_LIMIT: Final = _ioc(_R, 43, 48)
 _QUOTA_CTL_ENABLE: Final = 1
 _QUOTA_CTL_ENABLE_SIMPLE: Final = 4
@@ -179,6 +182,12 @@ class UpperStore:
         if loop:
             with contextlib.suppress(UpperStoreError):
                 _run(["losetup", "-d", loop], "detach")
+            # A device still open (the last sandboxes' mount namespaces are being torn down)
+            # is only marked to detach when released: wait for that, briefly.
+            backing = Path("/sys/block") / os.path.basename(loop) / "loop" / "backing_file"
+            deadline = time.monotonic() + 10
+            while backing.exists() and time.monotonic() < deadline:
+                time.sleep(0.02)
 
     def _root(self) -> int:
         if self._root_fd < 0:
@@ -263,6 +272,14 @@ class UpperStore:
                    for f in ("referenced", "rsv_data", "rsv_meta_pertrans", "rsv_meta_prealloc"))
         limit = int((base / "max_referenced").read_text())
         return UpperUsage(used=used, limit=limit)
+
+    def commit(self) -> None:
+        """Commit the running transaction (no data writeback): qgroup figures are updated at
+        commits, so after an ``rm`` a layer reads full until the next one (~30 s by default).
+        Callers use it only when a layer looks full."""
+        buf = bytearray(8)
+        fcntl.ioctl(self._root(), _START_SYNC, buf)
+        fcntl.ioctl(self._root(), _WAIT_SYNC, buf)
 
     def space(self) -> tuple[int, int]:
         """(free, total) bytes of the store, as the kernel sees it (and, for an image, no
