@@ -11,7 +11,10 @@ import json
 import math
 import os
 import shutil
+import signal
 import tempfile
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -213,17 +216,23 @@ def test_bwrap_create_rate(rootfs: Path, workdir: Path) -> None:
 @pytest.mark.usefixtures("no_leaks")
 @pytest.mark.parametrize("tool", ["crun", "bwrap"])
 def test_keeper_holds_sandboxes_until_teardown(tool: str, rootfs: Path, workdir: Path) -> None:
-    """Between spawn and teardown the sandboxes idle in their own mount namespaces."""
-    with baselines.Keeper(tool, rootfs, workdir=workdir) as k:
-        k.spawn(3)
-        pids = [k.sandbox_pid(i) for i in range(3)]
-        assert len(set(pids)) == 3
+    """Between spawn and teardown the sandboxes idle in their own mount namespaces.
+
+    Made 3 at a time by the runner's threads: they outlive the threads' work
+    (bwrap's --die-with-parent fires when the thread that started it exits).
+    """
+    n = 9
+    with baselines.Keeper(tool, rootfs, workdir=workdir, concurrency=3) as k:
+        k.spawn(n)
+        time.sleep(0.2)
+        pids = [k.sandbox_pid(i) for i in range(n)]
+        assert len(set(pids)) == n
         host_ns = os.readlink("/proc/self/ns/mnt")
         for pid in pids:
             assert os.readlink(f"/proc/{pid}/ns/mnt") != host_ns
             assert " /proc " in Path(f"/proc/{pid}/mountinfo").read_text()
-        assert len(k.done_s()) == 3
-        _sane_rate(k.teardown(), 3)
+        assert len(k.done_s()) == n
+        _sane_rate(k.teardown(), n)
         for pid in pids:
             assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
 
@@ -270,6 +279,42 @@ def test_failure_is_reported_and_cleaned_up(workdir: Path) -> None:
     for call in calls:
         with pytest.raises(baselines.BaselineError):
             call()
+
+
+@pytest.mark.root
+@needs_crun
+@pytest.mark.usefixtures("no_leaks")
+@pytest.mark.parametrize("tool", ["crun", "bwrap"])
+def test_concurrent_failure_carries_its_own_stderr(tool: str, workdir: Path) -> None:
+    """Several sandboxes failing at once: the error names one and holds that tool's stderr."""
+    if shutil.which(tool) is None:
+        pytest.skip(f"needs {tool}")
+    empty = workdir / "rootfs"
+    empty.mkdir(mode=0o755)
+    rate = baselines.crun_create_rate if tool == "crun" else baselines.bwrap_create_rate
+    with pytest.raises(baselines.BaselineError) as info:
+        rate(empty, 8, workdir=workdir, concurrency=4)
+    assert "dsec-bench-" in str(info.value)
+    assert info.value.detail.strip(), str(info.value)
+
+
+@pytest.mark.root
+@needs_crun
+@needs_bwrap
+@pytest.mark.usefixtures("no_leaks")
+@pytest.mark.parametrize("tool", ["crun", "bwrap"])
+def test_ctrl_c_during_a_concurrent_spawn_leaves_nothing(tool: str, rootfs: Path, workdir: Path) -> None:
+    """^C while 8 are in flight: those finish, then every sandbox made so far is removed."""
+    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
+    with (
+        pytest.raises(KeyboardInterrupt),
+        baselines.Keeper(tool, rootfs, workdir=workdir, concurrency=8) as k,
+    ):
+        timer.start()
+        try:
+            k.spawn(5_000)
+        finally:
+            timer.cancel()
 
 
 @pytest.mark.root

@@ -1,4 +1,5 @@
-"""The pure parts of ``dsec bench runtime``: order rotation, decile math, key naming, memory fit.
+"""The pure parts of ``dsec bench runtime``: order rotation, decile math, key naming, memory and
+disk fit, and the baseline runner's concurrency (threads only).
 
 No root, no sandboxes: what the bench computes from its samples, not the samples.
 """
@@ -6,12 +7,16 @@ No root, no sandboxes: what the bench computes from its samples, not the samples
 from __future__ import annotations
 
 import math
+import threading
+import time
 from collections import Counter
+from collections.abc import Iterator
 from itertools import pairwise
 from pathlib import Path
 
 import pytest
 
+from dsec.bench import baselines
 from dsec.bench import runtime as rb
 from dsec.bench.baselines import decile_rates
 
@@ -133,3 +138,124 @@ def test_table_order_does_not_depend_on_run_order() -> None:
          "create_rate_vs_crun": 1.0, "written_50mb_n": 1, "cpus": 2}
     assert list(rb.in_table_order(a)) == ["quick", "order", "keep_n", "written_50mb_n", "crun_keep_n",
                                           "bwrap_keep_n", "create_rate_vs_crun", "cpus"]
+
+
+def test_disk_fit() -> None:
+    gib = 1 << 30
+    per = rb.WRITE_BYTES + rb.DISK_SLACK_BYTES
+    assert rb.disk_headroom_bytes(10 * gib) == 2 * gib and rb.disk_headroom_bytes(80 * gib) == 8 * gib
+    # 80 GiB free: 72 GiB usable, 1,000 x 51 MiB = 49.8 GiB fits.
+    assert rb.disk_fit_n(1_000, 80 * gib) == 1_000
+    k = rb.disk_fit_n(100_000, 80 * gib)
+    assert k * per <= 72 * gib < (k + 1) * per
+    assert rb.disk_fit_n(50, 2 * gib) == 0  # all of it is headroom
+    assert rb.disk_fit_n(50, 0) == 0
+
+
+def test_disk_free_bytes(tmp_path: Path) -> None:
+    assert rb.disk_free_bytes([tmp_path]) > 0
+    assert rb.disk_free_bytes([tmp_path, tmp_path]) == rb.disk_free_bytes([tmp_path])
+    with pytest.raises(ValueError):
+        rb.disk_free_bytes([])
+
+
+def test_one_concurrency_for_every_runtime() -> None:
+    assert rb.KEEP_CONCURRENCY is baselines.KEEP_CONCURRENCY
+    assert baselines.KEEP_CONCURRENCY == 8
+    with pytest.raises(ValueError):
+        baselines.Keeper("crun", Path("/nonexistent"), concurrency=0)
+
+
+def test_rate_summary_takes_the_last_ready_not_the_last_started() -> None:
+    # Four in flight: the sandbox started last (index 3) was ready before index 2.
+    created = {"done": [0.1, 0.2, 0.4, 0.3], "ms": [100.0, 100.0, 300.0, 100.0]}
+    removed = {"done": [0.05, 0.2, 0.1, 0.15]}
+    out = baselines._rate_summary(4, created, removed)
+    assert out["create_s"] == 0.4 and math.isclose(out["rate"], 10.0)
+    assert out["teardown_s"] == 0.2 and math.isclose(out["teardown_rate"], 20.0)
+
+
+@pytest.fixture
+def runner() -> Iterator[baselines._Runner]:
+    r = baselines._Runner(tool="crun", crun_root="/nonexistent")
+    yield r
+    if r._pool is not None:
+        r._pool.shutdown(wait=True)
+
+
+def test_runner_runs_width_at_a_time_in_index_order(runner: baselines._Runner) -> None:
+    lock = threading.Lock()
+    started: list[int] = []
+    active = 0
+    peak = 0
+
+    def work(i: int) -> None:
+        nonlocal active, peak
+        with lock:
+            started.append(i)
+            active += 1
+            peak = max(peak, active)
+        time.sleep(0.01)
+        with lock:
+            active -= 1
+
+    assert runner._in_parallel(40, 8, work) == []
+    assert started == list(range(40))  # claimed in order (each claim under the lock)
+    assert peak == 8
+    started.clear()
+    peak = 0
+    assert runner._in_parallel(3, 8, work) == []  # never wider than the work
+    assert sorted(started) == [0, 1, 2] and peak <= 3
+    assert runner._in_parallel(0, 8, work) == []
+
+
+def test_runner_stops_starting_after_a_failure(runner: baselines._Runner) -> None:
+    started: list[int] = []
+
+    def work(i: int) -> None:
+        started.append(i)
+        time.sleep(0.01)
+        if i == 2:
+            raise baselines._CommandFailed("box 2: crun run -d exited 1", "crun: no such file")
+
+    failures = runner._in_parallel(100, 4, work)
+    assert [str(f) for f in failures] == ["box 2: crun run -d exited 1"]
+    assert len(started) < 20  # those in flight finished, nothing new started
+    with pytest.raises(baselines._CommandFailed) as info:
+        runner._raise_first(failures)
+    assert info.value.detail == "crun: no such file"
+
+    started.clear()
+    failures = runner._in_parallel(10, 4, work, best_effort=True)  # cleanup: every one is tried
+    assert sorted(started) == list(range(10)) and len(failures) == 1
+
+
+def test_runner_reports_the_first_failure_and_how_many(runner: baselines._Runner) -> None:
+    failures: list[BaseException] = [
+        baselines._CommandFailed("box 1: exited 1", "stderr of box 1"),
+        TimeoutError("box 5: no ready"),
+        TimeoutError("box 6: no ready"),
+    ]
+    with pytest.raises(baselines._CommandFailed, match=r"box 1: exited 1 \(and 2 more failures\)") as info:
+        runner._raise_first(failures)
+    assert info.value.detail == "stderr of box 1"
+    with pytest.raises(baselines._Terminate):  # the parent went away: that wins
+        runner._raise_first([TimeoutError("x"), baselines._Terminate()])
+    runner._raise_first([])
+
+
+def test_runner_abort_starts_nothing_new(runner: baselines._Runner) -> None:
+    started: list[int] = []
+
+    def work(i: int) -> None:
+        started.append(i)
+        if i == 1:
+            runner.abort.set()  # as SIGTERM's handler does
+        time.sleep(0.01)
+
+    with pytest.raises(baselines._Terminate):
+        runner._in_parallel(100, 2, work)
+    assert len(started) <= 4
+    started.clear()
+    assert runner._in_parallel(5, 2, work, best_effort=True) == []  # cleanup ignores the abort
+    assert sorted(started) == list(range(5))

@@ -37,6 +37,13 @@ What is measured, and how it is kept fair:
   them while they idle (host memory, a sandbox's mounts). Each crun container
   holds one process (its shell, pid 1); a bwrap sandbox holds the same shell
   under bwrap's own pid-1 init, plus the outer bwrap that waits for it.
+- Create-and-keep and its teardown run :data:`KEEP_CONCURRENCY` sandboxes at
+  once (threads inside the runner, each starting and waiting for one sandbox
+  at a time, started in index order), the same number DSec's keep phase has
+  in flight: a rate measured one at a time beside one measured eight at a
+  time compares concurrency, not runtimes. Each sandbox keeps its own ready
+  and removed timestamps, so the decile figures mean what they did. The
+  latency series stay one at a time (they are latencies).
 
 Every temporary path, container id and cgroup made here contains
 ``dsec-bench``; everything is removed before a function returns, also on
@@ -61,14 +68,18 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as _wait_futures
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
 __all__ = [
     "BENCH_HOST_UID",
+    "KEEP_CONCURRENCY",
     "BaselineError",
     "Keeper",
     "bwrap_create_latency",
@@ -93,6 +104,11 @@ WARMUP = 3
 """Uncounted runs before each latency series (page cache, dynamic loader)."""
 COMMAND_TIMEOUT_S = 60.0
 READY_TIMEOUT_S = 30.0
+KEEP_CONCURRENCY = 8
+"""Sandboxes in flight during create-and-keep and its teardown, for DSec, crun and bwrap
+alike (``dsec bench runtime`` uses it for all three and records it as ``keep_concurrency``)."""
+_MAX_WORKERS = 64
+"""Most threads one runner starts (a concurrency above it is clamped)."""
 
 _BUSYBOX_APPLETS = ("sh", "true", "sleep", "cat", "echo", "ls")
 _ROOTFS_DIRS = ("bin", "proc", "dev", "sys", "tmp", "etc")
@@ -322,21 +338,22 @@ def crun_create_rate(
     *,
     host_uid: int | None = BENCH_HOST_UID,
     workdir: Path | None = None,
+    concurrency: int = KEEP_CONCURRENCY,
 ) -> dict[str, float]:
-    """Create ``n`` crun containers one after another and keep them; then delete all.
+    """Create ``n`` crun containers, ``concurrency`` at a time, and keep them; then delete all.
 
     Each container runs ``sh -c 'echo ready; read x'`` with its stdin on a
     pipe the runner holds open; a container counts as created when
     ``crun run -d`` has returned and its shell has printed ``ready``.
     Teardown is ``crun delete -f`` per container (SIGKILL, wait, remove
-    cgroups and state) plus reaping the dead shell.
+    cgroups and state), ``concurrency`` at a time, plus reaping the dead shells.
 
     Returns ``rate``, ``first_decile_rate``, ``last_decile_rate``,
     ``last_decile_ratio``, ``ready_p50_ms``, ``ready_p99_ms``, ``create_s``,
     ``teardown_rate``, ``teardown_s`` and ``n`` (defined in :func:`_rate_summary`).
     """
     _check_n(n)
-    with Keeper("crun", rootfs, host_uid=host_uid, workdir=workdir) as k:
+    with Keeper("crun", rootfs, host_uid=host_uid, workdir=workdir, concurrency=concurrency) as k:
         k.spawn(n)
         return k.teardown()
 
@@ -347,8 +364,9 @@ def bwrap_create_rate(
     *,
     host_uid: int | None = BENCH_HOST_UID,
     workdir: Path | None = None,
+    concurrency: int = KEEP_CONCURRENCY,
 ) -> dict[str, float]:
-    """Start ``n`` bwrap sandboxes one after another and keep them; then kill all.
+    """Start ``n`` bwrap sandboxes, ``concurrency`` at a time, and keep them; then kill all.
 
     Same shell and readiness signal as :func:`crun_create_rate`. Teardown
     SIGKILLs the sandbox's pid-1 (bwrap's in-namespace init, from
@@ -356,7 +374,7 @@ def bwrap_create_rate(
     outer bwrap. Returns the same keys as :func:`crun_create_rate`.
     """
     _check_n(n)
-    with Keeper("bwrap", rootfs, host_uid=host_uid, workdir=workdir) as k:
+    with Keeper("bwrap", rootfs, host_uid=host_uid, workdir=workdir, concurrency=concurrency) as k:
         k.spawn(n)
         return k.teardown()
 
@@ -366,7 +384,7 @@ class Keeper:
 
     ``with Keeper("crun", rootfs) as k:`` starts the runner (and nothing
     else, so host memory can be read before :meth:`spawn`); :meth:`spawn`
-    creates ``n`` sandboxes one after another (see :func:`crun_create_rate`
+    creates ``n`` sandboxes, ``concurrency`` at a time (see :func:`crun_create_rate`
     and :func:`bwrap_create_rate` for what "created" and "teardown" mean);
     :meth:`sandbox_pid` names a kept sandbox's pid 1 as the host sees it;
     :meth:`teardown` removes them all and returns :func:`_rate_summary`.
@@ -380,10 +398,14 @@ class Keeper:
         *,
         host_uid: int | None = BENCH_HOST_UID,
         workdir: Path | None = None,
+        concurrency: int = KEEP_CONCURRENCY,
     ) -> None:
         if tool not in ("crun", "bwrap"):
             raise ValueError(f"tool must be crun or bwrap, got {tool!r}")
+        if not 1 <= concurrency <= _MAX_WORKERS:
+            raise ValueError(f"concurrency must be 1..{_MAX_WORKERS}, got {concurrency}")
         self.tool = tool
+        self.concurrency = concurrency
         self._session = _Session(tool, rootfs, host_uid=host_uid, workdir=workdir)
         self._created: dict[str, Any] | None = None
         self.n = 0
@@ -409,7 +431,14 @@ class Keeper:
             argv = s.crun_argv("run", "-d", "--bundle", str(bundle), "{id}")
         else:
             argv = _bwrap_argv(s.view, script, info_fd="{info_fd}")
-        self._created = s.runner.call("spawn", kind=self.tool, argv=argv, n=n, id_prefix=s.cid("keep"))
+        self._created = s.runner.call(
+            "spawn",
+            kind=self.tool,
+            argv=argv,
+            n=n,
+            id_prefix=s.cid("keep"),
+            concurrency=self.concurrency,
+        )
         self.n = n
 
     def done_s(self) -> list[float]:
@@ -426,7 +455,7 @@ class Keeper:
         """Remove every kept sandbox; the whole series' :func:`_rate_summary`."""
         if self._created is None:
             raise RuntimeError("nothing spawned yet")
-        removed = self._session.runner.call("teardown")
+        removed = self._session.runner.call("teardown", concurrency=self.concurrency)
         return _rate_summary(self.n, self._created, removed)
 
 
@@ -503,16 +532,18 @@ def _rate_summary(n: int, created: dict[str, Any], removed: dict[str, Any]) -> d
         raise BaselineError(f"runner created {len(done)} sandboxes, expected {n}")
     first, last = decile_rates(done)
     gone = [float(t) for t in removed["done"]]
+    create_s = max(done)  # several in flight: the last one started need not be the last ready
+    teardown_s = max(gone, default=0.0)
     out = {
         "n": float(n),
-        "create_s": done[-1],
-        "rate": n / done[-1],
+        "create_s": create_s,
+        "rate": n / create_s,
         "first_decile_rate": first,
         "last_decile_rate": last,
         "ready_p50_ms": percentile(created["ms"], 50),
         "ready_p99_ms": percentile(created["ms"], 99),
-        "teardown_s": gone[-1] if gone else 0.0,
-        "teardown_rate": len(gone) / gone[-1] if gone else 0.0,
+        "teardown_s": teardown_s,
+        "teardown_rate": len(gone) / teardown_s if gone else 0.0,
     }
     out["last_decile_ratio"] = out["last_decile_rate"] / out["first_decile_rate"]
     return out
@@ -790,34 +821,36 @@ class _Box:
     """One kept sandbox: crun container id or bwrap process, plus its stdin pipe."""
 
     name: str
-    stdin_w: int
+    stdin_w: int = -1
+    started: bool = False
+    """Its tool was launched (so there may be something to remove)."""
+    removed: bool = False
     proc: subprocess.Popen[bytes] | None = None
     init_pid: int | None = None
+
+    def close_stdin(self) -> None:
+        if self.stdin_w >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.stdin_w)
+            self.stdin_w = -1
 
 
 @dataclass
 class _Runner:
     tool: str
     crun_root: str
-    log_path: str
     boxes: list[_Box] = field(default_factory=list)
     parent: int = field(default_factory=os.getppid)
+    abort: threading.Event = field(default_factory=threading.Event)
+    """Set on SIGTERM: no new sandbox starts; those in flight finish, then cleanup runs."""
+    shielded: bool = False
+    """While true, SIGTERM only sets :attr:`abort` (the handler must not interrupt a submit)."""
+    width: int = KEEP_CONCURRENCY
+    """Threads for teardown and cleanup: the last spawn's concurrency."""
+    _pool: ThreadPoolExecutor | None = None
+    _inflight: list[Future[None]] = field(default_factory=list)
 
     # -- process plumbing
-
-    def _log_mark(self) -> int:
-        try:
-            return os.stat(self.log_path).st_size
-        except OSError:
-            return 0
-
-    def _log_since(self, mark: int) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(mark)
-                return f.read(4000).decode(errors="replace")
-        except OSError:
-            return ""
 
     def _check_parent(self) -> None:
         if os.getppid() != self.parent:
@@ -838,14 +871,19 @@ class _Runner:
         return proc.wait()
 
     def _run(self, argv: list[str], what: str) -> float:
-        """Run ``argv`` to completion; its wall time in ms. Non-zero exit raises."""
-        mark = self._log_mark()
-        t0 = time.perf_counter()
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
-        rc = self._wait(proc)
-        elapsed = (time.perf_counter() - t0) * 1000.0
-        if rc != 0:
-            raise _CommandFailed(f"{what}: {argv[0]} exited {rc}", self._log_since(mark))
+        """Run ``argv`` to completion; its wall time in ms. Non-zero exit raises, with its stderr."""
+        err = _stderr_capture()
+        try:
+            t0 = time.perf_counter()
+            proc = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err
+            )
+            rc = self._wait(proc)
+            elapsed = (time.perf_counter() - t0) * 1000.0
+            if rc != 0:
+                raise _CommandFailed(f"{what}: {argv[0]} exited {rc}", _captured(err))
+        finally:
+            os.close(err)
         return elapsed
 
     @staticmethod
@@ -867,7 +905,11 @@ class _Runner:
         return buf
 
     def _reap_orphans(self) -> None:
-        """Reap dead children that are not tracked by a Popen (containers re-parented to us)."""
+        """Reap dead children that are not tracked by a Popen (containers re-parented to us).
+
+        Only between ops, never while pool threads run: ``waitpid(-1)`` could
+        steal the status of a ``crun`` another thread is waiting for.
+        """
         tracked = {
             b.proc.pid for b in self.boxes if b.proc is not None and b.proc.returncode is None
         }
@@ -880,6 +922,81 @@ class _Runner:
                 return
             if pid == 0:
                 return
+
+    # -- concurrency
+
+    def _in_parallel(
+        self, count: int, width: int, work: Callable[[int], None], *, best_effort: bool = False
+    ) -> list[BaseException]:
+        """Call ``work(i)`` for i in 0..count-1, ``width`` at a time, started in index order.
+
+        The threads come from one pool that lives as long as the runner:
+        bwrap's ``--die-with-parent`` is a parent-death signal, which Linux
+        sends when the *thread* that started bwrap exits, so a thread must
+        outlive the sandboxes it started. After the first failure, or once
+        :attr:`abort` is set, nothing new starts (unless ``best_effort``: then
+        every ``i`` is tried); what is in flight finishes (each step is bounded
+        by the command and readiness timeouts) before this returns. Returns
+        the failures, in the order they happened.
+        """
+        if count <= 0:
+            return []
+        width = max(1, min(width, count, _MAX_WORKERS))
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(
+                max_workers=_MAX_WORKERS, thread_name_prefix="dsec-bench"
+            )
+        lock = threading.Lock()
+        claimed = 0
+        failures: list[BaseException] = []
+
+        def loop() -> None:
+            nonlocal claimed
+            while True:
+                with lock:
+                    stop = not best_effort and (bool(failures) or self.abort.is_set())
+                    if claimed >= count or stop:
+                        return
+                    i = claimed
+                    claimed += 1
+                try:
+                    work(i)
+                except BaseException as exc:
+                    with lock:
+                        failures.append(exc)
+
+        self.shielded = True
+        try:
+            self._inflight = [self._pool.submit(loop) for _ in range(width)]
+        finally:
+            self.shielded = False
+        self.wait_inflight()
+        if self.abort.is_set() and not best_effort:
+            raise _Terminate
+        return failures
+
+    def wait_inflight(self) -> None:
+        """Until no pool thread is working (a SIGTERM interrupts this wait; call it again)."""
+        _wait_futures(self._inflight)
+        self._inflight = []
+
+    @staticmethod
+    def _raise_first(failures: list[BaseException]) -> None:
+        """Any failure ends the op: the first one, with its stderr, and how many others there were."""
+        if not failures:
+            return
+        for exc in failures:
+            if isinstance(exc, _Terminate):
+                raise exc
+        first = failures[0]
+        if len(failures) == 1:
+            raise first
+        more = f" (and {len(failures) - 1} more failure{'s' if len(failures) > 2 else ''})"
+        detail = getattr(first, "detail", "")
+        what = (
+            str(first) if isinstance(first, _CommandFailed) else f"{type(first).__name__}: {first}"
+        )
+        raise _CommandFailed(f"{what}{more}", detail) from first
 
     # -- ops
 
@@ -897,58 +1014,67 @@ class _Runner:
         return out
 
     def op_spawn(self, req: dict[str, Any]) -> dict[str, list[float]]:
+        """``n`` sandboxes, ``concurrency`` in flight; per sandbox its ready time and create-to-ready ms."""
         kind = req["kind"]
         argv = [str(a) for a in req["argv"]]
-        done: list[float] = []
-        ms: list[float] = []
+        n = int(req["n"])
+        self.width = max(1, int(req.get("concurrency", 1)))
+        boxes = [_Box(f"{req['id_prefix']}-{i}") for i in range(n)]
+        self.boxes.extend(boxes)  # before anything starts: cleanup must know every one
+        done = [0.0] * n
+        ms = [0.0] * n
         t_begin = time.perf_counter()
-        for i in range(int(req["n"])):
-            name = f"{req['id_prefix']}-{i}"
+
+        def one(i: int) -> None:
+            box = boxes[i]
             t0 = time.perf_counter()
             if kind == "crun":
-                self._spawn_crun([a.replace("{id}", name) for a in argv], name)
+                self._spawn_crun([a.replace("{id}", box.name) for a in argv], box)
             else:
-                self._spawn_bwrap(argv, name)
+                self._spawn_bwrap(argv, box)
             t1 = time.perf_counter()
-            ms.append((t1 - t0) * 1000.0)
-            done.append(t1 - t_begin)
+            ms[i] = (t1 - t0) * 1000.0
+            done[i] = t1 - t_begin
             self._check_parent()
+
+        self._raise_first(self._in_parallel(n, self.width, one))
         return {"done": done, "ms": ms}
 
-    def _spawn_crun(self, argv: list[str], name: str) -> None:
-        in_r, in_w = os.pipe()
+    def _spawn_crun(self, argv: list[str], box: _Box) -> None:
+        in_r, box.stdin_w = os.pipe()
         out_r, out_w = os.pipe()
-        self.boxes.append(_Box(name, in_w))  # before starting: cleanup must know it
+        err = _stderr_capture()
         try:
-            mark = self._log_mark()
             try:
-                proc = subprocess.Popen(argv, stdin=in_r, stdout=out_w)
+                box.started = True
+                proc = subprocess.Popen(argv, stdin=in_r, stdout=out_w, stderr=err)
             finally:
                 os.close(in_r)
                 os.close(out_w)
             rc = self._wait(proc)
             if rc != 0:
-                raise _CommandFailed(f"{name}: crun run -d exited {rc}", self._log_since(mark))
+                raise _CommandFailed(f"{box.name}: crun run -d exited {rc}", _captured(err))
             try:
-                self._read_until(out_r, b"ready\n", name)
+                self._read_until(out_r, b"ready\n", box.name)
             except (_CommandFailed, TimeoutError) as exc:
-                raise _CommandFailed(f"{exc}", self._log_since(mark)) from exc
+                raise _CommandFailed(f"{exc}", _captured(err)) from exc
         finally:
             os.close(out_r)
+            os.close(err)
 
-    def _spawn_bwrap(self, argv: list[str], name: str) -> None:
-        in_r, in_w = os.pipe()
+    def _spawn_bwrap(self, argv: list[str], box: _Box) -> None:
+        in_r, box.stdin_w = os.pipe()
         out_r, out_w = os.pipe()
         info_r, info_w = os.pipe()
-        box = _Box(name, in_w)
-        self.boxes.append(box)
-        mark = self._log_mark()
+        err = _stderr_capture()
         try:
             try:
+                box.started = True
                 box.proc = subprocess.Popen(
                     [a.replace("{info_fd}", str(info_w)) for a in argv],
                     stdin=in_r,
                     stdout=out_w,
+                    stderr=err,
                     pass_fds=(info_w,),
                 )
             finally:
@@ -956,19 +1082,20 @@ class _Runner:
                 os.close(out_w)
                 os.close(info_w)
             try:
-                info = self._read_until(info_r, b"}", name)
+                info = self._read_until(info_r, b"}", box.name)
                 box.init_pid = int(json.loads(info[: info.index(b"}") + 1])["child-pid"])
-                self._read_until(out_r, b"ready\n", name)
+                self._read_until(out_r, b"ready\n", box.name)
             except (_CommandFailed, TimeoutError) as exc:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     box.proc.wait(timeout=1)
                 status = (
                     f" (bwrap exit status {box.proc.returncode})" if box.proc.returncode else ""
                 )
-                raise _CommandFailed(f"{exc}{status}", self._log_since(mark)) from exc
+                raise _CommandFailed(f"{exc}{status}", _captured(err)) from exc
         finally:
             os.close(out_r)
             os.close(info_r)
+            os.close(err)
 
     def op_pid(self, req: dict[str, Any]) -> int:
         """Host pid of kept box ``index``'s pid 1."""
@@ -988,60 +1115,93 @@ class _Runner:
         return int(json.loads(state.stdout)["pid"])
 
     def op_teardown(self, req: dict[str, Any]) -> dict[str, list[float]]:
-        done: list[float] = []
+        """Remove every kept box, ``concurrency`` at a time; per box seconds until it was gone."""
+        width = max(1, int(req.get("concurrency", 1)))
+        boxes = list(self.boxes)
+        done = [0.0] * len(boxes)
         t_begin = time.perf_counter()
-        while self.boxes:
-            box = self.boxes[0]
-            self._remove(box)
-            self.boxes.pop(0)
-            done.append(time.perf_counter() - t_begin)
+
+        def one(i: int) -> None:
+            self._remove(boxes[i])
+            done[i] = time.perf_counter() - t_begin
+
+        failures = self._in_parallel(len(boxes), width, one)
+        self.boxes = [b for b in self.boxes if not b.removed]
+        self._reap_orphans()
+        self._raise_first(failures)
         return {"done": done}
 
     def _remove(self, box: _Box) -> None:
-        if self.tool == "crun":
+        if box.removed:
+            return
+        if not box.started:
+            box.close_stdin()
+        elif self.tool == "crun":
             crun = ["crun", "--root", self.crun_root, "--cgroup-manager", "cgroupfs"]
             self._run([*crun, "delete", "-f", box.name], f"delete {box.name}")
-            with contextlib.suppress(OSError):
-                os.close(box.stdin_w)
-            self._reap_orphans()
-            return
-        if box.proc is None:  # Popen itself failed
-            with contextlib.suppress(OSError):
-                os.close(box.stdin_w)
-            return
-        with contextlib.suppress(ProcessLookupError):
-            if box.init_pid is not None:
-                # pid 1 of the sandbox: the kernel kills the rest of its pid namespace
-                os.kill(box.init_pid, signal.SIGKILL)
-            else:
-                box.proc.kill()
-        self._wait(box.proc)
-        with contextlib.suppress(OSError):
-            os.close(box.stdin_w)
+            box.close_stdin()
+        elif box.proc is None:  # Popen itself failed
+            box.close_stdin()
+        else:
+            with contextlib.suppress(ProcessLookupError):
+                if box.init_pid is not None:
+                    # pid 1 of the sandbox: the kernel kills the rest of its pid namespace
+                    os.kill(box.init_pid, signal.SIGKILL)
+                else:
+                    box.proc.kill()
+            self._wait(box.proc)
+            box.close_stdin()
+        box.removed = True
 
     def op_cleanup(self, req: dict[str, Any]) -> dict[str, int]:
-        """Best effort: remove every sandbox this runner knows of (or crun lists)."""
+        """Best effort: remove every sandbox this runner knows of (or crun lists), all tried."""
+        boxes = list(self.boxes)
         removed = 0
         failures: list[str] = []
-        for box in list(self.boxes):
+        lock = threading.Lock()
+
+        def one(i: int) -> None:
+            nonlocal removed
+            box = boxes[i]
             try:
                 self._remove(box)
-                removed += 1
+                with lock:
+                    removed += 1 if box.started else 0
             except Exception as exc:
-                failures.append(f"{box.name}: {exc}")
+                with lock:
+                    failures.append(f"{box.name}: {exc}")
                 if box.proc is not None:
-                    with contextlib.suppress(OSError):
+                    with contextlib.suppress(OSError, subprocess.TimeoutExpired):
                         box.proc.kill()
                         box.proc.wait(timeout=10)
-                with contextlib.suppress(OSError):
-                    os.close(box.stdin_w)
-            self.boxes.remove(box)
+                box.close_stdin()
+
+        self._in_parallel(len(boxes), self.width, one, best_effort=True)
+        self.boxes = []
         if self.tool == "crun":
             removed += _crun_delete_all(self.crun_root)
         self._reap_orphans()
         if failures:
-            raise RuntimeError("; ".join(failures))
+            raise RuntimeError(
+                "; ".join(failures[:20])
+                + (f" (+{len(failures) - 20})" if len(failures) > 20 else "")
+            )
         return {"removed": removed}
+
+
+def _stderr_capture() -> int:
+    """An anonymous file for one command's stderr: with several commands in flight a shared
+    log could not tell whose lines are whose. A kept container holds its copy (tiny)."""
+    return os.memfd_create("dsec-bench-stderr")
+
+
+def _captured(fd: int, limit: int = 4000) -> str:
+    """The last ``limit`` bytes written to a :func:`_stderr_capture` file."""
+    try:
+        size = os.fstat(fd).st_size
+        return os.pread(fd, limit, max(0, size - limit)).decode(errors="replace")
+    except OSError:
+        return ""
 
 
 class _CommandFailed(RuntimeError):
@@ -1144,12 +1304,12 @@ def _remove_bench_dir(bench_dir: Path) -> None:
 
 
 def _serve(args: argparse.Namespace, stdin: IO[bytes], stdout: IO[bytes]) -> int:
-    runner = _Runner(
-        tool=args.tool, crun_root=args.crun_root, log_path=str(Path(args.bench_dir) / "runner.log")
-    )
+    runner = _Runner(tool=args.tool, crun_root=args.crun_root)
 
     def on_term(signum: int, frame: object) -> None:
-        raise _Terminate
+        runner.abort.set()  # pool threads start nothing new
+        if not runner.shielded:
+            raise _Terminate
 
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -1186,6 +1346,8 @@ def _serve(args: argparse.Namespace, stdin: IO[bytes], stdout: IO[bytes]) -> int
         pass
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # cleanup must not be interrupted
+        runner.abort.set()
+        runner.wait_inflight()  # a sandbox still starting must be known before cleanup runs
         status = 0
         try:
             runner.op_cleanup({})

@@ -14,6 +14,12 @@ How the three runtimes are kept comparable:
   bwrap's init (:class:`dsec.bench.baselines.Keeper`). Per runtime at that N:
   the create rate, its first and last decile and their ratio, the teardown
   rate, and host memory per idle sandbox (the drop in MemAvailable).
+- **Same concurrency.** Each runtime's create-and-keep and its teardown have
+  :data:`~dsec.bench.baselines.KEEP_CONCURRENCY` sandboxes in flight (DSec:
+  an asyncio semaphore; crun and bwrap: threads in their runner process, each
+  launching one ``crun run -d`` / bwrap at a time), recorded as
+  ``keep_concurrency``: a rate ratio between a runtime driven eight at a time
+  and one driven one at a time would measure the driving, not the runtime.
 - **Rotating order.** The runtimes run one after another, each its whole
   block (latency, exec, create-and-keep), in an order that changes from run
   to run (a counter under ``$DSEC_STATE_DIR/bench``; ``--order`` fixes it):
@@ -39,11 +45,17 @@ How the three runtimes are kept comparable:
 - **Writable-layer media** (DSec only, after the three blocks):
   ``Resources(disk_medium="disk" | "memory")`` create latency, memory per idle
   sandbox after each of K sandboxes wrote 50 MiB of incompressible data, write
-  throughput, teardown. Until the runtime has the disk medium both behave the
-  same (tmpfs); the bench works either way.
+  throughput, teardown. Each medium has its own K: the memory medium holds
+  its 50 MiB in RAM, so its K is at most what MemAvailable holds
+  (``written_50mb_n_memory``); the disk medium's written data is page cache
+  (reclaimable, written back), so its K (``written_50mb_n_disk``, also
+  ``written_50mb_n``) is the full 1,000 (quick 50) whenever the disk under the
+  state directory, and the runtime's btrfs filesystem, have room for K x 50 MiB
+  plus a margin (:func:`disk_fit_n`).
 
 Must never: leave a sandbox, mount, cgroup (its probe memcgs included) or
-process behind; create more sandboxes than MemAvailable holds with headroom.
+process behind; create more sandboxes than MemAvailable holds with headroom,
+nor write more than the disk holds with headroom.
 """
 
 from __future__ import annotations
@@ -63,7 +75,7 @@ from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from dsec.bench.baselines import decile_rates
+from dsec.bench.baselines import KEEP_CONCURRENCY, decile_rates
 from dsec.bench.stats import percentile
 
 Progress = Callable[[str], None]
@@ -87,6 +99,8 @@ FULL_WRITTEN_N = 1_000
 QUICK_WRITTEN_N = 50
 WRITE_BYTES = 50 * MiB
 """What each sandbox of the written phase writes (from /dev/urandom: incompressible)."""
+DISK_SLACK_BYTES = 1 * MiB
+"""Disk a written sandbox takes besides its data (btrfs subvolume and extent metadata), generously."""
 THROUGHPUT_MIB = 256
 """One sandbox writes this many MiB with dd conv=fsync: a build artifact flushed to stable storage."""
 IDLE_MIB_BUDGET = 1.0
@@ -174,6 +188,29 @@ def mib_per_sandbox(n: int, *, hwm_ids: int, nodes: int = 1, extra_mib: float = 
     """
     ids = max(hwm_ids, SUPERBLOCKS_BUDGET * n)
     return IDLE_MIB_BUDGET + nodes * math.ceil(ids / 64) / 1024 + extra_mib
+
+
+def disk_headroom_bytes(free_bytes: int) -> int:
+    """Disk a bench leaves alone: 2 GiB or a tenth of what is free, the larger (others share it)."""
+    return max(2 << 30, free_bytes // 10)
+
+
+def disk_fit_n(want: int, free_bytes: int, per_sandbox_bytes: int = WRITE_BYTES + DISK_SLACK_BYTES) -> int:
+    """The largest k <= ``want`` whose k x ``per_sandbox_bytes`` fit in ``free_bytes`` less
+    :func:`disk_headroom_bytes` (0 if none)."""
+    room = free_bytes - disk_headroom_bytes(free_bytes)
+    return max(0, min(want, room // per_sandbox_bytes))
+
+
+def disk_free_bytes(paths: Iterable[Path]) -> int:
+    """Bytes an unprivileged writer could still put on the emptiest of ``paths``' filesystems."""
+    free = []
+    for path in paths:
+        st = os.statvfs(path)
+        free.append(st.f_bavail * st.f_frsize)
+    if not free:
+        raise ValueError("no paths")
+    return min(free)
 
 
 def fit_n(want: int, free_bytes: int, per_sandbox_mib: Callable[[int], float]) -> int:
@@ -484,7 +521,7 @@ class _Idlers:
         self.ready.append(time.perf_counter() - t_start)
 
     async def teardown(self, concurrency: int = 16) -> float:
-        """Destroy them all; seconds taken."""
+        """Destroy them all, ``concurrency`` at a time; seconds taken."""
         self._close_stdins()
         sem = asyncio.Semaphore(concurrency)
 
@@ -583,7 +620,7 @@ async def _dsec_side(rootfs: Path, work: Path, *, n_lat: int, n_keep: int, n_exe
         say(f"dsec: create-and-keep {n_keep} sandboxes, each with a shell waiting on stdin")
         idlers = _Idlers(rt)
         try:
-            sem = asyncio.Semaphore(8)
+            sem = asyncio.Semaphore(KEEP_CONCURRENCY)  # crun's and bwrap's runners have as many in flight
 
             async def keep(t_start: float) -> None:
                 async with sem:
@@ -597,7 +634,7 @@ async def _dsec_side(rootfs: Path, work: Path, *, n_lat: int, n_keep: int, n_exe
             own = own_superblocks(sandbox_devs(rt.get(idlers.ids[0]).init_pid),
                                   sandbox_devs(rt.get(idlers.ids[-1]).init_pid), host)
             say(f"dsec: teardown of {n_keep}")
-            took = await idlers.teardown()
+            took = await idlers.teardown(KEEP_CONCURRENCY)
         finally:
             await idlers.close()
         out.update(keep_keys("dsec", n=n_keep, done_s=idlers.ready, idle_bytes=idle, teardown_s=took,
@@ -610,9 +647,14 @@ async def _dsec_side(rootfs: Path, work: Path, *, n_lat: int, n_keep: int, n_exe
     return out
 
 
-async def _dsec_media(rootfs: Path, work: Path, *, n_lat: int, k: int, media: Sequence[Medium], host: set[str],
-                      say: Progress) -> dict[str, Any]:
-    """The writable layer on ``disk`` vs in ``memory``: latency, written density, throughput, teardown."""
+async def _dsec_media(rootfs: Path, work: Path, *, n_lat: int, k: Mapping[Medium, int], media: Sequence[Medium],
+                      host: set[str], say: Progress) -> dict[str, Any]:
+    """The writable layer on ``disk`` vs in ``memory``: latency, written density, throughput, teardown.
+
+    ``k``: how many sandboxes of each medium write :data:`WRITE_BYTES` and idle. The disk
+    medium's is further capped, just before its written phase, by what the state directory's
+    disk and the runtime's btrfs filesystem hold (:func:`disk_fit_n`).
+    """
     from dsec.backends.container.runtime import ContainerRuntime
     from dsec.images.build import build_from_dir
     from dsec.spec import ImageRef, Resources, SandboxSpec
@@ -656,8 +698,8 @@ async def _dsec_media(rootfs: Path, work: Path, *, n_lat: int, k: int, media: Se
 
         write = f"busybox mkdir -p /root && busybox head -c {WRITE_BYTES} /dev/urandom > /root/f"
 
-        async def written(medium: Medium) -> tuple[float, float, dict[str, str]]:
-            """K sandboxes that each wrote WRITE_BYTES, then idle: MiB each, teardown rate, own superblocks."""
+        async def written(medium: Medium, count: int) -> tuple[float, float, dict[str, str]]:
+            """``count`` sandboxes that each wrote WRITE_BYTES, then idle: MiB each, teardown rate, own superblocks."""
             idlers = _Idlers(rt)
             sem = asyncio.Semaphore(4)  # /dev/urandom and the copy take a core each
 
@@ -667,26 +709,41 @@ async def _dsec_media(rootfs: Path, work: Path, *, n_lat: int, k: int, media: Se
 
             try:
                 mem0 = _mem_available()
-                await _all(one(time.perf_counter()) for _ in range(k))
+                await _all(one(time.perf_counter()) for _ in range(count))
                 await asyncio.sleep(1.0)
-                mib = (mem0 - _mem_available()) / k / MiB
+                mib = (mem0 - _mem_available()) / count / MiB
                 own = own_superblocks(sandbox_devs(rt.get(idlers.ids[0]).init_pid),
-                                      sandbox_devs(rt.get(idlers.ids[-1]).init_pid), host) if k > 1 else {}
+                                      sandbox_devs(rt.get(idlers.ids[-1]).init_pid), host) if count > 1 else {}
                 took = await idlers.teardown()
             finally:
                 await idlers.close()
-            return mib, k / took, own
+            return mib, count / took, own
 
+        n_written: dict[Medium, int] = {}
         for m in media:
-            say(f"dsec media: {k} sandboxes ({m}) each write {WRITE_BYTES // MiB} MiB, then idle")
-            mib, rate, own = await written(m)
+            n_written[m] = k[m]
+            if m == "disk":
+                free = disk_free_bytes([work / "state", *([rt.uppers.mountpoint] if rt.uppers.ready else [])])
+                cap = disk_fit_n(max(k[m], FULL_WRITTEN_N), free)
+                out["written_50mb_n_disk_cap"] = cap
+                if cap < k[m]:
+                    say(f"note: the disk holds {cap:,} sandboxes that wrote {WRITE_BYTES // MiB} MiB each "
+                        f"({free / (1 << 30):,.1f} GiB free): written_50mb_n_disk = {cap:,}, not {k[m]:,}")
+                if cap < 1:
+                    raise RuntimeError(f"the disk holds not one sandbox of the written phase ({free / MiB:,.0f} "
+                                       "MiB free)")
+                n_written[m] = min(k[m], cap)
+            say(f"dsec media: {n_written[m]:,} sandboxes ({m}) each write {WRITE_BYTES // MiB} MiB, then idle")
+            mib, rate, own = await written(m, n_written[m])
             out[f"idle_mib_per_sandbox_written_50mb_{m}"] = mib
             out[f"teardown_rate_{m}"] = rate
             out[f"superblocks_per_sandbox_{m}"] = len(own)
             out[f"superblocks_per_sandbox_{m}_kinds"] = kinds_summary(own)
         with contextlib.suppress(Exception):
             rt.store.remove(layer.digest)
-    out["written_50mb_n"] = k
+    for m in media:
+        out[f"written_50mb_n_{m}"] = n_written[m]
+    out["written_50mb_n"] = n_written.get("disk", 0)
     out["media_order"] = ",".join(media)
     out["create_disk_vs_memory_ratio"] = out["create_p50_ms_disk"] / out["create_p50_ms_memory"]
     return out
@@ -714,7 +771,7 @@ def _baseline_side(tool: str, rootfs: Path, *, n_lat: int, n_keep: int, n_exec: 
 
     out[key(tool, "shrinkers_keep_before")] = shrinker_id_hwm()
     say(f"{tool}: create-and-keep {n_keep}, each with a shell waiting on stdin")
-    with baselines.Keeper(tool, rootfs) as kept:
+    with baselines.Keeper(tool, rootfs, concurrency=KEEP_CONCURRENCY) as kept:
         mem0 = _mem_available()
         kept.spawn(n_keep)
         time.sleep(1.0)  # as for DSec: let lazily freed memory settle
@@ -787,7 +844,9 @@ def run(*, quick: bool = False, n_keep: int | None = None, order: Sequence[str] 
         results[key(rt_name, "keep_n")] = keep
     results["keep_n_wanted"] = want
     results["keep_n_memory_cap"] = cap
-    say(f"order {results['order']} ({results['order_source']}); N = {keep:,} for each runtime")
+    results["keep_concurrency"] = KEEP_CONCURRENCY
+    say(f"order {results['order']} ({results['order_source']}); N = {keep:,} for each runtime, "
+        f"{KEEP_CONCURRENCY} in flight")
     say("note: shrinkers_* estimate the kernel's memcg shrinker id high-water mark (64 x kmalloc-1k "
         "objects per new memcg); it only grows until reboot, so every later memcg on this boot pays for it")
 
@@ -811,15 +870,24 @@ def run(*, quick: bool = False, n_keep: int | None = None, order: Sequence[str] 
         k_want = written_n if written_n is not None else (QUICK_WRITTEN_N if quick else FULL_WRITTEN_N)
         info = _meminfo()
         hwm = shrinker_id_hwm() or 0
-        k_cap = fit_n(max(k_want, FULL_WRITTEN_N), info["MemAvailable"] - headroom_bytes(info["MemTotal"]),
+        mem_free = info["MemAvailable"] - headroom_bytes(info["MemTotal"])
+        # The memory medium keeps what it wrote in RAM; the disk medium's is page cache (reclaimable),
+        # so only its idle sandboxes count against memory; the disk's room is checked in _dsec_media.
+        k_cap = fit_n(max(k_want, FULL_WRITTEN_N), mem_free,
                       lambda n: mib_per_sandbox(n, hwm_ids=hwm, nodes=nodes, extra_mib=WRITE_BYTES / MiB))
+        k_cap_disk = fit_n(max(k_want, FULL_WRITTEN_N), mem_free, lambda n: mib_per_sandbox(n, hwm_ids=hwm, nodes=nodes))
         if k_cap < k_want:
             say(f"note: MemAvailable holds {k_cap:,} sandboxes that wrote {WRITE_BYTES // MiB} MiB each in memory: "
-                f"written_50mb_n = {k_cap:,}, not {k_want:,}")
+                f"written_50mb_n_memory = {k_cap:,}, not {k_want:,}")
+        if k_cap_disk < k_want:
+            say(f"note: MemAvailable holds {k_cap_disk:,} idle sandboxes: written_50mb_n_disk = {k_cap_disk:,} "
+                f"at most, not {k_want:,}")
         if k_cap < 1:
             raise RuntimeError("MemAvailable holds not one sandbox of the written phase")
         results["written_50mb_n_memory_cap"] = k_cap
-        results.update(asyncio.run(_dsec_media(rootfs, work, n_lat=n_lat, k=min(k_want, k_cap), media=media,
+        results["written_50mb_n_wanted"] = k_want
+        k_media: dict[Medium, int] = {"disk": min(k_want, k_cap_disk), "memory": min(k_want, k_cap)}
+        results.update(asyncio.run(_dsec_media(rootfs, work, n_lat=n_lat, k=k_media, media=media,
                                                host=host, say=say)))
 
     results["create_p50_vs_crun"] = _ratio(results, "create_p50_ms", "crun_create_p50_ms")

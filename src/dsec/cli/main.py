@@ -78,13 +78,13 @@ def _report(title: str, results: dict[str, Any], json_path: Path | None) -> None
 @click.option("--quick", is_flag=True, help="Fewer samples; N=200 and 50 written sandboxes instead of 10,000 and 1,000.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the flat JSON here.")
 @click.option("-n", "--keep", "n_keep", type=click.IntRange(10, 20000), default=None,
-              help="Sandboxes each runtime (DSec, crun, bwrap) creates and keeps (default 10,000, or the most "
-                   "MemAvailable holds; 200 with --quick).")
+              help="Sandboxes each runtime (DSec, crun, bwrap) creates and keeps, as many in flight for each (default "
+                   "10,000, or the most MemAvailable holds; 200 with --quick).")
 @click.option("--order", default=None, metavar="RT,RT,RT",
               help="Order of the runtimes, e.g. crun,dsec,bwrap (default: rotates from run to run).")
 @click.option("--written-n", type=click.IntRange(1, 20000), default=None,
-              help="Sandboxes per writable-layer medium that each write 50 MiB (default 1,000, or the most "
-                   "MemAvailable holds; 50 with --quick).")
+              help="Sandboxes per writable-layer medium that each write 50 MiB (default 1,000; 50 with --quick). "
+                   "The memory medium runs at most what MemAvailable holds, the disk medium what the disk holds.")
 @click.option("--debian/--no-debian", default=None,
               help="Also measure on a Debian rootfs (default: on, except with --quick). Built once with debootstrap.")
 def bench_runtime(quick: bool, json_path: Path | None, n_keep: int | None, order: str | None,
