@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-APT_PACKAGES=(gcc libc6-dev libseccomp-dev pkg-config erofs-utils crun bubblewrap btrfs-progs
+APT_PACKAGES=(gcc libc6-dev libseccomp-dev pkg-config erofs-utils crun bubblewrap btrfs-progs musl-tools
               debootstrap busybox-static iproute2 nftables tar gzip util-linux python3-venv
               postgresql)  # postgresql: the control-plane tests run on a throwaway cluster too
 missing=()

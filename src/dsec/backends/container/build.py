@@ -59,7 +59,10 @@ def compile_spawner(out: Path = BINARY) -> Path:
     os.replace(tmp, out)
     init_out = out.with_name(INIT_BINARY.name)
     tmp = init_out.with_name(init_out.name + f".tmp{os.getpid()}")
-    cmd = [gcc, *CFLAGS, "-static", "-o", str(tmp), str(INIT_SOURCE)]
+    # musl where installed: ~12 KiB resident and fewer page tables per sandbox than a static
+    # glibc binary (an init per sandbox: 10,000 on a dense node).
+    cc = shutil.which("musl-gcc") or gcc
+    cmd = [cc, *CFLAGS, "-static", "-o", str(tmp), str(INIT_SOURCE)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         tmp.unlink(missing_ok=True)

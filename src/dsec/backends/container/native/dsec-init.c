@@ -24,7 +24,6 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <grp.h>
-#include <linux/capability.h>
 #include <sched.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -42,6 +41,12 @@
 
 enum { FD_UPPER = 3, FD_USERNS = 4, FD_REPORT = 5 };
 
+/* capset(2)'s structures, spelled out: built with musl (no kernel headers) where it is
+ * installed, for the smallest resident init. */
+#define DSEC_CAP_V3 0x20080522
+struct cap_header { uint32_t version; int pid; };
+struct cap_data { uint32_t effective, permitted, inheritable; };
+
 static void fail(const char *stage, const char *msg) __attribute__((noreturn));
 static void fail(const char *stage, const char *msg) {
     int err = errno;
@@ -56,8 +61,8 @@ static void fail(const char *stage, const char *msg) {
 static int drop_caps(void) {
     for (int c = 0; c <= 63; c++)
         if (prctl(PR_CAPBSET_DROP, c, 0, 0, 0) < 0 && errno != EINVAL) return -1;
-    struct __user_cap_header_struct h = {.version = _LINUX_CAPABILITY_VERSION_3, .pid = 0};
-    struct __user_cap_data_struct d[2];
+    struct cap_header h = {.version = DSEC_CAP_V3, .pid = 0};
+    struct cap_data d[2];
     memset(d, 0, sizeof d);
     if (syscall(SYS_capset, &h, d) < 0) return -1;
     prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0);
