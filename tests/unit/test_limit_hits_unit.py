@@ -65,6 +65,18 @@ def test_verdicts_need_evidence() -> None:
                  output_cap=1024, before=Baseline(None), after=OOM, disk=None) is None
 
 
+def test_an_oom_on_the_memory_medium_names_the_files() -> None:
+    mem = Resources(memory=128 * MiB, pids=64, disk=1 << 30, disk_medium="memory")
+    kw = dict(exit_code=None, sig=9, timed_out=None, timeout_s=None, idle_timeout_s=None, truncated=False,
+              output_cap=1024, before=Baseline(Counters(0, 0)), after=OOM, disk=None)
+    on_disk = judge(RES, **kw)  # type: ignore[arg-type]
+    in_ram = judge(mem, **kw)  # type: ignore[arg-type]
+    assert on_disk is not None and in_ram is not None and on_disk.kind == in_ram.kind == "memory"
+    assert "medium" not in on_disk.message
+    assert in_ram.message.endswith("(written files count against it on the memory medium: "
+                                   "--disk-medium disk keeps them on disk)")
+
+
 @pytest.mark.parametrize(("kind", "value", "line"), [
     ("memory", 128 * MiB, "dsec: killed by the memory limit (128 MiB): raise it with --memory / Resources.memory"),
     ("pids", 64, "dsec: the pids limit (64 processes) refused a fork: raise it with --pids / Resources.pids"),

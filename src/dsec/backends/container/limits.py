@@ -121,7 +121,12 @@ def judge(
     start = None if before is None else before.counters
     if failed(exit_code, sig) and start is not None and after is not None:
         if after.oom_kills > start.oom_kills and (sig == signal.SIGKILL or exit_code == _SIGKILL_STATUS):
-            return LimitHit.of("memory", res.memory)
+            hit = LimitHit.of("memory", res.memory)
+            if res.disk_medium == "memory":
+                # Its written files are RAM too: say so, it is the usual surprise.
+                hit = LimitHit("memory", hit.value, hit.message + " (written files count against it on the "
+                               "memory medium: --disk-medium disk keeps them on disk)")
+            return hit
         if after.pids_hits > start.pids_hits:
             return LimitHit.of("pids", res.pids)
     if failed(exit_code, sig) and disk is not None and disk.full and before is not None and (
