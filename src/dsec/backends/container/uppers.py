@@ -312,15 +312,21 @@ def _btrfs_in_kernel() -> bool:
         return False
 
 
-def _is_btrfs_mount(path: Path) -> bool:
+def _mount_at(path: Path) -> tuple[str, str]:
+    """(filesystem type, source device) of the mount at ``path``; ("", "") if none."""
     want = os.path.realpath(path)
+    found = ("", "")
     with open("/proc/self/mountinfo") as f:
         for line in f:
             parts = line.split()
             sep = parts.index("-")
-            if parts[4] == want and parts[sep + 1] == "btrfs":
-                return True
-    return False
+            if parts[4] == want:
+                found = (parts[sep + 1], parts[sep + 2])  # the last one is the one on top
+    return found
+
+
+def _is_btrfs_mount(path: Path) -> bool:
+    return _mount_at(path)[0] == "btrfs"
 
 
 def _fsid(path: Path) -> str:
@@ -331,20 +337,9 @@ def _fsid(path: Path) -> str:
         if (d / "label").exists() and d.name != "features":
             with contextlib.suppress(OSError):
                 dev = next((d / "devices").iterdir()).name
-                if _dev_of(path) == dev:
+                if os.path.basename(_mount_at(path)[1]) == dev:
                     return d.name
     raise UpperStoreError(f"cannot find the btrfs id of {path} under /sys/fs/btrfs")
-
-
-def _dev_of(path: Path) -> str:
-    want = os.path.realpath(path)
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            parts = line.split()
-            sep = parts.index("-")
-            if parts[4] == want:
-                return os.path.basename(parts[sep + 2])
-    return ""
 
 
 def _quota_mode(fsid: str) -> str:

@@ -131,6 +131,31 @@ static int req_all(struct req *r, const char *key, char **out, int max) {
 static int sock_fd;
 static int init_bin_fd = -1; /* the static dsec-init beside this binary (-1: keep forks as inits) */
 
+/* Attach one fd to a message (SCM_RIGHTS); ``space`` must outlive the sendmsg. */
+union fd_space {
+    char b[CMSG_SPACE(sizeof(int))];
+    struct cmsghdr align;
+};
+
+static void attach_fd(struct msghdr *m, union fd_space *space, int fd) {
+    memset(space, 0, sizeof *space);
+    m->msg_control = space->b;
+    m->msg_controllen = sizeof space->b;
+    struct cmsghdr *c = CMSG_FIRSTHDR(m);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int));
+    memcpy(CMSG_DATA(c), &fd, sizeof fd);
+}
+
+static int send_msg_fd(int sock, const char *msg, int fd) {
+    struct iovec iov = {.iov_base = (void *)msg, .iov_len = strlen(msg) + 1};
+    union fd_space cm;
+    struct msghdr msg_h = {.msg_iov = &iov, .msg_iovlen = 1};
+    if (fd >= 0) attach_fd(&msg_h, &cm, fd);
+    return sendmsg(sock, &msg_h, MSG_NOSIGNAL) < 0 ? -1 : 0;
+}
+
 static void send_tokens(const char **toks, int n, int fd_to_pass) {
     char buf[4096];
     size_t len = 0;
@@ -142,20 +167,8 @@ static void send_tokens(const char **toks, int n, int fd_to_pass) {
     }
     struct iovec iov = {.iov_base = buf, .iov_len = len};
     struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1};
-    union {
-        char b[CMSG_SPACE(sizeof(int))];
-        struct cmsghdr align;
-    } cm;
-    if (fd_to_pass >= 0) {
-        memset(&cm, 0, sizeof cm);
-        msg.msg_control = cm.b;
-        msg.msg_controllen = sizeof cm.b;
-        struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
-        c->cmsg_level = SOL_SOCKET;
-        c->cmsg_type = SCM_RIGHTS;
-        c->cmsg_len = CMSG_LEN(sizeof(int));
-        memcpy(CMSG_DATA(c), &fd_to_pass, sizeof(int));
-    }
+    union fd_space cm;
+    if (fd_to_pass >= 0) attach_fd(&msg, &cm, fd_to_pass);
     while (sendmsg(sock_fd, &msg, MSG_NOSIGNAL) < 0) {
         if (errno == EINTR) continue;
         if (errno == EPIPE || errno == ECONNRESET) _exit(0);
@@ -609,20 +622,7 @@ static void netpool_maker(int sock, int target, int host_netns_fd) {
             int ok = fd >= 0 && lo_up() == 0;
             if (setns(host_netns_fd, CLONE_NEWNET) < 0) _exit(1);
             if (!ok) _exit(1);
-            char b = 'n';
-            struct iovec iov = {.iov_base = &b, .iov_len = 1};
-            union {
-                char c[CMSG_SPACE(sizeof(int))];
-                struct cmsghdr align;
-            } cm;
-            memset(&cm, 0, sizeof cm);
-            struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cm.c, .msg_controllen = sizeof cm.c};
-            struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
-            c->cmsg_level = SOL_SOCKET;
-            c->cmsg_type = SCM_RIGHTS;
-            c->cmsg_len = CMSG_LEN(sizeof(int));
-            memcpy(CMSG_DATA(c), &fd, sizeof fd);
-            if (sendmsg(sock, &msg, MSG_NOSIGNAL) < 0) _exit(0);
+            if (send_msg_fd(sock, "n", fd) < 0) _exit(0);
             close(fd);
             credit--;
         }
@@ -732,26 +732,6 @@ static void userns_cache_put(unsigned long base, int fd) {
         userns_cache[i].base = base;
         userns_cache[i].fd = fd;
     }
-}
-
-static int send_msg_fd(int sock, const char *msg, int fd) {
-    struct iovec iov = {.iov_base = (void *)msg, .iov_len = strlen(msg) + 1};
-    union {
-        char c[CMSG_SPACE(sizeof(int))];
-        struct cmsghdr align;
-    } cm;
-    memset(&cm, 0, sizeof cm);
-    struct msghdr msg_h = {.msg_iov = &iov, .msg_iovlen = 1};
-    if (fd >= 0) {
-        msg_h.msg_control = cm.c;
-        msg_h.msg_controllen = sizeof cm.c;
-        struct cmsghdr *c = CMSG_FIRSTHDR(&msg_h);
-        c->cmsg_level = SOL_SOCKET;
-        c->cmsg_type = SCM_RIGHTS;
-        c->cmsg_len = CMSG_LEN(sizeof(int));
-        memcpy(CMSG_DATA(c), &fd, sizeof fd);
-    }
-    return sendmsg(sock, &msg_h, MSG_NOSIGNAL) < 0 ? -1 : 0;
 }
 
 static void userns_keeper(int sock) __attribute__((noreturn));
