@@ -32,6 +32,7 @@ from conftest import (
     pid_alive,
     proc_cmdline,
     proc_comm,
+    proc_status,
     wait_until,
 )
 from dsec.errors import (
@@ -164,6 +165,29 @@ def test_init_killed_from_the_host_fails_the_sandbox_cleanly(rtx: RuntimeHarness
         rtx.sh(rec.id, "true")
     assert rtx.destroy(rec.id) is True
     assert rtx.cgroup_dirs(rec.id) == [] and not any(rec.id in p.name for p in rtx.records())
+    # The init is the runtime's child (the spawner clones it with CLONE_PARENT): reaped, no zombie.
+    assert not os.path.exists(f"/proc/{rec.init_pid}")
+
+
+def test_inits_are_the_runtimes_children_and_are_reaped(rtx: RuntimeHarness) -> None:
+    """Sandbox inits are not the spawner's children (its wait4(-1) per exec exit would walk
+    every one of them): they are the runtime's, reaped on destroy, and never left as zombies."""
+    recs = [rtx.create() for _ in range(5)]
+    for rec in recs:
+        assert proc_status(rec.init_pid)["PPid"] == str(os.getpid())
+        rtx.ok(rec.id, "true")
+    for rec in recs:
+        rtx.destroy(rec.id)
+    zombies = [p for p in os.listdir("/proc") if p.isdigit() and _is_zombie_child(int(p))]
+    assert zombies == [], zombies
+
+
+def _is_zombie_child(pid: int) -> bool:
+    try:
+        st = proc_status(pid)
+    except OSError:
+        return False
+    return st.get("PPid") == str(os.getpid()) and st.get("State", "").startswith("Z")
 
 
 def test_lost_spawner_is_replaced_and_sandboxes_survive(rtx: RuntimeHarness) -> None:

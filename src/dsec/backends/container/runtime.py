@@ -170,9 +170,15 @@ def _is_paused(rec: SandboxRecord) -> bool:
 
 def _proc_start_time(pid: int) -> int:
     """Start time (clock ticks since boot) of ``pid``: with the pid, a unique process identity."""
+    return _proc_identity(pid)[0]
+
+
+def _proc_identity(pid: int) -> tuple[int, bool]:
+    """(start time, exited): an exited process that is not reaped yet (a zombie) still has one."""
     with open(f"/proc/{pid}/stat", "rb") as f:
         data = f.read()
-    return int(data[data.rindex(b")") + 2 :].split()[19])
+    fields = data[data.rindex(b")") + 2 :].split()
+    return int(fields[19]), fields[0] in (b"Z", b"X")
 
 
 def _children_tree(pid: int) -> list[int]:
@@ -194,6 +200,12 @@ def _children_tree(pid: int) -> list[int]:
             out.extend(kids)
             stack.extend(kids)
     return out
+
+
+def _reap(pid: int) -> None:
+    """Reap an exited child of ours, if it is one."""
+    with contextlib.suppress(ChildProcessError, OSError):
+        os.waitpid(pid, os.WNOHANG)
 
 
 def kill_tree(pid: int, *, include_root: bool = True) -> None:
@@ -586,6 +598,8 @@ class ContainerRuntime:
                 try:
                     spawned = await spawner.spawn("create", fields, fds=[lease.fd] if lease else [])
                 except SpawnError as exc:
+                    if exc.pid > 0:
+                        _reap(exc.pid)  # our child (CLONE_PARENT), already exited
                     raise SandboxFailed(
                         f"sandbox {sid} failed to start at step {exc.stage!r}: {exc.detail} ({os.strerror(exc.errno)})",
                         sandbox_id=sid,
@@ -690,6 +704,11 @@ class ContainerRuntime:
                 pass
             finally:
                 loop.remove_reader(fd)
+            if done.done():
+                # The init is this process's child (the spawner clones it with CLONE_PARENT);
+                # one adopted from an earlier runtime process is not, and is reaped by init.
+                with contextlib.suppress(ChildProcessError, OSError):
+                    os.waitid(os.P_PIDFD, fd, os.WEXITED | os.WNOHANG)
         finally:
             os.close(fd)
         if self.spawner is not None:
@@ -703,8 +722,13 @@ class ContainerRuntime:
             fd = None
         if fd is not None:
             try:
-                if _proc_start_time(rec.init_pid) == rec.init_start:
-                    return fd
+                start, exited = _proc_identity(rec.init_pid)
+                if start == rec.init_start:
+                    if not exited:
+                        return fd
+                    # Dead but not reaped: it is this process's child (CLONE_PARENT). Reap it.
+                    with contextlib.suppress(ChildProcessError, OSError):
+                        os.waitid(os.P_PIDFD, fd, os.WEXITED | os.WNOHANG)
             except OSError:
                 pass
             os.close(fd)

@@ -42,11 +42,13 @@ class ChildExit:
 class SpawnError(Exception):
     """The spawner refused or failed a request; ``stage`` says which step."""
 
-    def __init__(self, stage: str, errno_: int, message: str) -> None:
+    def __init__(self, stage: str, errno_: int, message: str, pid: int = 0) -> None:
         super().__init__(f"{stage}: {message} ({os.strerror(errno_) if errno_ else 'failed'})")
         self.stage = stage
         self.errno = errno_
         self.detail = message
+        self.pid = pid
+        """A failed create's init, exited but not reaped: the runtime's child, to reap (0: none)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,8 +155,8 @@ class Spawner:
         if reply[0] == "ok":
             assert fd is not None, "spawner replied ok without a pidfd"
             return Spawned(pid=int(reply[3]), pidfd=fd)
-        stage, err, msg = ([*reply[2:], "?", "0", ""])[:3]
-        raise SpawnError(stage, int(err or 0), msg)
+        stage, err, msg, pid = ([*reply[2:], "?", "0", "", "0"])[:4]
+        raise SpawnError(stage, int(err or 0), msg, int(pid) if pid.isdigit() else 0)
 
     def _on_readable(self) -> None:
         assert self._sock is not None

@@ -862,7 +862,10 @@ static void do_create(struct req *r) {
     /* A networked sandbox brings its prepared netns (veth, address, nftables) as the
      * request's one fd; others take a loopback-only one from the pool. */
     int net_fd = r->nfds >= 1 ? fcntl(r->fds[0], F_DUPFD_CLOEXEC, 3) : netpool_take();
-    pid_t pid = clone_pidfd(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS, &pidfd);
+    /* CLONE_PARENT: the init is the runtime's child, not ours.  We reap exec children with
+     * wait4(-1), which walks every child we have: with 10,000 inits among them, each exec's
+     * exit cost O(sandboxes).  The runtime reaps an init through its pidfd on destroy. */
+    pid_t pid = clone_pidfd(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_PARENT, &pidfd);
     if (pid == 0) {
         close(go[1]);
         close(rep[0]);
@@ -1363,6 +1366,27 @@ static void do_exec(struct req *r) {
 }
 
 /* A report pipe became readable: the child either failed ("stage\0errno\0msg"), said "ok", or exec'd (EOF). */
+/* Wait until a killed child has exited.  An exec child is ours: reap it.  A sandbox init
+ * is the runtime's child (CLONE_PARENT): wait for its pidfd, the runtime reaps it (the
+ * error reply carries its pid). */
+static void wait_gone(struct pending *p) {
+    if (p->kind != P_CREATE) {
+        waitpid(p->pid, NULL, 0);
+        return;
+    }
+    struct pollfd q = {.fd = p->pidfd, .events = POLLIN};
+    while (poll(&q, 1, 10000) < 0 && errno == EINTR) {
+    }
+}
+
+static void reply_err_pid(const char *rid, const char *stage, int err, int pid, const char *msg) {
+    char e[16], pid_s[16];
+    snprintf(e, sizeof e, "%d", err);
+    snprintf(pid_s, sizeof pid_s, "%d", pid);
+    const char *t[] = {"err", rid, stage, e, msg, pid_s};
+    send_tokens(t, 6, -1);
+}
+
 static void finish_pending(int i) {
     struct pending p = pend[i];
     pend[i] = pend[--npend];
@@ -1378,8 +1402,8 @@ static void finish_pending(int i) {
         reply_ok_pid(p.rid, p.pid, p.pidfd);
     } else if (n == 0) {
         kill(p.pid, SIGKILL);
-        waitpid(p.pid, NULL, 0); /* gone before the caller hears of it */
-        reply_err(p.rid, "died", ECHILD, "child exited before it was ready");
+        wait_gone(&p); /* gone before the caller hears of it */
+        reply_err_pid(p.rid, "died", ECHILD, p.kind == P_CREATE ? p.pid : 0, "child exited before it was ready");
     } else {
         const char *stage = buf;
         const char *err = stage + strlen(stage) + 1;
@@ -1391,9 +1415,11 @@ static void finish_pending(int i) {
         /* The failed child exits at once: reap it first, so that when the caller
          * hears of the failure nothing of the attempt is left in the sandbox. */
         kill(p.pid, SIGKILL);
-        waitpid(p.pid, NULL, 0);
-        const char *t[] = {"err", p.rid, stage, e, msg};
-        send_tokens(t, 5, -1);
+        wait_gone(&p);
+        char pid_s[16];
+        snprintf(pid_s, sizeof pid_s, "%d", p.kind == P_CREATE ? (int)p.pid : 0);
+        const char *t[] = {"err", p.rid, stage, e, msg, pid_s};
+        send_tokens(t, 6, -1);
     }
     close(p.pidfd);
 }
