@@ -31,6 +31,14 @@ needs_crun = pytest.mark.skipif(shutil.which("crun") is None, reason="needs crun
 needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bwrap")
 
 
+def each_tool(fn: Any) -> Any:
+    """Run a root test once for crun and once for bwrap, with the leak check."""
+    for mark in (pytest.mark.parametrize("tool", ["crun", "bwrap"]), pytest.mark.usefixtures("no_leaks"),
+                 needs_bwrap, needs_crun, pytest.mark.root):
+        fn = mark(fn)
+    return fn
+
+
 # ------------------------------------------------------------ pure parts ----
 
 
@@ -210,11 +218,7 @@ def test_bwrap_create_rate(rootfs: Path, workdir: Path) -> None:
     _sane_rate(baselines.bwrap_create_rate(rootfs, 5, workdir=workdir), 5)
 
 
-@pytest.mark.root
-@needs_crun
-@needs_bwrap
-@pytest.mark.usefixtures("no_leaks")
-@pytest.mark.parametrize("tool", ["crun", "bwrap"])
+@each_tool
 def test_keeper_holds_sandboxes_until_teardown(tool: str, rootfs: Path, workdir: Path) -> None:
     """Between spawn and teardown the sandboxes idle in their own mount namespaces.
 
@@ -298,11 +302,7 @@ def test_concurrent_failure_carries_its_own_stderr(tool: str, workdir: Path) -> 
     assert info.value.detail.strip(), str(info.value)
 
 
-@pytest.mark.root
-@needs_crun
-@needs_bwrap
-@pytest.mark.usefixtures("no_leaks")
-@pytest.mark.parametrize("tool", ["crun", "bwrap"])
+@each_tool
 def test_ctrl_c_during_a_concurrent_spawn_leaves_nothing(tool: str, rootfs: Path, workdir: Path) -> None:
     """^C while 8 are in flight: those finish, then every sandbox made so far is removed."""
     timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
