@@ -243,7 +243,10 @@ def test_limit_hits_reach_events_and_metrics(api: httpx.Client) -> None:
         r = api.put(f"/v1/sandboxes/{sid}/files", params={"path": "/big"}, content=b"x" * ((8 << 20) + (1 << 19)))
         assert r.status_code == 400 and err(r)["code"] == "file_error", r.text
         full = events(api, sid, "disk_full")
-        assert [f["source"] for f in full] == ["statvfs", "files_api"], full
+        # Re-armed after the rm, then full again: noted by the files API's ENOSPC/EDQUOT, or by
+        # the 0.2 s audit pass if it looked while the upload was filling the layer (a race).
+        assert [f["source"] for f in full][:1] == ["statvfs"] and len(full) == 2, full
+        assert full[1]["source"] in ("files_api", "statvfs"), full
 
         res = sh(api, sid, "for i in $(seq 40); do sleep 3 & done 2>/dev/null; wait")
         assert wait_until(lambda: bool(events(api, sid, "pids_limit")), timeout=10)
