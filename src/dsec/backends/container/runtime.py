@@ -667,12 +667,7 @@ class ContainerRuntime:
             deadline = time.monotonic() + 5
             while self.cgroups.pids(sid) and time.monotonic() < deadline:
                 await asyncio.sleep(0.002)
-        left = [str(p) for p in await asyncio.to_thread(self.cgroups.remove, sid)]
-        if self.uppers.ready:
-            try:
-                await asyncio.to_thread(self.uppers.destroy, sid)
-            except OSError as exc:
-                left.append(f"writable layer {self.uppers.path(sid)} ({exc})")
+        left = await asyncio.to_thread(self._remove_host_parts, rec)
         for d in set(rec.layers):
             await self._unuse_layer(d, sid)
         if rec.slot >= 0:
@@ -1582,6 +1577,17 @@ class ContainerRuntime:
         if res.disk_medium != "disk":
             return dirs, None
         return dirs, self.uppers.create(sandbox_id, quota=res.disk, uid=uid_base)
+
+    def _remove_host_parts(self, rec: SandboxRecord) -> builtins.list[str]:
+        """Remove the sandbox's cgroups and writable layer (one thread hop); what could not go."""
+        left = [str(p) for p in self.cgroups.remove(rec.id)]
+        # A memory-medium sandbox has no subvolume (a crash's leftover is the reconciler's).
+        if self.uppers.ready and rec.spec.resources.disk_medium == "disk":
+            try:
+                self.uppers.destroy(rec.id)
+            except OSError as exc:
+                left.append(f"writable layer {self.uppers.path(rec.id)} ({exc})")
+        return left
 
     def disk_usage(self, sandbox_id: str) -> UpperUsage:
         """Bytes the sandbox's writable layer holds and may hold, on either medium."""

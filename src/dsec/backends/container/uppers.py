@@ -106,6 +106,8 @@ class UpperStore:
         """"simple" (squota: extents charged to the subvolume that wrote them) or "full"."""
         self._fsid = ""
         self._root_fd = -1
+        self._ids: dict[str, int] = {}
+        """Subvolume id per sandbox (read once: usage is read after every exec)."""
         self._made_mount = False
 
     # ----- the filesystem -----
@@ -238,6 +240,7 @@ class UpperStore:
         Safe while a dying sandbox still holds it: the kernel frees it after the last user."""
         if not _NAME_RE.match(sandbox_id):
             return False
+        self._ids.pop(sandbox_id, None)
         try:
             fcntl.ioctl(self._root(), _SNAP_DESTROY, _vol_args(sandbox_id))
         except FileNotFoundError:
@@ -256,15 +259,15 @@ class UpperStore:
 
     def usage(self, sandbox_id: str, *, fd: int | None = None) -> UpperUsage:
         """What the sandbox's writable layer holds and may hold (from its qgroup)."""
-        if fd is None:
-            own = os.open(self.path(sandbox_id), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        else:
-            own = -1
-        try:
-            sub = subvolume_id(fd if fd is not None else own)
-        finally:
-            if own >= 0:
-                os.close(own)
+        sub = self._ids.get(sandbox_id)
+        if sub is None:
+            own = os.open(self.path(sandbox_id), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC) if fd is None else -1
+            try:
+                sub = subvolume_id(fd if fd is not None else own)
+            finally:
+                if own >= 0:
+                    os.close(own)
+            self._ids[sandbox_id] = sub
         base = Path(f"/sys/fs/btrfs/{self._fsid}/qgroups/0_{sub}")
         # What the kernel checks the limit against: committed extents plus what writes not
         # yet committed (page cache, the running transaction) have reserved.
