@@ -76,3 +76,18 @@ def test_up_edge_config_is_checked(tmp_path: Path) -> None:
         bad.write_text(text)
         with pytest.raises(click.BadParameter, match=match):
             load_edge_overrides(bad)
+
+
+def test_cli_names_the_flag_of_a_bad_resource_before_calling_anyone() -> None:
+    from click.testing import CliRunner
+
+    from dsec.cli.main import main
+
+    runner = CliRunner()
+    r = runner.invoke(main, ["run", "busybox", "--disk", "0", "--memory", "1K", "--", "true"],
+                      env={"DSEC_URL": "http://127.0.0.1:9", "DSEC_TOKEN": "x"})
+    assert r.exit_code == 2, r.output
+    assert "--disk: Input should be greater than or equal to 1048576" in r.output
+    assert "--memory:" in r.output and "Traceback" not in r.output
+    r = runner.invoke(main, ["create", "busybox", "--disk-medium", "ssd"])
+    assert r.exit_code == 2 and "'ssd' is not one of 'disk', 'memory'" in r.output, r.output

@@ -74,8 +74,20 @@ def _spec(image: str, workspace: str | None, toolkit: tuple[str, ...], cpu: floa
     if disk_medium:
         res["disk_medium"] = disk_medium
     extra: dict[str, Any] = {} if not output_cap else {"output_cap": parse_size(output_cap)}
-    return SandboxSpec(image=ImageRef(base=image, workspace=workspace, toolkits=toolkit),
-                       resources=Resources(**res), env=parse_kv(env, "--env"), **extra)
+    from pydantic import ValidationError
+
+    try:
+        return SandboxSpec(image=ImageRef(base=image, workspace=workspace, toolkits=toolkit),
+                           resources=Resources(**res), env=parse_kv(env, "--env"), **extra)
+    except ValidationError as exc:
+        # One line per bad field, named as the flag a person typed.
+        lines = []
+        for e in exc.errors():
+            name = str(e["loc"][-1]) if e["loc"] else "spec"
+            flag = {"memory": "--memory", "disk": "--disk", "cpu": "--cpu", "pids": "--pids",
+                    "output_cap": "--output-cap", "disk_medium": "--disk-medium"}.get(name, name)
+            lines.append(f"{flag}: {e['msg']}")
+        raise click.UsageError("; ".join(lines)) from None
 
 
 def sandbox_options(f: Any) -> Any:
