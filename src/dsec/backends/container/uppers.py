@@ -317,15 +317,11 @@ def _btrfs_in_kernel() -> bool:
 
 def _mount_at(path: Path) -> tuple[str, str]:
     """(filesystem type, source device) of the mount at ``path``; ("", "") if none."""
+    from dsec.images.sysmount import mountinfo
+
     want = os.path.realpath(path)
-    found = ("", "")
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            parts = line.split()
-            sep = parts.index("-")
-            if parts[4] == want:
-                found = (parts[sep + 1], parts[sep + 2])  # the last one is the one on top
-    return found
+    on_top = [m for m in mountinfo() if m.mount_point == want]
+    return (on_top[-1].fstype, on_top[-1].source) if on_top else ("", "")  # the last is on top
 
 
 def _is_btrfs_mount(path: Path) -> bool:
