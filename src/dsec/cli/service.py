@@ -157,21 +157,52 @@ def register(main: click.Group) -> None:
     @click.option("--host", default="127.0.0.1", show_default=True)
     @click.option("--detach", is_flag=True, help="Run in the background; log to <data-dir>/up.log.")
     @click.option("--edge-config", type=click.Path(dir_okay=False, exists=True, path_type=Path), default=None,
-                  help="JSON or TOML of EdgeConfig fields for every edge, e.g. a `network` section (docs/EDGE.md).")
-    def up(data_dir: Path | None, port: int, edges: int, host: str, detach: bool, edge_config: Path | None) -> None:
-        """All-in-one on this machine: control plane + edge(s) + SQLite. Ctrl-C stops it cleanly."""
+                  help="JSON or TOML of EdgeConfig fields for every edge (docs/EDGE.md).")
+    @click.option("--network-config", type=click.Path(dir_okay=False, exists=True, path_type=Path), default=None,
+                  help="JSON or TOML of the edges' `network` section: named permissions, blocked ranges, subnet "
+                       "(docs/EDGE.md, \"Network\"). Default: a network with an automatic subnet and no names.")
+    @click.option("--node-name", default=None, metavar="NAME",
+                  help="Names this instance's host resources (cgroups, mounts, network); default up-<hash of the "
+                       "data directory>.")
+    def up(data_dir: Path | None, port: int, edges: int, host: str, detach: bool, edge_config: Path | None,
+           network_config: Path | None, node_name: str | None) -> None:
+        """All-in-one on this machine: control plane + edge(s) + SQLite. Ctrl-C stops it cleanly.
 
-        from dsec.cli.up import data_dir_default, load_edge_overrides, run_foreground
+        Several can run side by side, each with its own --data-dir and --port."""
+
+        from dsec.cli.up import (
+            check_node_name,
+            data_dir_default,
+            data_dir_in_use,
+            load_edge_overrides,
+            load_network_config,
+            run_foreground,
+        )
 
         data = data_dir or data_dir_default()
-        overrides = load_edge_overrides(edge_config) if edge_config else None  # bad files fail before detaching
+        if node_name is not None:
+            try:
+                check_node_name(node_name)
+            except ValueError as exc:
+                raise click.BadParameter(str(exc), param_hint="--node-name") from None
+        # Bad files fail before detaching.
+        overrides = load_edge_overrides(edge_config) if edge_config else None
+        if network_config is not None:
+            if overrides is not None and "network" in overrides:
+                raise click.BadParameter(f"{edge_config} has a `network` section too: give it in one place",
+                                         param_hint="--network-config")
+            overrides = {**(overrides or {}), "network": load_network_config(network_config)}
         if detach:
-            _detach(data, port, edges, host, edge_config)
+            who = data_dir_in_use(data)
+            if who:
+                raise click.ClickException(f"{data} is in use by another `dsec up` ({who}): stop it first, or "
+                                           "give this one another --data-dir (and --port)")
+            _detach(data, port, edges, host, edge_config, network_config, node_name)
             return
         from dsec import loop as dsec_loop
 
         dsec_loop.run(run_foreground(data, port=port, edges=edges, host=host, say=lambda m: console.print(m),
-                                     edge_overrides=overrides))
+                                     edge_overrides=overrides, node_name=node_name))
 
     @main.command(context_settings={"ignore_unknown_options": True})
     @click.argument("image")
@@ -528,7 +559,8 @@ def register(main: click.Group) -> None:
         out.print_json(info.model_dump_json())
 
 
-def _detach(data: Path, port: int, edges: int, host: str, edge_config: Path | None = None) -> None:
+def _detach(data: Path, port: int, edges: int, host: str, edge_config: Path | None = None,
+            network_config: Path | None = None, node_name: str | None = None) -> None:
     import subprocess
 
     import httpx
@@ -537,7 +569,9 @@ def _detach(data: Path, port: int, edges: int, host: str, edge_config: Path | No
     log = open(data / "up.log", "ab")  # noqa: SIM115 - handed to the child
     proc = subprocess.Popen(
         [sys.executable, "-m", "dsec.cli.main", "up", "--data-dir", str(data), "--port", str(port),
-         "--edges", str(edges), "--host", host, *(["--edge-config", str(edge_config.absolute())] if edge_config else [])],
+         "--edges", str(edges), "--host", host, *(["--edge-config", str(edge_config.absolute())] if edge_config else []),
+         *(["--network-config", str(network_config.absolute())] if network_config else []),
+         *(["--node-name", node_name] if node_name else [])],
         stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True,
     )
     (data / "up.pid").write_text(f"{proc.pid}\n")

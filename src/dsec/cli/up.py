@@ -5,19 +5,37 @@ uvicorn servers in the same loop (``serve_control`` / ``serve_edge``). State
 lives under one data directory: ``control/`` (SQLite, cluster key, admin
 token) and the edges' records and layer store (the first edge uses the data
 directory itself, so ``dsec image build`` layers are visible to it).
+
+Several all-in-ones may run on one host, each on its own data directory and
+port. Every host resource is named after the instance: its *node name*
+(``--node-name``, default ``up-<8 hex>``, a hash of the data directory's real
+path) names each edge's runtime ``<node>-<edge id>``, which names its cgroups,
+run directory, writable-layer store and network objects, all claimed host-wide
+at start (:mod:`dsec.backends.container.claims`). The data directory itself is
+locked (``up.lock``, flock, for the process's lifetime): a second instance on
+it is refused before anything starts. Each edge has a network out of the box
+(an ``"auto"`` subnet that no other instance holds), so policies work without
+a config file.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import os
+import re
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 DEFAULT_PORT = 7070
+NODE_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,19}$")
+DEFAULT_NETWORK: dict[str, Any] = {"pool_size": 4}
+"""The ``network`` section every edge of ``dsec up`` gets unless one is given: an automatic
+subnet, the built-in always-blocked ranges (plus the platform's own addresses) and a small
+pool of prepared namespaces."""
 
 
 def data_dir_default() -> Path:
@@ -26,6 +44,51 @@ def data_dir_default() -> Path:
 
 def admin_token_path(data_dir: Path) -> Path:
     return data_dir / "control" / "admin.token"
+
+
+def lock_path(data_dir: Path) -> Path:
+    return data_dir / "up.lock"
+
+
+def node_name_default(data_dir: Path) -> str:
+    """``up-<8 hex>`` from the data directory's real path: stable across restarts, different
+    for every data directory (so two instances never share a host resource)."""
+    return "up-" + hashlib.sha256(str(data_dir.resolve()).encode()).hexdigest()[:8]
+
+
+def check_node_name(name: str) -> str:
+    if not NODE_NAME_RE.match(name):
+        raise ValueError(f"node name {name!r}: 1-20 of a-z, 0-9 and -, starting with a letter or digit")
+    return name
+
+
+def lock_data_dir(data_dir: Path) -> Any:
+    """Hold ``<data_dir>/up.lock`` (a :class:`claims.Claim`, released with the process):
+    HostError in one line when another ``dsec up`` runs on this data directory."""
+    from dsec.backends.container import claims
+    from dsec.errors import HostError
+
+    data_dir.mkdir(parents=True, exist_ok=True)
+    claim = claims.try_claim(lock_path(data_dir), "dsec up")
+    if claim is None:
+        who = claims.holder(lock_path(data_dir)) or "another process"
+        raise HostError(f"{data_dir} is in use by another `dsec up` ({who}): stop it first, or give this one "
+                        "another --data-dir (and --port)", path=str(data_dir))
+    return claim
+
+
+def data_dir_in_use(data_dir: Path) -> str:
+    """Who holds ``data_dir``'s lock ("" when nobody): for a check before detaching."""
+    from dsec.backends.container import claims
+
+    path = lock_path(data_dir)
+    if not path.exists():
+        return ""
+    claim = claims.try_claim(path, "probe", shared=True)
+    if claim is None:
+        return claims.holder(path) or "another process"
+    claim.release()
+    return ""
 
 
 @dataclass
@@ -37,6 +100,9 @@ class Cluster:
     admin_token: str
     control: Any
     edges: list[Any] = field(default_factory=list)
+    node_name: str = ""
+    lock: Any = None
+    """The data directory's lock (released by :meth:`stop`)."""
 
     async def stop(self) -> None:
         for e in self.edges:
@@ -44,6 +110,9 @@ class Cluster:
                 await e.stop(destroy_all=True)
         with contextlib.suppress(Exception):
             await self.control.stop()
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
 
 async def start_cluster(
@@ -55,19 +124,30 @@ async def start_cluster(
     host: str = "127.0.0.1",
     pools: list[dict[str, Any]] | None = None,
     edge_overrides: dict[str, Any] | None = None,
+    node_name: str | None = None,
 ) -> Cluster:
-    """Start a control plane on ``port`` and ``edges`` edges (ports picked freely)."""
+    """Start a control plane on ``port`` and ``edges`` edges (ports picked freely). Each edge's
+    runtime is ``<node_name>-<edge id>`` (default node name: :func:`node_name_default`); an
+    edge gets :data:`DEFAULT_NETWORK` unless ``edge_overrides`` has a ``network`` (None: none).
+    HostError when another instance holds the data directory or one of the names."""
     from dsec.control.config import ControlConfig
     from dsec.control.server import serve_control
     from dsec.edge.config import EdgeConfig, PoolConfig
     from dsec.edge.server import serve_edge
 
     data_dir = data_dir.absolute()
-    (data_dir / "control").mkdir(parents=True, exist_ok=True)
-    token_file = admin_token_path(data_dir)
-    ccfg = ControlConfig(data_dir=data_dir / "control", host=host, port=port, admin_token_file=token_file)
-    control = await serve_control(ccfg)
+    node = check_node_name(node_name) if node_name is not None else node_name_default(data_dir)
+    lock = lock_data_dir(data_dir)  # first: a second instance here must touch nothing
+    try:
+        (data_dir / "control").mkdir(parents=True, exist_ok=True)
+        token_file = admin_token_path(data_dir)
+        ccfg = ControlConfig(data_dir=data_dir / "control", host=host, port=port, admin_token_file=token_file)
+        control = await serve_control(ccfg)
+    except BaseException:
+        lock.release()
+        raise
     started: list[Any] = []
+    overrides = {"network": DEFAULT_NETWORK, **(edge_overrides or {})}
     try:
         key = ccfg.resolve_cluster_key() if hasattr(ccfg, "resolve_cluster_key") else control.control.key
         for i in range(edges):
@@ -75,8 +155,8 @@ async def start_cluster(
             state = data_dir if i == 0 else data_dir / "edges" / edge_id
             ecfg = EdgeConfig(
                 edge_id=edge_id, cluster_key=key, host=host, port=edge_port, state_dir=state,
-                runtime_name=f"up-{edge_id}", control_plane_url=control.url, destroy_on_shutdown=True,
-                pools=[PoolConfig.model_validate(p) for p in pools or []], **(edge_overrides or {}),
+                runtime_name=f"{node}-{edge_id}", control_plane_url=control.url, destroy_on_shutdown=True,
+                pools=[PoolConfig.model_validate(p) for p in pools or []], **overrides,
             )
             started.append(await serve_edge(ecfg))
         await _wait_registered(control, [e.edge_id for e in started])
@@ -85,9 +165,11 @@ async def start_cluster(
             with contextlib.suppress(Exception):
                 await e.stop(destroy_all=True)
         await control.stop()
+        lock.release()
         raise
     token = control.admin_token or (token_file.read_text().strip() if token_file.exists() else "")
-    return Cluster(url=control.url, data_dir=data_dir, admin_token=token, control=control, edges=started)
+    return Cluster(url=control.url, data_dir=data_dir, admin_token=token, control=control, edges=started,
+                   node_name=node, lock=lock)
 
 
 async def _wait_registered(control: Any, edge_ids: list[str], timeout: float = 15.0) -> None:
@@ -121,22 +203,50 @@ EDGE_IDENTITY = ("edge_id", "cluster_key", "host", "port", "url", "state_dir", "
 """EdgeConfig fields `dsec up` sets for each edge itself (an --edge-config file may not)."""
 
 
-def load_edge_overrides(path: Path) -> dict[str, Any]:
-    """EdgeConfig fields from a JSON or TOML file (optionally under ``edge``) for every edge
-    of the all-in-one, checked now (a typo fails before anything starts)."""
+def _read_config(path: Path, option: str) -> Any:
     import json
     import tomllib
 
+    import click
+
+    try:
+        text = path.read_text()
+        return tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    except (OSError, ValueError) as exc:
+        raise click.BadParameter(f"{path}: {exc}", param_hint=option) from None
+
+
+def load_network_config(path: Path) -> dict[str, Any]:
+    """A ``network`` section (NetworkConfig fields, optionally under ``network``) from a JSON
+    or TOML file, checked now; ``subnet`` left out means ``"auto"``."""
+    import click
+    from pydantic import ValidationError
+
+    from dsec.backends.container.network import NetworkConfig
+
+    data = _read_config(path, "--network-config")
+    data = data.get("network", data) if isinstance(data, dict) else data
+    if not isinstance(data, dict):
+        raise click.BadParameter(f"{path}: expected an object of network settings (docs/EDGE.md, \"Network\")",
+                                 param_hint="--network-config")
+    try:
+        NetworkConfig.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(x) for x in first.get("loc", ()))
+        raise click.BadParameter(f"{path}: {where}: {first['msg']}", param_hint="--network-config") from None
+    return dict(data)
+
+
+def load_edge_overrides(path: Path) -> dict[str, Any]:
+    """EdgeConfig fields from a JSON or TOML file (optionally under ``edge``) for every edge
+    of the all-in-one, checked now (a typo fails before anything starts)."""
     import click
     from pydantic import ValidationError
 
     from dsec.edge.config import EdgeConfig
 
-    try:
-        text = path.read_text()
-        data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
-    except (OSError, ValueError) as exc:
-        raise click.BadParameter(f"{path}: {exc}", param_hint="--edge-config") from None
+    data = _read_config(path, "--edge-config")
     data = dict(data.get("edge", data)) if isinstance(data, dict) else data
     if not isinstance(data, dict):
         raise click.BadParameter(f"{path}: expected an object of EdgeConfig fields", param_hint="--edge-config")
@@ -153,13 +263,20 @@ def load_edge_overrides(path: Path) -> dict[str, Any]:
 
 
 async def run_foreground(data_dir: Path, *, port: int, edges: int, host: str, say: Any,
-                         edge_overrides: dict[str, Any] | None = None) -> None:
-    cluster = await start_cluster(data_dir, port=port, edges=edges, host=host, edge_overrides=edge_overrides)
+                         edge_overrides: dict[str, Any] | None = None, node_name: str | None = None) -> None:
+    cluster = await start_cluster(data_dir, port=port, edges=edges, host=host, edge_overrides=edge_overrides,
+                                  node_name=node_name)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     say(f"dsec up: control plane {cluster.url}, edges: {', '.join(e.url for e in cluster.edges)}")
+    nets = []
+    for e in cluster.edges:
+        net = e.service.runtime.net
+        nets.append(f"{e.edge_id} {net.subnet}" if e.config.network is not None else f"{e.edge_id} none")
+    say(f"node {cluster.node_name} (runtimes {', '.join(e.service.runtime.name for e in cluster.edges)}); "
+        f"sandbox networks: {', '.join(nets)}")
     say(f"admin token in {admin_token_path(cluster.data_dir)} (export DSEC_URL={cluster.url} "
         f"DSEC_TOKEN=$(cat {admin_token_path(cluster.data_dir)}))")
     try:

@@ -85,7 +85,9 @@ class EdgeConfig(_Config):
     run_dir: Path = Path("/run/dsec")
     """Node-wide: several edges on one machine must share it (uid ranges are claimed here)."""
     runtime_name: str | None = None
-    """Names the runtime's cgroups and records; default ``edge-<edge_id>``."""
+    """Names every host resource of the runtime (cgroups, run directory, records, network
+    objects); default ``edge-<edge_id>``. Claimed host-wide at start: a second edge with the
+    same name on this host is refused."""
     labels: dict[str, str] = Field(default_factory=dict)
 
     max_sandboxes: Annotated[int | None, Field(ge=0)] = None
@@ -133,6 +135,11 @@ class EdgeConfig(_Config):
     pool (docs/EDGE.md, "Network"). None: every sandbox is loopback-only and a create or
     ``set_policy`` with a policy is refused. The edge adds its own and the control plane's
     addresses to ``blocked`` when it starts."""
+    host_check_interval_s: Annotated[float, Field(gt=0, le=3600)] = 2.0
+    """How often the edge checks the host state its runtime stands on (layer mounts, cgroup
+    directories, the /dev skeleton, the writable-layer store, network tables, the spawner)
+    and repairs what vanished; what it cannot repair makes it unhealthy (docs/EDGE.md,
+    "Self-check")."""
     audit_interval_s: Annotated[float, Field(gt=0, le=3600)] = 2.0
     """How often denied network attempts, OOM kills, pids-limit hits and full disks are
     collected into event logs and metrics (they are also checked after every exec)."""

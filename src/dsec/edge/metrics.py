@@ -29,6 +29,9 @@ scrape time from the service, so they can never drift from the truth.
 | dsec_edge_host_cpu_cores, _cpu_utilization, _load1 | | host cpu |
 | dsec_edge_host_memory_bytes, dsec_edge_host_disk_bytes | kind | total, available / free |
 | dsec_edge_sessions | | open shell sessions |
+| dsec_edge_healthy | | 1, or 0 while host state is broken beyond the edge's own repair (health ``problems``) |
+| dsec_edge_host_problems | kind | unrepaired host-state problems now: cgroup, layer_mount, skeleton, uppers, spawner, network, directory, claim |
+| dsec_edge_host_repairs_total | kind | host state the edge found vanished and made again |
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from dsec.spec import SandboxState
 
@@ -46,6 +49,8 @@ if TYPE_CHECKING:
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 LIMIT_KINDS = ("oom", "pids_limit", "disk_full", "output_cap")
+HOST_KINDS = ("cgroup", "layer_mount", "skeleton", "uppers", "spawner", "network", "directory", "claim")
+"""What :meth:`ContainerRuntime.heal` looks after (``HostFinding.kind``)."""
 EXEC_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0, 600.0)
 
 
@@ -158,3 +163,16 @@ class _StateCollector:
         disk.add_metric(["free"], host["disk_free"])
         yield disk
         yield GaugeMetricFamily("dsec_edge_sessions", "Open shell sessions", value=svc.session_count())
+
+        rt = svc.runtime
+        problems = svc.selfcheck.problems()
+        yield GaugeMetricFamily("dsec_edge_healthy", "1 unless host state is broken beyond repair (see health problems)",
+                                value=0 if problems else 1)
+        by_kind = GaugeMetricFamily("dsec_edge_host_problems", "Unrepaired host-state problems", labels=["kind"])
+        repairs = CounterMetricFamily("dsec_edge_host_repairs", "Host state found vanished and made again",
+                                      labels=["kind"])
+        for kind in HOST_KINDS:
+            by_kind.add_metric([kind], sum(1 for f in rt.host_problems if f.kind == kind))
+            repairs.add_metric([kind], rt.repair_counts.get(kind, 0))
+        yield by_kind
+        yield repairs

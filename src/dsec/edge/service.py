@@ -35,6 +35,7 @@ from dsec.edge.host import HostSampler
 from dsec.edge.lifecycle import Watchdog, lifecycle_meta
 from dsec.edge.metrics import EdgeMetrics
 from dsec.edge.pools import PoolManager
+from dsec.edge.selfcheck import SelfCheck
 from dsec.errors import (
     Backpressure,
     DsecError,
@@ -180,6 +181,7 @@ class EdgeService:
         self.pools = PoolManager(self)
         self.watchdog = Watchdog(self)
         self.audit = Auditor(self)
+        self.selfcheck = SelfCheck(self)
         self.host = HostSampler(config.state_dir)
         self.heartbeat: Heartbeat | None = None
         self.started = False
@@ -210,6 +212,7 @@ class EdgeService:
         await self.pools.start()
         self.watchdog.start()
         self.audit.start()
+        self.selfcheck.start()
         if self.config.control_plane_url:
             self.heartbeat = Heartbeat(self, self.config.control_plane_url)
             self.heartbeat.start()
@@ -229,6 +232,7 @@ class EdgeService:
             await self.heartbeat.stop()
         await self.watchdog.stop()
         await self.audit.stop()
+        await self.selfcheck.stop()
         await self.pools.stop()
         for task in list(self._background):
             task.cancel()
@@ -540,6 +544,7 @@ class EdgeService:
         return self._store_space()[0]
 
     def health(self) -> EdgeHealth:
+        problems = self.selfcheck.problems()
         b = self.admission.budgets
         real = self.admission.real
         return EdgeHealth(
@@ -552,6 +557,7 @@ class EdgeService:
             host={**self.host.sample(), "store_free": float(self._store_space()[0]),
                   "store_total": float(self._store_space()[1])},
             paused=sum(1 for r in self.runtime.sandboxes.values() if r.state is SandboxState.PAUSED),
+            healthy=not problems, problems=problems, repairs=self.selfcheck.repairs(), runtime=self.runtime.name,
         )
 
     def _layers(self) -> builtins.list[str]:

@@ -211,6 +211,41 @@ class LayerMounts:
                         entry.rmdir()
             return sorted(self._mounted)
 
+    # -- healing ---------------------------------------------------------------
+
+    def remount(self, digest: str) -> tuple[Path, bool]:
+        """Mount ``digest`` again where it belongs (someone unmounted it): its mountpoint, and
+        whether a mount was made (False: it was mounted). Sandboxes running on the layer are
+        unaffected either way (theirs is a clone of the mount)."""
+        check_digest(digest)
+        with self._exclusive():
+            self.mount_root.mkdir(parents=True, exist_ok=True)
+            made = not self._mounts_at(self.mountpoint(digest))
+            mp = self._mount(digest)
+            self._mounted[digest] = mp
+            return mp, made
+
+    def check(self, *, repair: bool) -> tuple[list[str], list[str]]:
+        """(problems left, repairs made): every layer this instance mounted must still be
+        mounted at its mountpoint; with ``repair``, one that is not is mounted again."""
+        problems: list[str] = []
+        repaired: list[str] = []
+        with self._exclusive():
+            present = {m.mount_point for m in sysmount.mountinfo()}
+            for digest, mp in list(self._mounted.items()):
+                if os.fspath(mp) in present:
+                    continue
+                if not repair:
+                    problems.append(f"layer {digest} is not mounted at {mp}")
+                    continue
+                try:
+                    self.mount_root.mkdir(parents=True, exist_ok=True)
+                    self._mount(digest)
+                    repaired.append(f"re-mounted layer {digest} at {mp} (it had been unmounted)")
+                except (ImageError, OSError) as exc:
+                    problems.append(f"layer {digest} is not mounted at {mp} and cannot be mounted again: {exc}")
+        return problems, repaired
+
     def close(self) -> None:
         """Unmount every unused layer; pinned ones stay mounted for the next adopt()."""
         with self._lock:

@@ -370,6 +370,17 @@ class EdgeHealth(_Wire):
     store_total, store_free (bytes, of the disk holding writable layers)."""
     paused: int = 0
     """Sandboxes paused now (they count in ``sandboxes`` and in the committed resources)."""
+    healthy: bool = True
+    """False while the node's host state is broken in a way the edge could not repair
+    (``problems`` says what); the edge repairs what it can by itself (``repairs``)."""
+    problems: list[str] = Field(default_factory=list)
+    """What is wrong on the node, each naming exactly what and where (a layer that is not
+    mounted and why it cannot be, a cgroup directory that cannot be made, ...)."""
+    repairs: list[str] = Field(default_factory=list)
+    """The latest host-state repairs the edge made (``<UTC time> <what>``), oldest first."""
+    runtime: str = ""
+    """The name of the edge's runtime, which names its host resources (cgroups
+    ``dsec/<runtime>``, the run directory ``<run_dir>/<runtime>``)."""
 
 
 # The one table from error code to HTTP status (the SDK maps back with ERRORS_BY_CODE).

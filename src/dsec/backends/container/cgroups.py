@@ -11,6 +11,7 @@ import contextlib
 import errno
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,9 +97,11 @@ def favor_dynmods() -> bool:
 class RuntimeCgroups:
     """The per-runtime parent directories and the per-sandbox children below them."""
 
-    def __init__(self, runtime_name: str) -> None:
+    def __init__(self, runtime_name: str, *, on_repair: Callable[[str], None] | None = None) -> None:
+        """``on_repair`` hears of a parent directory made again on the way (someone removed it)."""
         self.runtime_name = runtime_name
         self.parents = {c: CGROUP_ROOT / c / "dsec" / runtime_name for c in CONTROLLERS}
+        self.on_repair = on_repair
 
     def setup(self, *, tune_host: bool = True) -> None:
         check_host()
@@ -112,6 +115,21 @@ class RuntimeCgroups:
                 if use_h.exists() and _read(use_h).strip() != "1":
                     with contextlib.suppress(OSError):
                         _write(use_h, "1")
+
+    def missing_parents(self) -> list[Path]:
+        return [p for p in self.parents.values() if not p.is_dir()]
+
+    def repair_parents(self, *, notify: bool = True) -> list[Path]:
+        """Make the parent directories that are gone again (an empty parent can be removed by
+        anyone: an operator, a cleanup script); returns those made (``on_repair`` hears of
+        each unless ``notify`` is False)."""
+        missing = self.missing_parents()
+        if missing:
+            self.setup(tune_host=False)
+            for p in missing:
+                if notify and self.on_repair is not None:
+                    self.on_repair(f"re-made cgroup directory {p} (it had been removed)")
+        return missing
 
     def dirs(self, sandbox_id: str) -> list[Path]:
         return [p / sandbox_id for p in self.parents.values()]
@@ -128,7 +146,11 @@ class RuntimeCgroups:
         try:
             for ctrl, parent in self.parents.items():
                 d = parent / sandbox_id
-                d.mkdir()
+                try:
+                    d.mkdir()
+                except FileNotFoundError:
+                    self.repair_parents()  # the parent was removed under us: make it again, once
+                    d.mkdir()
                 made.append(d)
                 if ctrl == "cpu":
                     # The period is the kernel default (100 ms); shares default to 1024.

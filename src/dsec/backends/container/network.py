@@ -33,7 +33,6 @@ import concurrent.futures
 import contextlib
 import errno
 import functools
-import hashlib
 import ipaddress
 import logging
 import os
@@ -43,11 +42,13 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from dsec.backends.container import netfilter
+from dsec.backends.container import claims, netfilter
+from dsec.backends.container.claims import AUTO
 from dsec.backends.container.netmaker import NetMaker, SlotTaken
 from dsec.errors import HostError, InvalidSpec
 from dsec.spec import NetRule, NetworkPolicy
@@ -76,7 +77,7 @@ class _Model(BaseModel):
 
 
 class Permission(_Model):
-    """A named set of destinations defined by the edge operator (``pypi``, ``debian``, ...)."""
+    """A named set of destinations defined by the edge operator (``pkgs``, ``dns``, ...)."""
 
     hosts: tuple[str, ...] = ()
     """Host names, resolved (IPv4) when a policy is applied and again every ``resolve_interval_s``."""
@@ -99,8 +100,10 @@ class Permission(_Model):
 class NetworkConfig(_Model):
     """The edge's network settings (edge configuration, section ``network``)."""
 
-    subnet: str = "10.213.0.0/16"
-    """Sandbox addresses (one /32 each). Must not overlap anything the host routes."""
+    subnet: str = AUTO
+    """Sandbox addresses (one /32 each). Must not overlap anything the host routes.
+    ``"auto"``: a free /16 of 10.200-10.254 that no other DSec instance on the host holds
+    and the host does not route, picked when the network starts (:func:`claims.pick_subnet`)."""
     permissions: dict[str, Permission] = Field(default_factory=dict)
     blocked: tuple[str, ...] = ()
     """Extra ranges no sandbox may reach whatever its policy (e.g. the control plane's)."""
@@ -113,10 +116,12 @@ class NetworkConfig(_Model):
     @field_validator("subnet")
     @classmethod
     def _subnet(cls, v: str) -> str:
+        if v == AUTO:
+            return v
         try:
             net = ipaddress.IPv4Network(v, strict=True)
         except ValueError as exc:
-            raise ValueError(f"subnet {v!r}: {exc}; use an IPv4 CIDR such as 10.213.0.0/16") from None
+            raise ValueError(f"subnet {v!r}: {exc}; use an IPv4 CIDR such as 10.213.0.0/16, or \"auto\"") from None
         if net.prefixlen > 28:
             raise ValueError(f"subnet {v!r} is too small: use /28 or larger")
         return str(net)
@@ -248,18 +253,24 @@ class NetworkManager:
     """Network namespaces with veth and nftables for the sandboxes of one runtime."""
 
     def __init__(self, config: NetworkConfig | None = None, *, runtime: str = "default",
-                 resolver: Callable[[str], Sequence[str]] | None = None) -> None:
+                 resolver: Callable[[str], Sequence[str]] | None = None, claims_dir: Path | None = None) -> None:
         """``runtime`` names the owner: host objects carry a tag of it (links
         ``dsec-<tag><slot>``, tables ``dsec_host_<tag>``/``dsec_nat_<tag>``), so several
-        runtimes (edges) on one host never touch each other's. Addresses and link names
-        are claimed from the kernel itself (a taken name or /32 route means "next slot"),
-        which makes them unique across runtimes sharing a subnet."""
+        runtimes (edges) on one host never touch each other's (the runtime claims its tag
+        host-wide). Addresses and link names are claimed from the kernel itself (a taken
+        name or /32 route means "next slot"), which makes them unique across runtimes
+        sharing a subnet. The subnet is claimed in ``claims_dir`` when the network starts:
+        an ``"auto"`` one exclusively, a configured one shared (:mod:`claims`)."""
         self.config = config or NetworkConfig()
-        self.tag = hashlib.sha256(runtime.encode()).hexdigest()[:4]
+        self.runtime = runtime
+        self.tag = claims.net_tag(runtime)
         self.link_prefix = f"{LINK_PREFIX}{self.tag}"
         self.host_table = f"dsec_host_{self.tag}"
         self.nat_table = f"dsec_nat_{self.tag}"
-        self._net = ipaddress.IPv4Network(self.config.subnet)
+        self.claims_dir = claims_dir
+        self._subnet_claim: claims.Claim | None = None
+        self._net: ipaddress.IPv4Network | None = (
+            None if self.config.subnet == AUTO else ipaddress.IPv4Network(self.config.subnet))
         self._resolver = resolver or _resolve_v4
         self._resolved: dict[str, _Resolved] = {}
         self._used: set[int] = set()
@@ -296,9 +307,28 @@ class NetworkManager:
     # ----- set-up -----
 
     @property
+    def subnet(self) -> ipaddress.IPv4Network:
+        """The sandbox subnet in force (an ``"auto"`` one is chosen when the network starts)."""
+        if self._net is None:
+            raise HostError("the sandbox subnet is chosen when the network starts (network.subnet = \"auto\")")
+        return self._net
+
+    def _claim_subnet(self) -> None:
+        """Claim the subnet host-wide (picking it first when it is ``"auto"``). Idempotent."""
+        if self._subnet_claim is not None and self._subnet_claim.held:
+            return
+        if self.config.subnet == AUTO:
+            keep = [st.ip for st in self.sandboxes.values()]  # re-adopted sandboxes keep theirs
+            cidr, claim = claims.pick_subnet(self.claims_dir, self.runtime, own_links=self.link_prefix, keep=keep)
+            self._net = ipaddress.IPv4Network(cidr)
+            self._subnet_claim = claim
+        elif self.claims_dir is not None:
+            self._subnet_claim = claims.claim_subnet(self.claims_dir, self.config.subnet, self.runtime)
+
+    @property
     def never(self) -> tuple[str, ...]:
         """Ranges refused whatever the policy: see the module docstring."""
-        return (*ALWAYS_BLOCKED, str(self._net), *self._host_addrs, *self.config.blocked)
+        return (*ALWAYS_BLOCKED, str(self.subnet), *self._host_addrs, *self.config.blocked)
 
     def _setup_host(self) -> None:
         """Forwarding, the host table and NAT. Idempotent; replaces our own tables only."""
@@ -323,7 +353,7 @@ table inet {self.host_table} {{
   chain forward {{
     type filter hook forward priority -10; policy accept;
     iifname "{self.link_prefix}*" oifname "{LINK_PREFIX}*" counter drop comment "sandbox to sandbox (any runtime)"
-    iifname "{self.link_prefix}*" ip saddr != {self.config.subnet} counter drop comment "spoofed source"
+    iifname "{self.link_prefix}*" ip saddr != {self.subnet} counter drop comment "spoofed source"
     iifname "{self.link_prefix}*" ip daddr @blocked4 counter drop comment "never reachable"
     iifname "{self.link_prefix}*" meta nfproto ipv6 counter drop comment "no IPv6 for sandboxes"
   }}
@@ -336,7 +366,7 @@ delete table ip {self.nat_table}
 table ip {self.nat_table} {{
   chain postrouting {{
     type nat hook postrouting priority srcnat; policy accept;
-    ip saddr {self.config.subnet} oifname != "{LINK_PREFIX}*" masquerade
+    ip saddr {self.subnet} oifname != "{LINK_PREFIX}*" masquerade
   }}
 }}
 """
@@ -345,10 +375,34 @@ table ip {self.nat_table} {{
         self._host_ready = True
         self.host_tables_made = True
 
+    def check_host(self, *, repair: bool) -> tuple[list[str], list[str]]:
+        """(problems left, repairs made) of this manager's host tables: someone may have
+        flushed the ruleset. Re-making them is the same idempotent step as at start."""
+        if not self._host_ready:
+            return [], []
+        tables = [("inet", self.host_table)] + ([("ip", self.nat_table)] if self.config.egress_nat else [])
+        missing = []
+        for family, table in tables:
+            try:
+                netfilter.nft(f"list table {family} {table}")
+            except netfilter.NftError:
+                missing.append(f"{family} {table}")
+        if not missing:
+            return [], []
+        what = f"the sandbox network's nftables table{'s' if len(missing) > 1 else ''} {', '.join(missing)}"
+        if not repair:
+            return [f"{what} vanished"], []
+        try:
+            self._setup_host()
+        except (netfilter.NftError, HostError) as exc:
+            return [f"{what} vanished and cannot be re-made: {exc}"], []
+        return [], [f"re-made {what}"]
+
     async def start(self, *, prefill: bool = True) -> None:
         """Make the host ready and start filling the pool (a no-op when started)."""
         if self.started:
             return
+        await asyncio.get_running_loop().run_in_executor(self._make_pool, self._claim_subnet)
         await asyncio.get_running_loop().run_in_executor(self._make_pool, self._setup_host)
         try:
             # Started from the loop's own thread: PR_SET_PDEATHSIG follows the creating
@@ -384,6 +438,9 @@ table ip {self.nat_table} {{
         self._policy_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="dsec-netpolicy")
         self._make_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dsec-netmake")
         self.started = False
+        if self._subnet_claim is not None:
+            self._subnet_claim.release()
+            self._subnet_claim = None
 
     def remove_host_rules(self) -> None:
         """Delete the host tables (when the last networked runtime goes away)."""
@@ -395,7 +452,7 @@ table ip {self.nat_table} {{
     # ----- slots and addresses -----
 
     def _slot_ip(self, slot: int) -> str:
-        return str(self._net.network_address + slot)
+        return str(self.subnet.network_address + slot)
 
     def _claim_slot(self) -> int:
         with self._slot_lock:
@@ -404,14 +461,14 @@ table ip {self.nat_table} {{
                 if slot not in self._used:
                     self._used.add(slot)
                     return slot
-            limit = self._net.num_addresses - 2
+            limit = self.subnet.num_addresses - 2
             while self._next_slot <= limit:
                 slot = self._next_slot
                 self._next_slot += 1
                 if slot not in self._used:
                     self._used.add(slot)
                     return slot
-        raise HostError(f"the sandbox subnet {self._net} is full: configure a larger network.subnet")
+        raise HostError(f"the sandbox subnet {self.subnet} is full: configure a larger network.subnet")
 
     def _release_slot(self, slot: int) -> None:
         with self._slot_lock:
@@ -460,7 +517,7 @@ table ip {self.nat_table} {{
             self.made += 1
             self._retry_taken()
             return Lease(fd, slot, ip, ifname)
-        raise HostError(f"no free sandbox address in {self._net}: 256 slots in a row are taken on this host")
+        raise HostError(f"no free sandbox address in {self.subnet}: 256 slots in a row are taken on this host")
 
     def _retry_taken(self) -> None:
         """Slots found taken go back to the free list after a while (their holder may go)."""

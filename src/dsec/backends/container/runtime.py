@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import collections
 import contextlib
 import dataclasses
 import itertools
 import json
+import logging
 import os
 import re
 import secrets
@@ -30,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from dsec.backends.container import cgroups
+from dsec.backends.container import cgroups, claims
 from dsec.backends.container import limits as limit_evidence
 from dsec.backends.container import pause as pausing
 from dsec.backends.container import snapshot as snapshots
@@ -56,6 +58,8 @@ from dsec.errors import (
 from dsec.images.layer import Layer, LayerKind
 from dsec.spec import ImageRef, NetworkPolicy, SandboxSpec, SandboxState, can_move
 from dsec.spec.results import LimitHit
+
+log = logging.getLogger("dsec.runtime")
 
 UID_RANGE: Final = 65536
 UID_FIRST_BASE: Final = 1 << 24  # well above any host account
@@ -245,6 +249,19 @@ class Process:
 
 
 @dataclass(frozen=True, slots=True)
+class HostFinding:
+    """Something wrong with the runtime's host state, found by :meth:`ContainerRuntime.heal`
+    or on the way of a create: what (``kind``), exactly where (``message``), and whether it
+    was repaired."""
+
+    kind: str
+    """cgroup, layer_mount, skeleton, uppers, spawner, network, directory, claim."""
+    message: str
+    repaired: bool
+    at: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True, slots=True)
 class PauseResult:
     """What :meth:`ContainerRuntime.pause` did."""
 
@@ -304,10 +321,24 @@ class ContainerRuntime:
         self.records_dir = base_state / "sandboxes" / name
         self.stage_dir = self.run_dir / "stage"
         self.slots_dir = base_run / "uid-slots"
+        self.claims_dir = base_run / "claims"
+        """Host-wide claims of this runtime's name, network tag and subnet (:mod:`claims`)."""
+        self._claims: list[claims.Claim] = []
         self.id_prefix = id_prefix
         self._store = layer_store
         self._mounts: Any = None
-        self.cgroups = cgroups.RuntimeCgroups(name)
+        self.cgroups = cgroups.RuntimeCgroups(name, on_repair=self._cgroup_repaired)
+        self.host_problems: list[HostFinding] = []
+        """What the last :meth:`heal` pass found wrong and could not repair (empty: healthy)."""
+        self.host_repairs: collections.deque[HostFinding] = collections.deque(maxlen=32)
+        """The latest repairs, oldest first."""
+        self.repair_counts: collections.Counter[str] = collections.Counter()
+        """Repairs made since start, by kind."""
+        self._heal_lock = asyncio.Lock()
+        self._spawner_lock = asyncio.Lock()
+        self._problems_logged: set[str] = set()
+        self._repair_gen = 0
+        self._last_heal_start = float("-inf")
         self.spawner: Spawner | None = None
         self.sandboxes: dict[str, SandboxRecord] = {}
         self._locks: dict[str, asyncio.Lock] = {}
@@ -347,7 +378,7 @@ class ContainerRuntime:
         self._spawning: dict[str, int] = {}
         self.landlock_abi = staging.landlock_abi()
         """The kernel's Landlock ABI (0: none; stages with file rules then fail to exec)."""
-        self.net = NetworkManager(network, runtime=name)
+        self.net = NetworkManager(network, runtime=name, claims_dir=self.claims_dir)
         """Sandbox networks (docs/SECURITY.md, "Network"); started at ``start()`` when
         ``network`` is given, else on the first sandbox that asks for a policy."""
         self._net_configured = network is not None
@@ -392,11 +423,17 @@ class ContainerRuntime:
         from dsec.images.mounts import LayerMounts
 
         check_host()
-        self.cgroups.setup()
-        for d in (self.run_dir, self.records_dir, self.stage_dir, self.slots_dir):
-            d.mkdir(parents=True, exist_ok=True)
+        # First: another process with this name would share every resource below.
+        self._claims = await asyncio.to_thread(claims.claim_runtime, self.claims_dir, self.name)
+        try:
+            self.cgroups.setup()
+            for d in (self.run_dir, self.records_dir, self.stage_dir, self.slots_dir):
+                d.mkdir(parents=True, exist_ok=True)
+            self._mounts = LayerMounts(self.store, self.run_dir / "layers")  # checks the paths first
+        except BaseException:
+            self._release_claims()
+            raise
         self._devnull = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
-        self._mounts = LayerMounts(self.store, self.run_dir / "layers")  # checks the paths first
         try:
             await asyncio.to_thread(_make_skeletons, self.skel_dir)
             if self.uppers.image is None or self.uppers.image.exists():
@@ -414,6 +451,13 @@ class ContainerRuntime:
                     await asyncio.to_thread(self.uppers.close, unmount=True)
                 with contextlib.suppress(Exception):
                     await asyncio.to_thread(_unmount_skeletons, self.skel_dir)
+            if self.spawner is not None:
+                with contextlib.suppress(Exception):
+                    await self.spawner.close()
+                self.spawner = None
+            os.close(self._devnull)
+            self._devnull = -1
+            self._release_claims()
             raise
         await self._setup_swap()
         await asyncio.to_thread(snapshots.clean_scratch, self)
@@ -454,6 +498,12 @@ class ContainerRuntime:
                 # No sandbox left whose pages could be in it (swapoff would pull them back).
                 with contextlib.suppress(HostError):
                     await asyncio.to_thread(self.swap.teardown)
+        self._release_claims()
+
+    def _release_claims(self) -> None:
+        for c in self._claims:
+            c.release()
+        self._claims = []
 
     # ----- records -----
 
@@ -537,24 +587,59 @@ class ContainerRuntime:
     def _new_id(self) -> str:
         return f"{self.id_prefix}-{secrets.token_hex(6)}"
 
-    async def _ensure_spawner(self) -> Spawner:
-        """The spawner, restarted if it died (sandboxes do not depend on it staying up)."""
-        if self.spawner is None:
+    async def _ensure_spawner(self, *, check: bool = False) -> Spawner:
+        """The spawner, restarted if it died (sandboxes do not depend on it staying up);
+        ``check`` also looks at the process, not only at its socket."""
+        old = self.spawner
+        if old is None:
             raise HostError("the runtime is not started: use `async with ContainerRuntime(...)` or await start()")
-        if self.spawner.lost:
-            from dsec.backends.container.build import spawner_path
+        if old.lost or (check and not old.alive):
+            async with self._spawner_lock:
+                if self.spawner is old:  # not restarted meanwhile by a concurrent caller
+                    from dsec.backends.container.build import spawner_path
 
-            old = self.spawner
-            self.spawner = Spawner(spawner_path())
-            await self.spawner.start()
-            with contextlib.suppress(Exception):
-                await old.close()
+                    new = Spawner(spawner_path())
+                    try:
+                        await new.start()
+                    except BaseException:
+                        with contextlib.suppress(Exception):
+                            await new.close()
+                        raise
+                    self.spawner = new
+                    self._note("spawner", f"restarted dsec-spawner (pid {old.pid} had exited; now pid {new.pid})",
+                               repaired=True)
+                    with contextlib.suppress(Exception):
+                        await old.close()
+        assert self.spawner is not None
         return self.spawner
+
+    async def _spawn_create(self, sid: str, fields: list[tuple[str, str]], fds: list[int]) -> Any:
+        """The spawner's create, tried again once when it failed because host state had
+        vanished and a heal pass (:meth:`heal`) put it back (a layer unmounted, the /dev
+        skeleton gone, the spawner dead)."""
+        for attempt in (0, 1):
+            gen, t0 = self._repair_gen, time.monotonic()
+            spawner = await self._ensure_spawner()
+            try:
+                return await spawner.spawn("create", fields, fds=fds)
+            except SpawnError as exc:
+                if exc.pid > 0:
+                    _reap(exc.pid)  # our child (CLONE_PARENT), already exited
+                if attempt or not await self._repaired_since(gen, t0):
+                    raise SandboxFailed(
+                        f"sandbox {sid} failed to start at step {exc.stage!r}: {exc.detail} ({os.strerror(exc.errno)})",
+                        sandbox_id=sid,
+                        reason=exc.stage,
+                    ) from None
+            except HostError:
+                if attempt or not await self._repaired_since(gen, t0):
+                    raise
+        raise AssertionError("unreachable")
 
     async def create(
         self, spec: SandboxSpec, *, sandbox_id: str | None = None, meta: dict[str, Any] | None = None
     ) -> SandboxRecord:
-        spawner = await self._ensure_spawner()
+        await self._ensure_spawner()
         sid = sandbox_id or self._new_id()
         if not _ID_RE.match(sid):
             raise InvalidSpec(f"sandbox id {sid!r} must match {_ID_RE.pattern}", field="sandbox_id")
@@ -595,16 +680,7 @@ class ContainerRuntime:
                     lease = await self.net.take()
                     await self.net.apply(sid, lease.fd, lease.info(), policy, compiled=compiled, fresh=True)
                     rec.net = {**lease.info(), "policy": policy.model_dump(mode="json")}
-                try:
-                    spawned = await spawner.spawn("create", fields, fds=[lease.fd] if lease else [])
-                except SpawnError as exc:
-                    if exc.pid > 0:
-                        _reap(exc.pid)  # our child (CLONE_PARENT), already exited
-                    raise SandboxFailed(
-                        f"sandbox {sid} failed to start at step {exc.stage!r}: {exc.detail} ({os.strerror(exc.errno)})",
-                        sandbox_id=sid,
-                        reason=exc.stage,
-                    ) from None
+                spawned = await self._spawn_create(sid, fields, [lease.fd] if lease else [])
                 os.close(spawned.pidfd)
                 rec.init_pid = spawned.pid
                 rec.init_start = _proc_start_time(spawned.pid)
@@ -760,6 +836,12 @@ class ContainerRuntime:
             mounted: Path = await asyncio.to_thread(self._mounts.acquire, digest, self.holder)
             self._layer_paths[digest] = mounted
             known = mounted
+        elif not _is_mount(known):
+            # Unmounted under us (by hand, a cleanup script): two stats tell, a mount fixes it.
+            known, made = await asyncio.to_thread(self._mounts.remount, digest)
+            if made:
+                self._note("layer_mount", f"re-mounted layer {digest} at {known} (it had been unmounted)",
+                           repaired=True)
         users.add(sandbox_id)
         return known
 
@@ -1523,6 +1605,160 @@ class ContainerRuntime:
         await asyncio.to_thread(self._mounts.unmount_unused)
         return {"adopted": adopted, "destroyed": destroyed}
 
+    # ----- host state: notice what vanished, repair what can be -----
+
+    def _note(self, kind: str, message: str, *, repaired: bool) -> HostFinding:
+        """Record a finding: a repair is logged, counted and kept (``host_repairs``); a problem
+        is logged once until it goes away (``host_problems`` holds the last pass's)."""
+        found = HostFinding(kind, message, repaired)
+        if repaired:
+            self.host_repairs.append(found)
+            self.repair_counts[kind] += 1
+            self._repair_gen += 1
+            log.warning("runtime %s: %s", self.name, message)
+        elif message not in self._problems_logged:
+            self._problems_logged.add(message)
+            log.error("runtime %s: %s", self.name, message)
+        return found
+
+    def _cgroup_repaired(self, message: str) -> None:
+        self._note("cgroup", message, repaired=True)
+
+    async def _repaired_since(self, gen: int, t0: float) -> bool:
+        """Whether host state was repaired since a create began (``gen``, ``t0``): a heal pass
+        runs now unless one started after ``t0`` (a burst of failing creates shares one)."""
+        if self._repair_gen == gen and self._last_heal_start < t0:
+            await self.heal()
+        return self._repair_gen != gen
+
+    async def heal(self, *, repair: bool = True) -> builtins.list[HostFinding]:
+        """Check the host state this runtime stands on and, with ``repair``, make again what
+        vanished: its claims (:mod:`claims`), directories (records and uid slots are written
+        again), cgroup parents, the /dev skeleton, layer mounts, the writable-layer store's
+        mount, the sandbox network's host tables and the spawner. Someone else's cleanup (an
+        operator, a script, an older DSec sharing a name) is the usual cause. Returns this
+        pass's findings; :attr:`host_problems` keeps what could not be repaired, each saying
+        exactly what and where. A few stats, one mountinfo read and two nftables lookups."""
+        async with self._heal_lock:
+            self._last_heal_start = time.monotonic()
+            found = [self._note(k, m, repaired=r) for k, m, r in self._check_books(repair)]
+            if self._mounts is not None:
+                found += [self._note(k, m, repaired=r)
+                          for k, m, r in await asyncio.to_thread(self._check_mounts, repair)]
+            sp = self.spawner
+            if sp is not None and not sp.alive:
+                what = f"dsec-spawner (pid {sp.pid}) has exited"
+                if not repair:
+                    found.append(self._note("spawner", what, repaired=False))
+                else:
+                    try:
+                        await self._ensure_spawner(check=True)  # notes the repair
+                    except (HostError, OSError) as exc:
+                        found.append(self._note("spawner", f"{what} and cannot be started again: {exc}",
+                                                repaired=False))
+            if self.net.started:
+                problems, repairs = await asyncio.to_thread(self.net.check_host, repair=repair)
+                found += [self._note("network", m, repaired=False) for m in problems]
+                found += [self._note("network", m, repaired=True) for m in repairs]
+            self.host_problems = [f for f in found if not f.repaired]
+            self._problems_logged &= {f.message for f in self.host_problems}
+            return found
+
+    def _check_books(self, repair: bool) -> builtins.list[tuple[str, str, bool]]:
+        """Claims and directories (on the loop: a few stats, unless something is rewritten)."""
+        out: list[tuple[str, str, bool]] = []
+        for i, c in enumerate(self._claims):
+            if c.intact():
+                continue
+            again = claims.try_claim(c.path, self.name) if repair else None
+            if again is not None:
+                c.release()
+                self._claims[i] = again
+                out.append(("claim", f"took the claim {c.path} again (its file had been removed)", True))
+            else:
+                out.append(("claim", f"the claim file {c.path} was removed"
+                            + (f" and {claims.holder(c.path) or 'another process'} holds it now: two runtimes "
+                               "may share this name; stop one of them" if repair else ""), False))
+        for d in (self.run_dir, self.stage_dir, self.records_dir, self.slots_dir):
+            if d.is_dir():
+                continue
+            if not repair:
+                out.append(("directory", f"directory {d} is gone", False))
+                continue
+            try:
+                d.mkdir(parents=True, exist_ok=True)
+                note = ""
+                if d == self.records_dir:
+                    for rec in self.sandboxes.values():
+                        if rec.state is not SandboxState.CREATING:
+                            self._save(rec)
+                    note = f"; wrote the records of {len(self.sandboxes)} sandboxes again"
+                elif d == self.slots_dir:
+                    lost = []
+                    for rec in self.sandboxes.values():
+                        try:
+                            fd = os.open(self.slots_dir / str(rec.slot), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                        except FileExistsError:
+                            lost.append(rec.id)
+                            continue
+                        os.write(fd, f"{self.name} {rec.id}\n".encode())
+                        os.close(fd)
+                    note = f"; claimed the uid ranges of {len(self.sandboxes) - len(lost)} sandboxes again"
+                    if lost:
+                        out.append(("directory", f"uid ranges of {', '.join(lost[:5])} were claimed by another runtime "
+                                    "while their slot files were gone: destroy those sandboxes", False))
+                out.append(("directory", f"re-made directory {d} (it had been removed){note}", True))
+            except OSError as exc:
+                out.append(("directory", f"directory {d} is gone and cannot be made again: {exc}", False))
+        return out
+
+    def _check_mounts(self, repair: bool) -> builtins.list[tuple[str, str, bool]]:
+        """Cgroup parents, the /dev skeleton, layer mounts, the writable-layer store (in a thread)."""
+        from dsec.backends.container.uppers import _is_btrfs_mount
+        from dsec.images import sysmount
+
+        out: list[tuple[str, str, bool]] = []
+        missing = self.cgroups.missing_parents()
+        if missing and repair:
+            try:
+                self.cgroups.repair_parents(notify=False)
+                out += [("cgroup", f"re-made cgroup directory {p} (it had been removed)", True) for p in missing]
+            except (OSError, HostError) as exc:
+                out.append(("cgroup", f"cgroup directories {', '.join(map(str, missing))} are gone and cannot be "
+                            f"made again: {exc}", False))
+        elif missing:
+            out.append(("cgroup", f"cgroup directories {', '.join(map(str, missing))} are gone", False))
+        mounted = {m.mount_point for m in sysmount.mountinfo()}
+        if str(self.skel_dir) not in mounted or not self.devskel_dir.is_dir() or not self.empty_dir.is_dir():
+            what = f"the /dev skeleton at {self.skel_dir} is gone"
+            if repair:
+                try:
+                    _make_skeletons(self.skel_dir)
+                    out.append(("skeleton", f"re-made the /dev skeleton at {self.skel_dir} (it had been removed)", True))
+                except OSError as exc:
+                    out.append(("skeleton", f"{what} and cannot be made again: {exc}", False))
+            else:
+                out.append(("skeleton", what, False))
+        problems, repairs = self._mounts.check(repair=repair)
+        out += [("layer_mount", m, False) for m in problems] + [("layer_mount", m, True) for m in repairs]
+        up = self.uppers
+        if up.ready and not _is_btrfs_mount(up.mountpoint):
+            what = f"the writable-layer store is not mounted at {up.mountpoint}"
+            if up.image is not None and not up.image.exists():
+                out.append(("uppers", f"{what} and its image {up.image} was deleted: sandboxes on the disk "
+                            "medium cannot be made; restart the edge", False))
+            elif not repair:
+                out.append(("uppers", what, False))
+            else:
+                try:
+                    up.close(unmount=False)
+                    up.setup()
+                    out.append(("uppers", f"re-mounted the writable-layer store at {up.mountpoint} "
+                                "(it had been unmounted)", True))
+                except (OSError, HostError) as exc:
+                    out.append(("uppers", f"{what} and cannot be mounted again: {exc}", False))
+        return out
+
     # ----- files and sessions -----
 
     def files(self, sandbox_id: str, *, platform: bool = False) -> SandboxFiles:
@@ -1920,6 +2156,14 @@ class ContainerRuntime:
     def refresh_identity(self, sandbox_id: str) -> None:
         """Give a sandbox started from another's disk its own machine-id (fork does this)."""
         snapshots.fresh_identity(self.files(sandbox_id, platform=True))
+
+
+def _is_mount(path: Path) -> bool:
+    """``path`` is the root of a mount (its device differs from its parent's): two stats."""
+    try:
+        return os.stat(path).st_dev != os.stat(path.parent).st_dev
+    except OSError:
+        return False
 
 
 def _make_skeletons(skel: Path) -> None:

@@ -99,6 +99,11 @@ class Spawner:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc else None
 
+    @property
+    def alive(self) -> bool:
+        """The process runs and its socket is open (a health check; it reaps a dead one)."""
+        return not self.lost and self._proc is not None and self._proc.poll() is None
+
     async def close(self) -> None:
         if self._sock is not None and self._loop is not None:
             self._loop.remove_reader(self._sock.fileno())
