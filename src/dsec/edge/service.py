@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 from dsec.auth import mint
 from dsec.backends.container.fsops import SandboxFiles
-from dsec.backends.container.runtime import ContainerRuntime, SandboxRecord
+from dsec.backends.container.runtime import ContainerRuntime, OutputCallback, SandboxRecord
 from dsec.backends.container.sessions import Session
 from dsec.edge.admission import Admission, Budgets, disk_reserve, resolve_budgets
 from dsec.edge.audit import FULL_ERRNOS, Auditor
@@ -73,8 +73,8 @@ log = logging.getLogger("dsec.edge")
 T = TypeVar("T")
 
 TOKEN_TTL_S = 3600.0
-STREAM_BUFFER_BYTES = 8 * 1024 * 1024
-"""Output queued for a slow /exec/stream reader before chunks are dropped (and counted)."""
+STREAM_BUFFER_BYTES = 1024 * 1024
+"""Output an exec stream holds for a reader that is behind; past it the command waits."""
 
 
 def result_to_wire(r: ExecResult) -> ExecResultWire:
@@ -592,7 +592,7 @@ class EdgeService:
             raise InvalidSpec("stdin_b64 is not valid base64", field="stdin_b64") from None
 
     async def exec(self, sandbox_id: str, req: ExecRequest, *, kind: str = "exec",
-                   on_output: Callable[[str, bytes], None] | None = None) -> ExecResult:
+                   on_output: OutputCallback | None = None) -> ExecResult:
         """Run a command to completion. A timeout is a result with ``timed_out`` set (what
         the SDK expects), not an error: the partial output is worth having."""
         stdin = self._exec_args(sandbox_id, req)
@@ -602,6 +602,8 @@ class EdgeService:
             with self.activity(sandbox_id):
                 try:
                     extra: dict[str, Any] = {"pristine": req.pristine} if req.pristine else {}
+                    if req.output_cap is not None:
+                        extra["output_cap"] = req.output_cap
                     result = await self.runtime.exec(
                         sandbox_id, req.cmd, env=req.env, cwd=req.cwd, user=req.user, stdin=stdin,
                         timeout=req.timeout, idle_timeout=req.idle_timeout, on_output=on_output, **extra,
@@ -612,7 +614,7 @@ class EdgeService:
                         raise
                     result = partial
             outcome = "timeout" if result.timed_out else ("ok" if result.exit_code == 0 else "nonzero")
-            self._note_output(sandbox_id, kind, result)
+            self._note_output(sandbox_id, kind, result, req.output_cap)
             return result
         except asyncio.CancelledError:
             outcome = "cancelled"  # the client went away; the runtime killed the command
@@ -625,11 +627,11 @@ class EdgeService:
                 self._scan_limits(rec)
                 self.audit.check_disk(rec)
 
-    def _note_output(self, sandbox_id: str, kind: str, result: ExecResult) -> None:
+    def _note_output(self, sandbox_id: str, kind: str, result: ExecResult, cap: int | None = None) -> None:
         if result.truncated:
             rec = self.runtime.sandboxes.get(sandbox_id)
             self.audit.note_output(sandbox_id, kind, stdout_bytes=result.stdout_bytes, stderr_bytes=result.stderr_bytes,
-                                   cap=rec.spec.output_cap if rec is not None else 0)
+                                   cap=cap if cap is not None else rec.spec.output_cap if rec is not None else 0)
 
     def _scan_limits(self, rec: SandboxRecord) -> None:
         """Count the runtime's new OOM / pids-limit events (they appear after an exec)."""
@@ -652,17 +654,44 @@ class EdgeService:
         return self._stream_lines(sandbox_id, req)
 
     async def _stream_lines(self, sandbox_id: str, req: ExecRequest) -> AsyncIterator[bytes]:
+        loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[str, bytes] | None] = asyncio.Queue()
         queued = 0
-        dropped = {"stdout": 0, "stderr": 0}
+        drained: asyncio.Future[None] | None = None
+        cap = req.output_cap
+        # with a cap: per stream, bytes sent as the head, the newest `cap` bytes after it, bytes in all
+        sent = {"stdout": 0, "stderr": 0}
+        tails = {"stdout": bytearray(), "stderr": bytearray()}
+        total = {"stdout": 0, "stderr": 0}
 
-        def on_output(stream: str, chunk: bytes) -> None:
-            nonlocal queued
-            if queued + len(chunk) > STREAM_BUFFER_BYTES:
-                dropped[stream] += len(chunk)
-                return
+        def on_output(stream: str, chunk: bytes) -> asyncio.Future[None] | None:
+            nonlocal queued, drained
+            if cap is not None:
+                total[stream] += len(chunk)
+                room = cap - sent[stream]
+                if room < len(chunk):  # past the head: keep the newest `cap` bytes for the end
+                    tail = tails[stream]
+                    tail += chunk[max(room, 0):]
+                    if len(tail) > cap:
+                        del tail[: len(tail) - cap]
+                    chunk = chunk[:room] if room > 0 else b""
+                    if not chunk:
+                        return None
+                sent[stream] += len(chunk)
             queued += len(chunk)
             queue.put_nowait((stream, chunk))
+            if queued <= STREAM_BUFFER_BYTES:
+                return None
+            # The reader is behind: the runtime stops reading the command's pipes until it
+            # catches up (the command blocks on its writes). Nothing is dropped.
+            if drained is None or drained.done():
+                drained = loop.create_future()
+            return drained
+
+        def line(kind: str, data: bytes | bytearray, lost: int = 0) -> str:
+            return StreamChunk(kind="stdout" if kind == "stdout" else "stderr",
+                               data_b64=base64.b64encode(data).decode(),
+                               dropped_bytes=lost or None).model_dump_json(exclude_none=True)
 
         task = asyncio.ensure_future(self.exec(sandbox_id, req, kind="stream", on_output=on_output))
         task.add_done_callback(lambda _t: queue.put_nowait(None))
@@ -682,14 +711,15 @@ class EdgeService:
                         merged[-1][1].extend(it[1])
                     else:
                         merged.append((it[0], bytearray(it[1])))
-                lines = []
-                for stream, data in merged:
-                    lost, dropped[stream] = dropped[stream], 0
-                    chunk = StreamChunk(kind="stdout" if stream == "stdout" else "stderr",
-                                        data_b64=base64.b64encode(data).decode(), dropped_bytes=lost or None)
-                    lines.append(chunk.model_dump_json(exclude_none=True))
+                if drained is not None and not drained.done() and queued <= STREAM_BUFFER_BYTES // 2:
+                    drained.set_result(None)
+                lines = [line(stream, data) for stream, data in merged]
                 if lines:
                     yield ("\n".join(lines) + "\n").encode()
+            tail_lines = [line(stream, tails[stream], total[stream] - sent[stream] - len(tails[stream]))
+                          for stream in ("stdout", "stderr") if tails[stream]]
+            if tail_lines:
+                yield ("\n".join(tail_lines) + "\n").encode()
             try:
                 final = StreamChunk(kind="result", result=result_to_wire(task.result()))
             except DsecError as exc:

@@ -18,7 +18,6 @@ import base64
 import json as _json
 import ssl
 from collections.abc import Mapping
-from contextlib import AbstractAsyncContextManager
 from typing import Any, Final
 from urllib.parse import quote, urlencode, urlsplit
 from urllib.request import (  # type: ignore[attr-defined]  # proxy_bypass_environment: not in typeshed
@@ -178,10 +177,14 @@ class Endpoint:
             self._httpx[shard] = client
         return client
 
-    def stream(self, method: str, path: str, *, key: str = "", **kw: Any
-               ) -> AbstractAsyncContextManager[httpx.Response]:
-        """A streamed request: always httpx."""
-        return self.httpx_client(key).stream(method, path, **kw)
+    async def open_stream(self, method: str, path: str, *, key: str = "", **kw: Any) -> httpx.Response:
+        """A streamed request (always httpx): the answer with its body unread; the caller
+        closes it (``await resp.aclose()``). Not httpx's ``stream()`` context manager: that is
+        an async generator of its own, and when a loop shuts down all open generators at once
+        (``asyncio.run``, the sync client's close) it may be closed before the generator that
+        holds it, which then fails ("generator didn't stop after athrow()")."""
+        client = self.httpx_client(key)
+        return await client.send(client.build_request(method, path, **kw), stream=True)
 
     async def request(
         self, method: str, path: str, *, key: str = "", content: Any = None, json: Any = None,

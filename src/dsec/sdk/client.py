@@ -33,7 +33,7 @@ from dsec.errors import (
 )
 from dsec.sdk._http import UNSET as UNSET  # defined beside the HTTP plumbing, which needs it too
 from dsec.sdk._http import Endpoint, Response, _Unset, raise_for_error, result_from_wire
-from dsec.spec import NetworkPolicy, SandboxSpec
+from dsec.spec import NetworkPolicy, SandboxSpec, SandboxState
 from dsec.spec.api import (
     BatchResult,
     CreateBatch,
@@ -70,6 +70,9 @@ EDGE_SHARDS: Final = 32
 class OutputChunk:
     stream: str  # "stdout" or "stderr"
     data: bytes
+    dropped: int = 0
+    """Bytes of this stream left out just before ``data``: only with ``output_cap=``, on the
+    chunk that carries the tail (the head came first, as produced)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +108,11 @@ def _snapshot_info(data: dict[str, Any]) -> SnapshotInfo:
 
         return StoredSnapshot.model_validate(data)
     return SnapshotInfo.model_validate(data)
+
+
+def _exec_body(req: ExecRequest) -> str:
+    """The request as JSON; an unset ``output_cap`` is left out (edges older than it refuse the field)."""
+    return req.model_dump_json(exclude={"output_cap"} if req.output_cap is None else None)
 
 
 def _labels_query(labels: Mapping[str, str] | None) -> list[tuple[str, str]]:
@@ -274,8 +282,14 @@ class AsyncClient:
         return out
 
     async def connect(self, sandbox_id: str) -> AsyncSandbox:
-        """Re-attach to a sandbox from any process (fresh data-path token)."""
-        return AsyncSandbox(self, await self.info(sandbox_id))
+        """Re-attach to a sandbox from any process (fresh data-path token). One that was
+        deleted (or has ended otherwise) raises :class:`SandboxNotFound` saying why."""
+        info = await self.info(sandbox_id)
+        if info.state is SandboxState.STOPPED or info.token is None:
+            why = f" ({info.reason})" if info.reason else ""
+            raise SandboxNotFound(f"sandbox {sandbox_id} is {info.state.value}{why}: it no longer exists",
+                                  sandbox_id=sandbox_id, state=info.state.value, reason=info.reason)
+        return AsyncSandbox(self, info)
 
     async def info(self, sandbox_id: str) -> SandboxInfo:
         resp = await self._call("GET", f"/v1/sandboxes/{sandbox_id}")
@@ -455,15 +469,18 @@ class AsyncSandbox:
         timeout: float | _Unset | None = UNSET,
         idle_timeout: float | None = None,
         pristine: Sequence[str] = (),
+        output_cap: int | None = None,
     ) -> ExecResult:
         """Run a command to completion. A timeout raises :class:`ExecTimeout` with ``.result``.
         When a sandbox limit ended the command (memory, pids, disk, output cap), the result's
         ``limit`` says which, with its value and a one-line ``message``.
 
         ``pristine``: paths the command sees as they are in the image layers, whatever the
-        sandbox did to them (run an evaluation against untouched tests and tools)."""
-        req = self._exec_request(cmd, env, cwd, user, stdin, timeout, idle_timeout, pristine)
-        resp = await self._request("POST", "/exec", content=req.model_dump_json(), headers=_JSON, timeout=self._http_timeout(req))
+        sandbox did to them (run an evaluation against untouched tests and tools).
+        ``output_cap``: bytes of each stream's head and of its tail kept for this command
+        (default: the sandbox's ``SandboxSpec.output_cap``)."""
+        req = self._exec_request(cmd, env, cwd, user, stdin, timeout, idle_timeout, pristine, output_cap)
+        resp = await self._request("POST", "/exec", content=_exec_body(req), headers=_JSON, timeout=self._http_timeout(req))
         return self._finish(result_from_wire(ExecResultWire.model_validate_json(resp.content)), req)
 
     async def exec_stream(
@@ -477,32 +494,47 @@ class AsyncSandbox:
         timeout: float | _Unset | None = UNSET,
         idle_timeout: float | None = None,
         pristine: Sequence[str] = (),
+        output_cap: int | None = None,
     ) -> AsyncIterator[OutputChunk | ExecResult]:
-        """Yield :class:`OutputChunk` as output is produced, then the :class:`ExecResult`."""
-        req = self._exec_request(cmd, env, cwd, user, stdin, timeout, idle_timeout, pristine)
+        """Yield :class:`OutputChunk` as output is produced, then the :class:`ExecResult`.
+
+        The chunks carry all of the output: a reader slower than the command makes the
+        command wait, nothing is dropped. The result keeps the capped head and tail (the
+        sandbox's ``output_cap``). With ``output_cap=N`` the stream is capped too: the first
+        N bytes of each stream as produced, then at the end the last N bytes in one chunk
+        whose ``dropped`` counts the bytes left out between them."""
+        req = self._exec_request(cmd, env, cwd, user, stdin, timeout, idle_timeout, pristine, output_cap)
         http = self._client._edge(self.info.edge_url)
         headers = {"authorization": f"Bearer {self.info.token}", **_JSON}
         final: ExecResultWire | None = None
         failure: dict[str, Any] | None = None
-        async with http.stream("POST", f"/v1/sandboxes/{self.id}/exec/stream", key=self.id, content=req.model_dump_json(),
-                               headers=headers, timeout=self._http_timeout(req)) as resp:
+        resp = await http.open_stream("POST", f"/v1/sandboxes/{self.id}/exec/stream", key=self.id,
+                                      content=_exec_body(req), headers=headers, timeout=self._http_timeout(req))
+        try:
             if resp.status_code >= 400:
                 await resp.aread()
                 raise_for_error(resp)
             # Read to the end (the result is the last line) before handing the result over:
             # the line reader and httpx's generators under it finish here, rather than being
             # finalized later on a loop that a sync client's exit may have stopped already
-            # (which printed "Task was destroyed but it is pending!" after `dsec exec`).
-            async for line in resp.aiter_lines():
-                if not line.strip():
-                    continue
-                chunk = StreamChunk.model_validate_json(line)
-                if chunk.kind in ("stdout", "stderr"):
-                    yield OutputChunk(chunk.kind, base64.b64decode(chunk.data_b64 or ""))
-                elif chunk.kind == "result" and chunk.result is not None:
-                    final = chunk.result
-                elif chunk.kind == "error":
-                    failure = chunk.error or {}
+            # (which printed "Task was destroyed but it is pending!" after `dsec exec`); a
+            # caller that stops early closes the line reader, then the answer, in that order.
+            lines = resp.aiter_lines()
+            try:
+                async for line in lines:
+                    if not line.strip():
+                        continue
+                    chunk = StreamChunk.model_validate_json(line)
+                    if chunk.kind in ("stdout", "stderr"):
+                        yield OutputChunk(chunk.kind, base64.b64decode(chunk.data_b64 or ""), chunk.dropped_bytes or 0)
+                    elif chunk.kind == "result" and chunk.result is not None:
+                        final = chunk.result
+                    elif chunk.kind == "error":
+                        failure = chunk.error or {}
+            finally:
+                await lines.aclose()  # type: ignore[attr-defined]  # an async generator
+        finally:
+            await resp.aclose()
         if failure is not None:
             from dsec.errors import error_from_wire
 
@@ -512,7 +544,7 @@ class AsyncSandbox:
 
     def _exec_request(self, cmd: Sequence[str] | str, env: Mapping[str, str] | None, cwd: str, user: int | str,
                       stdin: bytes | None, timeout: float | _Unset | None, idle_timeout: float | None,
-                      pristine: Sequence[str] = ()) -> ExecRequest:
+                      pristine: Sequence[str] = (), output_cap: int | None = None) -> ExecRequest:
         if isinstance(pristine, str):
             raise InvalidSpec("pristine is a list of paths, e.g. pristine=['/tests']", field="pristine")
         return _wire(
@@ -520,7 +552,7 @@ class AsyncSandbox:
             cmd=cmd if isinstance(cmd, str) else list(cmd), env=dict(env or {}), cwd=cwd, user=user,
             stdin_b64=base64.b64encode(stdin).decode() if stdin else None,
             timeout=DEFAULT_EXEC_TIMEOUT if isinstance(timeout, _Unset) else timeout, idle_timeout=idle_timeout,
-            pristine=list(pristine),
+            pristine=list(pristine), output_cap=output_cap,
         )
 
     @staticmethod

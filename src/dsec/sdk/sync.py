@@ -9,9 +9,11 @@ checks that both expose the same methods and signatures.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import threading
+import weakref
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
@@ -21,17 +23,28 @@ T = TypeVar("T")
 
 
 class _Portal:
-    """A private event loop in a daemon thread; sync calls hop onto it."""
+    """A private event loop in a daemon thread; sync calls hop onto it.
+
+    Stopping it is what ``asyncio.run`` does on the way out: async generators still open
+    (an iterator the caller left unfinished) are closed on the loop, leftover tasks are
+    cancelled and awaited, then the loop stops and is closed. Left to the garbage
+    collector, their clean-up would be scheduled on a stopped loop ("Task was destroyed
+    but it is pending! ... async_generator_athrow" at exit)."""
 
     def __init__(self) -> None:
+        self._open: weakref.WeakSet[Any] = weakref.WeakSet()  # generators behind live iterators
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="dsec-sdk-loop", daemon=True)
         self._thread.start()
 
     def call(self, coro: Coroutine[Any, Any, T] | Any) -> Any:
+        if not self.loop.is_running():
+            coro.close()
+            raise RuntimeError("the client is closed")
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
     def iterate(self, agen: AsyncIterator[T]) -> Iterator[T]:
+        self._open.add(agen)
         try:
             while True:
                 try:
@@ -40,13 +53,28 @@ class _Portal:
                     return
         finally:
             aclose = getattr(agen, "aclose", None)
-            if aclose is not None:
+            if aclose is not None and self.loop.is_running():  # else stop() closed it already
                 self.call(aclose())
+
+    async def _wind_down(self) -> None:
+        for agen in list(self._open):  # outermost first: each closes what it opened, in order
+            with contextlib.suppress(Exception):
+                await agen.aclose()
+        await self.loop.shutdown_asyncgens()
+        me = asyncio.current_task()
+        left = [t for t in asyncio.all_tasks(self.loop) if t is not me]
+        for t in left:
+            t.cancel()
+        await asyncio.gather(*left, return_exceptions=True)
 
     def stop(self) -> None:
         if self.loop.is_running():
+            with contextlib.suppress(Exception):
+                asyncio.run_coroutine_threadsafe(self._wind_down(), self.loop).result(timeout=5)
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=5)
+            if not self._thread.is_alive():
+                self.loop.close()
 
 
 _WRAPPERS: dict[type, type] = {}

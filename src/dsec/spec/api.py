@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from dsec.spec import ImageRef, NetworkPolicy, Resources, SandboxSpec, SandboxState
+from dsec.spec import ImageRef, MiB, NetworkPolicy, Resources, SandboxSpec, SandboxState
 from dsec.spec.results import LimitKind
 
 _LABEL_KEY = re.compile(r"^[a-z0-9]([a-z0-9._/-]{0,62})$")
@@ -167,6 +167,11 @@ class ExecRequest(_Wire):
     """Paths the command sees as they are in the image layers, whatever the sandbox did to
     them (evaluation integrity: an agent that edited /tests or replaced /bin/sh cannot
     change the verdict). Other paths are the sandbox's own."""
+    output_cap: Annotated[int | None, Field(ge=1024, le=64 * MiB)] = None
+    """Bytes kept of the head and of the tail of each output stream, for this command. None:
+    the result keeps the sandbox's ``output_cap``, and ``/exec/stream`` carries everything.
+    Given: the result keeps this much, and the stream sends the head as produced, then the
+    tail at the end with the bytes dropped between them in ``dropped_bytes``."""
 
     @field_validator("pristine")
     @classmethod
@@ -211,8 +216,9 @@ class StreamChunk(_Wire):
     result: ExecResultWire | None = None
     error: dict[str, Any] | None = None
     dropped_bytes: int | None = None
-    """Output bytes of this stream not sent before this chunk (a reader slower than the
-    command); the final result still holds the capped head and tail."""
+    """Output bytes of this stream left out before this chunk: only with an ``output_cap``
+    in the request, on the chunk that carries the tail. A slow reader loses nothing (the
+    command waits for it)."""
 
 
 class SetStage(_Wire):

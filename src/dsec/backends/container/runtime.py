@@ -84,7 +84,10 @@ class _Unset:
 UNSET: Final = _Unset()
 """Marks an argument left out (the default applies); ``None`` means "none"."""
 
-OutputCallback = Callable[[str, bytes], None]
+OutputCallback = Callable[[str, bytes], "asyncio.Future[None] | None"]
+"""Called with ("stdout"|"stderr", chunk) as output is produced. A consumer that cannot take
+more returns a future: the runtime stops reading the command's pipes (the command blocks on
+its writes, as into any full pipe) until the future is done. Nothing is dropped."""
 
 
 @dataclass(slots=True)
@@ -1391,9 +1394,18 @@ class ContainerRuntime:
         eof = loop.create_future()
         last_output = [time.monotonic()]
         timed_out: list[str] = []
+        paused: list[asyncio.Future[None]] = []  # the consumer's "drained" future while it is full
+        reading = [True]  # False once the pipes are closed: a late resume must not touch them
 
-        def on_readable(fd: int) -> None:
-            for _ in range(16):
+        def resume(_f: object) -> None:
+            paused.clear()
+            last_output[0] = time.monotonic()  # waiting for the consumer is not idleness
+            if reading[0]:
+                for f in open_fds:
+                    loop.add_reader(f, on_readable, f)
+
+        def on_readable(fd: int, reads: int = 16, final: bool = False) -> None:
+            for _ in range(reads):
                 try:
                     chunk = os.read(fd, 65536)
                 except BlockingIOError:
@@ -1409,7 +1421,13 @@ class ContainerRuntime:
                 caps[fd].feed(chunk)
                 last_output[0] = time.monotonic()
                 if on_output is not None:
-                    on_output(names[fd], chunk)
+                    wait = on_output(names[fd], chunk)
+                    if wait is not None and not final and not paused and not wait.done():
+                        for f in open_fds:  # the consumer is full: read on once it has drained
+                            loop.remove_reader(f)
+                        paused.append(wait)
+                        wait.add_done_callback(resume)
+                        return
 
         for fd in (out_r, err_r):
             os.set_blocking(fd, False)
@@ -1430,6 +1448,9 @@ class ContainerRuntime:
         if idle_timeout is not None:
             async def idle_watch() -> None:
                 while not proc.exited.done():
+                    if paused:  # blocked on a slow consumer, not idle
+                        await asyncio.wait((paused[0],))
+                        continue
                     wait = last_output[0] + idle_timeout - time.monotonic()
                     if wait <= 0:
                         expire("idle_timeout")
@@ -1440,11 +1461,18 @@ class ContainerRuntime:
         try:
             ex = proc.exited.result() if proc.exited.done() else await asyncio.shield(proc.exited)
             # Output written before exit is in the pipes; stray background children
-            # holding them open do not keep the result waiting.
-            if not eof.done():
-                await asyncio.wait((eof,), timeout=0.1)
+            # holding them open do not keep the result waiting (0.1 s of reading, not
+            # counting the time spent waiting for a full consumer to drain).
+            window = 0.1
+            while not eof.done() and window > 0:
+                if paused:
+                    await asyncio.wait((paused[0],))
+                    continue
+                t = loop.time()
+                await asyncio.wait((eof,), timeout=window)
+                window -= loop.time() - t
             for fd in list(open_fds):
-                on_readable(fd)
+                on_readable(fd, reads=64, final=True)  # what is left in the pipe, whatever the consumer
         except asyncio.CancelledError:
             proc.kill(tree=True)
             rec = self.sandboxes.get(proc.sandbox_id)
@@ -1453,6 +1481,7 @@ class ContainerRuntime:
                             duration_s=round(time.monotonic() - proc.started_at, 6), cancelled=True)
             raise
         finally:
+            reading[0] = False
             if timer is not None:
                 timer.cancel()
             if idle_task is not None:
