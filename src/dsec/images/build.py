@@ -3,16 +3,23 @@
 Every builder works in a private scratch directory of the store
 (:meth:`LayerStore.scratch`), which is deleted however the build ends, turns
 the tree into an EROFS image with reproducible settings (same tree -> same
-digest) and hands the image to :meth:`LayerStore.add_erofs`. Progress is
+digest) and hands the image to :meth:`LayerStore.add_erofs`. Before mkfs,
+Python bytecode that matches its sources gets their normalised mtime in its
+header (pyc.py), so sandboxes use it instead of recompiling. Progress is
 reported through ``progress(stage, done, total)``; ``total`` is None while
 unknown. Stages: ``unpack`` (bytes), ``debootstrap: <phase>`` (packages),
-``slim``, ``mkfs``, ``store``.
+``slim``, ``copy``, ``bytecode``, ``mkfs``, ``store``.
+
+Never modifies a source the caller owns: ``build_from_dir`` works on a copy
+when its bytecode needs the rewrite.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
+import subprocess
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO, cast
@@ -26,6 +33,7 @@ from .erofs import make_erofs
 from .errors import LayerBuildError
 from .layer import Layer, LayerKind, check_kind, check_name, check_tag
 from .oci import ImageSource, LayerBlob, VerifyingReader, find_layers
+from .pyc import normalize_pycs
 from .store import LayerStore
 from .unpack import UnpackStats, unpack_tar
 
@@ -61,7 +69,15 @@ def _to_layer(
     kind: LayerKind,
     parents: tuple[str, ...],
     progress: Progress,
+    writable: bool = True,
 ) -> Layer:
+    """mkfs ``tree`` and store it; ``writable`` says the tree is the build's own, so its
+    bytecode may be fixed in place."""
+    if writable:
+        progress("bytecode", 0, None)
+        stats = normalize_pycs(tree)
+        progress("bytecode", 1, 1)
+        log.info("python bytecode under %s: %s", tree, stats)
     image = scratch / "layer.erofs"
     progress("mkfs", 0, None)
     make_erofs(tree, image)
@@ -70,6 +86,44 @@ def _to_layer(
     layer = store.add_erofs(image, name=name, tag=tag, kind=kind, parents=parents, consume=True)
     progress("store", 1, 1)
     return layer
+
+
+def _dir_tree(src: Path, scratch: Path, progress: Progress) -> tuple[Path, bool]:
+    """The tree to build a ``--from-dir`` layer from, and whether it is the build's own.
+
+    ``src`` itself when none of its bytecode needs the rewrite (no copy, the usual
+    case for trees without Python); otherwise a ``cp -a`` copy in the scratch
+    directory (reflinked where the filesystem can), so the caller's directory is
+    never modified. Unprivileged, a tree with files of other owners is built as
+    it is: a copy could not keep their owners.
+    """
+    unprivileged = os.geteuid() != 0
+    plan = normalize_pycs(src, dry_run=True, check_owners=unprivileged)
+    if not plan.rewritten:
+        return src, False
+    if plan.foreign_owner:
+        log.warning(
+            "%s: %d .pyc file(s) will look stale in sandboxes (Python recompiles them): "
+            "fixing them needs a copy of the tree, which keeps other users' files only as root",
+            src, plan.rewritten,
+        )  # fmt: skip
+        return src, False
+    cp = shutil.which("cp")
+    if cp is None:  # pragma: no cover - coreutils is always there
+        raise LayerBuildError("cp not found (install coreutils)", stage="copy")
+    copy = scratch / "rootfs"
+    progress("copy", 0, None)
+    proc = subprocess.run(
+        [cp, "-a", "--reflink=auto", "--", str(src), str(copy)],
+        stdin=subprocess.DEVNULL, capture_output=True, text=True,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        detail = proc.stderr.strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
+        raise LayerBuildError(
+            f"copying {src} to the build directory failed: {detail[0]}", stage="copy"
+        )
+    progress("copy", 1, 1)
+    return copy, True
 
 
 def _new_root(scratch: Path) -> Path:
@@ -89,15 +143,18 @@ def build_from_dir(
     parents: Iterable[str] = (),
     progress: Progress | None = None,
 ) -> Layer:
-    """Make a layer of the tree under ``src`` (owners and modes kept, mtimes zeroed)."""
+    """Make a layer of the tree under ``src`` (owners and modes kept, mtimes zeroed,
+    bytecode made to match; ``src`` itself is never modified)."""
     src = Path(src)
     k, parent_digests = _prepare(store, name, tag, kind, parents)
     if not src.is_dir():
         raise InvalidSpec(f"{src} is not a directory; --from-dir needs a directory", field="src")
+    report = progress or _noop
     with store.scratch("build") as scratch:
+        tree, own = _dir_tree(src, scratch, report)
         return _to_layer(
-            store, src, scratch, name=name, tag=tag, kind=k, parents=parent_digests,
-            progress=progress or _noop,
+            store, tree, scratch, name=name, tag=tag, kind=k, parents=parent_digests,
+            progress=report, writable=own,
         )  # fmt: skip
 
 

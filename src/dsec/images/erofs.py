@@ -22,6 +22,8 @@ EROFS_MAGIC = 0xE0F5E1E2
 EROFS_SUPER_OFFSET = 1024
 FIXED_UUID = uuid.UUID(int=0)
 COMPRESSOR = "lz4hc"
+NORMALISED_MTIME = 0
+"""The mtime of every inode of a built layer (``-T``); bytecode is made to match it (pyc.py)."""
 
 
 def mkfs_binary() -> str:
@@ -43,7 +45,7 @@ def make_erofs(src: Path, out: Path, *, compressor: str = COMPRESSOR, keep_mtime
     Raises :class:`StorageFull` when the image's filesystem fills up."""
     cmd = [
         mkfs_binary(),
-        *(["--preserve-mtime"] if keep_mtimes else ["-T0"]),
+        *(["--preserve-mtime"] if keep_mtimes else [f"-T{NORMALISED_MTIME}"]),
         f"-U{FIXED_UUID}",
         *([] if compressor == "none" else [f"-z{compressor}"]),
         "--quiet",
@@ -85,4 +87,12 @@ def is_erofs(path: Path) -> bool:
     return len(magic) == 4 and int.from_bytes(magic, "little") == EROFS_MAGIC
 
 
-__all__ = ["COMPRESSOR", "EROFS_MAGIC", "FIXED_UUID", "is_erofs", "make_erofs", "mkfs_binary"]
+__all__ = [
+    "COMPRESSOR",
+    "EROFS_MAGIC",
+    "FIXED_UUID",
+    "NORMALISED_MTIME",
+    "is_erofs",
+    "make_erofs",
+    "mkfs_binary",
+]

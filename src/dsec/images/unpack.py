@@ -9,8 +9,9 @@ refused. Symlinks inside the tree are resolved as if the root were ``/``
 Hard links must point at an earlier member. Device nodes are skipped with a
 warning (a sandbox gets its own minimal /dev). Modes (including setuid),
 owners (when running as root), symlinks, hard links, FIFOs and
-``SCHILY.xattr.*`` extended attributes are preserved; mtimes are not, since
-images are built with fixed timestamps anyway.
+``SCHILY.xattr.*`` extended attributes are preserved, and so are regular
+files' mtimes: images are built with fixed timestamps, but the build first
+checks Python bytecode against its sources' original times (pyc.py).
 
 With ``whiteouts=True`` (image layers), ``.wh.NAME`` deletes NAME from the
 layers below and ``.wh..wh..opq`` empties its directory of everything the
@@ -253,6 +254,9 @@ class _Unpacker:
                 self.set_xattr(path, key[len("SCHILY.xattr.") :], value)
         if member.issym():
             return
+        if member.isreg():
+            with contextlib.suppress(OSError, OverflowError, ValueError):
+                os.utime(path, (member.mtime, member.mtime))
         mode = member.mode & 0o7777
         if member.isdir():
             # Applied at the end, so read-only dirs can still be filled (unprivileged).
