@@ -567,7 +567,7 @@ async def _cpu_spin(a: Attack) -> None:
 
 @case("grep_everything", attack="`grep -r` a host secret over /, /proc and /sys",
       asserts="the host secret (in a host file and in the edge's key) is never found; the host kernel logs no BUG",
-      defence="mount namespace + pivot_root (no host path), masked /proc entries, empty /sys, pid namespace",
+      defence="mount namespace from the host-free template (no host path), masked /proc entries, empty /sys, pid namespace",
       needs_helper=False)
 async def _grep_everything(a: Attack) -> None:
     # The bracket keeps the pattern itself out of grep's own /proc/self/cmdline.
@@ -869,7 +869,7 @@ async def _raw(a: Attack) -> None:
 @case("proc_tricks", attack="/proc/1/root, /proc/1/cwd, /proc/1/fd/*, /proc/1/environ, /proc/1/mem, /proc/1/exe, "
                             "/proc/self/root/.. walks, chroot to /proc/1/root",
       asserts="nothing of the init readable; walks end at the sandbox root; no host file read",
-      defence="non-dumpable init owned by the host user namespace; pivot_root + detached old root")
+      defence="non-dumpable init owned by the host user namespace; the overlay moved over a host-free template namespace's root")
 async def _proc(a: Attack) -> None:
     ops = ["open_r=/proc/1/root/etc/passwd", "readlink=/proc/1/root", "readlink=/proc/1/cwd", "readlink=/proc/1/exe",
            "opendir=/proc/1/fd", "readlink=/proc/1/fd/3", "open_r=/proc/1/fd/3", "open_r=/proc/1/environ",
@@ -883,6 +883,27 @@ async def _proc(a: Attack) -> None:
                     "chroot /proc/1/root /bin/true; echo end")
     a.check("host secret not read", a.lab.secret.encode() not in r.stdout, r.stdout)
     a.check("chroot into /proc/1/root refused", b"end" in r.stdout and bool(r.stderr), r)
+
+
+@case("chroot_escape", attack="as root (CAP_SYS_CHROOT): chroot into a subdirectory keeping the cwd outside, walk "
+                             "'..' with chdir and with O_PATH opens, chroot there; list what was reached",
+      asserts="every walk ends at the sandbox's own root or is refused; nothing of the node's template namespace "
+              "(r, u, l0...) or the host reached",
+      defence="the sandbox's root is the overlay moved over its mount namespace's root (a copy of a template that "
+              "holds one read-only tmpfs of empty mountpoints, mode 0700, owned by host root: unmapped in the "
+              "sandbox, so not searchable by its root)")
+async def _chroot_escape(a: Attack) -> None:
+    for op in ("chroot_escape", "opath_escape"):
+        out = await a.helper(op)
+        marks = {k: v for k, _, v in (ln.partition(" ") for ln in out.lines) if k in ("root", "end")}
+        reached = [ln.split(" ", 1)[1] for ln in out.lines if ln.startswith(("entry ", "reached "))]
+        a.check(f"{op}: refused, or ends at the sandbox's own root",
+                out.ret(op) < 0 or (marks.get("end") is not None and marks.get("end") == marks.get("root")),
+                (out.ops, marks))
+        a.check(f"{op}: nothing of the node's template namespace reached",
+                not ({"r", "u", "l0", "empty"} & set(reached)), reached)
+    r = await a.run(f"cat {a.lab.secret_file} /tmp/dsec-ce/{a.lab.secret_file}; echo end")
+    a.check("host secret not read", a.lab.secret.encode() not in r.stdout, r.stdout)
 
 
 @case("device_nodes", attack="mknod /dev/null, /dev/mem, /dev/kmsg and sda; fill /dev/shm",
@@ -1205,7 +1226,7 @@ async def _pristine(a: Attack) -> None:
 @case("platform_secrets", attack="look for the platform's tokens, keys, logs and sockets: environment, /proc/1/environ, "
                                  "inherited fds, mountinfo, host paths",
       asserts="no DSec variable or key in the environment; nothing inherited beyond stdio; no host path visible",
-      defence="clean exec environment; close_range before execve; non-dumpable init; pivot_root",
+      defence="clean exec environment; close_range before execve; non-dumpable init; mount namespace from the host-free template",
       needs_helper=False)
 async def _secrets(a: Attack) -> None:
     r = await a.run("env; echo ---; cat /proc/1/environ; echo ---; ls -l /proc/self/fd/; echo ---; "

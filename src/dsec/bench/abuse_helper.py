@@ -123,6 +123,68 @@ static long scan(const char *spec) {
     return opened;
 }
 
+/* The classic chroot escape, in a child (the helper's own root stays put): chroot into
+ * a subdirectory keeping the cwd outside it, then walk ".." (with chdir, or with O_PATH
+ * opens that need no search right) and see what is there.  chroot_escape chroots at the
+ * end of the walk and prints "entry NAME" for what it reached; opath_escape tries to
+ * open the names the node's template namespace holds ("reached NAME").  Returns the
+ * number of names printed, or -1 with the errno of the step that was refused. */
+static long escape(int opath) {
+    int p[2];
+    if (pipe(p) < 0) return -1;
+    fflush(stdout);
+    pid_t pid = fork();
+    if (pid < 0) return -1;
+    if (pid == 0) {
+        close(p[0]);
+        long r[2] = {-1, 0};
+        struct stat st;
+        if (stat("/", &st) == 0) printf("root %lu:%lu\n", (unsigned long)st.st_dev, (unsigned long)st.st_ino);
+        mkdir("/tmp/dsec-ce", 0700);
+        if (chdir("/") < 0 || chroot("/tmp/dsec-ce") < 0) { r[1] = errno; goto out; }
+        if (opath) {
+            int fd = open(".", O_PATH | O_DIRECTORY);
+            for (int i = 0; fd >= 0 && i < 64; i++) {
+                int up = openat(fd, "..", O_PATH | O_DIRECTORY);
+                close(fd);
+                fd = up;
+            }
+            if (fd < 0) { r[1] = errno; goto out; }
+            if (fstat(fd, &st) == 0) printf("end %lu:%lu\n", (unsigned long)st.st_dev, (unsigned long)st.st_ino);
+            static const char *names[] = {"r", "u", "l0", "dev", "empty", "etc", "proc", NULL};
+            r[0] = 0;
+            for (int i = 0; names[i]; i++) {
+                int t = openat(fd, names[i], O_PATH);
+                if (t >= 0) { printf("reached %s\n", names[i]); r[0]++; close(t); }
+                else r[1] = errno;
+            }
+        } else {
+            for (int i = 0; i < 64; i++)
+                if (chdir("..") < 0) { r[1] = errno; goto out; }
+            if (chroot(".") < 0) { r[1] = errno; goto out; }
+            if (stat("/", &st) == 0) printf("end %lu:%lu\n", (unsigned long)st.st_dev, (unsigned long)st.st_ino);
+            DIR *d = opendir("/");
+            if (!d) { r[1] = errno; goto out; }
+            struct dirent *de;
+            r[0] = 0;
+            while ((de = readdir(d)))
+                if (strcmp(de->d_name, ".") && strcmp(de->d_name, "..")) { printf("entry %s\n", de->d_name); r[0]++; }
+            closedir(d);
+        }
+    out:
+        fflush(stdout);
+        if (write(p[1], r, sizeof r) < 0) _exit(1);
+        _exit(0);
+    }
+    close(p[1]);
+    long r[2] = {-1, EIO};
+    if (read(p[0], r, sizeof r) != sizeof r) r[0] = -1;
+    close(p[0]);
+    waitpid(pid, NULL, 0);
+    errno = (int)r[1];
+    return r[0];
+}
+
 static long op(const char *name, const char *arg) {
     char buf[4096];
     /* -- mounts -- */
@@ -131,6 +193,8 @@ static long op(const char *name, const char *arg) {
     if (!strcmp(name, "umount_proc")) return umount2("/proc", MNT_DETACH);
     if (!strcmp(name, "umount_proc_sys")) return umount2("/proc/sys", MNT_DETACH);
     if (!strcmp(name, "pivot_root")) return syscall(SYS_pivot_root, "/tmp", "/tmp");
+    if (!strcmp(name, "chroot_escape")) return escape(0);
+    if (!strcmp(name, "opath_escape")) return escape(1);
     if (!strcmp(name, "fsopen")) return syscall(SYS_fsopen, "tmpfs", 0);
     if (!strcmp(name, "open_tree")) return syscall(SYS_open_tree, AT_FDCWD, "/", 1);
     if (!strcmp(name, "move_mount")) return syscall(SYS_move_mount, AT_FDCWD, "/tmp", AT_FDCWD, "/mnt", 0);

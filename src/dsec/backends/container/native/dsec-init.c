@@ -1,6 +1,6 @@
 /*
  * dsec-init: a sandbox's pid 1, exec'd by the spawner's create child once the
- * sandbox's mounts are in place and its root is pivoted (static: no library
+ * sandbox's mounts are in place and its root is switched (static: no library
  * of the sandbox's image is ever loaded).
  *
  * Why an exec and not the spawner's fork: a never-exec'd fork shares the
