@@ -172,6 +172,7 @@ def register(main: click.Group) -> None:
 
         from dsec.cli.up import (
             check_node_name,
+            check_port_free,
             data_dir_default,
             data_dir_in_use,
             load_edge_overrides,
@@ -197,6 +198,7 @@ def register(main: click.Group) -> None:
             if who:
                 raise click.ClickException(f"{data} is in use by another `dsec up` ({who}): stop it first, or "
                                            "give this one another --data-dir (and --port)")
+            check_port_free(host, port)  # else the health check below could be answered by another server
             _detach(data, port, edges, host, edge_config, network_config, node_name)
             return
         from dsec import loop as dsec_loop

@@ -77,6 +77,27 @@ def lock_data_dir(data_dir: Path) -> Any:
     return claim
 
 
+def check_port_free(host: str, port: int) -> None:
+    """HostError in one line when ``host:port`` is taken (another instance, another server):
+    found before anything starts, rather than as uvicorn's exit inside the control plane."""
+    import errno
+    import socket
+
+    from dsec.errors import HostError
+
+    if port == 0:
+        return
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise HostError(f"cannot listen on {host}:{port}: {exc.strerror}: give another --host/--port") from None
+            raise HostError(f"port {port} on {host} is in use (another `dsec up`?): give this instance "
+                            "another --port", port=port) from None
+
+
 def data_dir_in_use(data_dir: Path) -> str:
     """Who holds ``data_dir``'s lock ("" when nobody): for a check before detaching."""
     from dsec.backends.container import claims
@@ -139,6 +160,7 @@ async def start_cluster(
     node = check_node_name(node_name) if node_name is not None else node_name_default(data_dir)
     lock = lock_data_dir(data_dir)  # first: a second instance here must touch nothing
     try:
+        check_port_free(host, port)
         (data_dir / "control").mkdir(parents=True, exist_ok=True)
         token_file = admin_token_path(data_dir)
         ccfg = ControlConfig(data_dir=data_dir / "control", host=host, port=port, admin_token_file=token_file)

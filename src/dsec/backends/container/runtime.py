@@ -318,7 +318,7 @@ class ContainerRuntime:
             raise InvalidSpec(f"runtime name {name!r} must match {_NAME_RE.pattern}", field="name")
         self.name = name
         base_state = Path(state_dir or os.environ.get("DSEC_STATE_DIR", "/var/lib/dsec"))
-        base_run = Path(run_dir or os.environ.get("DSEC_RUN_DIR", "/run/dsec"))
+        base_run = Path(run_dir or os.environ.get("DSEC_RUN_DIR", "/run/dsec")).absolute()  # mountinfo is absolute
         self.state_dir = base_state
         self.run_dir = base_run / name
         self.records_dir = base_state / "sandboxes" / name

@@ -1,0 +1,153 @@
+"""Host-wide claims (:mod:`dsec.backends.container.claims`) with real flock on real files:
+names, network tags and subnets two instances must never share, and how a holder's death
+frees them. No root needed (the claims live in a temporary directory)."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dsec.backends.container import claims
+from dsec.errors import HostError
+
+
+def test_a_runtime_name_is_held_once_and_freed_with_its_holder(tmp_path: Path) -> None:
+    first = claims.claim_runtime(tmp_path, "up-1a2b3c4d-e1")
+    try:
+        with pytest.raises(HostError) as err:
+            claims.claim_runtime(tmp_path, "up-1a2b3c4d-e1")
+        msg = str(err.value)
+        assert "runtime name 'up-1a2b3c4d-e1' is in use by another process" in msg
+        assert f"pid {os.getpid()}" in msg and "--node-name" in msg and "\n" not in msg
+        other = claims.claim_runtime(tmp_path, "up-99999999-e1")  # another name: fine
+        for c in other:
+            c.release()
+    finally:
+        for c in first:
+            c.release()
+    again = claims.claim_runtime(tmp_path, "up-1a2b3c4d-e1")
+    for c in again:
+        c.release()
+
+
+def test_two_names_with_one_network_tag_are_refused(tmp_path: Path) -> None:
+    """The tag in link and table names has 16 bits: two names may share it, and then the
+    second runtime is refused instead of replacing the first one's host tables."""
+    seen: dict[str, str] = {}
+    pair = None
+    for i in range(100000):
+        name = f"n{i}"
+        tag = claims.net_tag(name)
+        if tag in seen:
+            pair = (seen[tag], name)
+            break
+        seen[tag] = name
+    assert pair is not None
+    held = claims.claim_runtime(tmp_path, pair[0])
+    try:
+        with pytest.raises(HostError, match=f"network tag {claims.net_tag(pair[0])} of '{pair[1]}' is in use"):
+            claims.claim_runtime(tmp_path, pair[1])
+        assert not (tmp_path / f"runtime-{pair[1]}").exists() or claims.try_claim(
+            tmp_path / f"runtime-{pair[1]}", "probe") is not None  # the refused one holds nothing
+    finally:
+        for c in held:
+            c.release()
+
+
+def test_a_dead_holder_frees_its_claim(tmp_path: Path) -> None:
+    code = ("import sys, time; from pathlib import Path; from dsec.backends.container import claims; "
+            "claims.claim_runtime(Path(sys.argv[1]), 'crashy'); print('held', flush=True); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+        with pytest.raises(HostError, match=f"crashy pid {proc.pid}"):
+            claims.claim_runtime(tmp_path, "crashy")
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+    for c in claims.claim_runtime(tmp_path, "crashy"):  # nothing to clean up after a crash
+        c.release()
+
+
+def test_auto_subnets_differ_between_instances_and_avoid_host_routes(tmp_path: Path) -> None:
+    routes = [(ipaddress.IPv4Network("10.200.0.0/16"), "eth0"), (ipaddress.IPv4Network("10.201.4.0/24"), "wg0")]
+    got = []
+    held = []
+    try:
+        for owner in ("up-a-e1", "up-b-e1", "up-c-e1"):
+            cidr, claim = claims.pick_subnet(tmp_path, owner, own_links="dsec-ffff", routes=routes)
+            assert claim is not None
+            held.append(claim)
+            net = ipaddress.IPv4Network(cidr)
+            assert net in claims.AUTO_CANDIDATES
+            assert not any(net.overlaps(r) for r, _ in routes), cidr
+            got.append(cidr)
+        assert len(set(got)) == 3, got
+        # The same owner starts from the same place, and takes back its subnet after a restart.
+        held[0].release()
+        again, claim = claims.pick_subnet(tmp_path, "up-a-e1", own_links="dsec-ffff", routes=routes)
+        assert again == got[0] and claim is not None
+        held[0] = claim
+        # A survivor's address (a sandbox kept across a restart) wins over the start place.
+        held[1].release()
+        kept, claim = claims.pick_subnet(tmp_path, "up-z-e1", own_links="dsec-ffff", routes=routes,
+                                         keep=[str(ipaddress.IPv4Network(got[1]).network_address + 7)])
+        assert kept == got[1] and claim is not None
+        held[1] = claim
+        # Our own sandboxes' /32 routes (on our links) do not make our subnet look taken.
+        mine = [(ipaddress.IPv4Network(f"{ipaddress.IPv4Network(got[2]).network_address + 9}/32"), "dsec-ffff00009")]
+        held[2].release()
+        own, claim = claims.pick_subnet(tmp_path, "up-c-e1", own_links="dsec-ffff", routes=routes + mine)
+        assert own == got[2] and claim is not None
+        held[2] = claim
+    finally:
+        for c in held:
+            c.release()
+
+
+def test_configured_subnets_share_and_an_auto_one_is_refused_to_them(tmp_path: Path) -> None:
+    a = claims.claim_subnet(tmp_path, "10.213.0.0/20", "edge-e1")
+    b = claims.claim_subnet(tmp_path, "10.213.0.0/20", "edge-e2")  # configured alike: shared
+    auto, claim = claims.pick_subnet(tmp_path, "up-x-e1", own_links="dsec-0000", routes=[])
+    try:
+        assert claim is not None
+        with pytest.raises(HostError, match=f"network.subnet {auto} is in use by another DSec instance"):
+            claims.claim_subnet(tmp_path, auto, "edge-e3")
+        inside = str(next(ipaddress.IPv4Network(auto).subnets(new_prefix=24)))
+        with pytest.raises(HostError, match=f"overlaps {auto}, which another DSec instance"):
+            claims.claim_subnet(tmp_path, inside, "edge-e4")
+    finally:
+        for c in (a, b, claim):
+            c.release()
+
+
+def test_no_free_auto_subnet_is_one_line_saying_what_to_do(tmp_path: Path) -> None:
+    everything = [(next(c.subnets(new_prefix=24)), "eth1") for c in claims.AUTO_CANDIDATES]  # a LAN in each
+    with pytest.raises(HostError) as err:
+        claims.pick_subnet(tmp_path, "up-x-e1", own_links="dsec-0000", routes=everything)
+    assert "set network.subnet to a free range" in str(err.value) and "\n" not in str(err.value)
+    # Only a broader route (a VPN's 10.0.0.0/8) covers them: taken, since nothing else is free.
+    cidr, claim = claims.pick_subnet(tmp_path, "up-x-e1", own_links="dsec-0000",
+                                     routes=[(ipaddress.IPv4Network("10.0.0.0/8"), "tun0")])
+    assert claim is not None and ipaddress.IPv4Network(cidr) in claims.AUTO_CANDIDATES
+    claim.release()
+
+
+def test_host_routes_are_read_from_the_kernel_table(tmp_path: Path) -> None:
+    table = tmp_path / "route"
+    table.write_text(
+        "Iface\tDestination\tGateway \tFlags\tRefCnt\tUse\tMetric\tMask\t\tMTU\tWindow\tIRTT\n"
+        "eth0\t00000000\t0100A8C0\t0003\t0\t0\t0\t00000000\t0\t0\t0\n"
+        "eth0\t0000A8C0\t00000000\t0001\t0\t0\t0\t00FFFFFF\t0\t0\t0\n"
+        "dsec-ab1200001\t010DD50A\t00000000\t0005\t0\t0\t0\tFFFFFFFF\t0\t0\t0\n")
+    assert claims.host_routes(table) == [(ipaddress.IPv4Network("192.168.0.0/24"), "eth0"),
+                                         (ipaddress.IPv4Network("10.213.13.1/32"), "dsec-ab1200001")]
+    assert claims.host_routes(tmp_path / "absent") == []
