@@ -19,6 +19,7 @@ import builtins
 import collections
 import contextlib
 import dataclasses
+import fcntl
 import itertools
 import json
 import logging
@@ -26,6 +27,9 @@ import os
 import re
 import secrets
 import signal
+import socket
+import struct
+import termios
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -249,6 +253,24 @@ class Process:
         elif not self.exited.done():
             with contextlib.suppress(OSError):
                 os.kill(self.pid, signal.SIGKILL)
+
+
+@dataclass(frozen=True, slots=True)
+class TtySize:
+    """A terminal's size in character cells."""
+
+    rows: int = 24
+    cols: int = 80
+
+    def __post_init__(self) -> None:
+        if not (1 <= self.rows <= 10_000 and 1 <= self.cols <= 10_000):
+            raise InvalidSpec(f"terminal size {self.rows}x{self.cols}: rows and cols must be 1..10000",
+                              field="tty")
+
+
+def set_tty_size(master: int, size: TtySize) -> None:
+    """Resize a terminal from its master (the foreground group gets SIGWINCH)."""
+    fcntl.ioctl(master, termios.TIOCSWINSZ, struct.pack("HHHH", size.rows, size.cols, 0, 0))
 
 
 @dataclass(frozen=True, slots=True)
@@ -1242,13 +1264,15 @@ class ContainerRuntime:
         seccomp: bool = True,
         tracked: bool = True,
         pristine: Sequence[str] = (),
+        tty: TtySize | None = None,
     ) -> Process:
         """Start ``argv`` in the sandbox with the given host fds as its stdio.
 
         ``tracked`` puts the command in its own freezer cgroup so that
         :meth:`Process.kill` reaches every process it started. The current
         stage's file rules bind it (Landlock); ``pristine`` paths are the
-        image's own (see :meth:`exec`)."""
+        image's own (see :meth:`exec`). With ``tty`` the stdio fds are
+        ignored: use :meth:`start_tty`."""
         spawner = await self._ensure_spawner()
         gate = self._stage_gates.get(sandbox_id)
         if gate is not None:
@@ -1280,6 +1304,11 @@ class ContainerRuntime:
             fields += staging.landlock_tokens(rec.spec.stages[stage].files)
         if pristine:
             fields += self._pristine_fields(rec, pristine)
+        if tty is not None:
+            if not pristine:
+                fields += [("ipid", str(rec.init_pid))]
+            # The sandbox's tty group (gid 5 inside) in host ids: devpts takes the mounter's.
+            fields += [("tty", str(rec.uid_base + 5)), ("rows", str(tty.rows)), ("cols", str(tty.cols))]
         init_fd = self._open_init(rec)
         assert init_fd is not None
         started = time.monotonic()
@@ -1304,6 +1333,45 @@ class ContainerRuntime:
         self.last_activity[sandbox_id] = time.monotonic()
         self._event(rec, "exec_started", pid=spawned.pid, argv0=argv[0])
         return Process(sandbox_id, spawned.pid, spawner.exit_future(spawned.pid), started, track)
+
+    async def start_tty(
+        self,
+        sandbox_id: str,
+        argv: Sequence[str],
+        *,
+        size: TtySize,
+        env: Mapping[str, str] | None = None,
+        cwd: str = "/",
+        user: int | str = 0,
+    ) -> tuple[Process, int]:
+        """Start ``argv`` on a new pseudo-terminal in the sandbox: a session leader with the
+        pty as its controlling terminal (job control, ^C/^Z as signals to its foreground
+        group). Returns the process and the pty's master (a host fd, non-blocking, the
+        caller's to close): write the keystrokes, read the screen, resize with
+        :func:`set_tty_size`. The sandbox's devpts is mounted on the first call."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        devnull = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
+        try:
+            proc = await self.start_process(
+                sandbox_id, argv, stdin=theirs.fileno(), stdout=devnull, stderr=devnull, env=env, cwd=cwd,
+                user=user, tty=size,
+            )
+            theirs.close()
+            ours.setblocking(False)
+            try:
+                _, fds, _, _ = socket.recv_fds(ours, 8, 1)
+            except OSError:
+                fds = []
+            if not fds:
+                proc.kill()
+                raise ExecError(f"sandbox {sandbox_id}: the terminal's master never arrived", sandbox_id=sandbox_id,
+                                stage="tty")
+            os.set_blocking(fds[0], False)
+            return proc, fds[0]
+        finally:
+            ours.close()
+            theirs.close()
+            os.close(devnull)
 
     def _exec_error(self, sid: str, argv: Sequence[str], cwd: str, uid: int, exc: SpawnError) -> Exception:
         if exc.stage == "exec":

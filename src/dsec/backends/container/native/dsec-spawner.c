@@ -1346,7 +1346,46 @@ struct exec_args {
     uid_t uid;
     gid_t gid;
     int use_seccomp, new_session;
+    const char *tty_gid; /* non-NULL: a terminal (devpts gid option, in host ids); in is the socket for the master */
+    unsigned short rows, cols;
 };
+
+#ifndef TIOCGPTPEER
+#define TIOCGPTPEER 0x5441
+#endif
+
+/* The sandbox's devpts, mounted on the first terminal asked for (a superblock of its own,
+ * so not at create: docs/PERFORMANCE.md): a new instance, its ptys in the sandbox's tty
+ * group.  In the sandbox's mount namespace, as host root. */
+static int devpts_ensure(const char *gid) {
+    struct stat d, p;
+    if (stat("/dev", &d) < 0 || stat("/dev/pts", &p) < 0) return -1;
+    if (d.st_dev != p.st_dev) return 0; /* mounted already */
+    char opts[96];
+    snprintf(opts, sizeof opts, "newinstance,ptmxmode=0666,mode=0620,gid=%s", gid);
+    return mount("devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, opts);
+}
+
+/* As the command's user: a new pty on the sandbox's devpts; the slave becomes stdio and
+ * the controlling terminal of a new session, the master goes back to the runtime over
+ * the socket at fd sock (SCM_RIGHTS). */
+static void tty_attach(struct exec_args *a, int rfd) {
+    int m = open("/dev/pts/ptmx", O_RDWR | O_NOCTTY | O_CLOEXEC | O_NOFOLLOW);
+    if (m < 0) child_fail(rfd, "tty", "open /dev/pts/ptmx");
+    int unlock = 0;
+    if (ioctl(m, TIOCSPTLCK, &unlock) < 0) child_fail(rfd, "tty", "unlock pty");
+    struct winsize ws = {.ws_row = a->rows ? a->rows : 24, .ws_col = a->cols ? a->cols : 80};
+    if (ioctl(m, TIOCSWINSZ, &ws) < 0) child_fail(rfd, "tty", "window size");
+    int s = ioctl(m, TIOCGPTPEER, O_RDWR | O_NOCTTY);
+    if (s < 0) child_fail(rfd, "tty", "open the pty's slave");
+    if (setsid() < 0) child_fail(rfd, "tty", "setsid");
+    if (ioctl(s, TIOCSCTTY, 0) < 0) child_fail(rfd, "tty", "make it the controlling terminal");
+    if (send_msg_fd(a->in, "m", m) < 0) child_fail(rfd, "tty", "hand the master over");
+    close(m);
+    close(a->in);
+    if (dup2(s, 0) < 0 || dup2(s, 1) < 0 || dup2(s, 2) < 0) child_fail(rfd, "stdio", "dup2");
+    if (s > 2) close(s);
+}
 
 static void exec_child(struct exec_args *a) __attribute__((noreturn));
 static void exec_child(struct exec_args *a) {
@@ -1354,18 +1393,21 @@ static void exec_child(struct exec_args *a) {
     trace("x-forked");
     if (join_cgroups(a->cgs, 0) < 0) child_fail(rfd, "cgroup", "join sandbox cgroups");
     trace("x-cgroups");
-    if (a->pristine[0]) {
-        /* User namespace last: the pristine mounts belong to a mount namespace the host owns. */
+    if (a->pristine[0] || a->tty_gid) {
+        /* User namespace last: the pristine mounts and the devpts belong to a mount namespace the host owns. */
         char up[64];
         snprintf(up, sizeof up, "/proc/%s/ns/user", a->init_pid ? a->init_pid : "0");
         int uns = open(up, O_RDONLY | O_CLOEXEC);
         if (uns < 0 || syscall(SYS_pidfd_send_signal, a->initpidfd, 0, NULL, 0) < 0)
             child_fail(rfd, "setns", "sandbox init is gone");
-        int img = pristine_layers(a->plowers, uns, rfd);
+        int img = a->pristine[0] ? pristine_layers(a->plowers, uns, rfd) : -1;
         if (setns(a->initpidfd, CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWCGROUP) < 0)
             child_fail(rfd, "setns", "enter sandbox namespaces");
-        pristine_mount(img, a->pristine, rfd);
-        close(img);
+        if (a->tty_gid && devpts_ensure(a->tty_gid) < 0) child_fail(rfd, "tty", "mount the sandbox's devpts");
+        if (img >= 0) {
+            pristine_mount(img, a->pristine, rfd);
+            close(img);
+        }
         if (setns(uns, CLONE_NEWUSER) < 0) child_fail(rfd, "setns", "enter sandbox user namespace");
         close(uns);
     } else if (setns(a->initpidfd, CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS |
@@ -1387,8 +1429,12 @@ static void exec_child(struct exec_args *a) {
         if (setrlimit(res, &rl) < 0) child_fail(rfd, "rlimit", "setrlimit %d", res);
     }
     if (chdir(a->cwd) < 0) child_fail(rfd, "cwd", "%s", a->cwd);
-    if (a->new_session && setsid() < 0) child_fail(rfd, "setsid", "setsid");
-    if (dup2(a->in, 0) < 0 || dup2(a->out, 1) < 0 || dup2(a->err, 2) < 0) child_fail(rfd, "stdio", "dup2");
+    if (a->tty_gid) {
+        tty_attach(a, rfd);
+    } else {
+        if (a->new_session && setsid() < 0) child_fail(rfd, "setsid", "setsid");
+        if (dup2(a->in, 0) < 0 || dup2(a->out, 1) < 0 || dup2(a->err, 2) < 0) child_fail(rfd, "stdio", "dup2");
+    }
     syscall(SYS_close_range, 3, ~0U, CLOSE_RANGE_CLOEXEC);
     trace("x-ids+cwd");
     if (set_caps(a->uid == 0) < 0) child_fail(rfd, "caps", "set capabilities");
@@ -1447,7 +1493,9 @@ static void do_exec(struct req *r) {
             .uid = (uid_t)strtoul(uid, NULL, 10), .gid = (gid_t)strtoul(gid, NULL, 10),
             .use_seccomp = !sc || strcmp(sc, "0") != 0, .new_session = !ss || strcmp(ss, "0") != 0,
             .ll_default = (char *)req_get(r, "ld"), .ll_rules = lr, .plowers = pl, .pristine = pp,
-            .init_pid = req_get(r, "ipid")};
+            .init_pid = req_get(r, "ipid"), .tty_gid = req_get(r, "tty"),
+            .rows = (unsigned short)strtoul(req_get(r, "rows") ? req_get(r, "rows") : "0", NULL, 10),
+            .cols = (unsigned short)strtoul(req_get(r, "cols") ? req_get(r, "cols") : "0", NULL, 10)};
         sigset_t none;
         sigemptyset(&none);
         sigprocmask(SIG_SETMASK, &none, NULL);
