@@ -171,10 +171,10 @@ def register(main: click.Group) -> None:
         Several can run side by side, each with its own --data-dir and --port."""
 
         from dsec.cli.up import (
+            check_data_dir_free,
             check_node_name,
             check_port_free,
             data_dir_default,
-            data_dir_in_use,
             load_edge_overrides,
             load_network_config,
             run_foreground,
@@ -194,10 +194,7 @@ def register(main: click.Group) -> None:
                                          param_hint="--network-config")
             overrides = {**(overrides or {}), "network": load_network_config(network_config)}
         if detach:
-            who = data_dir_in_use(data)
-            if who:
-                raise click.ClickException(f"{data} is in use by another `dsec up` ({who}): stop it first, or "
-                                           "give this one another --data-dir (and --port)")
+            check_data_dir_free(data)
             check_port_free(host, port)  # else the health check below could be answered by another server
             _detach(data, port, edges, host, edge_config, network_config, node_name)
             return

@@ -66,15 +66,26 @@ def lock_data_dir(data_dir: Path) -> Any:
     """Hold ``<data_dir>/up.lock`` (a :class:`claims.Claim`, released with the process):
     HostError in one line when another ``dsec up`` runs on this data directory."""
     from dsec.backends.container import claims
-    from dsec.errors import HostError
 
     data_dir.mkdir(parents=True, exist_ok=True)
     claim = claims.try_claim(lock_path(data_dir), "dsec up")
     if claim is None:
-        who = claims.holder(lock_path(data_dir)) or "another process"
-        raise HostError(f"{data_dir} is in use by another `dsec up` ({who}): stop it first, or give this one "
-                        "another --data-dir (and --port)", path=str(data_dir))
+        raise _in_use(data_dir, claims.holder(lock_path(data_dir)) or "another process")
     return claim
+
+
+def _in_use(data_dir: Path, who: str) -> Exception:
+    from dsec.errors import HostError
+
+    return HostError(f"{data_dir} is in use by another `dsec up` ({who}): stop it first, or give this one "
+                     "another --data-dir (and --port)", path=str(data_dir))
+
+
+def check_data_dir_free(data_dir: Path) -> None:
+    """The same refusal as :func:`lock_data_dir`, without taking the lock (before detaching)."""
+    who = data_dir_in_use(data_dir)
+    if who:
+        raise _in_use(data_dir, who)
 
 
 def check_port_free(host: str, port: int) -> None:
