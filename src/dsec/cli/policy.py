@@ -1,6 +1,6 @@
 """CLI for network policies, stages and the audit trail (docs/API.md, "Policies and stages").
 
-``dsec create/run IMAGE --allow pypi --allow-cidr 10.0.0.0/8:443/tcp --stages-file s.json --stage setup``
+``dsec create/run IMAGE --allow pkgs --allow-cidr 10.0.0.0/8:443/tcp --stages-file s.json --stage setup``
 (the options come from :func:`policy_options`), ``dsec policy ID [--allow ...|--none]``,
 ``dsec stage ID NAME``, ``dsec events ID`` and ``dsec network ID``.
 """
@@ -121,7 +121,7 @@ def policy_options(f: Any) -> Any:
 
     for opt in reversed([
         click.option("--allow", multiple=True, metavar="NAME",
-                     help="Named network permission from the edge's config (pypi, debian, ...); repeat."),
+                     help="Named network permission from the edge's config (e.g. pkgs, dns); repeat."),
         click.option("--allow-cidr", multiple=True, metavar="CIDR[:PORTS][/PROTO]", help=f"Raw allow rule; repeat. {CIDR_HELP}"),
         click.option("--stages-file", type=click.Path(dir_okay=False, exists=True, path_type=Path), default=None,
                      help='JSON {"NAME": {"network": {"allow": [...]}, "files": {"read_only": [...], ...}}, ...}'),

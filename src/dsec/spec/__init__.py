@@ -122,7 +122,7 @@ class NetworkPolicy(_Model):
     metadata addresses (docs/SECURITY.md, "Network")."""
 
     allow: tuple[str, ...] = ()
-    """Named permissions defined in the edge's configuration (``pypi``, ``debian``, ...)."""
+    """Named permissions defined in the edge's configuration (``pkgs``, ``dns``, ...)."""
     rules: tuple[NetRule, ...] = ()
 
     @field_validator("allow")
