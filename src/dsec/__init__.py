@@ -1,4 +1,15 @@
-"""DSec: sandbox infrastructure for agentic RL training at scale."""
+"""DSec: sandbox infrastructure for agentic RL training at scale.
+
+The errors are imported with the package; the SDK and the spec models (pydantic,
+httpx: ~0.25 s of CPU) only when first used (``dsec.Client``, ``from dsec import
+SandboxSpec``), so that a process that needs neither (``dsec exec`` from a shell)
+does not pay for them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from dsec.errors import (
     AuthError,
@@ -19,27 +30,51 @@ from dsec.errors import (
     SandboxStateError,
     SessionClosed,
 )
-from dsec.sdk import (
-    AsyncClient,
-    AsyncSandbox,
-    AsyncSession,
-    Client,
-    CreateOutcome,
-    OutputChunk,
-    Sandbox,
-    Session,
-)
-from dsec.spec import (
-    FileRules,
-    ImageRef,
-    NetRule,
-    NetworkPolicy,
-    Resources,
-    SandboxSpec,
-    SandboxState,
-    Stage,
-)
-from dsec.spec.results import ExecResult, LimitHit
+
+if TYPE_CHECKING:
+    from dsec.sdk import (
+        AsyncClient,
+        AsyncSandbox,
+        AsyncSession,
+        Client,
+        CreateOutcome,
+        OutputChunk,
+        Sandbox,
+        Session,
+    )
+    from dsec.spec import (
+        FileRules,
+        ImageRef,
+        NetRule,
+        NetworkPolicy,
+        Resources,
+        SandboxSpec,
+        SandboxState,
+        Stage,
+    )
+    from dsec.spec.results import ExecResult, LimitHit
+
+_LAZY = {
+    **dict.fromkeys(("AsyncClient", "AsyncSandbox", "AsyncSession", "Client", "CreateOutcome", "OutputChunk",
+                     "Sandbox", "Session"), "dsec.sdk"),
+    **dict.fromkeys(("FileRules", "ImageRef", "NetRule", "NetworkPolicy", "Resources", "SandboxSpec",
+                     "SandboxState", "Stage"), "dsec.spec"),
+    **dict.fromkeys(("ExecResult", "LimitHit"), "dsec.spec.results"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dsec' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # once: later reads are plain module attributes
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
 
 __version__ = "0.1.0"
 

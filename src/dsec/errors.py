@@ -50,6 +50,13 @@ class InvalidSpec(DsecError, ValueError):
 class SandboxNotFound(DsecError, LookupError):
     code = "sandbox_not_found"
 
+    @classmethod
+    def ended(cls, sandbox_id: str, state: str, reason: str = "") -> SandboxNotFound:
+        """A sandbox the control plane still remembers, but that ended (``stopped``: deleted, expired...)."""
+        why = f" ({reason})" if reason else ""
+        return cls(f"sandbox {sandbox_id} is {state}{why}: it no longer exists (`dsec ls` lists the running ones)",
+                   sandbox_id=sandbox_id, state=state, reason=reason)
+
 
 class SandboxStateError(DsecError, RuntimeError):
     """The operation is not allowed in the sandbox's current state."""

@@ -1,8 +1,13 @@
-"""The ``dsec`` command. Sub-commands import their heavy parts lazily."""
+"""The ``dsec`` command. Sub-commands import their heavy parts lazily.
+
+Importing this module costs click and the standard library only: ``dsec exec``, ``run``,
+``cp``, ``ls`` and ``rm`` then talk to the service through the lean client
+(cli/lean.py), and pydantic, httpx, rich and asyncio are imported by the commands that
+need them (tests/unit/test_cli_lean.py checks it).
+"""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sys
 import time
@@ -10,37 +15,78 @@ from pathlib import Path
 from typing import Any
 
 import click
-from rich.console import Console
-from rich.table import Table
 
+from dsec.cli.term import console, say, table
 from dsec.errors import DsecError
 
-console = Console(stderr=True)
+
+def _unreachable(exc: BaseException) -> str | None:
+    """One line for a failure to reach the service through httpx (the SDK's commands)."""
+    if not type(exc).__module__.startswith(("httpx", "httpcore")):
+        return None
+    import os
+
+    from dsec.cli.paths import DEFAULT_URL
+
+    url = os.environ.get("DSEC_URL") or DEFAULT_URL
+    reason: str = str(exc)
+    cause: BaseException | None = exc
+    while cause is not None:  # the OSError underneath says it plainly ("connection refused")
+        if isinstance(cause, OSError) and cause.strerror:
+            reason = cause.strerror.lower()
+            break
+        cause = cause.__cause__ or cause.__context__
+    return f"cannot reach the DSec control plane at {url} (DSEC_URL): {reason}; is `dsec up` running?"
 
 
 class _Group(click.Group):
-    """Turns DsecError into a one-line message and exit code 1 instead of a traceback."""
+    """Every failure a person can cause is one line on stderr, never a traceback: a DsecError
+    (exit 1), bad usage (exit 2, naming the command's --help), a service that cannot be
+    reached (exit 1), Ctrl-C (exit 130)."""
 
-    def invoke(self, ctx: click.Context) -> Any:
+    LAZY = {"image": "dsec.cli.image:image_group"}
+    """Command groups whose module is imported only when they are used (or listed)."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *self.LAZY})
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name in self.LAZY and name not in self.commands:
+            import importlib
+
+            module, _, attr = self.LAZY[name].partition(":")
+            self.add_command(getattr(importlib.import_module(module), attr), name)
+        return super().get_command(ctx, name)
+
+    def main(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs["standalone_mode"] = False
         try:
-            return super().invoke(ctx)
+            code = super().main(*args, **kwargs)
+        except click.UsageError as exc:
+            where = exc.ctx.command_path if exc.ctx is not None else "dsec"
+            say(f"error: {exc.format_message()} (see `{where} --help`)")
+            sys.exit(exc.exit_code)
+        except click.ClickException as exc:
+            say(f"error: {exc.format_message()}")
+            sys.exit(exc.exit_code)
+        except (click.Abort, KeyboardInterrupt):
+            sys.exit(130)
         except DsecError as exc:
-            console.print(f"[red]error:[/red] {exc}")
+            say(f"error: {exc}")
             sys.exit(1)
+        except Exception as exc:
+            line = _unreachable(exc)
+            if line is None:
+                raise
+            say(f"error: {line}")
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
 
 
 @click.group(cls=_Group)
 @click.version_option(package_name="dsec")
 def main() -> None:
     """DSec: sandboxes for agentic RL training."""
-
-
-try:
-    from dsec.cli.image import image_group
-
-    main.add_command(image_group, "image")
-except ImportError:  # pragma: no cover - only while the image CLI is missing
-    pass
 
 
 from dsec.cli.service import register as _register_service  # noqa: E402
@@ -58,12 +104,13 @@ def bench() -> None:
 
 
 def _print_table(title: str, results: dict[str, Any]) -> None:
-    table = Table(title=title)
-    table.add_column("metric")
-    table.add_column("value", justify="right")
+    from rich.console import Console
+
+    t = table("metric", title=title)
+    t.add_column("value", justify="right")
     for k, v in results.items():
-        table.add_row(k, f"{v:.3f}" if isinstance(v, float) else str(v))
-    Console().print(table)
+        t.add_row(k, f"{v:.3f}" if isinstance(v, float) else str(v))
+    Console().print(t)
 
 
 def _report(title: str, results: dict[str, Any], json_path: Path | None) -> None:
@@ -146,6 +193,8 @@ def bench_abuse(quick: bool, json_path: Path | None, k: int | None, only: tuple[
 @click.option("--runtime-only", is_flag=True, help="The node-runtime demo (busybox, no service, no network needed).")
 def demo(count: int | None, state_dir: Path | None, runtime_only: bool) -> None:
     """The main job: agent rollouts through the SDK against the all-in-one (control plane + edge)."""
+    import asyncio
+
     if runtime_only:
         asyncio.run(_demo(count or 100, state_dir))
         return
@@ -159,6 +208,11 @@ def demo(count: int | None, state_dir: Path | None, runtime_only: bool) -> None:
 
 
 async def _demo(count: int, state_dir: Path | None) -> None:
+    import asyncio
+
+    from rich.console import Console
+    from rich.table import Table
+
     from dsec.backends.container.runtime import ContainerRuntime
     from dsec.bench.stats import percentile
     from dsec.images.build import build_busybox

@@ -16,11 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import click
-from rich.console import Console
-from rich.table import Table
 
-console = Console(stderr=True)
-out = Console()
+from dsec.cli.term import out, table
 
 CIDR_HELP = "CIDR[:PORTS][/PROTO]: 10.0.0.0/8:443/tcp, 192.0.2.1:53/udp, 10.1.0.0/16:8000-8100, 198.51.100.0/24:*/any"
 
@@ -92,6 +89,11 @@ class PolicyArgs:
     allow_cidr: tuple[str, ...] = ()
     stage: str | None = None
     stages_file: Path | None = None
+
+    @property
+    def empty(self) -> bool:
+        """No policy flag was given."""
+        return not (self.allow or self.allow_cidr or self.stage or self.stages_file)
 
     def apply(self, spec: Any) -> Any:
         """``spec`` with the network policy and stages these flags ask for."""
@@ -208,9 +210,7 @@ def register(main: click.Group) -> None:
         if as_json:
             print(json.dumps(items, indent=2))
             return
-        t = Table()
-        for col in ("time", "event", "origin", "details"):
-            t.add_column(col)
+        t = table("time", "event", "origin", "details")
         for e in items:
             rest = {k: v for k, v in e.items() if k not in ("t", "event", "origin")}
             when = time.strftime("%H:%M:%S", time.localtime(float(e.get("t", 0)))) + f".{int(float(e.get('t', 0)) * 1000) % 1000:03d}"

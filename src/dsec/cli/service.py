@@ -1,35 +1,33 @@
-"""CLI commands that talk to a running DSec (``dsec up`` or a cluster) through the SDK."""
+"""CLI commands that talk to a running DSec (``dsec up`` or a cluster).
+
+``exec``, ``run``, ``create``, ``cp``, ``ls`` and ``rm`` go through the lean client
+(cli/lean.py: blocking sockets, no pydantic, httpx or asyncio), the others through the
+SDK; either way a failure is one line on stderr (cli/main.py).
+"""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import re
 import sys
-import tarfile
 import time
 from pathlib import Path
 from typing import Any
 
 import click
-from rich.console import Console
-from rich.table import Table
 
 from dsec.cli.policy import PolicyArgs, policy_options
-
-console = Console(stderr=True)
-out = Console()
+from dsec.cli.term import console, out, say, table
 
 _SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)?$", re.I)
 
 
-def parse_size(text: str) -> int:
+def parse_size(text: str, flag: str | None = None) -> int:
     """'512M', '2G', '1.5GiB', '1048576' -> bytes (powers of 1024)."""
     m = _SIZE.match(text.strip())
     if not m:
-        raise click.BadParameter(f"{text!r} is not a size (try 512M, 2G)")
+        raise click.BadParameter(f"{text!r} is not a size (try 512M, 2G)", param_hint=flag)
     mult = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2).lower()]
     return int(float(m.group(1)) * mult)
 
@@ -46,48 +44,57 @@ def parse_kv(items: tuple[str, ...], what: str) -> dict[str, str]:
 
 def client() -> Any:
     """A sync SDK client from $DSEC_URL/$DSEC_TOKEN, falling back to the local all-in-one's admin token."""
-    from dsec.cli.up import admin_token_path, data_dir_default
+    from dsec.cli.paths import local_token
     from dsec.sdk import Client
 
-    token = os.environ.get("DSEC_TOKEN")
-    if not token:
-        path = admin_token_path(data_dir_default())
-        if path.exists() and os.access(path, os.R_OK):
-            token = path.read_text().strip()
-    return Client(os.environ.get("DSEC_URL"), token)
+    return Client(os.environ.get("DSEC_URL"), local_token())
+
+
+def lean() -> Any:
+    """The lean client (cli/lean.py) from the same settings as :func:`client`."""
+    from dsec.cli.lean import lean_client
+
+    return lean_client()
+
+
+def _typed(cpu: float | None, memory: str | None, disk: str | None, pids: int | None, output_cap: str | None,
+           disk_medium: str | None, image: str, workspace: str | None) -> dict[str, str]:
+    """What the person typed for each flag, to name it in an error."""
+    given = {"--cpu": None if cpu is None else f"{cpu:g}", "--memory": memory, "--disk": disk,
+             "--pids": None if pids is None else str(pids), "--output-cap": output_cap, "--disk-medium": disk_medium,
+             "IMAGE": image, "--workspace": workspace}
+    return {k: v for k, v in given.items() if v is not None}
 
 
 def _spec(image: str, workspace: str | None, toolkit: tuple[str, ...], cpu: float | None, memory: str | None,
           disk: str | None, env: tuple[str, ...], pids: int | None = None, output_cap: str | None = None,
-          disk_medium: str | None = None) -> Any:
-    from dsec.spec import ImageRef, Resources, SandboxSpec
+          disk_medium: str | None = None, *, policy: PolicyArgs | None = None,
+          validate: bool = True) -> dict[str, Any]:
+    """The spec the flags ask for, as the API's JSON. ``validate``: checked here with the spec
+    models (needed anyway with policy flags); else the server checks it (``dsec run``: the lean
+    path). Either way a bad value is one usage line naming the flag."""
+    from dsec.cli.execute import pydantic_flag_errors, spec_dict
 
-    res: dict[str, Any] = {}
-    if cpu is not None:
-        res["cpu"] = cpu
-    if memory:
-        res["memory"] = parse_size(memory)
-    if disk:
-        res["disk"] = parse_size(disk)
-    if pids is not None:
-        res["pids"] = pids
-    if disk_medium:
-        res["disk_medium"] = disk_medium
-    extra: dict[str, Any] = {} if not output_cap else {"output_cap": parse_size(output_cap)}
+    spec = spec_dict(image, workspace=workspace, toolkits=toolkit, cpu=cpu,
+                     memory=parse_size(memory, "--memory") if memory else None,
+                     disk=parse_size(disk, "--disk") if disk else None, pids=pids, disk_medium=disk_medium,
+                     output_cap=parse_size(output_cap, "--output-cap") if output_cap else None,
+                     env=parse_kv(env, "--env"))
+    if not validate and (policy is None or policy.empty):
+        return spec
     from pydantic import ValidationError
 
+    from dsec.spec import SandboxSpec
+
     try:
-        return SandboxSpec(image=ImageRef(base=image, workspace=workspace, toolkits=toolkit),
-                           resources=Resources(**res), env=parse_kv(env, "--env"), **extra)
+        model = SandboxSpec.model_validate(spec)
     except ValidationError as exc:
-        # One line per bad field, named as the flag a person typed.
-        lines = []
-        for e in exc.errors():
-            name = str(e["loc"][-1]) if e["loc"] else "spec"
-            flag = {"memory": "--memory", "disk": "--disk", "cpu": "--cpu", "pids": "--pids",
-                    "output_cap": "--output-cap", "disk_medium": "--disk-medium"}.get(name, name)
-            lines.append(f"{flag}: {e['msg']}")
-        raise click.UsageError("; ".join(lines)) from None
+        raise pydantic_flag_errors(
+            exc, _typed(cpu, memory, disk, pids, output_cap, disk_medium, image, workspace)) from None
+    if policy is not None:
+        model = policy.apply(model)
+    dumped: dict[str, Any] = model.model_dump(mode="json")
+    return dumped
 
 
 def sandbox_options(f: Any) -> Any:
@@ -100,8 +107,9 @@ def sandbox_options(f: Any) -> Any:
         click.option("--disk-medium", type=click.Choice(["disk", "memory"]), default=None,
                      help="Where written files live: the node's disk (default) or RAM (tmpfs, charged to --memory)."),
         click.option("--pids", type=int, default=None, help="Most processes and threads at once (default 512)."),
-        click.option("--output-cap", default=None,
-                     help="Output kept per stream in a result, head and tail each, e.g. 1M (default 256K)."),
+        click.option("--output-cap", default=None, metavar="SIZE",
+                     help="Head and tail of each output stream a result keeps, e.g. 1M (default 256K). "
+                          "`dsec run` then prints only that much too (default: everything)."),
         click.option("--ttl", type=float, default=3600.0, show_default=True, help="Maximum lifetime, seconds."),
         click.option("--env", "-e", multiple=True, help="KEY=VALUE for every command; repeat."),
         click.option("--label", "-l", multiple=True, help="KEY=VALUE label; repeat."),
@@ -117,35 +125,21 @@ def say_limit(result: Any) -> bool:
     hit = getattr(result, "limit", None)
     if hit is None:
         return False
-    sys.stdout.flush()
-    sys.stderr.write(hit.message.replace("\n", " ") + "\n")
-    sys.stderr.flush()
+    say(hit.message)
     return True
 
 
-def _stream_exec(sb: Any, cmd: list[str], timeout: float | None, pristine: tuple[str, ...] = ()) -> int:
-    from dsec.errors import ExecTimeout
-    from dsec.sdk import OutputChunk
+CP_HELP = """A path in a sandbox is ID:/absolute/path. SRC_PATH ending in /. copies a
+directory's contents rather than the directory; DEST ending in / must be an existing
+directory. Files and symlinks at DEST are replaced; a directory is never replaced by a
+file, nor a file by a directory (refused before anything is written). A symlink given as
+SRC is copied as a symlink. '-' as DEST writes a tar to stdout; '-' as SRC reads a tar
+from stdin into the directory DEST."""
 
-    argv: list[str] | str = cmd[0] if len(cmd) == 1 and " " in cmd[0] else cmd
-    try:
-        # closed here, while the SDK's loop runs: left to the GC at exit, the stream's
-        # clean-up would land on a stopped loop ("Task was destroyed but it is pending")
-        with contextlib.closing(sb.exec_stream(argv, timeout=timeout, pristine=list(pristine))) as items:
-            for item in items:
-                if isinstance(item, OutputChunk):
-                    stream = sys.stdout if item.stream == "stdout" else sys.stderr
-                    stream.buffer.write(item.data)
-                    stream.flush()
-                else:
-                    if not say_limit(item) and item.truncated:
-                        console.print(f"[yellow]output truncated ({item.stdout_bytes} bytes of stdout in all)[/yellow]")
-                    return int(item.exit_code if item.exit_code is not None else 128 + (item.signal or 0))
-    except ExecTimeout as exc:
-        if not say_limit(exc.fields.get("result")):
-            console.print(f"[red]{exc}[/red]")
-        return 124
-    return 0
+
+def _age(seconds: float) -> str:
+    s = int(max(seconds, 0))
+    return f"{s}s" if s < 120 else f"{s // 60}m" if s < 7200 else f"{s // 3600}h" if s < 172800 else f"{s // 86400}d"
 
 
 def register(main: click.Group) -> None:
@@ -215,10 +209,21 @@ def register(main: click.Group) -> None:
             policy: PolicyArgs) -> None:
         """Create a sandbox, run CMD, print its output, destroy it; exit with CMD's code.
 
-        When a limit ended CMD (memory, pids, timeout, disk), one line on stderr says which."""
-        spec = policy.apply(_spec(image, workspace, toolkit, cpu, memory, disk, env, pids, output_cap, disk_medium))
-        with client() as c, c.create(spec, labels=parse_kv(label, "--label"), task=task, ttl_s=ttl) as sb:
-            code = _stream_exec(sb, list(cmd), timeout)
+        All of CMD's output is printed, as it comes (with --output-cap: the head and the tail,
+        and one line on stderr saying how much was left out). When a limit ended CMD (memory,
+        pids, timeout, disk), one line on stderr says which."""
+        from dsec.cli.execute import flag_errors, stream_exec
+
+        spec = _spec(image, workspace, toolkit, cpu, memory, disk, env, pids, output_cap, disk_medium,
+                     policy=policy, validate=False)
+        labels = parse_kv(label, "--label")
+        with lean() as c:
+            with flag_errors(_typed(cpu, memory, disk, pids, output_cap, disk_medium, image, workspace)):
+                sb = c.create(spec, labels=labels, task=task, ttl_s=ttl)
+            try:
+                code = stream_exec(sb, list(cmd), timeout=timeout, output_cap=spec.get("output_cap"))
+            finally:
+                sb.close()
         sys.exit(code)
 
     @main.command()
@@ -234,20 +239,32 @@ def register(main: click.Group) -> None:
                env: tuple[str, ...], label: tuple[str, ...], task: str | None, count: int, concurrency: int,
                as_json: bool, policy: PolicyArgs) -> None:
         """Create sandboxes and print their ids (one per line)."""
-        spec = policy.apply(_spec(image, workspace, toolkit, cpu, memory, disk, env, pids, output_cap, disk_medium))
-        labels = parse_kv(label, "--label")
-        with client() as c:
-            if count == 1:
-                sb = c.create(spec, labels=labels, task=task, ttl_s=ttl)
-                out.print_json(sb.info.model_dump_json(exclude={"token"})) if as_json else print(sb.id)
-                return
-            from rich.progress import Progress
+        from dsec.cli.execute import flag_errors
 
+        labels = parse_kv(label, "--label")
+        typed = _typed(cpu, memory, disk, pids, output_cap, disk_medium, image, workspace)
+        if count == 1:
+            spec = _spec(image, workspace, toolkit, cpu, memory, disk, env, pids, output_cap, disk_medium,
+                         policy=policy, validate=False)
+            with lean() as c, flag_errors(typed):
+                sb = c.create(spec, labels=labels, task=task, ttl_s=ttl)
+            if as_json:
+                print(json.dumps({k: v for k, v in sb.info.items() if k != "token"}, indent=2))
+            else:
+                print(sb.id)
+            return
+        from rich.progress import Progress
+
+        from dsec.spec import SandboxSpec
+
+        model = SandboxSpec.model_validate(_spec(image, workspace, toolkit, cpu, memory, disk, env, pids, output_cap,
+                                                 disk_medium, policy=policy))
+        with client() as c:
             ok: list[Any] = []
             failed: list[Any] = []
             with Progress(console=console, transient=True) as bar:
                 job = bar.add_task(f"creating {count} sandboxes", total=count)
-                for o in c.create_many(spec, count, concurrency=concurrency, labels=labels, task=task, ttl_s=ttl):
+                for o in c.create_many(model, count, concurrency=concurrency, labels=labels, task=task, ttl_s=ttl):
                     (ok if o.ok else failed).append(o)
                     bar.advance(job)
             if as_json:
@@ -257,9 +274,9 @@ def register(main: click.Group) -> None:
                 for o in ok:
                     print(o.sandbox.id)
             for o in failed[:10]:
-                console.print(f"[red]#{o.index}: {o.error}[/red]")
+                say(f"#{o.index}: {o.error}")
             if failed:
-                console.print(f"[red]{len(failed)} of {count} creates failed[/red]")
+                say(f"{len(failed)} of {count} creates failed")
                 sys.exit(1)
 
     @main.command("exec", context_settings={"ignore_unknown_options": True})
@@ -267,12 +284,20 @@ def register(main: click.Group) -> None:
     @click.option("--timeout", type=float, default=600.0, show_default=True)
     @click.option("--pristine", multiple=True, metavar="PATH",
                   help="Run against the image's own copy of PATH, whatever the sandbox did to it; repeat.")
+    @click.option("--output-cap", default=None, metavar="SIZE",
+                  help="Print only the first and the last SIZE of each stream (e.g. 1M), and one line on stderr "
+                       "saying how much was left out. Default: everything.")
     @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
-    def exec_(sandbox_id: str, timeout: float, pristine: tuple[str, ...], cmd: tuple[str, ...]) -> None:
-        """Run CMD in a sandbox, streaming its output; exit with its code (a limit that ended
-        it is named in one line on stderr)."""
-        with client() as c:
-            sys.exit(_stream_exec(c.connect(sandbox_id), list(cmd), timeout, pristine))
+    def exec_(sandbox_id: str, timeout: float, pristine: tuple[str, ...], output_cap: str | None,
+              cmd: tuple[str, ...]) -> None:
+        """Run CMD in a sandbox, streaming all of its output; exit with its code (a limit that
+        ended it is named in one line on stderr)."""
+        from dsec.cli.execute import flag_errors, stream_exec
+
+        cap = parse_size(output_cap, "--output-cap") if output_cap else None
+        with lean() as c, flag_errors({"--output-cap": output_cap} if output_cap else {}):
+            code = stream_exec(c.connect(sandbox_id), list(cmd), timeout=timeout, pristine=pristine, output_cap=cap)
+        sys.exit(code)
 
     @main.command()
     @click.argument("sandbox_id")
@@ -294,36 +319,24 @@ def register(main: click.Group) -> None:
                     sys.stdout.flush()
                     say_limit(res)
 
-    @main.command()
+    @main.command(epilog=CP_HELP)
     @click.argument("src")
     @click.argument("dst")
     def cp(src: str, dst: str) -> None:
-        """Copy files in or out: dsec cp ./dir ID:/path  |  dsec cp ID:/path ./local"""
-        with client() as c:
-            if ":" in src and not Path(src).exists():
-                sid, _, path = src.partition(":")
-                sb = c.connect(sid)
-                info = sb.files.stat(path)
-                if info.type == "dir":
-                    data = sb.files.download(path)
-                    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-                        tar.extractall(dst, filter="data")
-                else:
-                    target = Path(dst) / Path(path).name if Path(dst).is_dir() else Path(dst)
-                    target.write_bytes(sb.files.read(path))
-            elif ":" in dst:
-                sid, _, path = dst.partition(":")
-                sb = c.connect(sid)
-                local = Path(src)
-                if local.is_dir():
-                    buf = io.BytesIO()
-                    with tarfile.open(fileobj=buf, mode="w") as tar:
-                        tar.add(local, arcname=".")
-                    sb.files.upload(path, buf.getvalue())
-                else:
-                    sb.files.write(path, local.read_bytes(), mode=local.stat().st_mode & 0o777)
-            else:
-                raise click.UsageError("one side must be SANDBOX_ID:/path")
+        """Copy files and directories between here and a sandbox, as `docker cp` does.
+
+        \b
+          dsec cp ./dir ID:/root/      /root/dir (a directory copied into an existing one)
+          dsec cp ./dir ID:/root/new   /root/new, with dir's contents (new did not exist)
+          dsec cp ./dir/. ID:/root/    dir's contents into /root
+          dsec cp ./f ID:/root/        /root/f (a file onto a directory goes inside it)
+          dsec cp ID:/etc/hosts ./h    a file out
+          dsec cp ID:/root/dir -       a tar of /root/dir (entries dir/...) to stdout
+          dsec cp - ID:/root/          a tar from stdin, extracted into /root"""
+        from dsec.cli.cp import copy
+
+        with lean() as c:
+            copy(c, src, dst)
 
     @main.command("ls")
     @click.option("--json", "as_json", is_flag=True)
@@ -332,19 +345,19 @@ def register(main: click.Group) -> None:
     @click.option("--state", default=None)
     def ls_(as_json: bool, label: tuple[str, ...], task: str | None, state: str | None) -> None:
         """List sandboxes."""
-        with client() as c:
+        with lean() as c:
             items = c.list(labels=parse_kv(label, "--label"), task=task, state=state)
         if as_json:
-            print(json.dumps([i.model_dump(mode="json", exclude={"token"}) for i in items], indent=2))
+            print(json.dumps([{k: v for k, v in i.items() if k != "token"} for i in items], indent=2))
             return
-        t = Table()
-        for col in ("id", "state", "edge", "task", "labels", "age"):
-            t.add_column(col)
         now = time.time()
-        for i in items:
-            t.add_row(i.id, i.state.value, i.edge_id, i.task or "", ",".join(f"{k}={v}" for k, v in i.labels.items()),
-                      f"{now - i.created_at:.0f}s")
-        out.print(t)
+        rows = [("ID", "STATE", "EDGE", "TASK", "LABELS", "AGE")]
+        rows += [(i["id"], str(i["state"]), str(i.get("edge_id", "")), i.get("task") or "",
+                  ",".join(f"{k}={v}" for k, v in (i.get("labels") or {}).items()),
+                  _age(now - float(i.get("created_at", now)))) for i in items]
+        widths = [max(len(r[k]) for r in rows) for k in range(len(rows[0]))]
+        for r in rows:
+            print("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip())
 
     @main.command("rm")
     @click.argument("ids", nargs=-1)
@@ -353,7 +366,7 @@ def register(main: click.Group) -> None:
     @click.option("--all", "all_", is_flag=True, help="Every sandbox the token can see.")
     def rm(ids: tuple[str, ...], task: str | None, label: tuple[str, ...], all_: bool) -> None:
         """Destroy sandboxes."""
-        with client() as c:
+        with lean() as c:
             n = 0
             for sid in ids:
                 c.delete(sid)
@@ -362,9 +375,10 @@ def register(main: click.Group) -> None:
                 n += c.delete_where(labels=parse_kv(label, "--label"), task=task)
             if all_:
                 for info in c.list():
-                    c.delete(info.id)
-                    n += 1
-        console.print(f"removed {n}")
+                    if info.get("state") != "stopped":
+                        c.delete(info["id"])
+                        n += 1
+        say(f"removed {n}")
 
     class _SnapshotGroup(click.Group):
         """``dsec snapshot ID ...`` takes a snapshot; ``dsec snapshot ls|rm`` manage them."""
@@ -404,9 +418,7 @@ def register(main: click.Group) -> None:
         if as_json:
             print(json.dumps([i.model_dump(mode="json") for i in items], indent=2))
             return
-        t = Table()
-        for col in ("ref", "digest", "project", "edge", "size", "from sandbox", "age"):
-            t.add_column(col)
+        t = table("ref", "digest", "project", "edge", "size", "from sandbox", "age")
         now = time.time()
         for i in items:
             t.add_row(i.ref, i.digest[:19], str(getattr(i, "project", "")), str(getattr(i, "edge_id", "")),
@@ -480,11 +492,9 @@ def register(main: click.Group) -> None:
         """Live table of sandboxes and node use."""
         from rich.live import Live
 
-        def render(c: Any) -> Table:
-            t = Table(title=f"dsec top — {time.strftime('%H:%M:%S')}")
-            for col in ("edge", "sandboxes", "cpu committed", "memory committed", "disk committed", "disk used",
-                        "pools"):
-                t.add_column(col)
+        def render(c: Any) -> Any:
+            t = table("edge", "sandboxes", "cpu committed", "memory committed", "disk committed", "disk used",
+                      "pools", title=f"dsec top — {time.strftime('%H:%M:%S')}")
             for e in c.edges():
                 h = e.get("health") or e
                 host = h.get("host") or {}

@@ -23,12 +23,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import os
 import re
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from dsec.cli.paths import admin_token_path as admin_token_path  # re-exported
+from dsec.cli.paths import data_dir_default as data_dir_default
 
 DEFAULT_PORT = 7070
 NODE_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,19}$")
@@ -36,14 +38,6 @@ DEFAULT_NETWORK: dict[str, Any] = {"pool_size": 4}
 """The ``network`` section every edge of ``dsec up`` gets unless one is given: an automatic
 subnet, the built-in always-blocked ranges (plus the platform's own addresses) and a small
 pool of prepared namespaces."""
-
-
-def data_dir_default() -> Path:
-    return Path(os.environ.get("DSEC_STATE_DIR", "/var/lib/dsec"))
-
-
-def admin_token_path(data_dir: Path) -> Path:
-    return data_dir / "control" / "admin.token"
 
 
 def lock_path(data_dir: Path) -> Path:
@@ -135,6 +129,8 @@ class Cluster:
     node_name: str = ""
     lock: Any = None
     """The data directory's lock (released by :meth:`stop`)."""
+    notes: list[str] = field(default_factory=list)
+    """What did not start as configured by default (said at start)."""
 
     async def stop(self) -> None:
         for e in self.edges:
@@ -166,6 +162,7 @@ async def start_cluster(
     from dsec.control.server import serve_control
     from dsec.edge.config import EdgeConfig, PoolConfig
     from dsec.edge.server import serve_edge
+    from dsec.errors import HostError
 
     data_dir = data_dir.absolute()
     node = check_node_name(node_name) if node_name is not None else node_name_default(data_dir)
@@ -180,6 +177,7 @@ async def start_cluster(
         lock.release()
         raise
     started: list[Any] = []
+    notes: list[str] = []
     overrides = {"network": DEFAULT_NETWORK, **(edge_overrides or {})}
     try:
         key = ccfg.resolve_cluster_key() if hasattr(ccfg, "resolve_cluster_key") else control.control.key
@@ -191,7 +189,15 @@ async def start_cluster(
                 runtime_name=f"{node}-{edge_id}", control_plane_url=control.url, destroy_on_shutdown=True,
                 pools=[PoolConfig.model_validate(p) for p in pools or []], **overrides,
             )
-            started.append(await serve_edge(ecfg))
+            try:
+                started.append(await serve_edge(ecfg))
+            except HostError as exc:
+                if "network" in (edge_overrides or {}):
+                    raise
+                # The default network could not start (no libnftables, no free subnet...):
+                # an all-in-one without it beats none; said at start (Cluster.notes).
+                started.append(await serve_edge(ecfg.model_copy(update={"network": None})))
+                notes.append(f"edge {edge_id} has no sandbox network ({exc}); its sandboxes are loopback-only")
         await _wait_registered(control, [e.edge_id for e in started])
     except BaseException:
         for e in started:
@@ -202,7 +208,7 @@ async def start_cluster(
         raise
     token = control.admin_token or (token_file.read_text().strip() if token_file.exists() else "")
     return Cluster(url=control.url, data_dir=data_dir, admin_token=token, control=control, edges=started,
-                   node_name=node, lock=lock)
+                   node_name=node, lock=lock, notes=notes)
 
 
 async def _wait_registered(control: Any, edge_ids: list[str], timeout: float = 15.0) -> None:
@@ -310,6 +316,8 @@ async def run_foreground(data_dir: Path, *, port: int, edges: int, host: str, sa
         nets.append(f"{e.edge_id} {net.subnet}" if e.config.network is not None else f"{e.edge_id} none")
     say(f"node {cluster.node_name} (runtimes {', '.join(e.service.runtime.name for e in cluster.edges)}); "
         f"sandbox networks: {', '.join(nets)}")
+    for note in cluster.notes:
+        say(f"dsec up: {note}")
     say(f"admin token in {admin_token_path(cluster.data_dir)} (export DSEC_URL={cluster.url} "
         f"DSEC_TOKEN=$(cat {admin_token_path(cluster.data_dir)}))")
     try:

@@ -286,9 +286,7 @@ class AsyncClient:
         deleted (or has ended otherwise) raises :class:`SandboxNotFound` saying why."""
         info = await self.info(sandbox_id)
         if info.state is SandboxState.STOPPED or info.token is None:
-            why = f" ({info.reason})" if info.reason else ""
-            raise SandboxNotFound(f"sandbox {sandbox_id} is {info.state.value}{why}: it no longer exists",
-                                  sandbox_id=sandbox_id, state=info.state.value, reason=info.reason)
+            raise SandboxNotFound.ended(sandbox_id, info.state.value, info.reason)
         return AsyncSandbox(self, info)
 
     async def info(self, sandbox_id: str) -> SandboxInfo:

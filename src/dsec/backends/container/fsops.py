@@ -532,6 +532,19 @@ class SandboxFiles:
                 total += m.size
                 if total > max_bytes:
                     raise FileAccessError(f"upload: archive expands past {max_bytes} bytes", sandbox_id=self.sandbox_id, path=path)
+            # As tar and `docker cp` do: a file or symlink in the way is replaced (not written
+            # through), a directory merged; a directory never replaces a non-directory nor the
+            # reverse. Checked for every member before anything is written.
+            there: dict[str, str | None] = {}
+            for m in members:
+                name = posixpath.normpath(m.name)
+                dest = "/" + posixpath.join(base, name) if name != "." else "/" + base
+                there[dest] = kind = self._kind_at(dest)
+                if kind is None or (kind == "dir") == m.isdir():
+                    continue
+                what = "a directory with a non-directory" if kind == "dir" else "a non-directory with a directory"
+                raise FileAccessError(f"upload: {m.name!r} would replace {what} ({dest})",
+                                      sandbox_id=self.sandbox_id, path=dest, errno=errno.EEXIST)
             # Checked: only now is anything written.
             self.mkdir("/" + base, parents=True, user=user)
             for m in members:
@@ -539,6 +552,8 @@ class SandboxFiles:
                 if name == ".":
                     continue
                 dest = "/" + posixpath.join(base, name)
+                if not m.isdir() and there.get(dest) is not None:
+                    self.remove(dest)
                 if m.isdir():
                     self.mkdir(dest, parents=True, mode=m.mode & 0o7777 or 0o755, user=user)
                 elif m.isreg():
@@ -551,6 +566,15 @@ class SandboxFiles:
                     self._hardlink("/" + posixpath.join(base, posixpath.normpath(m.linkname)), dest)
                 count += 1
         return count
+
+    def _kind_at(self, path: str) -> str | None:
+        """What is at ``path`` (not following a final symlink): "dir", another kind, or None."""
+        try:
+            return self.stat(path).type
+        except FileAccessError as exc:
+            if exc.fields.get("errno") in (errno.ENOENT, errno.ENOTDIR):
+                return None
+            raise
 
     def _symlink(self, target: str, path: str, user: int) -> None:
         rel = _norm(path)

@@ -398,6 +398,7 @@ class ContainerRuntime:
         self._packing: set[str] = set()
         self._thaw_after_pack: dict[str, bool] = {}
         self._lineage: dict[str, tuple[str, ...] | None] = {}
+        self._kinds: dict[str, LayerKind] = {}
         self._ephemeral_dir = self.run_dir / "ephemeral"
         self._stage_gates: dict[str, asyncio.Event] = {}
         self._spawning: dict[str, int] = {}
@@ -883,12 +884,30 @@ class ContainerRuntime:
     def _maybe_release(self, digest: str) -> None:
         if self._layer_users.get(digest) or self._mounts is None:
             return
+        held = digest in self._layer_users  # False: an earlier timer released it already
         self._layer_users.pop(digest, None)
         self._layer_paths.pop(digest, None)
         with contextlib.suppress(Exception):
             self._mounts.release(digest, self.holder)
         if (self._ephemeral_dir / digest.split(":", 1)[1]).exists():
             self.drop_ephemeral(digest)
+        if held:
+            self._unmount_if_removed(digest)
+
+    def _unmount_if_removed(self, digest: str) -> None:
+        """An idle layer stays mounted as a cache while the store has it; once it is removed
+        (`dsec image rm` in another process, a dropped fork snapshot) it is unmounted, which
+        frees its disk. Looked up every LAYER_REMOVAL_POLL_S while idle: one index read."""
+        if self._mounts is None or digest in self._layer_users:
+            return  # in use again: its next release watches it again
+        try:
+            if self._mounts.unmount_if_removed(digest):
+                return
+        except DsecError as exc:
+            log.warning("cannot unmount removed layer %s: %s", digest, exc)
+            return
+        with contextlib.suppress(RuntimeError):  # no running loop (called from a test): no watch
+            asyncio.get_running_loop().call_later(LAYER_REMOVAL_POLL_S, self._unmount_if_removed, digest)
 
     def update(self, sandbox_id: str, *, spec: SandboxSpec | None = None, meta: dict[str, Any] | None = None) -> SandboxRecord:
         """Change what the record says (not the running sandbox): a warm-pool sandbox taken
@@ -2113,6 +2132,13 @@ class ContainerRuntime:
 
     # ----- snapshots and forks (docs/SNAPSHOTS.md) -----
 
+    def _layer_kind(self, digest: str) -> LayerKind:
+        """A layer's kind (layers are immutable: cached)."""
+        kind = self._kinds.get(digest)
+        if kind is None:
+            kind = self._kinds[digest] = self.store.get(digest).kind
+        return kind
+
     def _layer_lineage(self, digest: str) -> tuple[str, ...] | None:
         """A snapshot's parents (top first), None for other kinds; layers are immutable, so cached."""
         if digest not in self._lineage:
@@ -2124,6 +2150,17 @@ class ContainerRuntime:
         """The digests to stack (top first). A snapshot stands for itself plus its lineage:
         as ``base`` it expands to it; anywhere else the layers beneath it must be exactly it."""
         digests = [self._resolve(ref) for ref in image.layers_top_first()]
+        kind = self._layer_kind(digests[-1])
+        if kind not in (LayerKind.BASE, LayerKind.SNAPSHOT):
+            # It would start, and every command would fail "not found in PATH": say so now.
+            ws = kind is LayerKind.WORKSPACE
+            raise InvalidSpec(
+                f"layer {image.base!r} is a {kind.value} layer, not a base: it has no system to run commands "
+                f"in. Stack it over a base image: "
+                f"{'--workspace' if ws else '--toolkit'} {image.base} (ImageRef(base=..., "
+                f"{'workspace=' if ws else 'toolkits=['}{image.base!r}{'' if ws else ']'}))",
+                field="image.base",
+            )
         stack: list[str] = []  # bottom first
         for d in reversed(digests):
             lineage = self._layer_lineage(d)

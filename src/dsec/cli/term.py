@@ -1,0 +1,58 @@
+"""The CLI's terminal output: rich consoles made on first use, and plain one-line messages.
+
+Importing rich costs ~40 ms; ``dsec exec`` and ``dsec cp`` print no tables and must
+not pay it. Messages a person reads on stderr (errors, limit notices) are one plain
+line each, never wrapped at the terminal's width: a script can match them.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+
+class _LazyConsole:
+    """A ``rich.console.Console`` made at its first use."""
+
+    def __init__(self, **kw: Any) -> None:
+        self._kw = kw
+        self._console: Any = None
+
+    def __getattr__(self, name: str) -> Any:
+        if self._console is None:
+            from rich.console import Console
+
+            self._console = Console(**self._kw)
+        return getattr(self._console, name)
+
+
+console: Any = _LazyConsole(stderr=True)
+"""Progress and tables for a person, on stderr."""
+out: Any = _LazyConsole()
+"""Tables and JSON on stdout."""
+
+
+def table(*columns: str, **kw: Any) -> Any:
+    """A ``rich.table.Table`` with these columns."""
+    from rich.table import Table
+
+    t = Table(**kw)
+    for c in columns:
+        t.add_column(c)
+    return t
+
+
+def say(message: str) -> None:
+    """One plain line on stderr (newlines in ``message`` become spaces), after stdout's pending bytes."""
+    sys.stdout.flush()
+    sys.stderr.write(" ".join(message.splitlines()) + "\n")
+    sys.stderr.flush()
+
+
+def human_size(n: float) -> str:
+    """Bytes as a person writes them on the command line: 16M, 1.5G, 512K, 100 (powers of 1024)."""
+    for unit, size in (("T", 1 << 40), ("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= size:
+            v = n / size
+            return f"{v:.0f}{unit}" if v == int(v) else f"{v:.1f}{unit}"
+    return f"{n:.0f}"
