@@ -485,10 +485,17 @@ class ContainerRuntime:
             self._devnull = -1
             self._release_claims()
             raise
-        await self._setup_swap()
-        await asyncio.to_thread(snapshots.clean_scratch, self)
-        if self._net_configured or self.net.sandboxes:
-            await self.net.start()
+        try:
+            await self._setup_swap()
+            await asyncio.to_thread(snapshots.clean_scratch, self)
+            if self._net_configured or self.net.sandboxes:
+                await self.net.start()
+        except BaseException:
+            # Started but for these: stop again (re-adopted sandboxes keep running), so the
+            # spawner, mounts and claims do not outlive a start that failed.
+            with contextlib.suppress(Exception):
+                await self.close(destroy_all=not self.sandboxes)
+            raise
 
     async def close(self, *, destroy_all: bool = True) -> None:
         """Stop the runtime. By default every sandbox is destroyed; ``destroy_all=False``
