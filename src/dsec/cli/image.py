@@ -68,9 +68,33 @@ def _errors() -> Iterator[None]:
         raise click.ClickException(e.message) from e
 
 
+class _Stages:
+    """When each build stage started and ended, for the one-line summary."""
+
+    def __init__(self) -> None:
+        self.t0 = time.monotonic()
+        self.spans: dict[str, list[float]] = {}
+
+    def saw(self, stage: str) -> None:
+        now = time.monotonic()
+        span = self.spans.setdefault(stage, [now, now])
+        span[1] = now
+
+    def summary(self) -> str:
+        parts = [f"{stage} {end - start:.1f} s" for stage, (start, end) in self.spans.items()
+                 if end - start >= 0.05]  # fmt: skip
+        return f"in {time.monotonic() - self.t0:.1f} s" + (f" ({', '.join(parts)})" if parts else "")
+
+
 @contextmanager
-def _progress_display(enabled: bool) -> Iterator[Callable[[str, int, int | None], None]]:
-    """A build progress callback rendered with rich on stderr (and warnings with it)."""
+def _progress_display(
+    enabled: bool, stages: _Stages | None = None
+) -> Iterator[Callable[[str, int, int | None], None]]:
+    """A build progress callback rendered with rich on stderr (and warnings with it).
+
+    The display is transient: it is erased when the build ends, so nothing of it is left
+    to be redrawn around the digest printed next; the caller prints a one-line summary
+    of the stages (``stages``) instead."""
     from rich.console import Console
     from rich.logging import RichHandler
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -90,7 +114,7 @@ def _progress_display(enabled: bool) -> Iterator[Callable[[str, int, int | None]
         TextColumn("{task.fields[detail]}"),
         TimeElapsedColumn(),
         console=console,
-        transient=False,
+        transient=True,
         disable=not enabled,
     )
     tasks: dict[str, Any] = {}
@@ -115,6 +139,8 @@ def _progress_display(enabled: bool) -> Iterator[Callable[[str, int, int | None]
         )
 
     def report(stage: str, done: int, total: int | None) -> None:
+        if stages is not None:
+            stages.saw(stage)
         if stage not in tasks:
             if last:
                 finish(last[-1])
@@ -260,9 +286,10 @@ def build_cmd(
         raise click.UsageError("--ref only applies to --from-oci")
     if suite is None and (packages or mirror or variant != "minbase"):
         raise click.UsageError("--packages, --variant and --mirror only apply to --debootstrap")
+    stages = _Stages()
     with _errors():
         store = _store(ctx)
-        with _progress_display(enabled=not quiet) as progress:
+        with _progress_display(enabled=not quiet, stages=stages) as progress:
             common: dict[str, Any] = {
                 "name": name,
                 "tag": tag,
@@ -289,6 +316,11 @@ def build_cmd(
                 if parents:
                     raise click.UsageError("--busybox layers have no parents")
                 layer = b.build_busybox(store, **common)
+    if not quiet:
+        click.echo(
+            f"built {layer.ref} ({layer.kind.value}, {_human(layer.size)}) {stages.summary()}",
+            err=True,
+        )
     if as_json:
         click.echo(layer.model_dump_json())
     else:
@@ -336,14 +368,37 @@ def inspect_cmd(ctx: click.Context, ref: str) -> None:
 def rm_cmd(ctx: click.Context, refs: tuple[str, ...]) -> None:
     """Remove layers (NAME[:TAG] removes that tag; sha256:HEX removes the layer).
 
-    A layer's file is deleted with its last name. Layers in use by a sandbox
-    are refused.
+    A layer's file is deleted with its last name (a running edge unmounts it
+    within a second). Layers in use by a sandbox are refused; a runtime keeps
+    a layer pinned for a second after its last sandbox ends, and rm waits for
+    that.
     """
     with _errors():
         store = _store(ctx)
         for ref in refs:
-            store.remove(ref)
+            _remove(store, ref)
             click.echo(f"removed {ref}")
+
+
+def _remove(store: LocalLayerStore, ref: str) -> None:
+    """``store.remove(ref)``, waiting a moment for pins to go: a runtime whose last sandbox
+    on the layer just ended holds its pin for IDLE_PIN_GRACE_S more."""
+    from dsec.errors import LayerInUse
+    from dsec.images.mounts import IDLE_PIN_GRACE_S
+
+    deadline = time.monotonic() + IDLE_PIN_GRACE_S + 2.0
+    while True:
+        try:
+            store.remove(ref)
+            return
+        except LayerInUse as e:
+            digest = e.fields.get("digest")
+            # Not pinned (a snapshot lies on top of it): waiting cannot help.
+            if not isinstance(digest, str) or not store.holders(digest):
+                raise
+            if time.monotonic() >= deadline:
+                raise
+        time.sleep(0.05)
 
 
 __all__ = ["default_store_root", "image_group"]

@@ -36,6 +36,11 @@ from .store import LayerStore
 log = logging.getLogger("dsec.images")
 
 MOUNT_FLAGS = sysmount.MS_RDONLY | sysmount.MS_NOSUID | sysmount.MS_NODEV
+IDLE_PIN_GRACE_S = 1.0
+"""How long a user of these mounts (the container runtime) keeps the pin of a layer after
+its last sandbox stopped using it, so a create/destroy loop does not pay an index write per
+sandbox. ``dsec image rm`` waits a little longer than this for such pins before it says
+"in use"."""
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -112,7 +117,8 @@ class LayerMounts:
                 raise
 
     def release(self, digest: str, holder: str) -> None:
-        """Drop ``holder``'s pin. The layer stays mounted until :meth:`unmount_unused`."""
+        """Drop ``holder``'s pin. The layer stays mounted (a cache for the next acquire) until
+        :meth:`unmount_unused`, or :meth:`unmount_if_removed` once the store drops it."""
         check_digest(digest)
         with self._lock:
             self.store.unpin(digest, holder)
@@ -175,6 +181,36 @@ class LayerMounts:
                     del self._mounted[digest]
                     done.append(digest)
         return done
+
+    def unmount_if_removed(self, digest: str) -> bool:
+        """Unmount ``digest`` if the store no longer has it (removed while nobody pinned it,
+        e.g. by ``dsec image rm`` in another process), which frees its file's disk. True when
+        it is not mounted here any more; False while the store still has it (one index read)
+        or the mount is busy."""
+        check_digest(digest)
+        with self._lock:
+            if self._lock_file is None or digest not in self._mounted:
+                return True
+        if self._known(digest):
+            return False
+        with self._exclusive():
+            mp = self._mounted.get(digest)
+            if mp is None:
+                return True
+            if self._known(digest):  # stored again meanwhile: the mount serves it as it is
+                return False
+            if not self._unmount(mp):
+                return False
+            del self._mounted[digest]
+        log.debug("unmounted layer %s: removed from %r", digest, self.store)
+        return True
+
+    def _known(self, digest: str) -> bool:
+        try:
+            self.store.get(digest)
+        except LayerNotFound:
+            return False
+        return True
 
     def adopt(self) -> list[str]:
         """Take over EROFS mounts a previous process left under ``mount_root``.
@@ -258,4 +294,4 @@ class LayerMounts:
                 self._lock_file = None
 
 
-__all__ = ["MOUNT_FLAGS", "LayerMounts"]
+__all__ = ["IDLE_PIN_GRACE_S", "MOUNT_FLAGS", "LayerMounts"]

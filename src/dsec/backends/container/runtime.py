@@ -60,6 +60,7 @@ from dsec.errors import (
     SandboxStateError,
 )
 from dsec.images.layer import Layer, LayerKind
+from dsec.images.mounts import IDLE_PIN_GRACE_S
 from dsec.spec import ImageRef, NetworkPolicy, SandboxSpec, SandboxState, can_move
 from dsec.spec.results import LimitHit
 
@@ -69,7 +70,10 @@ UID_RANGE: Final = 65536
 UID_FIRST_BASE: Final = 1 << 24  # well above any host account
 UID_SLOTS: Final = 60000
 DEFAULT_TIMEOUT_S: Final = 600.0
-LAYER_RELEASE_GRACE_S: Final = 30.0
+LAYER_RELEASE_GRACE_S: Final = IDLE_PIN_GRACE_S
+"""A layer's pin outlives its last sandbox this long (a create/destroy loop pays no index write)."""
+LAYER_REMOVAL_POLL_S: Final = 1.0
+"""How often an idle, still mounted layer is looked up in the store: a removed one is unmounted."""
 _ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
 DEFAULT_ENV: Final = {
