@@ -115,7 +115,7 @@ def _progress_display(
         TimeElapsedColumn(),
         console=console,
         transient=True,
-        disable=not enabled,
+        disable=not enabled or not console.is_terminal,  # a log gets the summary line only
     )
     tasks: dict[str, Any] = {}
     last: list[str] = []
