@@ -260,7 +260,7 @@ def test_snapshot_refusals_are_typed(snap: RuntimeHarness) -> None:
             grand = h.run(h.rt.snapshot(child.id, name="ontop"))
         finally:
             h.destroy(child.id)
-        h.rt._maybe_release(s.digest)  # the runtime's 30 s grace, now
+        h.rt._maybe_release(s.digest)  # the runtime's 1 s grace, now
         assert not h.rt.store.holders(s.digest)
         with pytest.raises(LayerInUse) as e3:  # unpinned, but "ontop" is a diff over it
             h.rt.store.remove(s.digest)
