@@ -527,4 +527,3 @@ def lean_client(url: str | None = None, token: str | None = None) -> LeanClient:
         raise AuthError("no API token: set DSEC_TOKEN (`dsec token create` makes one), or run as a user who can "
                         "read the local `dsec up`'s admin token")
     return LeanClient(url or os.environ.get("DSEC_URL") or DEFAULT_URL, tok)
-

@@ -18,7 +18,7 @@ from typing import Any
 import click
 
 from dsec.cli.policy import PolicyArgs, policy_options
-from dsec.cli.term import console, out, say, table
+from dsec.cli.term import age, console, out, say, table
 
 _SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)?$", re.I)
 
@@ -135,11 +135,6 @@ directory. Files and symlinks at DEST are replaced; a directory is never replace
 file, nor a file by a directory (refused before anything is written). A symlink given as
 SRC is copied as a symlink. '-' as DEST writes a tar to stdout; '-' as SRC reads a tar
 from stdin into the directory DEST."""
-
-
-def _age(seconds: float) -> str:
-    s = int(max(seconds, 0))
-    return f"{s}s" if s < 120 else f"{s // 60}m" if s < 7200 else f"{s // 3600}h" if s < 172800 else f"{s // 86400}d"
 
 
 def register(main: click.Group) -> None:
@@ -354,7 +349,7 @@ def register(main: click.Group) -> None:
         rows = [("ID", "STATE", "EDGE", "TASK", "LABELS", "AGE")]
         rows += [(i["id"], str(i["state"]), str(i.get("edge_id", "")), i.get("task") or "",
                   ",".join(f"{k}={v}" for k, v in (i.get("labels") or {}).items()),
-                  _age(now - float(i.get("created_at", now)))) for i in items]
+                  age(now - float(i.get("created_at", now)))) for i in items]
         widths = [max(len(r[k]) for r in rows) for k in range(len(rows[0]))]
         for r in rows:
             print("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip())
@@ -486,42 +481,16 @@ def register(main: click.Group) -> None:
         _group("resume", ids, task, label, as_json)
 
     @main.command()
-    @click.option("--interval", type=float, default=1.0)
-    @click.option("--once", is_flag=True, help="Print one table and exit.")
-    def top(interval: float, once: bool) -> None:
-        """Live table of sandboxes and node use."""
-        from rich.live import Live
-
-        def render(c: Any) -> Any:
-            t = table("edge", "sandboxes", "cpu committed", "memory committed", "disk committed", "disk used",
-                      "pools", title=f"dsec top — {time.strftime('%H:%M:%S')}")
-            for e in c.edges():
-                h = e.get("health") or e
-                host = h.get("host") or {}
-                total, free = host.get("store_total"), host.get("store_free")
-                used = f"{(total - free) / 2**30:.1f}/{total / 2**30:.0f} GiB" if total and free is not None else "?"
-                t.add_row(str(e.get("id", h.get("edge_id"))), f"{h.get('sandboxes', '?')}/{h.get('capacity_sandboxes', '?')}",
-                          f"{h.get('cpu_committed', 0):.1f}/{h.get('cpu_capacity', 0):.0f}",
-                          f"{h.get('memory_committed', 0) / 2**30:.1f}/{h.get('memory_capacity', 0) / 2**30:.0f} GiB",
-                          f"{h.get('disk_committed', 0) / 2**30:.1f}/{h.get('disk_capacity', 0) / 2**30:.0f} GiB",
-                          used, ", ".join(f"{k}:{v}" for k, v in (h.get("pools") or {}).items()))
-            states: dict[str, int] = {}
-            for i in c.list():
-                states[i.state.value] = states.get(i.state.value, 0) + 1
-            t.caption = "sandboxes: " + (", ".join(f"{k} {v}" for k, v in sorted(states.items())) or "none")
-            return t
+    @click.option("--interval", type=float, default=1.0, show_default=True, help="Seconds between refreshes.")
+    @click.option("--once", is_flag=True, help="Print the tables once (CPU over one interval) and exit.")
+    @click.option("--rows", "-n", type=click.IntRange(1, 1000), default=30, show_default=True,
+                  help="Sandboxes shown, the newest first.")
+    def top(interval: float, once: bool, rows: int) -> None:
+        """Live view of each edge's admission budget and each sandbox's use; q quits."""
+        from dsec.cli.top import run_top
 
         with client() as c:
-            if once:
-                out.print(render(c))
-                return
-            with Live(render(c), console=out, refresh_per_second=4) as live:
-                try:
-                    while True:
-                        time.sleep(interval)
-                        live.update(render(c))
-                except KeyboardInterrupt:
-                    pass
+            run_top(c, interval=interval, once=once, rows=rows)
 
     @main.group()
     def token() -> None:

@@ -56,3 +56,9 @@ def human_size(n: float) -> str:
             v = n / size
             return f"{v:.0f}{unit}" if v == int(v) else f"{v:.1f}{unit}"
     return f"{n:.0f}"
+
+
+def age(seconds: float) -> str:
+    """A duration as `dsec ls` shows it: 45s, 12m, 3h, 2d."""
+    s = int(max(seconds, 0))
+    return f"{s}s" if s < 120 else f"{s // 60}m" if s < 7200 else f"{s // 3600}h" if s < 172800 else f"{s // 86400}d"

@@ -53,6 +53,7 @@ from dsec.spec.api import (
     NetworkInfo,
     PauseReport,
     SandboxInfo,
+    SandboxStats,
     SessionOpen,
     SessionOpened,
     SessionRun,
@@ -321,6 +322,10 @@ def create_app(config: EdgeConfig, *, service: EdgeService | None = None) -> Fas
         await svc.destroy(sandbox_id, reason="deleted")
         return Response(status_code=204)
 
+    @app.get("/v1/sandboxes/{sandbox_id}/stats", response_model=SandboxStats, tags=["sandboxes"])
+    async def sandbox_stats(sandbox_id: str, _c: Owner) -> Response:
+        return _json(await svc.stats(sandbox_id))
+
     @app.get("/v1/sandboxes/{sandbox_id}/events", tags=["sandboxes"])
     async def sandbox_events(sandbox_id: str, _c: Owner) -> Response:
         return Response(json.dumps(svc.event_log(sandbox_id), default=str), media_type=JSON)
@@ -424,6 +429,7 @@ def create_app(config: EdgeConfig, *, service: EdgeService | None = None) -> Fas
              responses={200: {"content": {"application/octet-stream": {}}}})
     async def read_file(sandbox_id: str, path: FilePath, _c: Owner) -> Response:
         data = await svc.files(sandbox_id, lambda fs: fs.read(path))
+        svc.note_copy(sandbox_id, "copy_out", path, len(data))
         return Response(data, media_type="application/octet-stream")
 
     def _body_limit(sandbox_id: str) -> int:
@@ -443,6 +449,7 @@ def create_app(config: EdgeConfig, *, service: EdgeService | None = None) -> Fas
         perm = int(mode.replace("o", ""), 8)
         data = await read_body(request, _body_limit(sandbox_id), what="file")
         await svc.files(sandbox_id, lambda fs: fs.write(path, data, mode=perm, user=user, make_parents=parents))
+        svc.note_copy(sandbox_id, "copy_in", path, len(data))
         return Response(status_code=204)
 
     @app.post("/v1/sandboxes/{sandbox_id}/files/append", status_code=204, tags=["files"])
@@ -485,12 +492,14 @@ def create_app(config: EdgeConfig, *, service: EdgeService | None = None) -> Fas
         # a tar is larger than what it unpacks to (headers, padding): twice the quota
         data = await read_body(request, 2 * _body_limit(sandbox_id), what="tar upload")
         entries = await svc.files(sandbox_id, lambda fs: fs.upload(path, data, user=user))
+        svc.note_copy(sandbox_id, "copy_in", path, len(data), entries=entries, tar=True)
         return JSONResponse({"entries": entries})
 
     @app.get("/v1/sandboxes/{sandbox_id}/files/tar", tags=["files"],
              responses={200: {"content": {"application/x-tar": {}}}})
     async def download_tar(sandbox_id: str, path: FilePath, _c: Owner) -> Response:
         data = await svc.files(sandbox_id, lambda fs: fs.download(path))
+        svc.note_copy(sandbox_id, "copy_out", path, len(data), tar=True)
         return Response(data, media_type="application/x-tar")
 
     # ---------------------------------------------------- health, metrics --

@@ -16,6 +16,7 @@ import binascii
 import builtins
 import contextlib
 import logging
+import os
 import secrets
 import shutil
 import time
@@ -24,7 +25,12 @@ from typing import Any, TypeVar
 
 from dsec.auth import mint
 from dsec.backends.container.fsops import SandboxFiles
-from dsec.backends.container.runtime import ContainerRuntime, OutputCallback, SandboxRecord
+from dsec.backends.container.runtime import (
+    ContainerRuntime,
+    OutputCallback,
+    SandboxRecord,
+    command_line,
+)
 from dsec.backends.container.sessions import Session
 from dsec.edge.admission import Admission, Budgets, disk_reserve, resolve_budgets
 from dsec.edge.audit import FULL_ERRNOS, Auditor
@@ -61,6 +67,7 @@ from dsec.spec.api import (
     NetworkInfo,
     PauseReport,
     SandboxInfo,
+    SandboxStats,
     SessionOpen,
     SessionRun,
     SnapshotInfo,
@@ -75,6 +82,22 @@ T = TypeVar("T")
 TOKEN_TTL_S = 3600.0
 STREAM_BUFFER_BYTES = 1024 * 1024
 """Output an exec stream holds for a reader that is behind; past it the command waits."""
+
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def process_cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds of these processes (and of their reaped children), from /proc."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        total += sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
+    return total / CLK_TCK
 
 
 def result_to_wire(r: ExecResult) -> ExecResultWire:
@@ -825,6 +848,8 @@ class EdgeService:
         sess = self._session(sandbox_id, session_id)
         t0 = time.perf_counter()
         outcome = "error"
+        self.events.add(sandbox_id, "session_command", session_id=session_id, cmd=command_line(body.command))
+        result: ExecResult | None = None
         try:
             with self.activity(sandbox_id):
                 try:
@@ -836,12 +861,17 @@ class EdgeService:
                         raise
                     result = partial
                 except SessionClosed:
-                    self._sessions.get(sandbox_id, {}).pop(session_id, None)
+                    if self._sessions.get(sandbox_id, {}).pop(session_id, None) is not None:
+                        self.events.add(sandbox_id, "session_closed", session_id=session_id, reason="shell_exited")
                     raise
             outcome = "timeout" if result.timed_out else ("ok" if result.exit_code == 0 else "nonzero")
             self._note_output(sandbox_id, "session", result)
             return result
         finally:
+            if result is not None:
+                self.events.add(sandbox_id, "session_command_ended", session_id=session_id,
+                                exit_code=result.exit_code, duration_s=round(time.perf_counter() - t0, 6),
+                                timed_out=result.timed_out)
             self.metrics.execs.labels("session", outcome).inc()
             self.metrics.exec_seconds.labels("session").observe(time.perf_counter() - t0)
 
@@ -852,7 +882,31 @@ class EdgeService:
             return  # idempotent
         self.touch(sandbox_id)
         await sess.close()
-        self.events.add(sandbox_id, "session_closed", session_id=session_id)
+        self.events.add(sandbox_id, "session_closed", session_id=session_id, reason="closed")
+
+    def note_copy(self, sandbox_id: str, event: str, path: str, size: int, *, entries: int | None = None,
+                  tar: bool = False) -> None:
+        """A file or tar that went into (``copy_in``) or out of (``copy_out``) a sandbox, for its event log."""
+        extra = {"tar": True, "entries": entries} if tar else {}
+        self.events.add(sandbox_id, event, path=path, bytes=size, **extra)
+
+    async def stats(self, sandbox_id: str) -> SandboxStats:
+        """What the sandbox uses now, beside its limits (``dsec top``)."""
+        rec = self.record(sandbox_id)
+        res = rec.spec.resources
+
+        def read() -> tuple[dict[str, Any], int, float]:
+            st = self.runtime.stats(sandbox_id)
+            try:
+                disk = self.runtime.disk_usage(sandbox_id).used
+            except (OSError, DsecError):
+                disk = 0
+            return st, disk, process_cpu_seconds(self.runtime.cgroups.pids(sandbox_id))
+
+        st, disk, cpu = await asyncio.to_thread(read)
+        return SandboxStats(id=sandbox_id, state=rec.state, cpu_s=round(cpu, 3), cpu_limit=res.cpu,
+                            memory_bytes=int(st.get("memory_bytes", 0)), memory_limit=res.memory, disk_bytes=disk,
+                            disk_limit=res.disk, pids=int(st.get("pids", 0)), pids_limit=res.pids)
 
     # ----------------------------------------------------------------- files --
 

@@ -51,6 +51,7 @@ from dsec.spec.api import (
     ProjectInfo,
     Quota,
     SandboxInfo,
+    SandboxStats,
     SessionRun,
     SetStage,
     SnapshotInfo,
@@ -600,6 +601,11 @@ class AsyncSandbox:
         ``disk_full``, ``output_capped``), ``net_denied``, ``policy_changed``, ``stage_changed``..."""
         data = (await self._request("GET", "/events")).json()
         return list(data)
+
+    async def stats(self) -> SandboxStats:
+        """What the sandbox uses now beside its limits: CPU seconds of its live processes (two
+        reads give a rate), memory, writable-layer bytes, processes."""
+        return SandboxStats.model_validate_json((await self._request("GET", "/stats")).content)
 
     # ----- pause, snapshots, forks -----
 

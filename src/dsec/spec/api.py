@@ -221,6 +221,25 @@ class StreamChunk(_Wire):
     command waits for it)."""
 
 
+class SandboxStats(_Wire):
+    """Answer of ``GET /v1/sandboxes/{id}/stats``: what a sandbox uses now, beside its limits."""
+
+    id: str
+    state: SandboxState
+    cpu_s: float
+    """CPU time (user + system) of the sandbox's processes alive now, in seconds. Two reads give
+    its CPU use between them (a process that ended in between no longer counts)."""
+    cpu_limit: float
+    """Cores (``Resources.cpu``)."""
+    memory_bytes: int
+    memory_limit: int
+    disk_bytes: int
+    """Bytes its writable layer holds."""
+    disk_limit: int
+    pids: int
+    pids_limit: int
+
+
 class SetStage(_Wire):
     """Body of ``POST /v1/sandboxes/{id}/stage``."""
 

@@ -26,6 +26,7 @@ import logging
 import os
 import re
 import secrets
+import shlex
 import signal
 import socket
 import struct
@@ -91,6 +92,12 @@ class _Unset:
 
 UNSET: Final = _Unset()
 """Marks an argument left out (the default applies); ``None`` means "none"."""
+
+def command_line(cmd: str | Sequence[str], limit: int = 512) -> str:
+    """A command as a shell would read it, for an event log: at most ``limit`` characters."""
+    text = cmd if isinstance(cmd, str) else shlex.join(cmd)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
 
 OutputCallback = Callable[[str, bytes], "asyncio.Future[None] | None"]
 """Called with ("stdout"|"stderr", chunk) as output is produced. A consumer that cannot take
@@ -1361,7 +1368,7 @@ class ContainerRuntime:
                 del self._spawning[sandbox_id]
         os.close(spawned.pidfd)
         self.last_activity[sandbox_id] = time.monotonic()
-        self._event(rec, "exec_started", pid=spawned.pid, argv0=argv[0])
+        self._event(rec, "exec_started", pid=spawned.pid, argv0=argv[0], cmd=command_line(argv))
         return Process(sandbox_id, spawned.pid, spawner.exit_future(spawned.pid), started, track)
 
     async def start_tty(
