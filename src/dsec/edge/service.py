@@ -1067,6 +1067,9 @@ class EdgeService:
         layer = self.runtime.store.resolve(ref)
         if layer.kind is not LayerKind.SNAPSHOT:
             raise InvalidSpec(f"{ref} is a {layer.kind.value} layer, not a snapshot (use `dsec image rm`)", field="ref")
+        # The runtime keeps an idle layer pinned a moment after its last sandbox (LAYER_RELEASE_GRACE_S):
+        # a delete right after that sandbox must not say "in use". No-op while a sandbox uses it.
+        self.runtime._maybe_release(layer.digest)
         self.runtime.store.remove(ref)
         self._layers_cache = (0.0, [])
 
