@@ -36,11 +36,14 @@ if TYPE_CHECKING:
         AsyncClient,
         AsyncSandbox,
         AsyncSession,
+        AsyncTerminal,
         Client,
         CreateOutcome,
         OutputChunk,
         Sandbox,
         Session,
+        Terminal,
+        TerminalExit,
     )
     from dsec.spec import (
         FileRules,
@@ -55,8 +58,8 @@ if TYPE_CHECKING:
     from dsec.spec.results import ExecResult, LimitHit
 
 _LAZY = {
-    **dict.fromkeys(("AsyncClient", "AsyncSandbox", "AsyncSession", "Client", "CreateOutcome", "OutputChunk",
-                     "Sandbox", "Session"), "dsec.sdk"),
+    **dict.fromkeys(("AsyncClient", "AsyncSandbox", "AsyncSession", "AsyncTerminal", "Client", "CreateOutcome",
+                     "OutputChunk", "Sandbox", "Session", "Terminal", "TerminalExit"), "dsec.sdk"),
     **dict.fromkeys(("FileRules", "ImageRef", "NetRule", "NetworkPolicy", "Resources", "SandboxSpec",
                      "SandboxState", "Stage"), "dsec.spec"),
     **dict.fromkeys(("ExecResult", "LimitHit"), "dsec.spec.results"),
@@ -82,6 +85,7 @@ __all__ = [
     "AsyncClient",
     "AsyncSandbox",
     "AsyncSession",
+    "AsyncTerminal",
     "AuthError",
     "Backpressure",
     "Client",
@@ -114,5 +118,7 @@ __all__ = [
     "Session",
     "SessionClosed",
     "Stage",
+    "Terminal",
+    "TerminalExit",
     "__version__",
 ]

@@ -264,6 +264,7 @@ def test_public_surface_is_deliberate() -> None:
         "AsyncClient",
         "AsyncSandbox",
         "AsyncSession",
+        "AsyncTerminal",
         "AuthError",
         "Backpressure",
         "Client",
@@ -296,6 +297,8 @@ def test_public_surface_is_deliberate() -> None:
         "Session",
         "SessionClosed",
         "Stage",
+        "Terminal",
+        "TerminalExit",
         "__version__",
     ]
     for name in dsec.__all__:

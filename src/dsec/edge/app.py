@@ -26,23 +26,26 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from typing import Annotated, Any, TypeVar
 
-from fastapi import Body, Depends, FastAPI, Query, Request
+from fastapi import Body, Depends, FastAPI, Query, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import TypeAdapter, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import HTTPConnection
 
 from dsec.auth import Claims, check_sandbox, verify
 from dsec.backends.container.fsops import FileInfo
 from dsec.edge.config import EdgeConfig
 from dsec.edge.service import EdgeService, error_body, result_to_wire
+from dsec.edge.terminals import TerminalHub, serve_terminal
 from dsec.errors import AuthError, DsecError, Forbidden, InvalidSpec
 from dsec.fastroute import Answer, FastRequest, FastRoutes, answer_of
 from dsec.httplimits import BodyLimit, read_body
 from dsec.spec import NetworkPolicy
 from dsec.spec.api import (
     STATUS_BY_CODE,
+    AttachOpen,
     EdgeCreateSandbox,
     EdgeHealth,
     ExecRequest,
@@ -60,6 +63,7 @@ from dsec.spec.api import (
     SetStage,
     SnapshotInfo,
     SnapshotRequest,
+    TerminalInfo,
 )
 
 log = logging.getLogger("dsec.edge.app")
@@ -128,7 +132,7 @@ class _Auth:
         self.key = key
         self._cache: dict[str, Claims] = {}
 
-    def claims(self, request: Request) -> Claims:
+    def claims(self, request: HTTPConnection) -> Claims:
         return self.claims_of(request.headers.get("authorization"))
 
     def claims_of(self, header: str | None) -> Claims:
@@ -173,7 +177,7 @@ async def _unless_disconnected(receive: Callable[[], Awaitable[Any]], work: Coro
     return None if left else task.result()  # None: the client left, nobody reads the answer
 
 
-def _auth(request: Request) -> _Auth:
+def _auth(request: HTTPConnection) -> _Auth:
     auth: _Auth = request.app.state.auth
     return auth
 
@@ -374,6 +378,35 @@ def create_app(config: EdgeConfig, *, service: EdgeService | None = None) -> Fas
     async def close_session(sandbox_id: str, session_id: str, _c: Owner) -> Response:
         await svc.close_session(sandbox_id, session_id)
         return Response(status_code=204)
+
+    # ------------------------------------------------------- terminals --
+
+    terminals = TerminalHub(lambda: svc.runtime)
+    app.state.terminals = terminals
+
+    @app.websocket("/v1/sandboxes/{sandbox_id}/attach")
+    async def attach(websocket: WebSocket, sandbox_id: str) -> None:
+        """A terminal or a command with streamed stdin (protocol: :class:`AttachOpen`)."""
+        await websocket.accept()
+        try:
+            check_sandbox(_auth(websocket).claims(websocket), sandbox_id)
+            req = AttachOpen.model_validate_json(await websocket.receive_text())
+            svc.ready_for_exec(sandbox_id)
+            term, new = await terminals.open(sandbox_id, req)
+        except (DsecError, ValidationError) as exc:
+            body = error_body(exc) if isinstance(exc, DsecError) else json.loads(
+                bytes(_validation_response(exc.errors()).body))
+            with contextlib.suppress(Exception):
+                await websocket.send_text(json.dumps(body))
+                await websocket.close(code=1008)
+            return
+        with svc.activity(sandbox_id):
+            await serve_terminal(websocket, term, new=new)
+
+    @app.get("/v1/sandboxes/{sandbox_id}/terminals", response_model=list[TerminalInfo], tags=["exec"])
+    async def list_terminals(sandbox_id: str, _c: Owner) -> Response:
+        svc.record(sandbox_id)
+        return JSONResponse([t.model_dump() for t in terminals.list(sandbox_id)])
 
     # ------------------------------------------- pause, snapshots, fork --
 

@@ -94,6 +94,7 @@ async def serve_edge(config: EdgeConfig, *, log_level: str = "warning", access_l
         app, lifespan="off", log_level=log_level, log_config=None, access_log=access_log,
         timeout_graceful_shutdown=3, timeout_keep_alive=30, backlog=4096,
         http=LimitedHttpToolsProtocol,  # bounded request heads (dsec/httplimits.py)
+        ws="websockets-sansio",  # terminals and streamed stdin (edge/terminals.py)
     )
     server = _EmbeddedServer(uv_config)
     task = asyncio.create_task(server.serve(sockets=[sock]), name=f"dsec-edge-{config.edge_id}")

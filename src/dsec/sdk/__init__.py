@@ -9,7 +9,8 @@ from dsec.sdk.client import (
     CreateOutcome,
     OutputChunk,
 )
-from dsec.sdk.sync import Client, Files, Sandbox, Session
+from dsec.sdk.sync import Client, Files, Sandbox, Session, Terminal
+from dsec.sdk.terminal import AsyncTerminal, TerminalExit
 
 __all__ = [
     "UNSET",
@@ -17,10 +18,13 @@ __all__ = [
     "AsyncFiles",
     "AsyncSandbox",
     "AsyncSession",
+    "AsyncTerminal",
     "Client",
     "CreateOutcome",
     "Files",
     "OutputChunk",
     "Sandbox",
     "Session",
+    "Terminal",
+    "TerminalExit",
 ]

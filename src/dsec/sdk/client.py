@@ -18,7 +18,7 @@ import random
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, TypeVar
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import httpx
 import pydantic
@@ -34,6 +34,9 @@ from dsec.errors import (
 from dsec.sdk._http import UNSET as UNSET  # defined beside the HTTP plumbing, which needs it too
 from dsec.sdk._http import Endpoint, Response, _Unset, raise_for_error, result_from_wire
 from dsec.spec import NetworkPolicy, SandboxSpec, SandboxState
+
+if TYPE_CHECKING:
+    from dsec.sdk.terminal import AsyncTerminal
 from dsec.spec.api import (
     BatchResult,
     CreateBatch,
@@ -647,6 +650,43 @@ class AsyncSandbox:
         """A persistent shell: cwd, variables and functions carry from one command to the next."""
         resp = await self._request("POST", "/sessions")
         return AsyncSession(self, str(resp.json()["session_id"]))
+
+    async def pty(
+        self,
+        cmd: Sequence[str] | str | None = None,
+        *,
+        rows: int = 24,
+        cols: int = 80,
+        name: str | None = None,
+        env: Mapping[str, str] | None = None,
+        cwd: str = "/",
+        user: int | str = 0,
+    ) -> AsyncTerminal:
+        """An interactive terminal: ``cmd`` (default: the image's login shell) on a real
+        pseudo-terminal in the sandbox, with job control (``send("\\x03")`` interrupts the
+        foreground job), :meth:`~AsyncTerminal.resize` and the exit status at the end.
+
+        ``name``: a terminal that outlives this connection — attach to it again with the
+        same name (its recent screen is replayed); leaving does not end it."""
+        from dsec.sdk.terminal import attach_request, open_terminal
+
+        return await open_terminal(self, attach_request(cmd, tty=True, rows=rows, cols=cols, name=name, env=env,
+                                                        cwd=cwd, user=user))
+
+    async def attach(
+        self,
+        cmd: Sequence[str] | str,
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str = "/",
+        user: int | str = 0,
+    ) -> AsyncTerminal:
+        """Start ``cmd`` with its stdin streamed (:meth:`~AsyncTerminal.send`, then
+        :meth:`~AsyncTerminal.eof`) and its stdout and stderr coming back as produced."""
+        from dsec.sdk.terminal import attach_request, open_terminal
+
+        return await open_terminal(self, attach_request(cmd, tty=False, rows=24, cols=80, name=None, env=env,
+                                                        cwd=cwd, user=user))
 
 
 class AsyncSession:

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 from dsec.sdk.client import AsyncClient, AsyncFiles, AsyncSandbox, AsyncSession
+from dsec.sdk.terminal import AsyncTerminal
 
 T = TypeVar("T")
 
@@ -139,6 +140,17 @@ class Session(_SyncBase):
     """Blocking twin of :class:`AsyncSession`."""
 
     def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@_derive(AsyncTerminal)
+class Terminal(_SyncBase):
+    """Blocking twin of :class:`AsyncTerminal`."""
+
+    def __enter__(self) -> Terminal:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -549,3 +549,43 @@ class Whoami(_Wire):
     token_id: str
     projects: list[str]
     """The caller's project and its descendants."""
+
+
+class AttachOpen(_Wire):
+    """First message (JSON text) of the WebSocket ``/v1/sandboxes/{id}/attach``: start a
+    command on a terminal (``tty``) or with streamed stdin, or attach to a named terminal.
+
+    After it, the client sends binary frames (input) and JSON text frames (``{"resize":
+    {"rows": R, "cols": C}}``, ``{"eof": true}``, ``{"signal": "INT"}``, ``{"detach":
+    true}``); the edge sends ``{"attached": ...}`` first, then binary frames whose first
+    byte is the stream (1 stdout — all of a terminal's output —, 2 stderr), and
+    ``{"exit": {"exit_code": ..., "signal": ...}}`` or ``{"error": {...}}`` last."""
+
+    cmd: list[str] | str | None = None
+    """None: the sandbox's shell (bash when the image has it, else sh). A string runs under ``sh -c``."""
+    env: dict[str, str] = Field(default_factory=dict)
+    cwd: str = "/"
+    user: int | str = 0
+    tty: bool = True
+    rows: Annotated[int, Field(ge=1, le=10_000)] = 24
+    cols: Annotated[int, Field(ge=1, le=10_000)] = 80
+    name: Annotated[str | None, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")] = None
+    """A named terminal outlives the connection: a client that goes away (or detaches)
+    leaves it running, and attaching to the name again replays its recent screen output.
+    Terminals only (``tty``)."""
+
+    @field_validator("cmd", "env", "cwd", "user")
+    @classmethod
+    def _utf8(cls, v: Any) -> Any:
+        return _check_utf8(v)
+
+
+class TerminalInfo(_Wire):
+    """One named terminal of a sandbox (``GET /v1/sandboxes/{id}/terminals``)."""
+
+    name: str
+    pid: int
+    cmd: list[str]
+    started_at: float
+    attached: int
+    """Clients attached now."""
