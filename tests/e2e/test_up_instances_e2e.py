@@ -34,8 +34,8 @@ pytestmark = pytest.mark.root
 DSEC = [sys.executable, "-m", "dsec.cli.main"]
 REMOTE_NS = "dsec-test-iremote"
 REMOTE_LINK = "dti-remote0"
-REMOTE_IP = "10.222.0.2"
-HOST_SIDE_IP = "10.222.0.1"
+REMOTE_IP = "10.223.0.2"  # outside the automatic subnets (another instance on this host may hold one)
+HOST_SIDE_IP = "10.223.0.1"
 
 
 def dsec(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
@@ -181,3 +181,51 @@ def test_a_second_instance_on_a_data_dir_in_use_is_refused(dirs: tuple[Path, Pat
         assert edge_health(a)["healthy"]  # and the running one is untouched
         r = dsec(a, "run", "busybox", "--", "echo", "still here")
         assert r.returncode == 0 and r.stdout == "still here\n", r.stderr
+
+
+def test_without_a_free_subnet_dsec_up_runs_loopback_only_and_says_why(dirs: tuple[Path, Path]) -> None:
+    """The default network cannot start (every automatic subnet is held): the all-in-one
+    starts without it and says so, rather than not at all. The claims are in a run
+    directory of the test's own, so other instances on this host are not disturbed."""
+    import asyncio
+
+    from dsec import AsyncClient, ImageRef, NetworkPolicy, SandboxSpec
+    from dsec.backends.container import claims
+    from dsec.cli.up import start_cluster
+    from dsec.errors import InvalidSpec
+
+    _, data = dirs
+    run = Path(tempfile.mkdtemp(prefix="dsec-test-uprun-"))
+    held = [claims.try_claim(run / "claims" / f"subnet-{c.network_address}_{c.prefixlen}", "test")
+            for c in claims.AUTO_CANDIDATES]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    runner = asyncio.Runner()
+    cluster = runner.run(start_cluster(data, port=port, edge_overrides={"run_dir": str(run)}))
+    try:
+        (note,) = cluster.notes
+        assert note.startswith("edge e1 has no sandbox network (no free sandbox subnet among 10.224.0.0/16 .. "
+                               "10.254.0.0/16 ("), note
+        assert note.endswith("set network.subnet to a free range); its sandboxes are loopback-only"), note
+        assert cluster.edges[0].config.network is None
+
+        async def go() -> None:
+            async with AsyncClient(cluster.url, cluster.admin_token) as c:
+                spec = SandboxSpec(image=ImageRef(base="busybox:latest"))
+                async with await c.create(spec) as sb:
+                    assert (await sb.exec("echo ok")).stdout == b"ok\n"
+                with pytest.raises(InvalidSpec, match="has no network configured"):
+                    await c.create(spec.model_copy(update={"network": NetworkPolicy()}))
+
+        runner.run(go())
+    finally:
+        runner.run(cluster.stop())
+        runner.close()
+        for c in held:
+            assert c is not None
+            c.release()
+    assert not [ln for ln in mountinfo_lines() if str(run) in ln]
+    import shutil
+
+    shutil.rmtree(run)

@@ -78,7 +78,7 @@ def test_a_dead_holder_frees_its_claim(tmp_path: Path) -> None:
 
 
 def test_auto_subnets_differ_between_instances_and_avoid_host_routes(tmp_path: Path) -> None:
-    routes = [(ipaddress.IPv4Network("10.200.0.0/16"), "eth0"), (ipaddress.IPv4Network("10.201.4.0/24"), "wg0")]
+    routes = [(ipaddress.IPv4Network("10.224.0.0/16"), "eth0"), (ipaddress.IPv4Network("10.225.4.0/24"), "wg0")]
     got = []
     held = []
     try:

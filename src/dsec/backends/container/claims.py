@@ -34,10 +34,11 @@ from dsec.errors import HostError
 
 AUTO: Final = "auto"
 """``NetworkConfig.subnet`` value asking for :func:`pick_subnet`."""
-AUTO_CANDIDATES: Final = tuple(ipaddress.IPv4Network(f"10.{b}.0.0/16") for b in range(200, 255))
-"""Where an automatic subnet comes from: 55 /16s at the top of 10/8, clear of the ranges
-Docker (172.17-31, 192.168), Kubernetes defaults (10.42-10.43, 10.96-10.111, 10.244) and
-most home networks use."""
+AUTO_CANDIDATES: Final = tuple(ipaddress.IPv4Network(f"10.{b}.0.0/16") for b in range(224, 255))
+"""Where an automatic subnet comes from: 31 /16s at the top of 10/8, clear of what Docker
+(172.17-31, 192.168), most home networks and Kubernetes' service and k3s ranges (10.42-43,
+10.96-111) use, and of 10.213-10.223, which DSec's examples and tests configure by hand.
+(A host that routes one of them, such as a flannel node's 10.244/16, has it skipped.)"""
 
 
 @dataclass

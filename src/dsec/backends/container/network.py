@@ -102,7 +102,7 @@ class NetworkConfig(_Model):
 
     subnet: str = AUTO
     """Sandbox addresses (one /32 each). Must not overlap anything the host routes.
-    ``"auto"``: a free /16 of 10.200-10.254 that no other DSec instance on the host holds
+    ``"auto"``: a free /16 of 10.224-10.254 that no other DSec instance on the host holds
     and the host does not route, picked when the network starts (:func:`claims.pick_subnet`)."""
     permissions: dict[str, Permission] = Field(default_factory=dict)
     blocked: tuple[str, ...] = ()
