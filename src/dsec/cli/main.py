@@ -171,6 +171,18 @@ def bench_snapshot(quick: bool, json_path: Path | None) -> None:
     _report("dsec bench snapshot", results, json_path)
 
 
+@bench.command("cli")
+@click.option("--quick", is_flag=True, help="Fewer runs: 10 execs and 5 runs instead of 40 and 20.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the flat JSON here.")
+def bench_cli(quick: bool, json_path: Path | None) -> None:
+    """Wall time of `dsec exec ID -- /bin/true` and `dsec run busybox -- /bin/true` as processes,
+    against an all-in-one the bench starts, beside `podman run --rm` (when installed)."""
+    from dsec.bench.cli import run
+
+    results = run(quick=quick, say=lambda m: console.print(f"[dim]{m}[/dim]", highlight=False))
+    _report("dsec bench cli", results, json_path)
+
+
 @bench.command("abuse")
 @click.option("--quick", is_flag=True, help="Shorter floods and spins, 2 neighbours, fewer network/stage samples (< ~3 min).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the flat JSON here.")
