@@ -282,11 +282,32 @@ def register(main: click.Group) -> None:
     @click.option("--output-cap", default=None, metavar="SIZE",
                   help="Print only the first and the last SIZE of each stream (e.g. 1M), and one line on stderr "
                        "saying how much was left out. Default: everything.")
+    @click.option("-i", "--interactive", is_flag=True,
+                  help="Stream stdin to the command as it comes (automatic when stdin is a pipe or a file).")
+    @click.option("-t", "--tty", "use_tty", is_flag=True,
+                  help="Run the command on a terminal in the sandbox, keystrokes forwarded (python3, vim, top...).")
+    @click.option("--no-stdin", is_flag=True, help="Do not forward a piped stdin (the command reads /dev/null).")
     @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
     def exec_(sandbox_id: str, timeout: float, pristine: tuple[str, ...], output_cap: str | None,
-              cmd: tuple[str, ...]) -> None:
+              interactive: bool, use_tty: bool, no_stdin: bool, cmd: tuple[str, ...]) -> None:
         """Run CMD in a sandbox, streaming all of its output; exit with its code (a limit that
-        ended it is named in one line on stderr)."""
+        ended it is named in one line on stderr).
+
+        \b
+        Stdin: a pipe or a file is forwarded as it comes (`echo 'print(42)' | dsec exec ID -- python3 -`);
+        -i forwards a terminal's lines too; -t runs CMD on a terminal in the sandbox (`dsec exec -t ID -- python3`).
+        With -i or -t, --timeout, --pristine and --output-cap do not apply."""
+        from dsec.cli.interactive import stdin_is_data
+
+        if use_tty or interactive or (not no_stdin and stdin_is_data()):
+            if pristine or output_cap:
+                raise click.UsageError("--pristine and --output-cap do not combine with stdin forwarding "
+                                       "(-i, -t, or a piped stdin: add --no-stdin)")
+            if use_tty and not sys.stdin.isatty():
+                raise click.UsageError("-t needs a terminal on stdin (drop -t to stream a pipe)")
+            from dsec.cli.interactive import run_interactive
+
+            sys.exit(run_interactive(sandbox_id, list(cmd), use_tty=use_tty))
         from dsec.cli.execute import flag_errors, stream_exec
 
         cap = parse_size(output_cap, "--output-cap") if output_cap else None
@@ -296,23 +317,24 @@ def register(main: click.Group) -> None:
 
     @main.command()
     @click.argument("sandbox_id")
-    def shell(sandbox_id: str) -> None:
-        """An interactive shell session (state persists between lines; Ctrl-D ends it)."""
-        with client() as c:
-            sb = c.connect(sandbox_id)
-            with sb.session() as sess:
-                while True:
-                    try:
-                        line = input(f"{sandbox_id}$ " if sys.stdin.isatty() else "")
-                    except EOFError:
-                        break
-                    if not line.strip():
-                        continue
-                    res = sess.run(line, timeout=None)
-                    sys.stdout.buffer.write(res.stdout)
-                    sys.stderr.buffer.write(res.stderr)
-                    sys.stdout.flush()
-                    say_limit(res)
+    @click.option("--name", default="shell", show_default=True,
+                  help="The terminal to attach to, or to start: it outlives the connection (Ctrl-P Ctrl-Q "
+                       "detaches; `dsec shell ID` attaches again and shows its recent screen).")
+    @click.option("--new", "fresh", is_flag=True, help="A fresh terminal that ends when you leave.")
+    @click.option("--user", default="0", show_default=True, help="uid or uid:gid inside the sandbox.")
+    @click.option("--cwd", default="/", show_default=True)
+    def shell(sandbox_id: str, name: str, fresh: bool, user: str, cwd: str) -> None:
+        """An interactive shell on a terminal in the sandbox (bash when the image has it).
+
+        \b
+        Keys go to the sandbox as typed: Ctrl-C interrupts the remote command, Ctrl-D on an
+        empty line ends the shell, `exit N` ends it with status N (dsec shell exits with it).
+        Without a terminal on stdin, the lines of stdin are run by the shell."""
+        from dsec.cli.interactive import run_interactive
+
+        use_tty = sys.stdin.isatty()
+        sys.exit(run_interactive(sandbox_id, None, use_tty=use_tty, name=None if fresh or not use_tty else name,
+                                 cwd=cwd, user=user))
 
     @main.command(epilog=CP_HELP)
     @click.argument("src")
