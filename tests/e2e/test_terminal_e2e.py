@@ -189,3 +189,17 @@ def test_sync_client_has_the_terminal_too(svc: Harness) -> None:
 
     # The cluster's loop runs on this thread: the blocking client runs beside it.
     assert svc.run(asyncio.to_thread(sync)) == 2
+
+
+def test_exec_results_carry_cpu_time_and_start_latency(svc: Harness) -> None:
+    async def go() -> None:
+        async with svc.client() as c, await c.create(SPEC) as sb:
+            busy = await sb.exec("i=0; while [ $i -lt 300000 ]; do i=$((i+1)); done")
+            idle = await sb.exec("sleep 0.3")
+            # CPU time is the command's own (rusage), not wall time and not zero.
+            assert busy.cpu_user_s + busy.cpu_system_s > 0.05, busy
+            assert idle.cpu_user_s + idle.cpu_system_s < 0.05, idle
+            assert idle.duration_s >= 0.3
+            assert 0 < busy.start_latency_s < busy.duration_s, busy
+
+    svc.run(go())

@@ -112,6 +112,9 @@ def result_to_wire(r: ExecResult) -> ExecResultWire:
         duration_s=r.duration_s,
         timed_out=r.timed_out,
         limit=None if r.limit is None else LimitHitWire(kind=r.limit.kind, value=r.limit.value, message=r.limit.message),
+        start_latency_s=round(r.start_latency_s, 6),
+        cpu_user_s=round(r.cpu_user_s, 6),
+        cpu_system_s=round(r.cpu_system_s, 6),
     )
 
 

@@ -90,8 +90,10 @@ def result_from_wire(w: ExecResultWire) -> ExecResult:
         stderr_bytes=w.stderr_bytes,
         truncated=w.truncated,
         duration_s=w.duration_s,
-        start_latency_s=0.0,
+        start_latency_s=w.start_latency_s,
         timed_out=w.timed_out,
+        cpu_user_s=w.cpu_user_s,
+        cpu_system_s=w.cpu_system_s,
         limit=None if w.limit is None else LimitHit(w.limit.kind, w.limit.value, w.limit.message),
     )
 

@@ -206,6 +206,11 @@ class ExecResultWire(_Wire):
     timed_out: str | None = None
     limit: LimitHitWire | None = None
     """Set when a sandbox limit ended the command (or cut its output): see ``ExecResult.limit``."""
+    start_latency_s: float = 0.0
+    """From the edge's request to the command's execve."""
+    cpu_user_s: float = 0.0
+    """CPU time of the command and the children it waited for (rusage), user mode."""
+    cpu_system_s: float = 0.0
 
 
 class StreamChunk(_Wire):

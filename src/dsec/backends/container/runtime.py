@@ -254,6 +254,9 @@ class Process:
     track: Path | None = None
     """The command's own freezer cgroup: every process it started, detached or not."""
 
+    start_latency_s: float = 0.0
+    """From the request to the command's execve (namespaces entered, limits set)."""
+
     def kill(self, *, tree: bool = True) -> None:
         """SIGKILL the process; with ``tree``, everything it started (its cgroup, group and descendants)."""
         if tree:
@@ -1369,7 +1372,8 @@ class ContainerRuntime:
         os.close(spawned.pidfd)
         self.last_activity[sandbox_id] = time.monotonic()
         self._event(rec, "exec_started", pid=spawned.pid, argv0=argv[0], cmd=command_line(argv))
-        return Process(sandbox_id, spawned.pid, spawner.exit_future(spawned.pid), started, track)
+        return Process(sandbox_id, spawned.pid, spawner.exit_future(spawned.pid), started, track,
+                       start_latency_s=time.monotonic() - started)
 
     async def start_tty(
         self,
@@ -1626,7 +1630,7 @@ class ContainerRuntime:
             stderr_bytes=se.total,
             truncated=so.truncated or se.truncated,
             duration_s=time.monotonic() - proc.started_at,
-            start_latency_s=0.0,
+            start_latency_s=proc.start_latency_s,
             timed_out=timed_out[0] if timed_out else None,
             cpu_user_s=ex.utime_s,
             cpu_system_s=ex.stime_s,
@@ -2247,6 +2251,7 @@ class ContainerRuntime:
             return False  # pinned by another runtime, or a snapshot was taken on top of it
         marker.unlink(missing_ok=True)
         self._lineage.pop(digest, None)
+        self._kinds.pop(digest, None)
         self._resolved.pop(digest, None)
         return True
 
