@@ -247,9 +247,11 @@ def test_ordinary_calls_print_nothing_on_stderr(up: dict[str, str], sid: str) ->
 
 
 def test_the_event_log_says_what_ran_and_what_was_copied(up: dict[str, str], sid: str, tmp_path: Path) -> None:
+    from dsec.sdk import Client
+
     assert dsec(up, "exec", sid, "--", "sh", "-c", "echo 'a b' > /tmp/x").returncode == 0
-    sh = dsec(up, "shell", sid, stdin=b"cd /tmp\ncat x\n")
-    assert sh.returncode == 0, sh.stderr
+    with Client(up["DSEC_URL"], up["DSEC_TOKEN"]) as c, c.connect(sid).session() as sess:  # a shell session
+        assert sess.run("cd /tmp").exit_code == 0 and sess.run("cat x").stdout == b"a b\n"
     (tmp_path / "in").write_text("in\n")
     assert dsec(up, "cp", str(tmp_path / "in"), f"{sid}:/tmp/").returncode == 0
     assert dsec(up, "cp", f"{sid}:/tmp/x", str(tmp_path / "out")).returncode == 0
