@@ -80,7 +80,8 @@ def _create(api: httpx.Client) -> str:
 
 def test_an_edge_repairs_vanished_host_state_and_says_so(dsec_base: Path) -> None:
     # The periodic check is off (an hour): the next create must find and repair it all itself.
-    cfg = edge_config(dsec_base, "heal", "hl", KEY, host_check_interval_s=3600)
+    cfg = edge_config(dsec_base, "heal", "hl", KEY, host_check_interval_s=3600,
+                      network={"subnet": "10.219.0.0/24", "pool_size": 0})
     with running_edge(cfg) as edge, edge.client() as api:
         rt = edge.service.runtime
         assert api.get("/v1/health").json()["healthy"] is True
@@ -111,7 +112,28 @@ def test_an_edge_repairs_vanished_host_state_and_says_so(dsec_base: Path) -> Non
         for kind, least in (("layer_mount", 1), ("cgroup", 2), ("skeleton", 1), ("spawner", 1)):
             assert _metric(metrics, "dsec_edge_host_repairs_total", kind=kind) >= least, kind
         assert all(p.is_dir() for p in parents) and rt.spawner.pid != spawner
-        assert api.delete(f"/v1/sandboxes/{sid}").status_code in (200, 204)
+
+        # With a sandbox running on it: the writable-layer store unmounted (lazily: the
+        # sandbox holds it) and the network's host table deleted (a flushed ruleset).
+        r = api.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "echo kept > /tmp/kept"})
+        assert r.status_code == 200 and r.json()["exit_code"] == 0, r.text
+        subprocess.run(["umount", "-l", str(rt.uppers.mountpoint)], check=True)
+        subprocess.run(["nft", "delete", "table", "inet", rt.net.host_table], check=True)
+        sid2 = _create(api)  # the store is mounted again on the way
+        r = api.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "cat /tmp/kept"})
+        assert r.status_code == 200 and r.json()["exit_code"] == 0, r.text  # the running one never noticed
+        edge.call(edge.service.selfcheck.check())  # the table is the periodic pass's
+        health = api.get("/v1/health").json()
+        assert health["healthy"] is True, health["problems"]
+        said = "\n".join(health["repairs"])
+        assert f"re-mounted the writable-layer store at {rt.uppers.mountpoint} (it had been unmounted)" in said, said
+        assert f"re-made the sandbox network's nftables table inet {rt.net.host_table}" in said, said
+        assert subprocess.run(["nft", "list", "table", "inet", rt.net.host_table], capture_output=True).returncode == 0
+        metrics = api.get("/metrics").text
+        assert _metric(metrics, "dsec_edge_host_repairs_total", kind="uppers") == 1
+        assert _metric(metrics, "dsec_edge_host_repairs_total", kind="network") == 1
+        for s in (sid, sid2):
+            assert api.delete(f"/v1/sandboxes/{s}").status_code in (200, 204)
 
 
 def test_what_an_edge_cannot_repair_is_reported_exactly(dsec_base: Path) -> None:

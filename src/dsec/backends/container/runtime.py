@@ -706,7 +706,7 @@ class ContainerRuntime:
                 # found by name (cgroups, uid slot file) and the reconciler removes it.
                 rec.slot = self._claim_slot(sid)
                 res = spec.resources
-                if res.disk_medium == "disk" and not self.uppers.ready:
+                if res.disk_medium == "disk" and not (self.uppers.ready and self.uppers.mounted()):
                     await self._setup_uppers()
                 cg_dirs, upper = await asyncio.to_thread(self._make_host_parts, sid, res, rec.uid_base)
                 lowers = [str(await self._use_layer(d, sid)) for d in layers]
@@ -1783,6 +1783,17 @@ class ContainerRuntime:
             if self._mounts is not None:
                 found += [self._note(k, m, repaired=r)
                           for k, m, r in await asyncio.to_thread(self._check_mounts, repair)]
+            if self.uppers.ready and not self.uppers.mounted():
+                what = f"the writable-layer store is not mounted at {self.uppers.mountpoint}"
+                if not repair:
+                    found.append(self._note("uppers", what, repaired=False))
+                else:
+                    try:
+                        made = await self._setup_uppers()
+                        found += [made] if made is not None else []
+                    except (OSError, HostError) as exc:
+                        found.append(self._note("uppers", f"{what} and cannot be mounted again: {exc}",
+                                                repaired=False))
             sp = self.spawner
             if sp is not None and not sp.alive:
                 what = f"dsec-spawner (pid {sp.pid}) has exited"
@@ -1851,8 +1862,7 @@ class ContainerRuntime:
         return out
 
     def _check_mounts(self, repair: bool) -> builtins.list[tuple[str, str, bool]]:
-        """Cgroup parents, the /dev skeleton, layer mounts, the writable-layer store (in a thread)."""
-        from dsec.backends.container.uppers import _is_btrfs_mount
+        """Cgroup parents, the /dev skeleton, layer mounts (in a thread)."""
         from dsec.images import sysmount
 
         out: list[tuple[str, str, bool]] = []
@@ -1879,22 +1889,6 @@ class ContainerRuntime:
                 out.append(("skeleton", what, False))
         problems, repairs = self._mounts.check(repair=repair)
         out += [("layer_mount", m, False) for m in problems] + [("layer_mount", m, True) for m in repairs]
-        up = self.uppers
-        if up.ready and not _is_btrfs_mount(up.mountpoint):
-            what = f"the writable-layer store is not mounted at {up.mountpoint}"
-            if up.image is not None and not up.image.exists():
-                out.append(("uppers", f"{what} and its image {up.image} was deleted: sandboxes on the disk "
-                            "medium cannot be made; restart the edge", False))
-            elif not repair:
-                out.append(("uppers", what, False))
-            else:
-                try:
-                    up.close(unmount=False)
-                    up.setup()
-                    out.append(("uppers", f"re-mounted the writable-layer store at {up.mountpoint} "
-                                "(it had been unmounted)", True))
-                except (OSError, HostError) as exc:
-                    out.append(("uppers", f"{what} and cannot be mounted again: {exc}", False))
         return out
 
     # ----- files and sessions -----
@@ -1940,10 +1934,17 @@ class ContainerRuntime:
 
     # ----- pause / resume (docs/SNAPSHOTS.md, "Pause") -----
 
-    async def _setup_uppers(self) -> None:
+    async def _setup_uppers(self) -> HostFinding | None:
+        """Set up the writable-layer store, or mount it again when someone unmounted it (the
+        repair is returned). One at a time: a create and a heal pass may both find it gone."""
         async with self._uppers_lock:
             if not self.uppers.ready:
                 await asyncio.to_thread(self.uppers.setup)
+            elif not self.uppers.mounted():
+                await asyncio.to_thread(self.uppers.remount)
+                return self._note("uppers", f"re-mounted the writable-layer store at {self.uppers.mountpoint} "
+                                  "(it had been unmounted)", repaired=True)
+        return None
 
     def _make_host_parts(self, sandbox_id: str, res: Any, uid_base: int) -> tuple[builtins.list[Path], Path | None]:
         """The sandbox's cgroups and, on the disk medium, its writable layer (one thread hop)."""

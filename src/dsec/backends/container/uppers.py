@@ -191,6 +191,32 @@ class UpperStore:
             while backing.exists() and time.monotonic() < deadline:
                 time.sleep(0.02)
 
+    def mounted(self) -> bool:
+        """The store is (still) mounted at its mountpoint: two stats. False once someone
+        unmounted it (lazily: the runtime's open root keeps the filesystem alive)."""
+        if self._root_fd < 0:
+            return False
+        try:
+            return os.stat(self.mountpoint).st_dev == os.fstat(self._root_fd).st_dev
+        except OSError:
+            return False
+
+    def remount(self) -> None:
+        """Mount the store at its mountpoint again after someone unmounted it. The open root
+        (and every sandbox's layer) stays as it is: the same filesystem is mounted once more."""
+        if self.mounted():
+            return
+        if self.image is None:
+            raise UpperStoreError(f"{self.mountpoint} is not mounted any more: mount its btrfs filesystem there again")
+        if not self.image.exists():
+            raise UpperStoreError(f"its image {self.image} was deleted: restart the edge (disk-medium sandboxes "
+                                  "cannot be made until then)")
+        loop = _loop_of(self.image)
+        if not loop:
+            raise UpperStoreError(f"the loop device of {self.image} is gone: restart the edge")
+        self.mountpoint.mkdir(parents=True, exist_ok=True)
+        _run(["mount", "-t", "btrfs", "-o", "noatime,nosuid,nodev,discard=async", loop, str(self.mountpoint)], "mount")
+
     def _root(self) -> int:
         if self._root_fd < 0:
             raise UpperStoreError("the writable-layer store is not set up (UpperStore.setup())")
