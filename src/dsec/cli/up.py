@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import logging
 import re
 import signal
 from dataclasses import dataclass, field
@@ -31,6 +32,8 @@ from typing import Any
 
 from dsec.cli.paths import admin_token_path as admin_token_path  # re-exported
 from dsec.cli.paths import data_dir_default as data_dir_default
+
+log = logging.getLogger("dsec.up")
 
 DEFAULT_PORT = 7070
 NODE_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,19}$")
@@ -133,11 +136,18 @@ class Cluster:
     """What did not start as configured by default (said at start)."""
 
     async def stop(self) -> None:
+        """Stop every edge (destroying its sandboxes), then the control plane. A failure is
+        logged, not raised: the rest still stops (and says what it left behind)."""
         for e in self.edges:
-            with contextlib.suppress(Exception):
+            try:
                 await e.stop(destroy_all=True)
-        with contextlib.suppress(Exception):
+            except Exception:
+                log.exception("edge %s did not stop cleanly; its runtime %s may have left mounts or cgroups "
+                              "(a restart on this data directory cleans them up)", e.edge_id, e.service.runtime.name)
+        try:
             await self.control.stop()
+        except Exception:
+            log.exception("the control plane did not stop cleanly")
         if self.lock is not None:
             self.lock.release()
             self.lock = None
