@@ -183,10 +183,12 @@ def test_a_second_instance_on_a_data_dir_in_use_is_refused(dirs: tuple[Path, Pat
         assert r.returncode == 0 and r.stdout == "still here\n", r.stderr
 
 
-def test_without_a_free_subnet_dsec_up_runs_loopback_only_and_says_why(dirs: tuple[Path, Path]) -> None:
+def test_without_a_free_subnet_dsec_up_runs_loopback_only_and_says_why(
+    dirs: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The default network cannot start (every automatic subnet is held): the all-in-one
-    starts without it and says so, rather than not at all. The claims are in a run
-    directory of the test's own, so other instances on this host are not disturbed."""
+    starts without it and says so, rather than not at all. The claims are in a directory
+    of the test's own ($DSEC_CLAIMS_DIR), so other instances on this host are not disturbed."""
     import asyncio
 
     from dsec import AsyncClient, ImageRef, NetworkPolicy, SandboxSpec
@@ -195,14 +197,15 @@ def test_without_a_free_subnet_dsec_up_runs_loopback_only_and_says_why(dirs: tup
     from dsec.errors import InvalidSpec
 
     _, data = dirs
-    run = Path(tempfile.mkdtemp(prefix="dsec-test-uprun-"))
-    held = [claims.try_claim(run / "claims" / f"subnet-{c.network_address}_{c.prefixlen}", "test")
+    private = Path(tempfile.mkdtemp(prefix="dsec-test-claims-"))
+    monkeypatch.setenv("DSEC_CLAIMS_DIR", str(private))
+    held = [claims.try_claim(private / f"subnet-{c.network_address}_{c.prefixlen}", "test")
             for c in claims.AUTO_CANDIDATES]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     runner = asyncio.Runner()
-    cluster = runner.run(start_cluster(data, port=port, edge_overrides={"run_dir": str(run)}))
+    cluster = runner.run(start_cluster(data, port=port))
     try:
         (note,) = cluster.notes
         assert note.startswith("edge e1 has no sandbox network (no free sandbox subnet among 10.224.0.0/16 .. "
@@ -225,7 +228,5 @@ def test_without_a_free_subnet_dsec_up_runs_loopback_only_and_says_why(dirs: tup
         for c in held:
             assert c is not None
             c.release()
-    assert not [ln for ln in mountinfo_lines() if str(run) in ln]
-    import shutil
-
-    shutil.rmtree(run)
+    assert sorted(p.name for p in private.iterdir()) == []  # every claim was let go and removed
+    private.rmdir()

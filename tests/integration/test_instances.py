@@ -25,6 +25,7 @@ import httpx
 import pytest
 
 from conftest import CGROUP_ROOT, RuntimeHarness, edge_config, pid_alive, running_edge, wait_until
+from dsec.backends.container import claims
 from dsec.errors import HostError
 
 pytestmark = pytest.mark.root
@@ -47,7 +48,7 @@ def test_a_second_runtime_with_a_name_in_use_is_refused_and_touches_nothing(
             asyncio.run(twin.start())
         msg = str(err.value)
         assert msg.startswith(f"runtime name {a.name!r} is in use by another process on this host "
-                              f"({a.name} pid {os.getpid()}, lock {a.run_dir / 'claims' / f'runtime-{a.name}'})"), msg
+                              f"({a.name} pid {os.getpid()}, lock {claims.claims_dir() / f'runtime-{a.name}'})"), msg
         assert "\n" not in msg
         assert not (tmp_path / "other-state" / "sandboxes").exists()
         # The first one's sandbox, cgroups and mounts are as they were.

@@ -34,6 +34,24 @@ def test_a_runtime_name_is_held_once_and_freed_with_its_holder(tmp_path: Path) -
     again = claims.claim_runtime(tmp_path, "up-1a2b3c4d-e1")
     for c in again:
         c.release()
+    assert list(tmp_path.iterdir()) == []  # released claims leave no file behind
+
+
+def test_a_locker_that_lost_a_race_with_a_release_takes_the_new_file(tmp_path: Path) -> None:
+    """A's release unlinks the file it holds; B, which opened that file just before, must not
+    keep a lock on the unlinked one while C locks a new file at the path."""
+    import fcntl
+
+    a = claims.try_claim(tmp_path / "runtime-x", "a")
+    assert a is not None
+    stale = os.open(tmp_path / "runtime-x", os.O_RDWR)  # B opened it...
+    a.release()  # ...A unlinks and lets go...
+    fcntl.flock(stale, fcntl.LOCK_EX | fcntl.LOCK_NB)  # ...B's lock now succeeds on the dead file
+    c = claims.try_claim(tmp_path / "runtime-x", "c")
+    assert c is not None and c.intact()  # C holds the path's file; B's is not it
+    assert os.fstat(stale).st_nlink == 0
+    os.close(stale)
+    c.release()
 
 
 def test_two_names_with_one_network_tag_are_refused(tmp_path: Path) -> None:
@@ -53,8 +71,7 @@ def test_two_names_with_one_network_tag_are_refused(tmp_path: Path) -> None:
     try:
         with pytest.raises(HostError, match=f"network tag {claims.net_tag(pair[0])} of '{pair[1]}' is in use"):
             claims.claim_runtime(tmp_path, pair[1])
-        assert not (tmp_path / f"runtime-{pair[1]}").exists() or claims.try_claim(
-            tmp_path / f"runtime-{pair[1]}", "probe") is not None  # the refused one holds nothing
+        assert not (tmp_path / f"runtime-{pair[1]}").exists()  # the refused one let its name go
     finally:
         for c in held:
             c.release()

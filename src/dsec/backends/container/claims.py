@@ -1,7 +1,9 @@
 """Host-wide claims held with ``flock`` for a process's lifetime: what keeps two runtimes on
 one host (two ``dsec up`` instances, two edges) from using the same host resources.
 
-A claim is a file under ``<run_dir>/claims/`` locked with ``flock``:
+A claim is a file in the host's claims directory (:func:`claims_dir`: ``/run/dsec/claims``,
+or ``$DSEC_CLAIMS_DIR``; one per host whatever ``run_dir`` a runtime uses, since cgroups,
+links, tables and routes are host-wide) locked with ``flock``:
 
 - ``runtime-<name>``: the runtime's name, which names its cgroups, run directory,
   records, writable-layer store and swap label (exclusive);
@@ -13,9 +15,10 @@ A claim is a file under ``<run_dir>/claims/`` locked with ``flock``:
   it (addresses are then claimed from the kernel one /32 route at a time).
 
 The kernel drops a lock when its holder dies, so a crashed owner never blocks the next
-one and nothing needs cleaning up. Files are never unlinked (unlinking a lock file races
-with the next locker). Every lock is taken with LOCK_NB: a held claim is an error that
-names its holder, never a wait. Only this module reads /proc/net/route.
+one. An exclusive holder unlinks its file before it lets go, so nothing accumulates; a
+locker checks that the file it locked is still the one at the path (else it lost a race
+with such an unlink and tries again). Every lock is taken with LOCK_NB: a held claim is an
+error that names its holder, never a wait. Only this module reads /proc/net/route.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import fcntl
 import hashlib
 import ipaddress
 import os
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +36,7 @@ from typing import Final
 
 from dsec.errors import HostError
 
+DEFAULT_CLAIMS_DIR: Final = Path("/run/dsec/claims")
 AUTO: Final = "auto"
 """``NetworkConfig.subnet`` value asking for :func:`pick_subnet`."""
 AUTO_CANDIDATES: Final = tuple(ipaddress.IPv4Network(f"10.{b}.0.0/16") for b in range(224, 255))
@@ -41,15 +46,24 @@ AUTO_CANDIDATES: Final = tuple(ipaddress.IPv4Network(f"10.{b}.0.0/16") for b in 
 (A host that routes one of them, such as a flannel node's 10.244/16, has it skipped.)"""
 
 
+def claims_dir() -> Path:
+    """The host's claims directory: ``$DSEC_CLAIMS_DIR`` or /run/dsec/claims."""
+    return Path(os.environ.get("DSEC_CLAIMS_DIR") or DEFAULT_CLAIMS_DIR)
+
+
 @dataclass
 class Claim:
     """A held claim; :meth:`release` (or the process's death) lets it go."""
 
     path: Path
     fd: int
+    shared: bool = False
 
     def release(self) -> None:
         if self.fd >= 0:
+            if not self.shared and self.intact():
+                with contextlib.suppress(OSError):
+                    self.path.unlink()  # while still locked: see the module docstring
             os.close(self.fd)  # closing the only descriptor drops the flock
             self.fd = -1
 
@@ -77,19 +91,25 @@ def _open(path: Path) -> int:
 def try_claim(path: Path, owner: str, *, shared: bool = False) -> Claim | None:
     """Lock ``path`` (exclusively, or shared); None when someone else holds it. An exclusive
     holder writes ``owner`` and its pid into the file, for the messages of the refused."""
-    fd = _open(path)
-    try:
-        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    except BaseException:
-        os.close(fd)
-        raise
-    if not shared:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{owner} pid {os.getpid()}\n".encode(), 0)
-    return Claim(path, fd)
+    for _ in range(16):
+        fd = _open(path)
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        except BaseException:
+            os.close(fd)
+            raise
+        claim = Claim(path, fd, shared)
+        if not claim.intact():  # its holder unlinked it between our open and our lock
+            os.close(fd)
+            continue
+        if not shared:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{owner} pid {os.getpid()}\n".encode(), 0)
+        return claim
+    return None
 
 
 def holder(path: Path) -> str:
@@ -200,12 +220,14 @@ def claim_subnet(claims_dir: Path, subnet: str, owner: str) -> Claim:
         if other != net and other.overlaps(net) and _held_exclusively(path):
             raise HostError(f"network.subnet {net} overlaps {other}, which another DSec instance on this host "
                             f"uses ({holder(path) or 'unknown'}): choose another subnet, or \"auto\"", subnet=str(net))
-    c = try_claim(_subnet_path(claims_dir, net), owner, shared=True)
-    if c is None:
-        path = _subnet_path(claims_dir, net)
-        raise HostError(f"network.subnet {net} is in use by another DSec instance on this host "
-                        f"({holder(path) or 'unknown'}): choose another subnet, or \"auto\"", subnet=str(net))
-    return c
+    path = _subnet_path(claims_dir, net)
+    for _ in range(20):  # a picker's probe holds it for a moment: only an owner holds it for long
+        c = try_claim(path, owner, shared=True)
+        if c is not None:
+            return c
+        time.sleep(0.01)
+    raise HostError(f"network.subnet {net} is in use by another DSec instance on this host "
+                    f"({holder(path) or 'unknown'}): choose another subnet, or \"auto\"", subnet=str(net))
 
 
 def pick_subnet(claims_dir: Path | None, owner: str, *, own_links: str, keep: Sequence[str] = (),
@@ -245,5 +267,5 @@ def pick_subnet(claims_dir: Path | None, owner: str, *, own_links: str, keep: Se
                     refusals=refusals[:8])
 
 
-__all__ = ["AUTO", "AUTO_CANDIDATES", "Claim", "claim_runtime", "claim_subnet", "holder", "host_routes", "net_tag",
-           "pick_subnet", "try_claim"]
+__all__ = ["AUTO", "AUTO_CANDIDATES", "DEFAULT_CLAIMS_DIR", "Claim", "claim_runtime", "claim_subnet", "claims_dir",
+           "holder", "host_routes", "net_tag", "pick_subnet", "try_claim"]

@@ -360,7 +360,7 @@ class ContainerRuntime:
         self.records_dir = base_state / "sandboxes" / name
         self.stage_dir = self.run_dir / "stage"
         self.slots_dir = base_run / "uid-slots"
-        self.claims_dir = base_run / "claims"
+        self.claims_dir = claims.claims_dir()
         """Host-wide claims of this runtime's name, network tag and subnet (:mod:`claims`)."""
         self._claims: list[claims.Claim] = []
         self.id_prefix = id_prefix
