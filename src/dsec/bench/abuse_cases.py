@@ -890,8 +890,8 @@ async def _proc(a: Attack) -> None:
       asserts="every walk ends at the sandbox's own root or is refused; nothing of the node's template namespace "
               "(r, u, l0...) or the host reached",
       defence="the sandbox's root is the overlay moved over its mount namespace's root (a copy of a template that "
-              "holds one read-only tmpfs of empty mountpoints, mode 0700, owned by host root: unmapped in the "
-              "sandbox, so not searchable by its root)")
+              "holds one read-only tmpfs with one empty directory, mode 0700, owned by host root: unmapped in the "
+              "sandbox, so not searchable by its root; and '..' from the overlay's root stays there)")
 async def _chroot_escape(a: Attack) -> None:
     for op in ("chroot_escape", "opath_escape"):
         out = await a.helper(op)
