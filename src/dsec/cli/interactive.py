@@ -150,16 +150,3 @@ def run_interactive(sandbox_id: str, cmd: Sequence[str] | str | None, *, use_tty
     finally:
         if saved is not None:
             termios.tcsetattr(sys.stdin.fileno(), termios.TCSADRAIN, saved)
-
-
-def stdin_is_data() -> bool:
-    """Whether stdin carries data to forward: a pipe or a file, not a terminal or /dev/null."""
-    try:
-        st = os.fstat(sys.stdin.fileno())
-    except (OSError, ValueError):
-        return False
-    import stat
-
-    if stat.S_ISFIFO(st.st_mode) or stat.S_ISSOCK(st.st_mode):
-        return True
-    return stat.S_ISREG(st.st_mode) and st.st_size > 0

@@ -257,7 +257,7 @@ def register(main: click.Group) -> None:
         with client() as c:
             ok: list[Any] = []
             failed: list[Any] = []
-            with Progress(console=console, transient=True) as bar:
+            with Progress(console=console.get(), transient=True) as bar:
                 job = bar.add_task(f"creating {count} sandboxes", total=count)
                 for o in c.create_many(model, count, concurrency=concurrency, labels=labels, task=task, ttl_s=ttl):
                     (ok if o.ok else failed).append(o)
@@ -297,7 +297,7 @@ def register(main: click.Group) -> None:
         Stdin: a pipe or a file is forwarded as it comes (`echo 'print(42)' | dsec exec ID -- python3 -`);
         -i forwards a terminal's lines too; -t runs CMD on a terminal in the sandbox (`dsec exec -t ID -- python3`).
         With -i or -t, --timeout, --pristine and --output-cap do not apply."""
-        from dsec.cli.interactive import stdin_is_data
+        from dsec.cli.term import stdin_is_data
 
         if use_tty or interactive or (not no_stdin and stdin_is_data()):
             if pristine or output_cap:

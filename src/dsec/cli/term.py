@@ -18,12 +18,16 @@ class _LazyConsole:
         self._kw = kw
         self._console: Any = None
 
-    def __getattr__(self, name: str) -> Any:
+    def get(self) -> Any:
+        """The console itself (what rich's own classes take: ``Progress(console=console.get())``)."""
         if self._console is None:
             from rich.console import Console
 
             self._console = Console(**self._kw)
-        return getattr(self._console, name)
+        return self._console
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.get(), name)
 
 
 console: Any = _LazyConsole(stderr=True)
@@ -62,3 +66,19 @@ def age(seconds: float) -> str:
     """A duration as `dsec ls` shows it: 45s, 12m, 3h, 2d."""
     s = int(max(seconds, 0))
     return f"{s}s" if s < 120 else f"{s // 60}m" if s < 7200 else f"{s // 3600}h" if s < 172800 else f"{s // 86400}d"
+
+
+def stdin_is_data() -> bool:
+    """Whether stdin carries data to forward: a pipe or a file, not a terminal or /dev/null.
+    (Here, not in cli/interactive.py: `dsec exec` asks it every time, and importing the
+    interactive path costs asyncio.)"""
+    import os
+    import stat
+
+    try:
+        st = os.fstat(sys.stdin.fileno())
+    except (OSError, ValueError):
+        return False
+    if stat.S_ISFIFO(st.st_mode) or stat.S_ISSOCK(st.st_mode):
+        return True
+    return stat.S_ISREG(st.st_mode) and st.st_size > 0
