@@ -144,6 +144,7 @@ def test_configured_subnets_share_and_an_auto_one_is_refused_to_them(tmp_path: P
     finally:
         for c in (a, b, claim):
             c.release()
+    assert list(tmp_path.iterdir()) == []  # the last sharer removed the shared claim's file too
 
 
 def test_no_free_auto_subnet_is_one_line_saying_what_to_do(tmp_path: Path) -> None:

@@ -15,9 +15,9 @@ links, tables and routes are host-wide) locked with ``flock``:
   it (addresses are then claimed from the kernel one /32 route at a time).
 
 The kernel drops a lock when its holder dies, so a crashed owner never blocks the next
-one. An exclusive holder unlinks its file before it lets go, so nothing accumulates; a
-locker checks that the file it locked is still the one at the path (else it lost a race
-with such an unlink and tries again). Every lock is taken with LOCK_NB: a held claim is an
+one. The last holder unlinks its file before it lets go, so nothing accumulates; a locker
+checks that the file it locked is still the one at the path (else it lost a race with
+such an unlink and tries again). Every lock is taken with LOCK_NB: a held claim is an
 error that names its holder, never a wait. Only this module reads /proc/net/route.
 """
 
@@ -61,7 +61,14 @@ class Claim:
 
     def release(self) -> None:
         if self.fd >= 0:
-            if not self.shared and self.intact():
+            last = not self.shared
+            if self.shared:  # the last sharer removes the file: it alone can make its lock exclusive
+                try:
+                    fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    last = True
+                except BlockingIOError:
+                    pass
+            if last and self.intact():
                 with contextlib.suppress(OSError):
                     self.path.unlink()  # while still locked: see the module docstring
             os.close(self.fd)  # closing the only descriptor drops the flock
