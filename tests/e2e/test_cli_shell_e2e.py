@@ -130,3 +130,28 @@ def test_exec_tty_and_piped_stdin(up: dict[str, str], sid: str) -> None:
     r = subprocess.run([*DSEC, "exec", "-t", sid, "--", "true"], env=up, stdin=subprocess.DEVNULL,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "-t needs a terminal" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_exec_stdin_sources(up: dict[str, str], sid: str, tmp_path: Path) -> None:
+    # A file on stdin goes with the request (the lean path: --timeout and --output-cap still apply).
+    f = tmp_path / "in.txt"
+    f.write_bytes(b"line1\nline2\n")
+    with f.open("rb") as fh:
+        r = subprocess.run([*DSEC, "exec", "--timeout", "30", sid, "--", "sh", "-c", "wc -l; exit 3"], env=up,
+                           stdin=fh, capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stdout.strip()) == (3, "2"), r.stderr
+    # A pipe nobody has written to (an agent harness's inherited stdin) is not waited for.
+    p = subprocess.Popen([*DSEC, "exec", sid, "--", "echo", "no-wait"], env=up, stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert p.stdin is not None and p.stdout is not None and p.stderr is not None
+    try:
+        out, err = p.stdout.read(), p.stderr.read()  # to EOF, with our end of its stdin still open
+        assert p.wait(30) == 0 and out == b"no-wait\n", err
+    finally:
+        p.stdin.close()
+    # -i streams such a pipe anyway: a producer that starts later is read as it writes.
+    p = subprocess.Popen([*DSEC, "exec", "-i", sid, "--", "sh", "-c", "read a; echo got-$a"], env=up,
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    time.sleep(1.0)
+    out, err = p.communicate(b"late\n", timeout=60)
+    assert (p.returncode, out) == (0, b"got-late\n"), err

@@ -131,6 +131,13 @@ def test_named_terminal_survives_the_connection_and_replays(svc: Harness) -> Non
             assert last.exit is not None and last.exit.exit_code == 0
             r = await sb._request("GET", "/terminals")
             assert r.json() == []
+            # The event log tells who attached to what, who left it running, and how it ended.
+            evs = [e for e in await sb.events() if str(e.get("event", "")).startswith("terminal_")]
+            kinds = [(e["event"], e.get("new"), e.get("still_running"), e.get("exit_code")) for e in evs]
+            assert kinds[0] == ("terminal_attached", True, None, None), kinds
+            assert ("terminal_left", None, True, None) in kinds and ("terminal_attached", False, None, None) in kinds
+            assert kinds[-1] == ("terminal_ended", None, None, 0), kinds
+            assert all(e.get("name") == "work" for e in evs)
 
     svc.run(go())
 

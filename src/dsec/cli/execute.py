@@ -92,7 +92,7 @@ def pydantic_flag_errors(exc: Any, typed: Mapping[str, str]) -> click.UsageError
 
 
 def stream_exec(sb: Any, cmd: list[str], *, timeout: float | None, pristine: tuple[str, ...] = (),
-                output_cap: int | None = None) -> int:
+                output_cap: int | None = None, stdin: bytes | None = None) -> int:
     """Run ``cmd`` in ``sb`` (a lean sandbox), writing its output as it comes; its exit code
     (124 when a timeout killed it, 128+N for a signal, 130 on Ctrl-C, 141 when our stdout closed)."""
     argv: list[str] | str = cmd[0] if len(cmd) == 1 and " " in cmd[0] else cmd
@@ -101,7 +101,7 @@ def stream_exec(sb: Any, cmd: list[str], *, timeout: float | None, pristine: tup
     result: dict[str, Any] | None = None
     sys.stdout.flush()
     try:
-        for item in sb.exec_stream(argv, timeout=timeout, pristine=list(pristine), output_cap=output_cap):
+        for item in sb.exec_stream(argv, timeout=timeout, pristine=list(pristine), output_cap=output_cap, stdin=stdin):
             if isinstance(item, tuple):
                 stream, data, lost = item
                 dropped[stream] += lost

@@ -445,10 +445,12 @@ class LeanSandbox:
 
     def exec_stream(self, cmd: list[str] | str, *, timeout: float | None = 600.0, pristine: list[str] | None = None,
                     output_cap: int | None = None, env: Mapping[str, str] | None = None,
-                    cwd: str = "/") -> Iterator[tuple[str, bytes, int] | dict[str, Any]]:
+                    cwd: str = "/", stdin: bytes | None = None) -> Iterator[tuple[str, bytes, int] | dict[str, Any]]:
         """``(stream, data, dropped)`` as output is produced, then the result (ExecResultWire as a dict).
         An error line raises its typed error."""
         req: dict[str, Any] = {"cmd": cmd, "timeout": timeout, "cwd": cwd}
+        if stdin:
+            req["stdin_b64"] = base64.b64encode(stdin).decode()
         if env:
             req["env"] = dict(env)
         if pristine:

@@ -294,12 +294,15 @@ def register(main: click.Group) -> None:
         ended it is named in one line on stderr).
 
         \b
-        Stdin: a pipe or a file is forwarded as it comes (`echo 'print(42)' | dsec exec ID -- python3 -`);
-        -i forwards a terminal's lines too; -t runs CMD on a terminal in the sandbox (`dsec exec -t ID -- python3`).
-        With -i or -t, --timeout, --pristine and --output-cap do not apply."""
-        from dsec.cli.term import stdin_is_data
+        Stdin: a file (`< input.txt`) goes to the command; a pipe is streamed as it comes
+        (`echo 'print(42)' | dsec exec ID -- python3 -`) when it has data at start (-i streams
+        any stdin, e.g. a producer that starts later, or a terminal's lines); -t runs CMD on a
+        terminal in the sandbox (`dsec exec -t ID -- python3`). When stdin is streamed (-i, -t,
+        a pipe), --timeout, --pristine and --output-cap do not apply."""
+        from dsec.cli.term import stdin_source
 
-        if use_tty or interactive or (not no_stdin and stdin_is_data()):
+        source = "none" if no_stdin else stdin_source()
+        if use_tty or interactive or source == "pipe":
             if pristine or output_cap:
                 raise click.UsageError("--pristine and --output-cap do not combine with stdin forwarding "
                                        "(-i, -t, or a piped stdin: add --no-stdin)")
@@ -311,8 +314,10 @@ def register(main: click.Group) -> None:
         from dsec.cli.execute import flag_errors, stream_exec
 
         cap = parse_size(output_cap, "--output-cap") if output_cap else None
+        data = sys.stdin.buffer.read() if source == "file" else None
         with lean() as c, flag_errors({"--output-cap": output_cap} if output_cap else {}):
-            code = stream_exec(c.connect(sandbox_id), list(cmd), timeout=timeout, pristine=pristine, output_cap=cap)
+            code = stream_exec(c.connect(sandbox_id), list(cmd), timeout=timeout, pristine=pristine, output_cap=cap,
+                               stdin=data)
         sys.exit(code)
 
     @main.command()

@@ -68,17 +68,32 @@ def age(seconds: float) -> str:
     return f"{s}s" if s < 120 else f"{s // 60}m" if s < 7200 else f"{s // 3600}h" if s < 172800 else f"{s // 86400}d"
 
 
-def stdin_is_data() -> bool:
-    """Whether stdin carries data to forward: a pipe or a file, not a terminal or /dev/null.
-    (Here, not in cli/interactive.py: `dsec exec` asks it every time, and importing the
-    interactive path costs asyncio.)"""
+STDIN_FILE_MAX = 8 << 20
+"""A regular file on stdin up to this size goes with the request (the lean path); larger
+ones are streamed."""
+
+
+def stdin_source() -> str:
+    """What ``dsec exec`` forwards from its stdin: ``"file"`` (a non-empty regular file of
+    at most :data:`STDIN_FILE_MAX`: sent with the request), ``"pipe"`` (a pipe or socket
+    with data or EOF ready now, or a larger file: streamed), ``"none"`` (a terminal,
+    /dev/null, or a pipe nothing was written to yet — an agent harness's inherited stdin;
+    ``-i`` streams it anyway). (Here, not in cli/interactive.py: `dsec exec` asks it every
+    time, and importing the interactive path costs asyncio.)"""
     import os
+    import select
     import stat
 
     try:
-        st = os.fstat(sys.stdin.fileno())
+        fd = sys.stdin.fileno()
+        st = os.fstat(fd)
     except (OSError, ValueError):
-        return False
+        return "none"
+    if stat.S_ISREG(st.st_mode):
+        if st.st_size <= 0:
+            return "none"
+        return "file" if st.st_size <= STDIN_FILE_MAX else "pipe"
     if stat.S_ISFIFO(st.st_mode) or stat.S_ISSOCK(st.st_mode):
-        return True
-    return stat.S_ISREG(st.st_mode) and st.st_size > 0
+        ready, _, _ = select.select([fd], [], [], 0)
+        return "pipe" if ready else "none"
+    return "none"

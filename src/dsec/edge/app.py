@@ -36,6 +36,7 @@ from starlette.requests import HTTPConnection
 
 from dsec.auth import Claims, check_sandbox, verify
 from dsec.backends.container.fsops import FileInfo
+from dsec.backends.container.runtime import command_line
 from dsec.edge.config import EdgeConfig
 from dsec.edge.service import EdgeService, error_body, result_to_wire
 from dsec.edge.terminals import TerminalHub, serve_terminal
@@ -400,8 +401,16 @@ def create_app(config: EdgeConfig, *, service: EdgeService | None = None) -> Fas
                 await websocket.send_text(json.dumps(body))
                 await websocket.close(code=1008)
             return
+        svc.events.add(sandbox_id, "terminal_attached", name=term.name, pid=term.proc.pid, new=new, tty=term.tty,
+                       cmd=command_line(term.argv))
         with svc.activity(sandbox_id):
             await serve_terminal(websocket, term, new=new)
+        if term.exit is None:
+            svc.events.add(sandbox_id, "terminal_left", name=term.name, pid=term.proc.pid,
+                           still_running=term.name is not None)
+        else:
+            svc.events.add(sandbox_id, "terminal_ended", name=term.name, pid=term.proc.pid,
+                           exit_code=term.exit["exit_code"], signal=term.exit["signal"])
 
     @app.get("/v1/sandboxes/{sandbox_id}/terminals", response_model=list[TerminalInfo], tags=["exec"])
     async def list_terminals(sandbox_id: str, _c: Owner) -> Response:
