@@ -81,8 +81,8 @@ def test_shell_is_a_real_terminal(up: dict[str, str], sid: str) -> None:
     t.type(b"tty\r")
     assert re.search(rb"/dev/pts/\d+", t.wait_for(rb"/dev/pts/\d+"))
     # ^C interrupts the remote command; the client and the session stay.
-    t.type(b"sleep 100\r")
-    time.sleep(0.7)
+    t.type(b"sh -c 'echo run''ning; exec sleep 100'\r")
+    t.wait_for(rb"running")  # the shell has made it the foreground job
     t.type(b"\x03")
     t.wait_for(rb"# ")
     t.type(b"echo rc=$?\r")

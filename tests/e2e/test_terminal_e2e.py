@@ -84,8 +84,8 @@ def test_pty_shell_job_control_resize_and_exit(svc: Harness) -> None:
                 await term.send("stty size; tty\n")
                 out = await scr.until(rb"/dev/pts/\d+")
                 assert b"30 90" in out, out
-                await term.send("sleep 100\n")
-                await asyncio.sleep(0.5)
+                await term.send("sh -c 'echo run''ning; exec sleep 100'\n")
+                await scr.until(rb"running")  # the shell made it the foreground job
                 await term.send(b"\x03")  # ^C: the foreground job, not the shell
                 await scr.until(rb"P\$ ")
                 await term.send("echo rc=$?\n")

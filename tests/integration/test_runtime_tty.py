@@ -73,8 +73,9 @@ def test_shell_on_a_pty_has_job_control_and_exit_status(rtx: RuntimeHarness, sb:
         out = t.wait_for(rb"isatty=\w+")
         assert b"/dev/pts/0" in out and b"isatty=yes" in out, out
         # ^C reaches the foreground command, not the shell: the session goes on.
-        t.type(b"sleep 100\n")
-        time.sleep(0.5)
+        # (Once "running" shows, the shell has made the command the foreground job.)
+        t.type(b"sh -c 'echo run''ning; exec sleep 100'\n")
+        t.wait_for(rb"running")
         t.type(b"\x03")
         t.wait_for(rb"PROMPT\$ ")
         t.type(b"echo rc=$?\n")
