@@ -309,3 +309,13 @@ def test_the_exec_path_imports_nothing_heavy(up: dict[str, str], sid: str) -> No
     r = subprocess.run([sys.executable, "-c", script], env=up, capture_output=True, timeout=60)
     assert r.stdout == b"ok\n", r.stderr
     assert r.stderr.decode().strip() == "0 []", r.stderr
+    # The console script's form without options skips click too (cli/entry.py), and gives
+    # the same answers: the command's output and code, one line for an unknown sandbox.
+    script = script.replace("from dsec.cli.main import main", "from dsec.cli.entry import main").replace(
+        "'sqlalchemy'}", "'sqlalchemy', 'click'}")
+    r = subprocess.run([sys.executable, "-c", script], env=up, capture_output=True, timeout=60)
+    assert r.stdout == b"ok\n", r.stderr
+    assert r.stderr.decode().strip() == "0 []", r.stderr
+    r = subprocess.run([sys.executable, "-c", script.replace(repr(sid), "'sb-nope'")], env=up, capture_output=True,
+                       timeout=60)
+    assert r.stderr.decode().splitlines() == ["error: no sandbox 'sb-nope' in project 'root'", "1 []"], r.stderr

@@ -16,9 +16,10 @@ import os
 import re
 import sys
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import click
+if TYPE_CHECKING:
+    import click
 
 from dsec.cli.term import human_size, say
 from dsec.errors import InvalidSpec
@@ -80,12 +81,16 @@ def flag_errors(typed: Mapping[str, str]) -> Iterator[None]:
         fields = [str(e.get("field") or "") for e in items]
         if not any(f.startswith("spec.") or f in FLAGS for f in fields):
             raise
+        import click  # only on this error path: `dsec exec`'s fast path (cli/entry.py) has no click
+
         raise click.UsageError("; ".join(flag_message(str(e.get("field") or ""), str(e.get("message") or ""), typed)
                                          for e in items)) from None
 
 
 def pydantic_flag_errors(exc: Any, typed: Mapping[str, str]) -> click.UsageError:
     """The same line for a pydantic ValidationError of a spec built here."""
+    import click
+
     return click.UsageError("; ".join(
         flag_message(".".join(str(x) for x in e.get("loc", ())), str(e.get("msg", "")), typed)
         for e in exc.errors()))
