@@ -7,7 +7,8 @@ cd "$(dirname "$0")/.."
 
 APT_PACKAGES=(gcc libc6-dev libseccomp-dev pkg-config erofs-utils crun bubblewrap btrfs-progs musl-tools
               debootstrap busybox-static iproute2 nftables tar gzip util-linux python3-venv
-              postgresql)  # postgresql: the control-plane tests run on a throwaway cluster too
+              postgresql podman runc)  # postgresql: the control-plane tests run on a throwaway cluster too;
+                                       # podman + runc: `dsec bench cli`'s baseline (podman run --rm)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
