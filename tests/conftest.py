@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -845,6 +845,58 @@ def dsec_up(data: Path, env: dict[str, str], *extra: str) -> Iterator[dict[str, 
             if proc.poll() is None:
                 proc.kill()
             log.close()
+
+
+@contextlib.contextmanager
+def cli_all_in_one(prefix: str, *builds: list[str], extra: Sequence[str] = ()) -> Iterator[dict[str, str]]:
+    """A throwaway data directory with the busybox image (and ``builds``: more
+    ``dsec image build`` argument lists, run with ``--tag latest -q``), then :func:`dsec_up`
+    on it; yields the environment the CLI needs."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        data = Path(tmp)
+        env = {**os.environ, "DSEC_STATE_DIR": str(data)}
+        for args in (["--busybox", "--name", "busybox"], *builds):
+            build = subprocess.run([sys.executable, "-m", "dsec.cli.main", "image", "build", *args, "--tag", "latest",
+                                    "-q"], env=env, capture_output=True, text=True, timeout=120)
+            assert build.returncode == 0, build.stderr
+        with dsec_up(data, env, *extra) as ready:
+            yield ready
+
+
+class ClusterHarness:
+    """An in-process all-in-one (``start_cluster``) driven from sync tests through one runner."""
+
+    def __init__(self, data: Path) -> None:
+        self.runner = asyncio.Runner()
+        self.data = data
+        self.cluster: Any = None
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 120) -> T:
+        return self.runner.run(asyncio.wait_for(coro, timeout))
+
+    def client(self, token: str | None = None) -> Any:
+        from dsec import AsyncClient
+
+        return AsyncClient(self.cluster.url, token or self.cluster.admin_token)
+
+
+@contextlib.contextmanager
+def in_process_cluster(prefix: str) -> Iterator[ClusterHarness]:
+    """:class:`ClusterHarness` over a throwaway data directory holding ``busybox:latest``."""
+    from dsec.cli.up import start_cluster
+    from dsec.images.build import build_busybox
+    from dsec.images.store import LocalLayerStore
+
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        data = Path(tmp)
+        build_busybox(LocalLayerStore(data / "layers"), name="busybox", tag="latest")
+        h = ClusterHarness(data)
+        h.cluster = h.run(start_cluster(data, port=0))
+        try:
+            yield h
+        finally:
+            h.run(h.cluster.stop())
+            h.runner.close()
 
 
 # ------------------------------------------------------------ servers ----

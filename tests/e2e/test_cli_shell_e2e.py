@@ -6,14 +6,13 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from conftest import dsec_up
+from conftest import cli_all_in_one
 
 pytestmark = pytest.mark.root
 DSEC = [sys.executable, "-m", "dsec.cli.main"]
@@ -21,14 +20,8 @@ DSEC = [sys.executable, "-m", "dsec.cli.main"]
 
 @pytest.fixture(scope="module")
 def up() -> Iterator[dict[str, str]]:
-    with tempfile.TemporaryDirectory(prefix="dsec-test-shell-") as tmp:
-        data = Path(tmp)
-        env = {**os.environ, "DSEC_STATE_DIR": str(data)}
-        build = subprocess.run([*DSEC, "image", "build", "--busybox", "--name", "busybox", "--tag", "latest", "-q"],
-                               env=env, capture_output=True, text=True, timeout=120)
-        assert build.returncode == 0, build.stderr
-        with dsec_up(data, env) as ready:
-            yield ready
+    with cli_all_in_one("dsec-test-cli-") as ready:
+        yield ready
 
 
 @pytest.fixture()

@@ -12,14 +12,13 @@ import os
 import subprocess
 import sys
 import tarfile
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from conftest import dsec_up
+from conftest import cli_all_in_one
 
 pytestmark = pytest.mark.root
 DSEC = [sys.executable, "-m", "dsec.cli.main"]
@@ -27,17 +26,10 @@ MiB = 1 << 20
 
 
 @pytest.fixture(scope="module")
-def up() -> Iterator[dict[str, str]]:
-    with tempfile.TemporaryDirectory(prefix="dsec-test-cliuse-") as tmp:
-        data = Path(tmp)
-        env = {**os.environ, "DSEC_STATE_DIR": str(data)}
-        for args in (["--busybox", "--name", "busybox"], ["--from-dir", str(_workspace(data)), "--name", "ws",
-                                                          "--kind", "workspace"]):
-            build = subprocess.run([*DSEC, "image", "build", *args, "--tag", "latest", "-q"], env=env,
-                                   capture_output=True, text=True, timeout=120)
-            assert build.returncode == 0, build.stderr
-        with dsec_up(data, env) as ready:
-            yield ready
+def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    ws = _workspace(tmp_path_factory.mktemp("ws"))
+    with cli_all_in_one("dsec-test-cliuse-", ["--from-dir", str(ws), "--name", "ws", "--kind", "workspace"]) as ready:
+        yield ready
 
 
 def _workspace(data: Path) -> Path:

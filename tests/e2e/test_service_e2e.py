@@ -10,16 +10,16 @@ import asyncio
 import io
 import shlex
 import tarfile
-import tempfile
 import uuid
-from collections.abc import Coroutine, Iterator
-from pathlib import Path
-from typing import Any, TypeVar
+from collections.abc import Iterator
+from typing import TypeVar
 
 import httpx
 import pytest
 
-from dsec import AsyncClient, Client, ExecResult, ImageRef, Resources, SandboxSpec
+from conftest import ClusterHarness as Harness
+from conftest import in_process_cluster
+from dsec import Client, ExecResult, ImageRef, Resources, SandboxSpec
 from dsec.errors import (
     AuthError,
     ExecTimeout,
@@ -33,37 +33,10 @@ pytestmark = pytest.mark.root
 T = TypeVar("T")
 
 
-class Harness:
-    def __init__(self, data: Path) -> None:
-        self.runner = asyncio.Runner()
-        self.data = data
-        self.cluster: Any = None
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 120) -> T:
-        return self.runner.run(asyncio.wait_for(coro, timeout))
-
-    def client(self, token: str | None = None) -> AsyncClient:
-        return AsyncClient(self.cluster.url, token or self.cluster.admin_token)
-
-
 @pytest.fixture(scope="module")
 def svc() -> Iterator[Harness]:
-    from dsec.cli.up import start_cluster
-    from dsec.images.build import build_busybox
-    from dsec.images.store import LocalLayerStore
-
-    with tempfile.TemporaryDirectory(prefix="dsec-test-e2e-") as tmp:
-        data = Path(tmp)
-        store = LocalLayerStore(data / "layers")
-        build_busybox(store, name="busybox", tag="latest")
-        store.close() if hasattr(store, "close") else None
-        h = Harness(data)
-        h.cluster = h.run(start_cluster(data, port=0))
-        try:
-            yield h
-        finally:
-            h.run(h.cluster.stop())
-            h.runner.close()
+    with in_process_cluster("dsec-test-e2e-") as h:
+        yield h
 
 
 SPEC = SandboxSpec(image=ImageRef(base="busybox:latest"), resources=Resources(cpu=0.5, memory=128 << 20, disk=32 << 20))

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import re
-import tempfile
-from collections.abc import Coroutine, Iterator
-from pathlib import Path
-from typing import Any, TypeVar
+from collections.abc import Iterator
+from typing import TypeVar
 
 import pytest
 
-from dsec import AsyncClient, AsyncTerminal, Client, ImageRef, Resources, SandboxSpec
+from conftest import ClusterHarness as Harness
+from conftest import in_process_cluster
+from dsec import AsyncTerminal, Client, ImageRef, Resources, SandboxSpec
 from dsec.errors import InvalidSpec, SandboxNotFound
 
 pytestmark = pytest.mark.root
@@ -20,35 +20,10 @@ T = TypeVar("T")
 SPEC = SandboxSpec(image=ImageRef(base="busybox:latest"), resources=Resources(cpu=0.5, memory=128 << 20, disk=32 << 20))
 
 
-class Harness:
-    def __init__(self, data: Path) -> None:
-        self.runner = asyncio.Runner()
-        self.data = data
-        self.cluster: Any = None
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 120) -> T:
-        return self.runner.run(asyncio.wait_for(coro, timeout))
-
-    def client(self) -> AsyncClient:
-        return AsyncClient(self.cluster.url, self.cluster.admin_token)
-
-
 @pytest.fixture(scope="module")
 def svc() -> Iterator[Harness]:
-    from dsec.cli.up import start_cluster
-    from dsec.images.build import build_busybox
-    from dsec.images.store import LocalLayerStore
-
-    with tempfile.TemporaryDirectory(prefix="dsec-test-term-") as tmp:
-        data = Path(tmp)
-        build_busybox(LocalLayerStore(data / "layers"), name="busybox", tag="latest")
-        h = Harness(data)
-        h.cluster = h.run(start_cluster(data, port=0))
-        try:
-            yield h
-        finally:
-            h.run(h.cluster.stop())
-            h.runner.close()
+    with in_process_cluster("dsec-test-term-") as h:
+        yield h
 
 
 class Screen:

@@ -613,14 +613,7 @@ class EdgeService:
             )
 
     def _exec_args(self, sandbox_id: str, req: ExecRequest) -> bytes | None:
-        rec = self.record(sandbox_id)
-        if rec.state is SandboxState.PAUSED:
-            self.runtime.wake(sandbox_id)  # any request resumes a paused sandbox
-        if rec.state is not SandboxState.RUNNING:
-            raise SandboxStateError(
-                f"sandbox {sandbox_id} is {rec.state.value}, not running" + (f" ({rec.reason})" if rec.reason else ""),
-                sandbox_id=sandbox_id, state=rec.state.value,
-            )
+        self.ready_for_exec(sandbox_id)
         if req.stdin_b64 is None:
             return None
         try:

@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from dsec.backends.container.output import write_all
 from dsec.backends.container.runtime import TtySize, set_tty_size
 from dsec.errors import InvalidSpec, QuotaExceeded
 from dsec.spec.api import AttachOpen, TerminalInfo
@@ -51,10 +52,6 @@ SHELL_ARGV = ("/bin/sh", "-c", "if command -v bash >/dev/null 2>&1; then exec ba
 Item = bytes | dict[str, Any] | None
 """What a client's queue carries: output (stream byte + data), a control message, the end."""
 
-
-def _set_done(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
 
 
 class _Client:
@@ -190,20 +187,8 @@ class Terminal:
         fd = self.master if self.tty else self.stdin
         if fd < 0:
             return  # stdin closed (eof sent) or the command ended: input goes nowhere
-        view = memoryview(data)
-        while view:
-            try:
-                n = os.write(fd, view)
-                view = view[n:]
-            except BlockingIOError:
-                ready: asyncio.Future[None] = self._loop.create_future()
-                self._loop.add_writer(fd, _set_done, ready)
-                try:
-                    await asyncio.wait_for(ready, 30.0)
-                finally:
-                    self._loop.remove_writer(fd)
-            except OSError:
-                return  # the reader is gone
+        with contextlib.suppress(OSError, TimeoutError):  # the reader is gone, or stopped reading for 30 s
+            await write_all(fd, data, stall_s=30.0)
 
     def eof(self) -> None:
         if self.tty:

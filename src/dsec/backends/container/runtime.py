@@ -44,7 +44,8 @@ from dsec.backends.container import snapshot as snapshots
 from dsec.backends.container import stages as staging
 from dsec.backends.container.fsops import SandboxFiles
 from dsec.backends.container.network import Lease, NetworkConfig, NetworkManager
-from dsec.backends.container.output import BoundedCapture, ExecResult
+from dsec.backends.container.output import BoundedCapture, ExecResult, write_all
+from dsec.backends.container.output import set_done as _set_done
 from dsec.backends.container.sessions import Session
 from dsec.backends.container.spawner import ChildExit, Spawner, SpawnError
 from dsec.backends.container.uppers import UpperStore, UpperUsage
@@ -179,10 +180,6 @@ def _spec_json(spec: SandboxSpec) -> dict[str, Any]:
     _SPEC_JSON[id(spec)] = (spec, dumped)
     return dumped
 
-
-def _set_done(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
 
 
 def _is_paused(rec: SandboxRecord) -> bool:
@@ -1653,21 +1650,8 @@ class ContainerRuntime:
         try:
             if data:
                 os.set_blocking(fd, False)
-                loop = asyncio.get_running_loop()
-                view = memoryview(data)
-                while view:
-                    try:
-                        n = os.write(fd, view)
-                        view = view[n:]
-                    except BlockingIOError:
-                        ready: asyncio.Future[None] = loop.create_future()
-                        loop.add_writer(fd, _set_done, ready)
-                        try:
-                            await ready
-                        finally:
-                            loop.remove_writer(fd)
-                    except BrokenPipeError:
-                        return
+                with contextlib.suppress(BrokenPipeError):  # the command stopped reading
+                    await write_all(fd, data)
         finally:
             os.close(fd)
 

@@ -20,6 +20,7 @@ import time
 from typing import TYPE_CHECKING
 
 from dsec.backends.container.output import BoundedCapture, ExecResult
+from dsec.backends.container.output import set_done as _set_done
 from dsec.errors import ExecTimeout, InvalidSpec, SessionClosed
 
 if TYPE_CHECKING:
@@ -27,10 +28,6 @@ if TYPE_CHECKING:
 
 _SHELL = "if command -v bash >/dev/null 2>&1; then exec bash --noprofile --norc; else exec sh; fi"
 
-
-def _set_done(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
 
 
 def _quote(cmd: str) -> str:
