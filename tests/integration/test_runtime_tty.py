@@ -152,3 +152,37 @@ def test_bad_terminal_sizes_are_refused() -> None:
     for rows, cols in ((0, 80), (24, 0), (-1, 5), (24, 100_000)):
         with pytest.raises(InvalidSpec, match="rows and cols"):
             TtySize(rows, cols)
+
+
+def test_commands_do_not_inherit_the_hosts_ignored_signals(make_runtime: Any) -> None:
+    """A `dsec up &` from a script starts with SIGINT and SIGQUIT ignored (and nohup adds
+    SIGHUP): ignored signals survive execve, so without a reset every command in every
+    sandbox would ignore them (^C on a terminal would not stop anything)."""
+    ignored = (signal.SIGINT, signal.SIGQUIT, signal.SIGHUP)
+    saved = {s: signal.signal(s, signal.SIG_IGN) for s in ignored}
+    try:
+        h = make_runtime("sigign").start()  # its spawner starts now, with them ignored
+        try:
+            with h.sandbox() as rec:
+                saved_now = {s: signal.signal(s, saved[s]) for s in ignored}  # the test process back to normal
+                assert all(v == signal.SIG_IGN for v in saved_now.values())
+                status = h.ok(rec.id, ["cat", "/proc/self/status"])
+                sig_ign = int(next(ln.split()[1] for ln in status.splitlines() if ln.startswith("SigIgn:")), 16)
+                for s in ignored:
+                    assert not sig_ign & (1 << (s - 1)), f"{signal.Signals(s).name} ignored in the sandbox: {sig_ign:#x}"
+                t = _term(h, rec.id, env={"PS1": "P$ "})
+                try:
+                    t.wait_for(rb"P\$ ")
+                    t.type(b"sh -c 'echo run''ning; exec sleep 100'\n")
+                    t.wait_for(rb"running")
+                    t.type(b"\x03")
+                    t.wait_for(rb"P\$ ")
+                    t.type(b"echo rc=$?\n")
+                    assert b"rc=130" in t.wait_for(rb"rc=\d+")
+                finally:
+                    t.close()
+        finally:
+            h.close()
+    finally:
+        for s, v in saved.items():
+            signal.signal(s, v)

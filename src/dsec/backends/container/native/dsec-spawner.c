@@ -129,6 +129,7 @@ static int req_all(struct req *r, const char *key, char **out, int max) {
 /* ---------- replies ---------- */
 
 static int sock_fd;
+static int inherited_ign[64], n_inherited_ign; /* signals ignored when we started (main) */
 static int init_bin_fd = -1; /* the static dsec-init beside this binary (-1: keep forks as inits) */
 
 /* Attach one fd to a message (SCM_RIGHTS); ``space`` must outlive the sendmsg. */
@@ -1471,6 +1472,7 @@ static void exec_child(struct exec_args *a) {
         child_fail(rfd, "landlock", "restrict self");
     if (a->use_seccomp && prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &seccomp_prog) < 0)
         child_fail(rfd, "seccomp", "load filter");
+    for (int i = 0; i < n_inherited_ign; i++) signal(inherited_ign[i], SIG_DFL);
     signal(SIGPIPE, SIG_DFL);
     trace("x-caps+secc");
     extern char **environ;
@@ -1663,6 +1665,16 @@ int main(int argc, char **argv) {
     if (self_pidns_fd < 0) { perror("dsec-spawner: open own pid namespace"); return 1; }
     struct rlimit rl;
     if (getrlimit(RLIMIT_NOFILE, &rl) == 0) { rl.rlim_cur = rl.rlim_max; setrlimit(RLIMIT_NOFILE, &rl); }
+    /* Signals the runtime's own parent left ignored (a `cmd &` from a script ignores SIGINT
+     * and SIGQUIT; nohup SIGHUP) stay ignored across execve: commands in sandboxes must
+     * not inherit them (^C would not stop a command on a terminal).  Noted once here,
+     * reset in each exec child. */
+    for (int sig = 1; sig < 65; sig++) {
+        struct sigaction sa;
+        if (sig != SIGKILL && sig != SIGSTOP && sigaction(sig, NULL, &sa) == 0 && sa.sa_handler == SIG_IGN &&
+            n_inherited_ign < (int)(sizeof inherited_ign / sizeof inherited_ign[0]))
+            inherited_ign[n_inherited_ign++] = sig;
+    }
     signal(SIGPIPE, SIG_IGN);
     sigset_t set;
     sigemptyset(&set);
