@@ -3,13 +3,17 @@
 Every error DSec raises derives from :class:`DsecError` and, where one fits, from
 the builtin exception a Python user would expect (``LookupError``,
 ``TimeoutError``, ``ValueError``...). Errors carry fields, not only prose, and
-``code`` names them on the wire: :data:`ERRORS_BY_CODE` is the one table that
-maps wire codes to classes in both directions.
+``code`` names them on the wire and ``http_status`` is their HTTP status:
+:data:`ERRORS_BY_CODE` is the one table that maps wire codes to classes in both
+directions, and :func:`encode_error` / :func:`decode_error` are the one wire format
+(edge, control plane, SDK and the CLI's lean client use them).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
 
 
 def _jsonable(v: Any) -> bool:
@@ -26,6 +30,7 @@ class DsecError(Exception):
     """Root of every DSec error."""
 
     code: str = "dsec_error"
+    http_status: ClassVar[int] = 500
 
     def __init__(self, message: str, **fields: Any) -> None:
         super().__init__(message)
@@ -45,10 +50,12 @@ class InvalidSpec(DsecError, ValueError):
     """A spec or argument is malformed; ``field`` names the offending one."""
 
     code = "invalid_spec"
+    http_status: ClassVar[int] = 422
 
 
 class SandboxNotFound(DsecError, LookupError):
     code = "sandbox_not_found"
+    http_status: ClassVar[int] = 404
 
     @classmethod
     def ended(cls, sandbox_id: str, state: str, reason: str = "") -> SandboxNotFound:
@@ -62,54 +69,65 @@ class SandboxStateError(DsecError, RuntimeError):
     """The operation is not allowed in the sandbox's current state."""
 
     code = "sandbox_state"
+    http_status: ClassVar[int] = 409
 
 
 class SandboxFailed(DsecError, RuntimeError):
     """The sandbox could not be created or died; ``reason`` says why."""
 
     code = "sandbox_failed"
+    http_status: ClassVar[int] = 410
 
 
 class ImageError(DsecError, RuntimeError):
     code = "image_error"
+    http_status: ClassVar[int] = 400
 
 
 class LayerNotFound(ImageError, LookupError):
     code = "layer_not_found"
+    http_status: ClassVar[int] = 404
 
 
 class LayerInUse(ImageError):
     code = "layer_in_use"
+    http_status: ClassVar[int] = 409
 
 
 class ExecError(DsecError, RuntimeError):
     """A command could not be started (missing binary, bad cwd, bad user)."""
 
     code = "exec_error"
+    http_status: ClassVar[int] = 400
 
 
 class ExecTimeout(DsecError, TimeoutError):
     code = "exec_timeout"
+    http_status: ClassVar[int] = 408
 
 
 class SessionClosed(DsecError, RuntimeError):
     code = "session_closed"
+    http_status: ClassVar[int] = 410
 
 
 class FileAccessError(DsecError, OSError):
     """A files-API request was refused or failed (traversal, not found, not a dir)."""
 
     code = "file_error"
+    http_status: ClassVar[int] = 400
 
 
 class QuotaExceeded(DsecError, RuntimeError):
     code = "quota_exceeded"
+    http_status: ClassVar[int] = 403
 
 
 class Backpressure(DsecError, RuntimeError):
     """Too busy now; retry after ``retry_after`` seconds (HTTP 429)."""
 
     code = "backpressure"
+    http_status: ClassVar[int] = 429
 
     def __init__(self, message: str, *, retry_after: float = 1.0, **fields: Any) -> None:
         super().__init__(message, retry_after=retry_after, **fields)
@@ -119,36 +137,42 @@ class NotFound(DsecError, LookupError):
     """A project, task, token or edge that does not exist (or is not visible to the caller)."""
 
     code = "not_found"
+    http_status: ClassVar[int] = 404
 
 
 class Conflict(DsecError, RuntimeError):
     """The resource exists already or is still in use."""
 
     code = "conflict"
+    http_status: ClassVar[int] = 409
 
 
 class AuthError(DsecError, PermissionError):
     """Missing, malformed, expired or revoked credentials (HTTP 401)."""
 
     code = "auth_error"
+    http_status: ClassVar[int] = 401
 
 
 class Forbidden(DsecError, PermissionError):
     """Valid credentials that do not cover this resource (HTTP 403)."""
 
     code = "forbidden"
+    http_status: ClassVar[int] = 403
 
 
 class PayloadTooLarge(DsecError, ValueError):
     """A request body or header section over the server's limit (HTTP 413/431)."""
 
     code = "too_large"
+    http_status: ClassVar[int] = 413
 
 
 class HostError(DsecError, RuntimeError):
     """The host lacks something DSec needs (a kernel feature, a binary, privilege)."""
 
     code = "host_error"
+    http_status: ClassVar[int] = 503
 
 
 ERRORS_BY_CODE: dict[str, type[DsecError]] = {
@@ -184,3 +208,49 @@ def error_from_wire(payload: dict[str, Any]) -> DsecError:
     cls = ERRORS_BY_CODE.get(str(fields.pop("code", "")), DsecError)
     message = str(fields.pop("message", "unknown error"))
     return cls(message, **fields)
+
+
+def encode_error(exc: DsecError, *, default: Callable[[Any], Any] = str) -> tuple[int, dict[str, Any], dict[str, str]]:
+    """``(status, body, headers)`` of the HTTP answer for ``exc``: the body is
+    ``{"error": {"code", "message", fields...}}``; fields that are not plain JSON go
+    through ``default`` (the edge sends a partial ExecResult in its wire form); 429
+    carries ``Retry-After`` and 401 ``WWW-Authenticate``."""
+    body = exc.to_wire()
+    for key, value in exc.fields.items():
+        if key not in body:
+            body[key] = default(value)
+    headers: dict[str, str] = {}
+    status = exc.http_status
+    if status == 429:
+        retry = float(exc.fields.get("retry_after", 1.0) or 1.0)
+        headers["Retry-After"] = str(max(1, math.ceil(retry)))
+    elif status == 401:
+        headers["WWW-Authenticate"] = 'Bearer realm="dsec"'
+    return status, {"error": body}, headers
+
+
+def decode_error(status: int, body: Any, headers: Mapping[str, str] | None = None, *, where: str = "") -> DsecError:
+    """The typed error of an HTTP answer with ``status`` ≥ 400 and its JSON ``body``
+    (``None`` when it was not JSON): the class its ``code`` names, with its fields,
+    ``status`` and a ``retry_after`` from the header when the body has none."""
+    headers = {k.lower(): v for k, v in (headers or {}).items()}
+    retry = _retry_after(headers)
+    if not (isinstance(body, dict) and isinstance(body.get("error"), dict)):
+        text = str(body)[:500] if body is not None else ""
+        if status == 401:
+            return AuthError(f"unauthorized: {text}", status=401)
+        if status == 429:
+            return Backpressure(f"busy: {text}", retry_after=retry, status=429)
+        return DsecError(f"HTTP {status}{f' from {where}' if where else ''}: {text}", status=status)
+    payload = dict(body["error"])
+    payload.setdefault("status", status)
+    if status == 429 and "retry_after" not in payload:
+        payload["retry_after"] = retry
+    return error_from_wire(payload)
+
+
+def _retry_after(headers: Mapping[str, str]) -> float:
+    try:
+        return float(headers.get("retry-after", "1"))
+    except ValueError:
+        return 1.0

@@ -24,7 +24,7 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlencode, urlsplit
 
-from dsec.errors import AuthError, DsecError, SandboxNotFound, error_from_wire
+from dsec.errors import AuthError, DsecError, SandboxNotFound, decode_error, error_from_wire
 
 CONNECT_TIMEOUT_S = 10.0
 TIMEOUT_S = 60.0
@@ -295,21 +295,14 @@ def transport(base: str, what: str) -> Transport:
     return HttpxTransport(base, what)
 
 
-def raise_for(status: int, body: bytes, url: str) -> None:
-    """The typed error of an error answer (the one table in dsec.errors)."""
+def raise_for(status: int, body: bytes, url: str, headers: dict[str, str] | None = None) -> None:
+    """The typed error of an error answer (dsec.errors.decode_error: the one wire format)."""
     if status < 400:
         return
-    payload: Any = None
+    payload: Any = body[:300].decode(errors="replace")
     with contextlib.suppress(ValueError):
         payload = json.loads(body)
-    if isinstance(payload, dict) and isinstance(payload.get("error"), dict):
-        err = dict(payload["error"])
-        err.setdefault("status", status)
-        raise error_from_wire(err)
-    text = body[:300].decode(errors="replace")
-    if status == 401:
-        raise AuthError(f"unauthorized: {text}", status=401)
-    raise DsecError(f"HTTP {status} from {url}: {text}", status=status)
+    raise decode_error(status, payload, headers, where=url)
 
 
 class Endpoint:
@@ -339,7 +332,7 @@ class Endpoint:
         if body is None and method in ("POST", "PUT"):
             body = b""
         ans = self._t.request(method, self._target(path, params), self._headers(body, content_type), body, timeout)
-        raise_for(ans.status, ans.body, ans.url)
+        raise_for(ans.status, ans.body, ans.url, ans.headers)
         return ans
 
     def open(self, method: str, path: str, *, body: bytes | None = None, timeout: float | None = None) -> Streamed:

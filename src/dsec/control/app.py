@@ -10,7 +10,6 @@ produces a 5xx.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
@@ -37,12 +36,11 @@ from dsec.control.wire import (
     TaskDetail,
     UpdateProjectBody,
 )
-from dsec.errors import AuthError, DsecError, Forbidden, InvalidSpec
+from dsec.errors import AuthError, DsecError, Forbidden, InvalidSpec, encode_error
 from dsec.fastroute import Answer, FastRequest, FastRoutes, answer_of
 from dsec.httplimits import BodyLimit
 from dsec.spec import SandboxState
 from dsec.spec.api import (
-    STATUS_BY_CODE,
     BatchResult,
     CreateBatch,
     CreateSandbox,
@@ -84,12 +82,8 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 
 
 def error_response(exc: DsecError) -> JSONResponse:
-    status = STATUS_BY_CODE.get(exc.code, 500)
-    headers: dict[str, str] = {}
-    if status == 429:
-        retry = float(exc.fields.get("retry_after", 1.0) or 1.0)
-        headers["Retry-After"] = str(max(1, math.ceil(retry)))
-    return JSONResponse({"error": exc.to_wire()}, status_code=status, headers=headers)
+    status, body, headers = encode_error(exc)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def _field_of(loc: tuple[Any, ...] | list[Any]) -> str:

@@ -5,8 +5,9 @@ checked with the cluster key and no round trip (:mod:`dsec.auth`). Creating,
 listing and the health report need an ``edge-admin`` token; a sandbox token
 reaches only its own sandbox. ``/metrics`` is open (scrapers carry no token).
 
-Errors: every DsecError becomes ``{"error": {...}}`` with the status of
-``STATUS_BY_CODE`` (429 with ``Retry-After``, 401 with ``WWW-Authenticate``);
+Errors: every DsecError becomes ``{"error": {...}}`` with its class's
+``http_status`` through :func:`dsec.errors.encode_error` (429 with
+``Retry-After``, 401 with ``WWW-Authenticate``);
 malformed input is a 422 ``invalid_spec`` naming the field. Bad input never
 yields a 500.
 
@@ -20,7 +21,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
@@ -38,14 +38,13 @@ from dsec.auth import Claims, check_sandbox, verify
 from dsec.backends.container.fsops import FileInfo
 from dsec.backends.container.runtime import command_line
 from dsec.edge.config import EdgeConfig
-from dsec.edge.service import EdgeService, error_body, result_to_wire
+from dsec.edge.service import EdgeService, error_body, result_to_wire, wire_value
 from dsec.edge.terminals import TerminalHub, serve_terminal
-from dsec.errors import AuthError, DsecError, Forbidden, InvalidSpec
+from dsec.errors import AuthError, DsecError, Forbidden, InvalidSpec, encode_error
 from dsec.fastroute import Answer, FastRequest, FastRoutes, answer_of
 from dsec.httplimits import BodyLimit, read_body
 from dsec.spec import NetworkPolicy
 from dsec.spec.api import (
-    STATUS_BY_CODE,
     AttachOpen,
     EdgeCreateSandbox,
     EdgeHealth,
@@ -117,13 +116,8 @@ def _validation_response(errors: Sequence[Any]) -> JSONResponse:
 
 
 def _error_response(exc: DsecError) -> JSONResponse:
-    status = STATUS_BY_CODE.get(exc.code, 500)
-    headers: dict[str, str] = {}
-    if status == 429:
-        headers["Retry-After"] = str(max(1, math.ceil(float(getattr(exc, "retry_after", 1.0) or 1.0))))
-    elif status == 401:
-        headers["WWW-Authenticate"] = 'Bearer realm="dsec-edge"'
-    return JSONResponse(error_body(exc), status_code=status, headers=headers)
+    status, body, headers = encode_error(exc, default=wire_value)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 class _Auth:

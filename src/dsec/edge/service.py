@@ -53,6 +53,7 @@ from dsec.errors import (
     SandboxNotFound,
     SandboxStateError,
     SessionClosed,
+    encode_error,
 )
 from dsec.spec import ImageRef, NetworkPolicy, SandboxState
 from dsec.spec.api import (
@@ -130,14 +131,14 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
+def wire_value(value: Any) -> Any:
+    """A field of an error in JSON form: a partial ExecResult as its wire form, the rest as text."""
+    return _jsonable(value)
+
+
 def error_body(exc: DsecError) -> dict[str, Any]:
-    """``{"error": ...}`` for the wire. ``to_wire`` drops fields that are not plain JSON;
-    a partial ExecResult is sent in its wire form and anything else as text."""
-    body = dict(exc.to_wire())
-    for key, value in exc.fields.items():
-        if key not in body:
-            body[key] = _jsonable(value)
-    return {"error": _jsonable(body)}
+    """``{"error": ...}`` for the wire (:func:`dsec.errors.encode_error`'s body)."""
+    return _jsonable(encode_error(exc, default=wire_value)[1])  # type: ignore[no-any-return]
 
 
 def current_policy(rec: SandboxRecord) -> NetworkPolicy | None:

@@ -27,7 +27,7 @@ from urllib.request import (  # type: ignore[attr-defined]  # proxy_bypass_envir
 
 import httpx
 
-from dsec.errors import AuthError, Backpressure, DsecError, error_from_wire
+from dsec.errors import decode_error
 from dsec.http1 import NO_TIMEOUT, Answer, AnswerTimeout, ConnectFailed, EdgeHTTP, NoAnswer
 from dsec.spec.api import ExecResultWire
 from dsec.spec.results import ExecResult, LimitHit
@@ -49,35 +49,16 @@ Timeout = float | httpx.Timeout | None | _Unset
 
 
 def raise_for_error(resp: Response) -> None:
-    """Turn an error answer into the typed exception of dsec.errors (the one table)."""
+    """Turn an error answer into its typed exception (dsec.errors.decode_error: the one wire format)."""
     if resp.status_code < 400:
         return
-    payload: dict[str, Any] | None = None
     try:
-        body = resp.json()
-        if isinstance(body, dict) and isinstance(body.get("error"), dict):
-            payload = body["error"]
+        body: Any = resp.json()
     except ValueError:
-        pass
-    if payload is None:
-        text = resp.text[:500]
-        if resp.status_code == 401:
-            raise AuthError(f"unauthorized: {text}", status=401)
-        if resp.status_code == 429:
-            raise Backpressure(f"busy: {text}", retry_after=_retry_after(resp), status=429)
-        url = resp.url if isinstance(resp, Answer) else resp.request.url
-        raise DsecError(f"HTTP {resp.status_code} from {url}: {text}", status=resp.status_code)
-    payload.setdefault("status", resp.status_code)
-    if resp.status_code == 429 and "retry_after" not in payload:
-        payload["retry_after"] = _retry_after(resp)
-    raise error_from_wire(payload)
+        body = resp.text[:500]
+    url = resp.url if isinstance(resp, Answer) else resp.request.url
+    raise decode_error(resp.status_code, body, dict(resp.headers), where=str(url))
 
-
-def _retry_after(resp: Response) -> float:
-    try:
-        return float(resp.headers.get("retry-after", "1"))
-    except ValueError:
-        return 1.0
 
 
 def result_from_wire(w: ExecResultWire) -> ExecResult:

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from dsec.errors import ERRORS_BY_CODE
 from dsec.spec import ImageRef, MiB, NetworkPolicy, Resources, SandboxSpec, SandboxState
 from dsec.spec.results import LimitKind
 
@@ -413,30 +414,9 @@ class EdgeHealth(_Wire):
     ``dsec/<runtime>``, the run directory ``<run_dir>/<runtime>``)."""
 
 
-# The one table from error code to HTTP status (the SDK maps back with ERRORS_BY_CODE).
-STATUS_BY_CODE: dict[str, int] = {
-    "invalid_spec": 422,
-    "sandbox_not_found": 404,
-    "layer_not_found": 404,
-    "sandbox_state": 409,
-    "layer_in_use": 409,
-    "sandbox_failed": 410,
-    "exec_error": 400,
-    "exec_timeout": 408,
-    "session_closed": 410,
-    "file_error": 400,
-    "quota_exceeded": 403,
-    "backpressure": 429,
-    "auth_error": 401,
-    "forbidden": 403,
-    "image_error": 400,
-    "host_error": 503,
-    "too_large": 413,
-    "dsec_error": 500,
-    # control plane: projects, tasks, tokens and edges (no SDK class yet: DsecError)
-    "not_found": 404,
-    "conflict": 409,
-}
+# Error code -> HTTP status, read off the error classes (each carries its ``http_status``;
+# dsec.errors.encode_error / decode_error are the wire format).
+STATUS_BY_CODE: dict[str, int] = {code: cls.http_status for code, cls in ERRORS_BY_CODE.items()}
 
 
 # ---------------------------------------------------------------------------
