@@ -110,6 +110,7 @@ struct req {
     int ntok;
     int fds[8];
     int nfds;
+    const char *overflow; /* non-NULL: the request did not fit (refused, never truncated) */
 };
 
 static const char *req_get(struct req *r, const char *key) {
@@ -118,12 +119,17 @@ static const char *req_get(struct req *r, const char *key) {
     return NULL;
 }
 
+/* Every value of key, in order, into out[0..max-1] and a NULL after them: the count, or
+ * -1 when there are more than max (the caller refuses the request: nothing is dropped). */
 static int req_all(struct req *r, const char *key, char **out, int max) {
-    int n = 0;
-    for (int i = 2; i + 1 < r->ntok && n < max; i += 2)
-        if (strcmp(r->tok[i], key) == 0) out[n++] = r->tok[i + 1];
+    int n = 0, all = 0;
+    for (int i = 2; i + 1 < r->ntok; i += 2)
+        if (strcmp(r->tok[i], key) == 0) {
+            if (n < max) out[n++] = r->tok[i + 1];
+            all++;
+        }
     out[n] = NULL;
-    return n;
+    return all > max ? -1 : n;
 }
 
 /* ---------- replies ---------- */
@@ -966,8 +972,10 @@ static void do_create(struct req *r) {
     const char *disk = req_get(r, "disk"), *inodes = req_get(r, "inodes");
     const char *upper = req_get(r, "upper"), *devskel = req_get(r, "devskel"), *empty = req_get(r, "empty");
     char *lowers[16], *cgs[16];
-    req_all(r, "lower", lowers, 15);
-    req_all(r, "cg", cgs, 15);
+    if (req_all(r, "lower", lowers, 15) < 0 || req_all(r, "cg", cgs, 15) < 0) {
+        reply_err(rid, "request", EINVAL, "create takes at most 15 layers and 15 cgroups");
+        return;
+    }
     if (!id || !stage || !ub || !uc || !disk || !inodes || !devskel || !empty) {
         reply_err(rid, "request", EINVAL, "create needs id, stage, uid_base, uid_count, disk, inodes, devskel, empty");
         return;
@@ -1489,13 +1497,20 @@ static void do_exec(struct req *r) {
     }
     static char *argv[MAX_TOK], *envp[MAX_TOK];
     char *cgs[16], *rl[32], *lr[256], *pl[16], *pp[72];
-    req_all(r, "lr", lr, 255);
-    req_all(r, "pl", pl, 15);
-    req_all(r, "pp", pp, 71);
+    static const struct { const char *key, *what; int max; } lists[] = {
+        {"lr", "file rules (Landlock)", 255}, {"pl", "image layers", 15}, {"pp", "pristine paths", 71},
+        {"cg", "cgroups", 15}, {"rl", "rlimits", 31}};
+    char **outs[] = {lr, pl, pp, cgs, rl};
+    for (size_t i = 0; i < sizeof lists / sizeof lists[0]; i++)
+        if (req_all(r, lists[i].key, outs[i], lists[i].max) < 0) {
+            reply_err(rid, "request", EINVAL, "more than %d %s in one command", lists[i].max, lists[i].what);
+            return;
+        }
     int argc = req_all(r, "a", argv, MAX_TOK - 1);
-    req_all(r, "e", envp, MAX_TOK - 1);
-    req_all(r, "cg", cgs, 15);
-    req_all(r, "rl", rl, 31);
+    if (argc < 0 || req_all(r, "e", envp, MAX_TOK - 1) < 0) {
+        reply_err(rid, "request", EINVAL, "more than %d arguments or environment variables", MAX_TOK - 1);
+        return;
+    }
     const char *cwd = req_get(r, "cwd"), *uid = req_get(r, "uid"), *gid = req_get(r, "gid");
     const char *sc = req_get(r, "seccomp"), *ss = req_get(r, "setsid");
     if (argc == 0 || !cwd || !uid || !gid) {
@@ -1638,14 +1653,24 @@ static int recv_req(struct req *r, char *buf) {
     if (n <= 0) return (int)n;
     buf[n] = 0;
     r->nfds = 0;
+    r->overflow = NULL;
+    if (msg.msg_flags & MSG_TRUNC) r->overflow = "the request is over 512 KiB";
+    if (msg.msg_flags & MSG_CTRUNC) r->overflow = "the request carries more than 8 fds";
     for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
         if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
             int k = (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
-            for (int i = 0; i < k && r->nfds < 8; i++) memcpy(&r->fds[r->nfds++], CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+            for (int i = 0; i < k; i++) {
+                int fd;
+                memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+                if (r->nfds < 8) r->fds[r->nfds++] = fd;
+                else { close(fd); r->overflow = "the request carries more than 8 fds"; }
+            }
         }
     }
     r->ntok = 0;
-    for (ssize_t off = 0; off < n && r->ntok < MAX_TOK; off += (ssize_t)strlen(buf + off) + 1) r->tok[r->ntok++] = buf + off;
+    ssize_t off = 0;
+    for (; off < n && r->ntok < MAX_TOK; off += (ssize_t)strlen(buf + off) + 1) r->tok[r->ntok++] = buf + off;
+    if (off < n) r->overflow = "the request has more than 8192 tokens";
     return 1;
 }
 
@@ -1730,6 +1755,11 @@ int main(int argc, char **argv) {
             if (rc == 0) { netpool_stop(); userns_keeper_stop(); return 0; } /* the runtime went away: sandboxes live on */
             if (rc < 0) continue;
             if (r->ntok < 2) {
+                for (int i = 0; i < r->nfds; i++) close(r->fds[i]);
+                continue;
+            }
+            if (r->overflow) {
+                reply_err(r->tok[1], "request", EINVAL, "%s: refused (nothing is ever truncated)", r->overflow);
                 for (int i = 0; i < r->nfds; i++) close(r->fds[i]);
                 continue;
             }
