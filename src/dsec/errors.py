@@ -210,11 +210,12 @@ def error_from_wire(payload: dict[str, Any]) -> DsecError:
     return cls(message, **fields)
 
 
-def encode_error(exc: DsecError, *, default: Callable[[Any], Any] = str) -> tuple[int, dict[str, Any], dict[str, str]]:
+def encode_error(exc: DsecError, *, default: Callable[[Any], Any] = str,
+                 realm: str | None = None) -> tuple[int, dict[str, Any], dict[str, str]]:
     """``(status, body, headers)`` of the HTTP answer for ``exc``: the body is
     ``{"error": {"code", "message", fields...}}``; fields that are not plain JSON go
     through ``default`` (the edge sends a partial ExecResult in its wire form); 429
-    carries ``Retry-After`` and 401 ``WWW-Authenticate``."""
+    carries ``Retry-After``, and 401 ``WWW-Authenticate`` with ``realm`` when given."""
     body = exc.to_wire()
     for key, value in exc.fields.items():
         if key not in body:
@@ -224,8 +225,8 @@ def encode_error(exc: DsecError, *, default: Callable[[Any], Any] = str) -> tupl
     if status == 429:
         retry = float(exc.fields.get("retry_after", 1.0) or 1.0)
         headers["Retry-After"] = str(max(1, math.ceil(retry)))
-    elif status == 401:
-        headers["WWW-Authenticate"] = 'Bearer realm="dsec"'
+    elif status == 401 and realm is not None:
+        headers["WWW-Authenticate"] = f'Bearer realm="{realm}"'
     return status, {"error": body}, headers
 
 

@@ -61,7 +61,8 @@ def test_headers_and_fields_that_are_not_json() -> None:
     # A 429 body without retry_after takes the header's.
     assert decode_error(429, {"error": {"code": "backpressure", "message": "m"}}, {"Retry-After": "7"}).fields[
         "retry_after"] == 7.0
-    assert encode_error(AuthError("no token"))[2] == {"WWW-Authenticate": 'Bearer realm="dsec"'}
+    assert encode_error(AuthError("no token"), realm="dsec-edge")[2] == {"WWW-Authenticate": 'Bearer realm="dsec-edge"'}
+    assert encode_error(AuthError("no token"))[2] == {}
     # A field that is not plain JSON goes through `default` (the edge sends an ExecResult's wire form).
     _, body, _ = encode_error(DsecError("x", obj=object()), default=lambda v: "converted")
     assert body["error"]["obj"] == "converted"

@@ -116,7 +116,7 @@ def _validation_response(errors: Sequence[Any]) -> JSONResponse:
 
 
 def _error_response(exc: DsecError) -> JSONResponse:
-    status, body, headers = encode_error(exc, default=wire_value)
+    status, body, headers = encode_error(exc, default=wire_value, realm="dsec-edge")
     return JSONResponse(body, status_code=status, headers=headers)
 
 
