@@ -127,14 +127,14 @@ def holder(path: Path) -> str:
         return ""
 
 
-def _held_by_someone(path: Path) -> bool:
-    """Whether any process holds a lock (shared or exclusive) on ``path``."""
+def _conflicts(path: Path, mode: int) -> bool:
+    """Whether a lock of ``mode`` on ``path`` would wait (someone holds a conflicting one)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return False
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, mode | fcntl.LOCK_NB)
         return False
     except BlockingIOError:
         return True
@@ -142,18 +142,14 @@ def _held_by_someone(path: Path) -> bool:
         os.close(fd)  # also drops the probe's own lock
 
 
+def _held_by_someone(path: Path) -> bool:
+    """Whether any process holds a lock (shared or exclusive) on ``path``."""
+    return _conflicts(path, fcntl.LOCK_EX)
+
+
 def _held_exclusively(path: Path) -> bool:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return False
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
+    """Whether a process holds an exclusive lock on ``path``."""
+    return _conflicts(path, fcntl.LOCK_SH)
 
 
 def net_tag(runtime: str) -> str:
