@@ -1,8 +1,11 @@
 """Build (or locate) the native ``dsec-spawner`` helper with the machine's gcc.
 
 Run by ``scripts/setup.sh`` (``python -m dsec.backends.container.build``) and,
-as a convenience, on first use when the binary is missing or older than its
-source. ``DSEC_SPAWNER`` overrides the location.
+as a convenience, on first use when a binary is missing or older than any of
+its sources. ``DSEC_SPAWNER`` overrides the location.
+
+The spawner is every ``native/*.c`` but ``dsec-init.c`` (they share
+``native/spawner.h``); ``dsec-init.c`` is the sandboxes' static pid 1.
 """
 
 from __future__ import annotations
@@ -16,12 +19,26 @@ from pathlib import Path
 from dsec.errors import HostError
 
 NATIVE_DIR = Path(__file__).resolve().parent / "native"
-SOURCE = NATIVE_DIR / "dsec-spawner.c"
 BINARY = NATIVE_DIR / "dsec-spawner"
 INIT_SOURCE = NATIVE_DIR / "dsec-init.c"
 INIT_BINARY = NATIVE_DIR / "dsec-init"
 """The sandboxes' pid 1, static, exec'd by the spawner from beside its own binary."""
 CFLAGS = ["-O2", "-Wall", "-Wextra", "-D_FORTIFY_SOURCE=2", "-fstack-protector-strong"]
+
+
+def spawner_sources() -> list[Path]:
+    """The spawner's C files (sorted: the same command line every time)."""
+    return sorted(p for p in NATIVE_DIR.glob("*.c") if p != INIT_SOURCE)
+
+
+def _inputs() -> dict[Path, list[Path]]:
+    """Each binary and every file it is built from (a header change rebuilds the spawner)."""
+    return {BINARY: [*spawner_sources(), *sorted(NATIVE_DIR.glob("*.h"))], INIT_BINARY: [INIT_SOURCE]}
+
+
+def _fresh() -> bool:
+    return all(b.exists() and all(b.stat().st_mtime >= src.stat().st_mtime for src in srcs)
+               for b, srcs in _inputs().items())
 
 
 def spawner_path(*, build: bool = True) -> Path:
@@ -32,9 +49,7 @@ def spawner_path(*, build: bool = True) -> Path:
         if not os.access(path, os.X_OK):
             raise HostError(f"DSEC_SPAWNER={override} is not an executable file", path=override)
         return path
-    fresh = all(b.exists() and b.stat().st_mtime >= src.stat().st_mtime
-                for b, src in ((BINARY, SOURCE), (INIT_BINARY, INIT_SOURCE)))
-    if not fresh:
+    if not _fresh():
         if not build:
             raise HostError(
                 f"{BINARY} is missing; run `bash scripts/setup.sh` or `python -m dsec.backends.container.build`"
@@ -48,7 +63,7 @@ def compile_spawner(out: Path = BINARY) -> Path:
     if gcc is None:
         raise HostError("no C compiler: install gcc (apt-get install gcc libc6-dev libseccomp-dev)")
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    cmd = [gcc, *CFLAGS, "-o", str(tmp), str(SOURCE), "-lseccomp"]
+    cmd = [gcc, *CFLAGS, "-o", str(tmp), *map(str, spawner_sources()), "-lseccomp"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         tmp.unlink(missing_ok=True)
@@ -56,6 +71,8 @@ def compile_spawner(out: Path = BINARY) -> Path:
             "building dsec-spawner failed (is libseccomp-dev installed?):\n" + proc.stderr.strip(),
             command=" ".join(cmd),
         )
+    if proc.stderr.strip():  # -Wall -Wextra is kept clean: say so when it is not
+        print(f"dsec-spawner: compiler warnings:\n{proc.stderr.strip()}", file=sys.stderr)
     os.replace(tmp, out)
     init_out = out.with_name(INIT_BINARY.name)
     tmp = init_out.with_name(init_out.name + f".tmp{os.getpid()}")
@@ -68,6 +85,8 @@ def compile_spawner(out: Path = BINARY) -> Path:
         tmp.unlink(missing_ok=True)
         raise HostError("building dsec-init failed (static libc: apt-get install libc6-dev):\n"
                         + proc.stderr.strip(), command=" ".join(cmd))
+    if proc.stderr.strip():
+        print(f"dsec-init: compiler warnings:\n{proc.stderr.strip()}", file=sys.stderr)
     os.replace(tmp, init_out)
     return out
 
