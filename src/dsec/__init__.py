@@ -29,6 +29,7 @@ from dsec.errors import (
     SandboxNotFound,
     SandboxStateError,
     SessionClosed,
+    Unsupported,
 )
 
 if TYPE_CHECKING:
@@ -120,5 +121,6 @@ __all__ = [
     "Stage",
     "Terminal",
     "TerminalExit",
+    "Unsupported",
     "__version__",
 ]

@@ -168,6 +168,20 @@ class PayloadTooLarge(DsecError, ValueError):
     http_status: ClassVar[int] = 413
 
 
+class Unsupported(DsecError, NotImplementedError):
+    """The sandbox's backend does not offer this operation (``operation``, ``backend``):
+    a client error, decided before any work is done. Pick a backend that does
+    (``SandboxSpec.backend``; ``GET /v1/edges`` lists what each edge offers)."""
+
+    code = "unsupported"
+    http_status: ClassVar[int] = 400
+
+    @classmethod
+    def operation(cls, op: str, *, backend: str, **fields: Any) -> Unsupported:
+        return cls(f"the {backend} backend does not support {op}; create the sandbox on a backend "
+                   "that does (SandboxSpec.backend)", operation=op, backend=backend, **fields)
+
+
 class HostError(DsecError, RuntimeError):
     """The host lacks something DSec needs (a kernel feature, a binary, privilege)."""
 
@@ -197,6 +211,7 @@ ERRORS_BY_CODE: dict[str, type[DsecError]] = {
         NotFound,
         Conflict,
         PayloadTooLarge,
+        Unsupported,
         HostError,
     )
 }

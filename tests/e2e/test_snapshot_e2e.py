@@ -54,7 +54,7 @@ class Harness:
 
     @property
     def rt(self) -> Any:
-        return self.edge.service.runtime
+        return self.edge.service.backends.get("container")
 
 
 @pytest.fixture(scope="module")

@@ -64,7 +64,7 @@ def metric(text: str, series: str) -> float:
 
 
 def test_admission_refuses_over_budget(small_edge: EdgeThread) -> None:
-    rt = small_edge.service.runtime
+    rt = small_edge.service.backends.get("container")
     with small_edge.client() as api:
         first = api.post("/v1/sandboxes", json={"spec": spec(cpu=1.5)})
         assert first.status_code == 201, first.text
@@ -148,7 +148,7 @@ def test_warm_pool_serves_refills_and_yields(pool_edge: EdgeThread) -> None:
             r = api.post("/v1/sandboxes", json={"spec": spec(0.5)})
             assert r.status_code == 201 and r.json()["from_pool"] is False, r.text
             extra.append(r.json()["id"])
-        assert len(pool.ready) == 0 and len(svc.runtime.sandboxes) == 4
+        assert len(pool.ready) == 0 and len(svc.backends.get("container").sandboxes) == 4
         time.sleep(0.3)
         assert len(pool.ready) + pool.creating == 0, "no refill while real sandboxes need the room"
         r = api.post("/v1/sandboxes", json={"spec": spec(0.5)})
@@ -186,12 +186,12 @@ def test_idempotent_create(small_edge: EdgeThread) -> None:
         body = {"spec": spec(0.1), "request_id": "req-1"}
         a = api.post("/v1/sandboxes", json=body).json()
         b = api.post("/v1/sandboxes", json=body).json()
-        assert a["id"] == b["id"] and len(small_edge.service.runtime.sandboxes) == 1
+        assert a["id"] == b["id"] and len(small_edge.service.backends.get("container").sandboxes) == 1
         sid = "ad-0123456789ab"
         c = api.post("/v1/sandboxes", json={"spec": spec(0.1), "id": sid})
         assert c.status_code == 201 and c.json()["id"] == sid
         assert api.post("/v1/sandboxes", json={"spec": spec(0.1), "id": sid}).json()["id"] == sid
-        assert len(small_edge.service.runtime.sandboxes) == 2
+        assert len(small_edge.service.backends.get("container").sandboxes) == 2
 
 
 def test_concurrent_creates_respect_the_budget(small_edge: EdgeThread) -> None:
@@ -206,4 +206,4 @@ def test_concurrent_creates_respect_the_budget(small_edge: EdgeThread) -> None:
 
     codes = asyncio.run(burst())
     assert sorted(codes) == [201] * 3 + [429] * 5, codes
-    assert len(small_edge.service.runtime.sandboxes) == 3
+    assert len(small_edge.service.backends.get("container").sandboxes) == 3

@@ -155,7 +155,7 @@ def test_round_trip(edge: EdgeThread, api: httpx.Client) -> None:
 def test_stream_disconnect_kills_the_command(edge: EdgeThread, api: httpx.Client) -> None:
     sid = create(api)["id"]
     try:
-        rt = edge.service.runtime
+        rt = edge.service.backends.get("container")
         with edge.client() as c, c.stream("POST", f"/v1/sandboxes/{sid}/exec/stream",
                                           json={"cmd": "echo started; sleep 60"}) as resp:
             lines = resp.iter_lines()  # keep the iterator: dropping it closes the connection
@@ -176,7 +176,7 @@ def test_stream_disconnect_kills_the_command(edge: EdgeThread, api: httpx.Client
 def test_exec_disconnect_kills_the_command(edge: EdgeThread, api: httpx.Client) -> None:
     sid = create(api)["id"]
     try:
-        rt = edge.service.runtime
+        rt = edge.service.backends.get("container")
         with edge.client(timeout=0.5) as c, pytest.raises(httpx.ReadTimeout):
             c.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "sleep 60"})
         assert wait_until(lambda: len(rt.cgroups.pids(sid)) == 1, timeout=5), rt.cgroups.pids(sid)
@@ -282,7 +282,7 @@ def test_bad_input_never_500(edge: EdgeThread, api: httpx.Client) -> None:
             assert 400 <= r.status_code < 500, (path, kw, r.status_code, r.text)
             if field:
                 assert err(r).get("field") == field, (path, kw, r.text)
-        assert len(edge.service.runtime.sandboxes) == 1
+        assert len(edge.service.backends.get("container").sandboxes) == 1
     finally:
         api.delete(f"/v1/sandboxes/{sid}")
 

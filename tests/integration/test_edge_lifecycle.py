@@ -57,7 +57,7 @@ def kinds(api: httpx.Client, sid: str) -> list[str]:
 
 
 def test_ttl_expiry(edge: EdgeThread) -> None:
-    rt = edge.service.runtime
+    rt = edge.service.backends.get("container")
     with edge.client() as api:
         info = create(api, lifecycle={"ttl_s": 1.0})
         sid = info["id"]
@@ -79,7 +79,7 @@ def test_ttl_expiry(edge: EdgeThread) -> None:
 
 
 def test_idle_timeout_counts_exec_files_and_running_commands(edge: EdgeThread) -> None:
-    rt = edge.service.runtime
+    rt = edge.service.backends.get("container")
     with edge.client() as api:
         sid = create(api, lifecycle={"ttl_s": 60, "idle_timeout_s": 0.8})["id"]
         try:
@@ -119,13 +119,13 @@ def test_restart_readopts_with_ttl_and_pool(dsec_base: Path) -> None:
         pool = first.service.pools.pools[0]
         assert wait_until(lambda: len(pool.ready) == 1, timeout=10)
         pooled = pool.ready[0]
-        init_pid = first.service.runtime.sandboxes[keep["id"]].init_pid
+        init_pid = first.service.backends.get("container").sandboxes[keep["id"]].init_pid
         first.stop()  # no destroy: sandboxes outlive the edge
 
-        assert init_pid in first.service.runtime.cgroups.pids(keep["id"])
+        assert init_pid in first.service.backends.get("container").cgroups.pids(keep["id"])
         second = EdgeThread(cfg).start()
         svc = second.service
-        assert set(svc.runtime.reconciled["adopted"]) == {keep["id"], short["id"], pooled}
+        assert set(svc.backends.get("container").reconciled["adopted"]) == {keep["id"], short["id"], pooled}
         with second.client() as api:
             again = api.get(f"/v1/sandboxes/{keep['id']}").json()
             for k in ("expires_at", "created_at", "labels", "task"):
@@ -138,9 +138,9 @@ def test_restart_readopts_with_ttl_and_pool(dsec_base: Path) -> None:
             health = api.get("/v1/health").json()
             assert health["sandboxes"] == 2 and health["pools"] == {svc.pools.pools[0].name: 1}
             # the TTL set before the restart is enforced by the new edge
-            assert wait_until(lambda: short["id"] not in svc.runtime.sandboxes, timeout=5)
+            assert wait_until(lambda: short["id"] not in svc.backends.get("container").sandboxes, timeout=5)
             assert api.get(f"/v1/sandboxes/{short['id']}").json()["reason"] == "ttl_expired"
-            assert keep["id"] in svc.runtime.sandboxes
+            assert keep["id"] in svc.backends.get("container").sandboxes
     finally:
         if second is not None:
             second.stop(destroy_all=True)

@@ -56,7 +56,7 @@ def edge(dsec_base: Path, remote: str) -> Iterator[EdgeThread]:
         yield e
     # Its network manager holds no namespace (they die with their last fd, veths with them).
     # Host links are not checked by name: other runtimes on this machine use the same names.
-    net = e.service.runtime.net
+    net = e.service.backends.get("container").net
     assert not net.sandboxes and not net._pool, (net.sandboxes, net._pool)
 
 
@@ -106,7 +106,7 @@ def metric(api: httpx.Client, series: str) -> float:
 def runtime_has(edge: EdgeThread, what: str) -> bool:
     import inspect
 
-    rt = edge.service.runtime
+    rt = edge.service.backends.get("container")
     if what == "pristine":
         return "pristine" in inspect.signature(rt.exec).parameters
     return hasattr(rt, what)
@@ -348,4 +348,4 @@ def test_no_network_section_refuses_policies(dsec_base: Path) -> None:
         assert c.get(f"/v1/sandboxes/{sid}/network").json()["ip"] is None
         c.delete(f"/v1/sandboxes/{sid}")
     assert not leftovers(cfg), leftovers(cfg)
-    assert json.dumps(cfg.model_dump(mode="json")["network"]) == "null"
+    assert cfg.model_dump(mode="json")["backends"][0]["network"] is None

@@ -84,7 +84,7 @@ def test_an_edge_repairs_vanished_host_state_and_says_so(dsec_base: Path) -> Non
     cfg = edge_config(dsec_base, "heal", "hl", KEY, host_check_interval_s=3600,
                       network={"subnet": "10.219.0.0/24", "pool_size": 0})
     with running_edge(cfg) as edge, edge.client() as api:
-        rt = edge.service.runtime
+        rt = edge.service.backends.get("container")
         assert api.get("/v1/health").json()["healthy"] is True
         assert api.delete(f"/v1/sandboxes/{_create(api)}").status_code in (200, 204)
         (digest, layer_mp), = rt._mounts.mounted().items()
@@ -140,7 +140,7 @@ def test_an_edge_repairs_vanished_host_state_and_says_so(dsec_base: Path) -> Non
 def test_what_an_edge_cannot_repair_is_reported_exactly(dsec_base: Path) -> None:
     cfg = edge_config(dsec_base, "unheal", "uh", KEY, host_check_interval_s=3600)
     with running_edge(cfg) as edge, edge.client() as api:
-        rt = edge.service.runtime
+        rt = edge.service.backends.get("container")
         assert api.delete(f"/v1/sandboxes/{_create(api)}").status_code in (200, 204)
         (digest, layer_mp), = rt._mounts.mounted().items()
         blob = Path(rt.store.blob_path(digest))

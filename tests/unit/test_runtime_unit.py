@@ -141,31 +141,45 @@ def test_state_graph_shape() -> None:
 
 
 def test_runtime_refuses_illegal_moves(tmp_path) -> None:
-    from dsec.backends.container.runtime import ContainerRuntime, SandboxRecord
+    from dsec.backends.container.runtime import ContainerRecord, ContainerRuntime
 
     rt = ContainerRuntime(name="unit", state_dir=tmp_path / "state", run_dir=tmp_path / "run")
     spec = SandboxSpec(image=ImageRef(base="busybox"))
-    rec = SandboxRecord("sb-unit", SandboxState.STOPPED, spec, 0, [], 0.0)
+    rec = ContainerRecord(id="sb-unit", state=SandboxState.STOPPED, spec=spec, created_at=0.0, slot=0)
     with pytest.raises(SandboxStateError) as ei:
         rt._move(rec, SandboxState.RUNNING, save=False)
     assert ei.value.sandbox_id == "sb-unit" and ei.value.state == "stopped"
     assert rec.state is SandboxState.STOPPED and rec.events == []
-    rec = SandboxRecord("sb-unit", SandboxState.CREATING, spec, 0, [], 0.0)
+    rec = ContainerRecord(id="sb-unit", state=SandboxState.CREATING, spec=spec, created_at=0.0, slot=0)
     rt._move(rec, SandboxState.RUNNING, save=False)
     assert rec.state is SandboxState.RUNNING
     assert rec.events[-1]["event"] == "state" and rec.events[-1]["state"] == "running"
 
 
 def test_record_json_round_trip() -> None:
-    from dsec.backends.container.runtime import SandboxRecord
+    from dsec.backends.base import EdgeMeta
+    from dsec.backends.container.runtime import ContainerRecord
 
     spec = SandboxSpec(image=ImageRef(base="busybox:1", toolkits=("py:3",)), env={"A": "b"})
-    rec = SandboxRecord("sb-x", SandboxState.RUNNING, spec, 7, ["sha256:" + "a" * 64], 12.5,
-                        init_pid=42, init_start=99, reason="r")
-    back = SandboxRecord.from_json(json.loads(json.dumps(rec.to_json())))
+    edge = EdgeMeta.lifecycle(100.0, 60.0, 5.0, labels={"k": "v"}, task="t", project="p", request_id="r1")
+    rec = ContainerRecord(id="sb-x", state=SandboxState.RUNNING, spec=spec, slot=7, layers=["sha256:" + "a" * 64],
+                          created_at=12.5, init_pid=42, init_start=99, reason="r", edge=edge)
+    back = ContainerRecord.from_json(json.loads(json.dumps(rec.to_json())))
     assert (back.id, back.state, back.spec, back.slot, back.layers, back.created_at, back.init_pid,
             back.init_start, back.reason) == (rec.id, rec.state, rec.spec, 7, rec.layers, 12.5, 42, 99, "r")
     assert back.uid_base == rec.uid_base == (1 << 24) + 7 * 65536
+    assert back.edge == edge and back.edge.expires_at == 160.0 and back.edge.labels == {"k": "v"}
+
+
+def test_record_written_before_typed_edge_part_reads() -> None:
+    """Records saved by an older edge keep their owner data in ``meta.edge``: still read."""
+    from dsec.backends.container.runtime import ContainerRecord
+
+    spec = SandboxSpec(image=ImageRef(base="busybox:1"))
+    old = {"id": "sb-o", "state": "running", "spec": spec.model_dump(mode="json"), "slot": 3, "layers": [],
+           "created_at": 1.0, "meta": {"edge": {"task": "t", "expires_at": 9.0, "pool": "p1", "unknown": 1}}}
+    rec = ContainerRecord.from_json(old)
+    assert (rec.edge.task, rec.edge.expires_at, rec.edge.pool) == ("t", 9.0, "p1")
 
 
 # ------------------------------------------------------------- fsops._norm ----
@@ -299,6 +313,7 @@ def test_public_surface_is_deliberate() -> None:
         "Stage",
         "Terminal",
         "TerminalExit",
+        "Unsupported",
         "__version__",
     ]
     for name in dsec.__all__:

@@ -143,7 +143,7 @@ class Cluster:
                 await e.stop(destroy_all=True)
             except Exception:
                 log.exception("edge %s did not stop cleanly; its runtime %s may have left mounts or cgroups "
-                              "(a restart on this data directory cleans them up)", e.edge_id, e.service.runtime.name)
+                              "(a restart on this data directory cleans them up)", e.edge_id, e.config.runtime)
         try:
             await self.control.stop()
         except Exception:
@@ -322,9 +322,10 @@ async def run_foreground(data_dir: Path, *, port: int, edges: int, host: str, sa
     say(f"dsec up: control plane {cluster.url}, edges: {', '.join(e.url for e in cluster.edges)}")
     nets = []
     for e in cluster.edges:
-        net = e.service.runtime.net
-        nets.append(f"{e.edge_id} {net.subnet}" if e.config.network is not None else f"{e.edge_id} none")
-    say(f"node {cluster.node_name} (runtimes {', '.join(e.service.runtime.name for e in cluster.edges)}); "
+        net = getattr(e.service.backends.by_kind.get("container"), "net", None)
+        nets.append(f"{e.edge_id} {net.subnet}" if net is not None and e.config.network is not None
+                    else f"{e.edge_id} none")
+    say(f"node {cluster.node_name} (runtimes {', '.join(e.config.runtime for e in cluster.edges)}); "
         f"sandbox networks: {', '.join(nets)}")
     for note in cluster.notes:
         say(f"dsec up: {note}")

@@ -395,6 +395,7 @@ class _Parsed:
     layers: frozenset[str]
     labels: dict[str, str]
     draining: bool
+    backends: frozenset[str]
 
 
 class HealthCache:
@@ -415,7 +416,7 @@ class HealthCache:
             return hit[1]
         h = EdgeHealth.model_validate_json(text)
         cap, reported = room_of_health(h)
-        p = _Parsed(cap, reported, layer_set(h.layers), dict(h.labels), h.draining)
+        p = _Parsed(cap, reported, layer_set(h.layers), dict(h.labels), h.draining, frozenset(h.backends))
         self._by_edge[edge_id] = (text, p)
         return p
 
@@ -432,6 +433,7 @@ def load_views(s: Session, cache: HealthCache) -> list[tuple[EdgeView, str]]:
             view = EdgeView(
                 id=r.id, capacity=p.capacity, committed=p.reported.max_with(placed), layers=p.layers,
                 labels=p.labels, draining=bool(r.draining) or p.draining, alive=r.status == "alive",
+                backends=p.backends,
             )
         out.append((view, r.url))
     return out

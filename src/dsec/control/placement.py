@@ -2,7 +2,7 @@
 
 Two steps (docs/CONTROL.md has the measurements behind the choice):
 
-1. Filter: live, not draining, labels match the request's ``edge_selector``,
+1. Filter: live, not draining, runs the sandbox's backend, labels match the request's ``edge_selector``,
    enough free room in every dimension (sandbox count, cpu, memory, disk).
    "Committed" is the larger of what the edge last reported and what the
    control plane itself has placed there since (so a burst does not overfill
@@ -63,6 +63,8 @@ class EdgeView:
     labels: Mapping[str, str] = field(default_factory=dict)
     draining: bool = False
     alive: bool = True
+    backends: frozenset[str] = frozenset({"container"})
+    """The execution backends the edge runs (its health report's ``backends``)."""
 
     def free(self) -> Room:
         return self.capacity - self.committed
@@ -73,6 +75,7 @@ class Demand:
     need: Room
     layers: tuple[str, ...] = ()
     selector: Mapping[str, str] = field(default_factory=dict)
+    backend: str = "container"
 
 
 def room_of_health(h: EdgeHealth) -> tuple[Room, Room]:
@@ -98,7 +101,7 @@ def has_layers(edge: EdgeView, layers: Sequence[str]) -> bool:
 
 
 def fits(edge: EdgeView, demand: Demand) -> bool:
-    if not edge.alive or edge.draining:
+    if not edge.alive or edge.draining or demand.backend not in edge.backends:
         return False
     if any(edge.labels.get(k) != v for k, v in demand.selector.items()):
         return False
@@ -198,6 +201,9 @@ def why_nothing_fits(edges: Sequence[EdgeView], demand: Demand) -> str:
     open_ = [e for e in alive if not e.draining]
     if not open_:
         return "every live edge is draining"
+    open_ = [e for e in open_ if demand.backend in e.backends]
+    if not open_:
+        return f"no live edge runs the {demand.backend} backend"
     sel = [e for e in open_ if all(e.labels.get(k) == v for k, v in demand.selector.items())]
     if not sel:
         return f"no live edge matches the edge_selector {dict(demand.selector)}"

@@ -86,7 +86,7 @@ def _dominant(e: EdgeView) -> float:
 
 
 def _with(e: EdgeView, committed: Room) -> EdgeView:
-    return EdgeView(e.id, e.capacity, committed, e.layers, e.labels, e.draining, e.alive)
+    return EdgeView(e.id, e.capacity, committed, e.layers, e.labels, e.draining, e.alive, e.backends)
 
 
 def make_edges(n: int, rng: random.Random) -> list[EdgeView]:

@@ -69,6 +69,7 @@ from dsec.errors import (
     LayerNotFound,
     SandboxFailed,
     SandboxNotFound,
+    Unsupported,
 )
 from dsec.spec import SandboxState, can_move
 from dsec.spec.api import BatchItem, BatchResult, CreateBatch, CreateSandbox, SandboxInfo, TaskQuota
@@ -297,6 +298,7 @@ class Sandboxes:
             need=Room(1, Amount.of_resources(r).cpu_m, r.memory, r.disk),
             layers=tuple(req.spec.image.layers_top_first()),
             selector=dict(req.edge_selector),
+            backend=req.spec.backend,
         )
 
     def _pick(
@@ -325,6 +327,14 @@ class Sandboxes:
         )
 
     def _nothing_fits(self, views: Sequence[EdgeView], demand: Demand, tried: frozenset[str]) -> DsecError:
+        live = [v for v in views if v.alive]
+        if live and not any(demand.backend in v.backends for v in live):
+            runs = sorted({b for v in live for b in v.backends})
+            return Unsupported(
+                f"no edge runs the {demand.backend} backend (the cluster's edges run: {', '.join(runs)}); "
+                "pick one of those in SandboxSpec.backend, or add the backend to an edge's configuration",
+                operation="create", backend=demand.backend,
+            )
         reason = why_nothing_fits(views, demand) if not tried else f"edges {sorted(tried)} refused or failed"
         retry = self.config.placement.retry_after_s
         return Backpressure(

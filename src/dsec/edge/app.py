@@ -35,8 +35,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import HTTPConnection
 
 from dsec.auth import Claims, check_sandbox, verify
+from dsec.backends.base import command_line
 from dsec.backends.container.fsops import FileInfo
-from dsec.backends.container.runtime import command_line
 from dsec.edge.config import EdgeConfig
 from dsec.edge.service import EdgeService, error_body, result_to_wire, wire_value
 from dsec.edge.terminals import TerminalHub, serve_terminal
@@ -206,7 +206,7 @@ Ids = Annotated[list[str], Query(max_length=10000)]
 
 
 def create_app(config: EdgeConfig, *, service: EdgeService | None = None) -> FastAPI:
-    """The edge's ASGI app. Its lifespan starts and stops the service (and so the runtime)
+    """The edge's ASGI app. Its lifespan starts and stops the service (and so the backends)
     unless the caller passes a service it already started (``serve_edge`` does)."""
     svc = service or EdgeService(config)
     auth = _Auth(config.cluster_key)
@@ -376,7 +376,7 @@ def create_app(config: EdgeConfig, *, service: EdgeService | None = None) -> Fas
 
     # ------------------------------------------------------- terminals --
 
-    terminals = TerminalHub(lambda: svc.runtime)
+    terminals = TerminalHub(svc.backend)
     app.state.terminals = terminals
 
     @app.websocket("/v1/sandboxes/{sandbox_id}/attach")
@@ -472,7 +472,7 @@ def create_app(config: EdgeConfig, *, service: EdgeService | None = None) -> Fas
         """No body bigger than the sandbox's disk quota is worth reading: it could not
         be written. Unknown sandboxes get the edge-wide cap (the route then 404s)."""
         try:
-            disk = int(svc.runtime.get(sandbox_id).spec.resources.disk)
+            disk = int(svc.record(sandbox_id).spec.resources.disk)
         except Exception:
             return MAX_BODY_BYTES
         return min(MAX_BODY_BYTES, disk + (1 << 20))

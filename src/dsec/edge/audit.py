@@ -24,14 +24,17 @@ import asyncio
 import errno
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Container
+from typing import TYPE_CHECKING
 
 from dsec.edge.loop import BackgroundLoop
 from dsec.spec import SandboxState
 
 if TYPE_CHECKING:
-    from dsec.backends.container.runtime import SandboxRecord
-    from dsec.edge.service import EdgeService
+    from dsec.backends.base import Backend, SandboxRecord
+    from dsec.edge.backends import EdgeBackends
+    from dsec.edge.events import EventLog
+    from dsec.edge.metrics import EdgeMetrics
 
 log = logging.getLogger("dsec.edge.audit")
 
@@ -49,9 +52,16 @@ FULL_PASS_S = 60.0
 class Auditor(BackgroundLoop):
     task_name = "dsec-edge-audit"
 
-    def __init__(self, service: EdgeService) -> None:
-        self.service = service
-        self.interval = service.config.audit_interval_s
+    def __init__(self, backends: EdgeBackends, events: EventLog, metrics: EdgeMetrics, *, interval: float,
+                 is_busy: Callable[[str], bool], pooled: Callable[[], Container[str]],
+                 scan_limits: Callable[[SandboxRecord], None]) -> None:
+        self.backends = backends
+        self.events = events
+        self.metrics = metrics
+        self.interval = interval
+        self.is_busy = is_busy
+        self.pooled = pooled
+        self.scan_limits = scan_limits
         self._disk_full: set[str] = set()
         self._last_full = 0.0
         self.passes = 0
@@ -69,49 +79,47 @@ class Auditor(BackgroundLoop):
 
     async def sweep(self) -> dict[str, int]:
         """One pass; returns the denied-packet increments per sandbox id."""
-        svc = self.service
         denied = await self.collect_denied()
-        pooled = svc.pools.pooled_ids
+        pooled = self.pooled()
         now = time.monotonic()
         full = now - self._last_full >= FULL_PASS_S
         if full:
             self._last_full = now
         recent = max(3 * self.interval, 5.0)
         checked = 0
-        for rec in list(svc.runtime.sandboxes.values()):
-            if rec.state is not SandboxState.RUNNING or rec.id in pooled or rec.id not in svc.runtime.sandboxes:
-                continue
-            if not full and not svc.is_busy(rec.id) and now - svc.runtime.last_activity.get(rec.id, 0.0) > recent:
-                continue  # idle: its background processes are seen by the next full pass
-            self.check_limits(rec)
-            checked += 1
-            if checked % CHECKS_PER_SLICE == 0:
-                await asyncio.sleep(0)  # let requests in between slices
+        for backend in list(self.backends.sandbox_backends()):
+            for rec in list(backend.sandboxes.values()):
+                if rec.state is not SandboxState.RUNNING or rec.id in pooled or rec.id not in backend.sandboxes:
+                    continue
+                if not full and not self.is_busy(rec.id) and now - backend.last_activity.get(rec.id, 0.0) > recent:
+                    continue  # idle: its background processes are seen by the next full pass
+                self.check_limits(backend, rec)
+                checked += 1
+                if checked % CHECKS_PER_SLICE == 0:
+                    await asyncio.sleep(0)  # let requests in between slices
         self.passes += 1
         return denied
 
     async def collect_denied(self) -> dict[str, int]:
-        rt: Any = self.service.runtime
-        if getattr(rt, "collect_denied", None) is None or self.service.config.network is None:
-            return {}
-        grown: dict[str, int] = await rt.collect_denied()
-        pooled = self.service.pools.pooled_ids
+        grown: dict[str, int] = {}
+        for backend in self.backends.sandbox_backends():
+            grown.update(await backend.collect_denied())
+        pooled = self.pooled()
         grown = {sid: n for sid, n in grown.items() if n > 0 and sid not in pooled}
         if grown:
-            self.service.metrics.net_denied.inc(sum(grown.values()))
-            self.service.metrics.net_denied_sandboxes.inc(len(grown))
+            self.metrics.net_denied.inc(sum(grown.values()))
+            self.metrics.net_denied_sandboxes.inc(len(grown))
         return grown
 
-    def check_limits(self, rec: SandboxRecord) -> None:
-        """New OOM kills / pids-limit hits (the runtime's events) and a full disk (ours)."""
-        svc = self.service
-        svc.runtime._check_limits(rec)
-        svc._scan_limits(rec)
-        self.check_disk(rec)
+    def check_limits(self, backend: Backend, rec: SandboxRecord) -> None:
+        """New OOM kills / pids-limit hits (the backend's events) and a full disk (ours)."""
+        backend.check_limits(rec)
+        self.scan_limits(rec)
+        self.check_disk(backend, rec)
 
-    def check_disk(self, rec: SandboxRecord) -> None:
-        # The runtime's test, the same one that judges an exec's ``limit`` (disk_full).
-        room = self.service.runtime.disk_room(rec)
+    def check_disk(self, backend: Backend, rec: SandboxRecord) -> None:
+        # The backend's test, the same one that judges an exec's ``limit`` (disk_full).
+        room = backend.disk_room(rec)
         if room is None:
             return  # gone, or not there yet: nothing to say
         if room.full and rec.id not in self._disk_full:
@@ -125,13 +133,13 @@ class Auditor(BackgroundLoop):
         if sandbox_id in self._disk_full:
             return
         self._disk_full.add(sandbox_id)
-        rec = self.service.runtime.sandboxes.get(sandbox_id)
-        self.service.events.add(sandbox_id, "disk_full", source=source, bytes_free=bytes_free, inodes_free=inodes_free,
+        rec = self.backends.record(sandbox_id)
+        self.events.add(sandbox_id, "disk_full", source=source, bytes_free=bytes_free, inodes_free=inodes_free,
                                 disk=rec.spec.resources.disk if rec is not None else None)
-        self.service.metrics.limit_events.labels("disk_full").inc()
+        self.metrics.limit_events.labels("disk_full").inc()
 
     def note_output(self, sandbox_id: str, kind: str, *, stdout_bytes: int, stderr_bytes: int, cap: int) -> None:
         """A command's output went beyond the sandbox's ``output_cap`` (head and tail were kept)."""
-        self.service.events.add(sandbox_id, "output_capped", kind=kind, stdout_bytes=stdout_bytes,
+        self.events.add(sandbox_id, "output_capped", kind=kind, stdout_bytes=stdout_bytes,
                                 stderr_bytes=stderr_bytes, output_cap=cap)
-        self.service.metrics.limit_events.labels("output_cap").inc()
+        self.metrics.limit_events.labels("output_cap").inc()

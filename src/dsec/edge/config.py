@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import (
     BaseModel,
@@ -23,10 +23,11 @@ from pydantic import (
 )
 
 from dsec.auth import parse_key
+from dsec.backends.container.config import ContainerConfig
 from dsec.backends.container.network import NetworkConfig, Permission
 from dsec.spec import ImageRef, Resources
 
-__all__ = ["EdgeConfig", "NetworkConfig", "Permission", "PoolConfig"]
+__all__ = ["BackendConfig", "ContainerConfig", "EdgeConfig", "NetworkConfig", "Permission", "PoolConfig"]
 
 EDGE_ID_RE = re.compile(r"^[a-z][a-z0-9]{0,7}$")
 _RUNTIME_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
@@ -42,6 +43,12 @@ BYTES_PER_SANDBOX_SLOT = 8 * 1024 * 1024
 
 class _Config(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+BackendConfig = Annotated[ContainerConfig, Field(discriminator="kind")]
+"""One member per backend kind (each defined in its ``dsec.backends.<kind>.config``)."""
+
+_CONTAINER_KEYS = ("zram_size", "reclaim_method", "uppers_path", "network")
 
 
 class PoolConfig(_Config):
@@ -105,9 +112,14 @@ class EdgeConfig(_Config):
     disk_overcommit: Annotated[float, Field(gt=0, le=1000)] = 1.0
     """Disk quotas may add up to this many times the disk: 1.0 guarantees every sandbox can
     fill its quota; agents rarely do, so dense nodes raise it (the reserve still guards the disk)."""
-    uppers_path: Path | None = None
-    """An existing btrfs mount for writable layers on disk; default the runtime's own image
-    in ``state_dir/uppers`` (docs/RUNTIME.md, "Writable layer on disk")."""
+
+
+    backends: list[BackendConfig] = Field(default_factory=lambda: [ContainerConfig()])
+    """The execution backends this edge runs, one per kind (``kind`` picks the member:
+    docs/BACKENDS.md). Each is built and started with the edge; the edge advertises them
+    and places a sandbox on the one its ``SandboxSpec.backend`` names. The container
+    backend's settings (zram, network, writable-layer store) live in its member; for
+    compatibility they are also accepted at the top level and moved there."""
 
     pools: list[PoolConfig] = Field(default_factory=list)
     pool_refill_per_s: Annotated[float, Field(gt=0, le=10000)] = 20.0
@@ -121,20 +133,10 @@ class EdgeConfig(_Config):
     destroy_on_shutdown: bool = False
     """False: sandboxes outlive an edge restart and are re-adopted. True for tests and `dsec up`."""
 
-    zram_size: Annotated[int, Field(ge=0)] = 0
-    """Bytes of compressed RAM swap (zram) set up at start for paused sandboxes' memory;
-    0: none (pause then freezes and drops only page cache). docs/SNAPSHOTS.md, "Swap"."""
-    reclaim_method: Literal["pageout+force_empty", "force_empty", "pageout", "none"] = "pageout+force_empty"
-    """How a pause pushes memory out (docs/SNAPSHOTS.md, "Pause")."""
     auto_pause_s: Annotated[float | None, Field(gt=0)] = None
     """Pause a sandbox after this long without requests, unless its create says otherwise
     (``lifecycle.auto_pause_s``); None: never."""
 
-    network: NetworkConfig | None = None
-    """Sandbox networking: named permissions, always-blocked ranges, the prepared-namespace
-    pool (docs/EDGE.md, "Network"). None: every sandbox is loopback-only and a create or
-    ``set_policy`` with a policy is refused. The edge adds its own and the control plane's
-    addresses to ``blocked`` when it starts."""
     host_check_interval_s: Annotated[float, Field(gt=0, le=3600)] = 2.0
     """How often the edge checks the host state its runtime stands on (layer mounts, cgroup
     directories, the /dev skeleton, the writable-layer store, network tables, the spawner)
@@ -148,6 +150,51 @@ class EdgeConfig(_Config):
     heartbeat_interval_s: Annotated[float, Field(gt=0, le=3600)] = 5.0
     retry_after_s: Annotated[float, Field(gt=0, le=3600)] = 1.0
     """Retry-After of a 429 when admission refuses for lack of room."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_container_keys(cls, data: Any) -> Any:
+        """Top-level ``network``, ``zram_size``, ``reclaim_method``, ``uppers_path`` (older
+        configs) go into the container backend's member."""
+        if not isinstance(data, dict) or not any(k in data for k in _CONTAINER_KEYS):
+            return data
+        data = dict(data)
+        moved = {k: data.pop(k) for k in _CONTAINER_KEYS if k in data}
+        backends = [dict(b) if isinstance(b, dict) else b.model_dump() for b in data.get("backends") or [{"kind": "container"}]]
+        for b in backends:
+            if b.get("kind", "container") == "container":
+                clash = sorted(k for k in moved if k in b)
+                if clash:
+                    raise ValueError(f"{', '.join(clash)} given both at the top level and in the container backend; "
+                                     "keep them in `backends`")
+                b.update(moved)
+                break
+        else:
+            raise ValueError(f"{', '.join(sorted(moved))} configure the container backend, which `backends` leaves out")
+        data["backends"] = backends
+        return data
+
+    @field_validator("backends")
+    @classmethod
+    def _one_per_kind(cls, v: list[BackendConfig]) -> list[BackendConfig]:
+        kinds = [b.kind for b in v]
+        if not kinds:
+            raise ValueError("an edge needs at least one backend")
+        dup = sorted({k for k in kinds if kinds.count(k) > 1})
+        if dup:
+            raise ValueError(f"backend {', '.join(dup)} listed twice; one entry per kind")
+        return v
+
+    @property
+    def container(self) -> ContainerConfig | None:
+        """The container backend's settings (None: this edge does not run it)."""
+        return next((b for b in self.backends if isinstance(b, ContainerConfig)), None)
+
+    @property
+    def network(self) -> NetworkConfig | None:
+        """Sandbox networking (the container backend's): None when it is not configured."""
+        c = self.container
+        return None if c is None else c.network
 
     @field_validator("edge_id")
     @classmethod

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import httpx
@@ -18,7 +19,7 @@ from dsec.auth import mint
 from dsec.edge.loop import BackgroundLoop
 
 if TYPE_CHECKING:
-    from dsec.edge.service import EdgeService
+    from dsec.spec.api import EdgeHealth
 
 log = logging.getLogger("dsec.edge.heartbeat")
 
@@ -26,21 +27,24 @@ log = logging.getLogger("dsec.edge.heartbeat")
 class Heartbeat(BackgroundLoop):
     task_name = "dsec-edge-heartbeat"
 
-    def __init__(self, service: EdgeService, url: str) -> None:
-        self.service = service
+    def __init__(self, health: Callable[[], EdgeHealth], url: str, *, edge_id: str, cluster_key: bytes,
+                 interval: float) -> None:
+        self.health = health
+        self.edge_id = edge_id
+        self.cluster_key = cluster_key
+        self.interval = interval
         self.url = url.rstrip("/")
         self.registered = False
         self.beats = 0
         self.failures = 0
 
     def _headers(self) -> dict[str, str]:
-        cfg = self.service.config
-        token, _ = mint(cfg.cluster_key, sandbox_id=f"edge:{cfg.edge_id}", project="", ttl_s=300.0, scope="edge-admin")
+        token, _ = mint(self.cluster_key, sandbox_id=f"edge:{self.edge_id}", project="", ttl_s=300.0, scope="edge-admin")
         return {"authorization": f"Bearer {token}", "content-type": "application/json"}
 
     async def beat(self, http: httpx.AsyncClient) -> None:
-        body = self.service.health().model_dump_json()
-        edge_id = self.service.config.edge_id
+        body = self.health().model_dump_json()
+        edge_id = self.edge_id
         if not self.registered:
             resp = await http.post(f"{self.url}/v1/edges/register", content=body, headers=self._headers())
             resp.raise_for_status()
@@ -54,7 +58,7 @@ class Heartbeat(BackgroundLoop):
         resp.raise_for_status()
 
     async def _run(self) -> None:
-        interval = self.service.config.heartbeat_interval_s
+        interval = self.interval
         async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, connect=5.0)) as http:
             while True:
                 try:

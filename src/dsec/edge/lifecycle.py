@@ -1,8 +1,8 @@
 """Lifecycle enforcement: TTL and idle timeout per sandbox, by the edge alone.
 
-A sandbox's limits come from ``CreateSandbox.lifecycle`` and are stored in its
-runtime record's metadata (``edge.expires_at`` as wall-clock time,
-``edge.idle_timeout_s``), so they survive an edge restart and need no control
+A sandbox's limits come from ``CreateSandbox.lifecycle`` and are stored in the
+edge's part of its record (``EdgeMeta.expires_at`` as wall-clock time,
+``EdgeMeta.idle_timeout_s``), so they survive an edge restart and need no control
 plane: the watchdog here destroys expired sandboxes even when nobody else is
 alive. Idle means no exec, session or file call *and* none running: a
 command that runs for an hour is activity. Activity stamps are monotonic and
@@ -19,32 +19,29 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 from dsec.edge.loop import BackgroundLoop
 from dsec.spec import SandboxState
 
 if TYPE_CHECKING:
-    from dsec.backends.container.runtime import SandboxRecord
-    from dsec.edge.service import EdgeService
+    from dsec.backends.base import SandboxRecord
+    from dsec.edge.backends import EdgeBackends
 
 log = logging.getLogger("dsec.edge.lifecycle")
-
-
-def lifecycle_meta(created_at: float, ttl_s: float, idle_timeout_s: float | None,
-                   auto_pause_s: float | None = None) -> dict[str, Any]:
-    meta = {"created_at": created_at, "ttl_s": ttl_s, "expires_at": created_at + ttl_s, "idle_timeout_s": idle_timeout_s}
-    if auto_pause_s is not None:
-        meta["auto_pause_s"] = auto_pause_s
-    return meta
 
 
 class Watchdog(BackgroundLoop):
     task_name = "dsec-edge-watchdog"
 
-    def __init__(self, service: EdgeService) -> None:
-        self.service = service
-        self.interval = service.config.watchdog_interval_s
+    def __init__(self, backends: EdgeBackends, *, interval: float, is_busy: Callable[[str], bool],
+                 expire: Callable[[str, str], Awaitable[None]], auto_pause: Callable[[str], Awaitable[None]]) -> None:
+        self.backends = backends
+        self.interval = interval
+        self.is_busy = is_busy
+        self.expire = expire
+        self.auto_pause = auto_pause
         self._expiring: set[str] = set()
 
     async def _run(self) -> None:
@@ -58,31 +55,30 @@ class Watchdog(BackgroundLoop):
     def due(self, rec: SandboxRecord, now: float, mono: float) -> str | None:
         """Why ``rec`` must go now ("ttl", "idle", "failed"), "pause" if it has been idle
         for its auto-pause time, or None."""
-        edge = rec.meta.get("edge") or {}
-        if edge.get("pool"):
+        edge = rec.edge
+        if edge.pool is not None:
             return None  # ready in a warm pool: its lifetime starts when claimed
         if rec.state is SandboxState.FAILED:
             return "failed"
         if rec.state not in (SandboxState.RUNNING, SandboxState.PAUSED):
             return None  # paused time counts: TTL and idle clocks run on while paused
-        expires = edge.get("expires_at")
-        if expires is not None and now >= float(expires):
+        if edge.expires_at is not None and now >= edge.expires_at:
             return "ttl"
-        idle = edge.get("idle_timeout_s")
-        if idle is not None and not self.service.is_busy(rec.id):
-            last = self.service.runtime.last_activity.get(rec.id)
-            if last is not None and mono - last >= float(idle):
+        idle = edge.idle_timeout_s
+        if idle is not None and not self.is_busy(rec.id):
+            last = self.backends.last_activity(rec.id)
+            if last is not None and mono - last >= idle:
                 return "idle"
-        pause_after = edge.get("auto_pause_s")
-        if pause_after is not None and rec.state is SandboxState.RUNNING and not self.service.is_busy(rec.id):
-            last = self.service.runtime.last_activity.get(rec.id)
-            if last is not None and mono - last >= float(pause_after):
+        pause_after = edge.auto_pause_s
+        if pause_after is not None and rec.state is SandboxState.RUNNING and not self.is_busy(rec.id):
+            last = self.backends.last_activity(rec.id)
+            if last is not None and mono - last >= pause_after:
                 return "pause"
         return None
 
     async def sweep(self) -> list[tuple[str, str]]:
         now, mono = time.time(), time.monotonic()
-        todo = [(rec.id, why) for rec in self.service.runtime.list()
+        todo = [(rec.id, why) for rec in self.backends.records()
                 if rec.id not in self._expiring and (why := self.due(rec, now, mono))]
         if todo:
             await asyncio.gather(*(self._expire(sid, why) for sid, why in todo), return_exceptions=True)
@@ -92,9 +88,9 @@ class Watchdog(BackgroundLoop):
         self._expiring.add(sandbox_id)
         try:
             if why == "pause":
-                await self.service.auto_pause(sandbox_id)
+                await self.auto_pause(sandbox_id)
                 return
-            await self.service.expire(sandbox_id, why)
+            await self.expire(sandbox_id, why)
         except Exception:
             log.exception("could not destroy expired sandbox %s (%s)", sandbox_id, why)
         finally:

@@ -37,7 +37,7 @@ scrape time from the service, so they can never drift from the truth.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -45,7 +45,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from dsec.spec import SandboxState
 
 if TYPE_CHECKING:
-    from dsec.edge.service import EdgeService
+    from dsec.edge.admission import Admission
+    from dsec.edge.backends import EdgeBackends
+    from dsec.edge.host import HostSampler
+    from dsec.edge.pools import PoolManager
+    from dsec.edge.selfcheck import SelfCheck
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 LIMIT_KINDS = ("oom", "pids_limit", "disk_full", "output_cap")
@@ -54,8 +58,20 @@ HOST_KINDS = ("cgroup", "layer_mount", "skeleton", "uppers", "spawner", "network
 EXEC_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0, 600.0)
 
 
+class MetricsSource(Protocol):
+    """What the state metrics are read from at scrape time (the edge service satisfies it)."""
+
+    backends: EdgeBackends
+    pools: PoolManager
+    admission: Admission
+    host: HostSampler
+    selfcheck: SelfCheck
+
+    def session_count(self) -> int: ...
+
+
 class EdgeMetrics:
-    def __init__(self, service: EdgeService) -> None:
+    def __init__(self, state: MetricsSource) -> None:
         r = self.registry = CollectorRegistry()
         self.creates = Counter("dsec_edge_creates", "Sandbox creates", ["result", "source", "reason"], registry=r)
         self.create_seconds = Histogram(
@@ -100,27 +116,34 @@ class EdgeMetrics:
         for source in ("cold", "pool"):
             self.create_seconds.labels(source)
             self.creates.labels("ok", source, "")
-        r.register(_StateCollector(service))
+        r.register(_StateCollector(state))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
 class _StateCollector:
-    def __init__(self, service: EdgeService) -> None:
-        self.service = service
+    def __init__(self, source: MetricsSource) -> None:
+        self.source = source
 
     def collect(self) -> Iterable[Metric]:
-        svc = self.service
+        svc = self.source
         states = GaugeMetricFamily("dsec_edge_sandboxes", "Sandboxes by state (warm pools excluded)", labels=["state"])
+        per_backend = GaugeMetricFamily("dsec_edge_backend_sandboxes", "Sandboxes by backend (warm pools excluded)",
+                                        labels=["backend"])
         counts = dict.fromkeys((s.value for s in SandboxState), 0)
         pooled = svc.pools.pooled_ids
-        for rec in svc.runtime.list():
-            if rec.id not in pooled:
-                counts[rec.state.value] += 1
+        for backend in svc.backends.sandbox_backends():
+            n = 0
+            for rec in list(backend.sandboxes.values()):
+                if rec.id not in pooled:
+                    counts[rec.state.value] += 1
+                    n += 1
+            per_backend.add_metric([backend.capabilities.kind], n)
         for state, n in counts.items():
             states.add_metric([state], n)
         yield states
+        yield per_backend
 
         ready = GaugeMetricFamily("dsec_edge_pool_ready", "Ready sandboxes in a warm pool", labels=["pool"])
         target = GaugeMetricFamily("dsec_edge_pool_target", "Configured warm pool size", labels=["pool"])
@@ -164,15 +187,19 @@ class _StateCollector:
         yield disk
         yield GaugeMetricFamily("dsec_edge_sessions", "Open shell sessions", value=svc.session_count())
 
-        rt = svc.runtime
         problems = svc.selfcheck.problems()
         yield GaugeMetricFamily("dsec_edge_healthy", "1 unless host state is broken beyond repair (see health problems)",
                                 value=0 if problems else 1)
         by_kind = GaugeMetricFamily("dsec_edge_host_problems", "Unrepaired host-state problems", labels=["kind"])
         repairs = CounterMetricFamily("dsec_edge_host_repairs", "Host state found vanished and made again",
                                       labels=["kind"])
+        found = [f for be in svc.backends.by_kind.values() for f in getattr(be, "host_problems", ())]
+        counted: dict[str, int] = {}
+        for be in svc.backends.by_kind.values():
+            for kind, n in getattr(be, "repair_counts", {}).items():
+                counted[kind] = counted.get(kind, 0) + n
         for kind in HOST_KINDS:
-            by_kind.add_metric([kind], sum(1 for f in rt.host_problems if f.kind == kind))
-            repairs.add_metric([kind], rt.repair_counts.get(kind, 0))
+            by_kind.add_metric([kind], sum(1 for f in found if f.kind == kind))
+            repairs.add_metric([kind], counted.get(kind, 0))
         yield by_kind
         yield repairs

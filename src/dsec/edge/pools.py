@@ -1,12 +1,13 @@
 """Warm pools: K ready sandboxes per (resolved layer digests, resources).
 
-A create that matches a pool key takes a ready sandbox: the runtime record
-gets the request's spec and metadata (``ContainerRuntime.update``), which is
+Pools are the container backend's (the one whose records carry their layers). A
+create that matches a pool key takes a ready sandbox: the backend's record gets
+the request's spec and edge part (``Backend.update``), which is
 a record write, not a container start. The pool then refills in the
 background, rate-limited by a token bucket and bounded in concurrency, so a
 burst of claims does not turn into a burst of creates that starves exec.
 
-Pooled sandboxes are marked in their record's metadata (``edge.pool``), so an
+Pooled sandboxes are marked in their record's edge part (``EdgeMeta.pool``), so an
 edge restart re-adopts them as pool members; a pooled sandbox whose pool is
 gone, changed or full is destroyed. They count as *reserved* capacity in
 admission (see :mod:`dsec.edge.admission`): a refill happens only when it fits
@@ -23,16 +24,19 @@ import contextlib
 import logging
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from dsec.edge.admission import Usage
-from dsec.edge.config import PoolConfig
+from dsec.backends.base import EdgeMeta
+from dsec.edge.admission import Admission, Usage
+from dsec.edge.config import EdgeConfig, PoolConfig
 from dsec.errors import DsecError
 from dsec.spec import ImageRef, Resources, SandboxSpec, SandboxState
 
 if TYPE_CHECKING:
-    from dsec.backends.container.runtime import SandboxRecord
-    from dsec.edge.service import EdgeService
+    from dsec.backends.base import Backend, SandboxRecord
+    from dsec.edge.events import EventLog
+    from dsec.edge.metrics import EdgeMetrics
 
 log = logging.getLogger("dsec.edge.pools")
 
@@ -102,9 +106,19 @@ class WarmPool:
 
 
 class PoolManager:
-    def __init__(self, service: EdgeService) -> None:
-        self.service = service
-        cfg = service.config
+    backend_kind = "container"
+    """The backend whose sandboxes are pooled."""
+
+    def __init__(self, cfg: EdgeConfig, *, backend: Callable[[], Backend | None], admission: Callable[[], Admission],
+                 events: EventLog, metrics: EdgeMetrics, new_id: Callable[[], str],
+                 destroy: Callable[..., Awaitable[bool]], store: Callable[[], Any]) -> None:
+        self._backend = backend
+        self._admission = admission
+        self.events = events
+        self.metrics = metrics
+        self.new_id = new_id
+        self.destroy = destroy
+        self._store = store
         self.pools = [WarmPool(p) for p in cfg.pools]
         self._by_name = {p.name: p for p in self.pools}
         self._by_key: dict[PoolKey, WarmPool] = {}
@@ -127,7 +141,7 @@ class PoolManager:
         hit = self._resolved.get(ref)
         if hit is not None and hit[0] > now:
             return hit[1]
-        digest: str = self.service.runtime.store.resolve(ref).digest
+        digest: str = self._store().resolve(ref).digest
         ttl = float("inf") if ref.startswith("sha256:") and len(ref) == 71 else _NAME_TTL_S
         self._resolved[ref] = (now + ttl, digest)
         return digest
@@ -154,15 +168,17 @@ class PoolManager:
     async def start(self) -> None:
         self._refresh_keys()
         stale: list[str] = []
-        for rec in self.service.runtime.list():
-            edge = rec.meta.get("edge") or {}
-            name = edge.get("pool")
+        backend = self._backend()
+        if backend is None:
+            return
+        for rec in list(backend.sandboxes.values()):
+            name = rec.edge.pool
             if not name:
                 continue
-            pool = self._by_name.get(str(name))
+            pool = self._by_name.get(name)
             if (
                 pool is None or pool.layers is None or rec.state is not SandboxState.RUNNING
-                or tuple(rec.layers) != pool.layers or rec.spec.resources != pool.cfg.resources
+                or _layers(rec) != pool.layers or rec.spec.resources != pool.cfg.resources
                 or len(pool.ready) >= pool.target
             ):
                 stale.append(rec.id)
@@ -171,8 +187,8 @@ class PoolManager:
             self.pooled_ids.add(rec.id)
             pool.note_level()
         for sid in stale:
-            self.service.admission.release(sid)
-            await self.service.destroy(sid, reason="pool_stale", tombstone=False)
+            self._admission().release(sid)
+            await self.destroy(sid, reason="pool_stale", tombstone=False)
         if self.pools:
             self._task = asyncio.create_task(self._refill_loop(), name="dsec-edge-pool-refill")
 
@@ -195,31 +211,31 @@ class PoolManager:
             return None  # the cold path reports the missing layer properly
         return self._by_key.get(key)
 
-    def take(self, spec: SandboxSpec, meta: dict[str, Any]) -> tuple[SandboxRecord, WarmPool] | None:
-        """A ready sandbox of ``spec``'s pool, now carrying ``spec`` and ``meta``; or None."""
+    def take(self, spec: SandboxSpec, edge: EdgeMeta) -> tuple[SandboxRecord, WarmPool] | None:
+        """A ready sandbox of ``spec``'s pool, now carrying ``spec`` and ``edge``; or None."""
         pool = self.match(spec)
-        if pool is None:
+        rt = self._backend()
+        if pool is None or rt is None:
             return None
-        rt = self.service.runtime
         try:
             while pool.ready:
                 sid = pool.ready.pop()  # most recently made: warmest caches
                 self.pooled_ids.discard(sid)
                 rec = rt.sandboxes.get(sid)
-                if rec is None or rec.state is not SandboxState.RUNNING or tuple(rec.layers) != pool.layers:
+                if rec is None or rec.state is not SandboxState.RUNNING or _layers(rec) != pool.layers:
                     self._discard(sid, "pool_stale")
                     continue
-                meta.setdefault("edge", {})["from_pool"] = pool.name
+                edge.from_pool = pool.name
                 try:
-                    rt.update(sid, spec=spec, meta=meta)
+                    rt.update(sid, spec=spec, edge=edge)
                 except DsecError:
                     self._discard(sid, "pool_stale")
                     continue
                 pool.hits += 1
-                self.service.metrics.pool_claims.labels(pool.name, "hit").inc()
+                self.metrics.pool_claims.labels(pool.name, "hit").inc()
                 return rec, pool
             pool.misses += 1
-            self.service.metrics.pool_claims.labels(pool.name, "miss").inc()
+            self.metrics.pool_claims.labels(pool.name, "miss").inc()
             return None
         finally:
             self._last_claim = time.monotonic()
@@ -241,7 +257,7 @@ class PoolManager:
                 self.pooled_ids.discard(sid)
                 victims.append(sid)
                 need.add(pool.cfg.resources, -1)
-                self.service.metrics.pool_evictions.labels(pool.name).inc()
+                self.metrics.pool_evictions.labels(pool.name).inc()
             pool.note_level()
             if covered():
                 break
@@ -261,8 +277,8 @@ class PoolManager:
         return True
 
     def _discard(self, sandbox_id: str, reason: str) -> None:
-        self.service.admission.release(sandbox_id)
-        self._spawn(self.service.destroy(sandbox_id, reason=reason, tombstone=False))
+        self._admission().release(sandbox_id)
+        self._spawn(self.destroy(sandbox_id, reason=reason, tombstone=False))
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
@@ -282,7 +298,7 @@ class PoolManager:
             have = len(pool.ready) + pool.creating
             if have >= pool.target:
                 continue
-            if not self.service.admission.fits_pooled(pool.cfg.resources):
+            if not self._admission().fits_pooled(pool.cfg.resources):
                 if not pool.blocked:
                     pool.blocked = True
                     log.info("pool %s held at %d of %d: the edge's budgets are taken", pool.name, have, pool.target)
@@ -320,8 +336,8 @@ class PoolManager:
                 self._slots.release()
                 continue
             self._tokens -= 1.0
-            sid = self.service.new_id()
-            self.service.admission.reserve(sid, pool.cfg.resources, pooled=True)
+            sid = self.new_id()
+            self._admission().reserve(sid, pool.cfg.resources, pooled=True)
             pool.creating += 1
             task = asyncio.create_task(self._make(pool, sid))
             self._jobs.add(task)
@@ -331,26 +347,28 @@ class PoolManager:
         t0 = time.perf_counter()
         ok = False
         try:
-            meta = {"edge": {"pool": pool.name, "pooled_at": time.time()}}
-            await self.service.runtime.create(pool.spec, sandbox_id=sid, meta=meta)
+            backend = self._backend()
+            if backend is None:
+                raise DsecError("the container backend is not running")
+            await backend.create(pool.spec, sandbox_id=sid, edge=EdgeMeta(pool=pool.name, pooled_at=time.time()))
             ok = True
         except DsecError as exc:
             pool.failures += 1
             pool.last_error = str(exc)
             pool.retry_at = time.monotonic() + min(30.0, 0.5 * 2 ** min(pool.failures, 6))
             log.warning("pool %s: refill failed: %s", pool.name, exc)
-            self.service.metrics.pool_refills.labels(pool.name, "failed").inc()
+            self.metrics.pool_refills.labels(pool.name, "failed").inc()
         finally:
             pool.creating -= 1
             self._slots.release()
             if not ok:
-                self.service.admission.release(sid)
+                self._admission().release(sid)
         if ok:
             pool.failures = 0
-            self.service.metrics.pool_refills.labels(pool.name, "ok").inc()
-            self.service.metrics.create_seconds.labels("refill").observe(time.perf_counter() - t0)
-            self.service.events.add(sid, "pooled", pool=pool.name)
-            if len(pool.ready) >= pool.target or not self.service.admission.holds(sid):
+            self.metrics.pool_refills.labels(pool.name, "ok").inc()
+            self.metrics.create_seconds.labels("refill").observe(time.perf_counter() - t0)
+            self.events.add(sid, "pooled", pool=pool.name)
+            if len(pool.ready) >= pool.target or not self._admission().holds(sid):
                 # over target (a resize), or evicted/stopped while being made
                 self._discard(sid, "pool_stale")
             else:
@@ -358,6 +376,10 @@ class PoolManager:
                 self.pooled_ids.add(sid)
                 pool.note_level()
         self._wake.set()
+
+
+def _layers(rec: SandboxRecord) -> tuple[str, ...]:
+    return tuple(getattr(rec, "layers", ()))
 
 
 def _log_failure(task: asyncio.Task[Any]) -> None:

@@ -1,7 +1,8 @@
 """Self-check: the edge notices when the host state its runtime stands on vanished, repairs
 what it can and says exactly what it cannot.
 
-Every ``host_check_interval_s`` it runs :meth:`ContainerRuntime.heal`: claims, directories,
+Every ``host_check_interval_s`` it runs every backend's ``heal`` (the container backend's
+:meth:`ContainerRuntime.heal`: claims, directories,
 cgroup parents, the /dev skeleton, layer mounts, the writable-layer store's mount, the
 sandbox network's host tables and the spawner. Someone else's cleanup is the usual cause
 (an operator's ``umount``, a script removing empty cgroups, another DSec instance sharing
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING
 from dsec.edge.loop import BackgroundLoop
 
 if TYPE_CHECKING:
-    from dsec.edge.service import EdgeService
+    from dsec.edge.backends import EdgeBackends
 
 log = logging.getLogger("dsec.edge.selfcheck")
 
@@ -34,9 +35,9 @@ MAX_REPORTED = 20
 class SelfCheck(BackgroundLoop):
     task_name = "dsec-edge-selfcheck"
 
-    def __init__(self, service: EdgeService) -> None:
-        self.service = service
-        self.interval = service.config.host_check_interval_s
+    def __init__(self, backends: EdgeBackends, *, interval: float) -> None:
+        self.backends = backends
+        self.interval = interval
         self.failure = ""
         """Why the last pass itself failed ("" when it ran)."""
         self.passes = 0
@@ -49,7 +50,7 @@ class SelfCheck(BackgroundLoop):
     async def check(self) -> None:
         """One pass (also run at start, before the edge serves)."""
         try:
-            await self.service.runtime.heal()
+            await self.backends.heal()
             self.failure = ""
         except Exception as exc:  # the check must outlive any one bad pass
             log.exception("self-check pass failed")
@@ -57,12 +58,11 @@ class SelfCheck(BackgroundLoop):
         self.passes += 1
 
     def problems(self) -> list[str]:
-        rt = self.service.runtime
-        out = [f.message for f in rt.host_problems]
+        out = [f.message for b in self.backends.by_kind.values() for f in getattr(b, "host_problems", ())]
         if self.failure:
             out.append(self.failure)
         return out[:MAX_REPORTED]
 
     def repairs(self) -> list[str]:
-        found = list(self.service.runtime.host_repairs)[-MAX_REPORTED:]
+        found = self.backends.host_repairs()[-MAX_REPORTED:]
         return [f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(f.at))} {f.message}" for f in found]

@@ -2,9 +2,10 @@
 lifecycle enforcement, event logs and metrics. No HTTP here (app.py is the
 thin HTTP layer over it), so the same object serves tests and embeddings.
 
-It owns one :class:`ContainerRuntime` (ids prefixed with the edge id). It
-never blocks the event loop: file operations run in worker threads, kernel
-work runs in the runtime's spawner. It never destroys a sandbox on its own
+It runs the backends its config lists (:class:`EdgeBackends`; ids prefixed with
+the edge id) and talks to them only through :class:`dsec.backends.base.Backend`.
+It never blocks the event loop: file operations run in worker threads, kernel
+work runs in the backends' helpers. It never destroys a sandbox on its own
 except for TTL/idle expiry, failure, and pool upkeep, and says so in events.
 """
 
@@ -16,7 +17,6 @@ import binascii
 import builtins
 import contextlib
 import logging
-import os
 import secrets
 import shutil
 import time
@@ -24,21 +24,24 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, TypeVar
 
 from dsec.auth import mint
-from dsec.backends.container.fsops import SandboxFiles
-from dsec.backends.container.runtime import (
-    ContainerRuntime,
+from dsec.backends.base import (
+    Backend,
+    Capability,
+    EdgeMeta,
+    GroupOutcome,
     OutputCallback,
     SandboxRecord,
+    ShellSession,
     command_line,
 )
-from dsec.backends.container.sessions import Session
 from dsec.edge.admission import Admission, Budgets, disk_reserve, resolve_budgets
 from dsec.edge.audit import FULL_ERRNOS, Auditor
+from dsec.edge.backends import EdgeBackends
 from dsec.edge.config import EdgeConfig
 from dsec.edge.events import EventLog, Tombstone
 from dsec.edge.heartbeat import Heartbeat
 from dsec.edge.host import HostSampler
-from dsec.edge.lifecycle import Watchdog, lifecycle_meta
+from dsec.edge.lifecycle import Watchdog
 from dsec.edge.metrics import EdgeMetrics
 from dsec.edge.pools import PoolManager
 from dsec.edge.selfcheck import SelfCheck
@@ -53,9 +56,10 @@ from dsec.errors import (
     SandboxNotFound,
     SandboxStateError,
     SessionClosed,
+    Unsupported,
     encode_error,
 )
-from dsec.spec import ImageRef, NetworkPolicy, SandboxState
+from dsec.spec import NetworkPolicy, SandboxState
 from dsec.spec.api import (
     EdgeCreateSandbox,
     EdgeHealth,
@@ -83,22 +87,6 @@ T = TypeVar("T")
 TOKEN_TTL_S = 3600.0
 STREAM_BUFFER_BYTES = 1024 * 1024
 """Output an exec stream holds for a reader that is behind; past it the command waits."""
-
-
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-def process_cpu_seconds(pids: list[int]) -> float:
-    """User + system CPU seconds of these processes (and of their reaped children), from /proc."""
-    total = 0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-        except (OSError, IndexError):
-            continue  # gone meanwhile
-        total += sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
-    return total / CLK_TCK
 
 
 def result_to_wire(r: ExecResult) -> ExecResultWire:
@@ -139,17 +127,6 @@ def wire_value(value: Any) -> Any:
 def error_body(exc: DsecError) -> dict[str, Any]:
     """``{"error": ...}`` for the wire (:func:`dsec.errors.encode_error`'s body)."""
     return _jsonable(encode_error(exc, default=wire_value)[1])  # type: ignore[no-any-return]
-
-
-def current_policy(rec: SandboxRecord) -> NetworkPolicy | None:
-    """The policy in force: the runtime keeps it with the sandbox's network (None: loopback only)."""
-    pol = (rec.net or {}).get("policy")
-    return None if pol is None else NetworkPolicy.model_validate(pol)
-
-
-def current_stage(rec: SandboxRecord) -> str | None:
-    """The stage in force: the last ``set_stage``, else the one the sandbox was created in."""
-    return rec.stage or rec.spec.stage
 
 
 def platform_blocked(config: EdgeConfig) -> tuple[str, ...]:
@@ -193,22 +170,29 @@ class EdgeService:
         self.config = config
         self.edge_id = config.edge_id
         self.url = config.base_url
-        net: dict[str, Any] = {}
-        if config.network is not None:
-            net["network"] = config.network.model_copy(update={"blocked": platform_blocked(config)})
-        self.runtime = ContainerRuntime(
-            name=config.runtime, state_dir=config.state_dir, run_dir=config.run_dir, id_prefix=config.edge_id,
-            zram_size=config.zram_size, reclaim_method=config.reclaim_method, uppers_path=config.uppers_path, **net,
-        )
+        configs: list[Any] = []
+        for b in config.backends:
+            net = getattr(b, "network", None)
+            if b.kind == "container" and net is not None:
+                b = b.model_copy(update={"network": net.model_copy(update={"blocked": platform_blocked(config)})})
+            configs.append(b)
+        self.backends = EdgeBackends(configs, runtime=config.runtime, state_dir=config.state_dir,
+                                     run_dir=config.run_dir, edge_id=config.edge_id)
         self._store_cache: tuple[float, tuple[int, int]] = (float("-inf"), (1 << 62, 1 << 62))
         self.budgets: Budgets | None = None
         self.admission: Admission = Admission(Budgets(0, 0.0, 0, 0))
         self.events = EventLog(tombstones=config.tombstones)
         self.metrics = EdgeMetrics(self)
-        self.pools = PoolManager(self)
-        self.watchdog = Watchdog(self)
-        self.audit = Auditor(self)
-        self.selfcheck = SelfCheck(self)
+        self.pools = PoolManager(
+            config, backend=lambda: self.backends.by_kind.get(PoolManager.backend_kind), admission=lambda: self.admission,
+            events=self.events, metrics=self.metrics, new_id=self.new_id, destroy=self.destroy,
+            store=lambda: self.backends.store,
+        )
+        self.watchdog = Watchdog(self.backends, interval=config.watchdog_interval_s, is_busy=self.is_busy,
+                                 expire=self.expire, auto_pause=self.auto_pause)
+        self.audit = Auditor(self.backends, self.events, self.metrics, interval=config.audit_interval_s,
+                             is_busy=self.is_busy, pooled=lambda: self.pools.pooled_ids, scan_limits=self._scan_limits)
+        self.selfcheck = SelfCheck(self.backends, interval=config.host_check_interval_s)
         self.host = HostSampler(config.state_dir)
         self.heartbeat: Heartbeat | None = None
         self.started = False
@@ -216,7 +200,7 @@ class EdgeService:
         self._busy: dict[str, int] = {}
         self._by_request: dict[str, str] = {}
         self._pending_requests: dict[str, asyncio.Future[SandboxInfo]] = {}
-        self._sessions: dict[str, dict[str, Session]] = {}
+        self._sessions: dict[str, dict[str, ShellSession]] = {}
         self._limits_seen: dict[str, float] = {}
         self._layers_cache: tuple[float, list[str]] = (0.0, [])
         self._background: set[asyncio.Task[Any]] = set()
@@ -230,25 +214,25 @@ class EdgeService:
         reserve = await asyncio.to_thread(disk_reserve, self.config)
         self.admission = Admission(self.budgets, retry_after_s=self.config.retry_after_s,
                                    store_free=self._store_free, disk_reserve=reserve)
-        await self.runtime.start()
-        for rec in self.runtime.list():
-            edge = rec.meta.get("edge") or {}
-            if edge.get("request_id"):
-                self._by_request[str(edge["request_id"])] = rec.id
+        await self.backends.start()
+        for rec in self.backends.records():
+            if rec.edge.request_id:
+                self._by_request[rec.edge.request_id] = rec.id
         self.resync_admission()
         await self.pools.start()
         self.watchdog.start()
         self.audit.start()
         self.selfcheck.start()
         if self.config.control_plane_url:
-            self.heartbeat = Heartbeat(self, self.config.control_plane_url)
+            self.heartbeat = Heartbeat(self.health, self.config.control_plane_url, edge_id=self.edge_id,
+                                       cluster_key=self.config.cluster_key, interval=self.config.heartbeat_interval_s)
             self.heartbeat.start()
         self.started = True
-        adopted = self.runtime.reconciled.get("adopted", [])
+        adopted = self.backends.reconciled().get("adopted", [])
         log.info("edge %s up at %s: %d sandboxes re-adopted, budgets %s", self.edge_id, self.url, len(adopted), self.budgets)
 
     async def stop(self, *, destroy_all: bool | None = None) -> None:
-        """Stop background work and the runtime. Sandboxes survive for the next start
+        """Stop background work and the backends. Sandboxes survive for the next start
         (re-adopted with their TTLs) unless ``destroy_all`` (default: the config's
         ``destroy_on_shutdown``)."""
         if not self.started:
@@ -269,13 +253,13 @@ class EdgeService:
                 with contextlib.suppress(Exception):
                     await sess.close()
         self._sessions.clear()
-        await self.runtime.close(destroy_all=destroy)
+        await self.backends.close(destroy_all=destroy)
 
     def resync_admission(self) -> None:
         """Rebuild admission's books from the records (at start: nothing is in flight)."""
         self.admission.resync(
-            (r.id, r.spec.resources, bool((r.meta.get("edge") or {}).get("pool")))
-            for r in self.runtime.list() if r.state is not SandboxState.STOPPED
+            (r.id, r.spec.resources, r.edge.pool is not None)
+            for r in self.backends.records() if r.state is not SandboxState.STOPPED
         )
 
     def _spawn(self, coro: Any) -> None:
@@ -295,8 +279,7 @@ class EdgeService:
         return sum(len(s) for s in self._sessions.values())
 
     def touch(self, sandbox_id: str) -> None:
-        if sandbox_id in self.runtime.sandboxes:
-            self.runtime.last_activity[sandbox_id] = time.monotonic()
+        self.backends.touch(sandbox_id)
 
     @contextlib.contextmanager
     def activity(self, sandbox_id: str) -> Iterator[None]:
@@ -315,7 +298,7 @@ class EdgeService:
 
     def record(self, sandbox_id: str) -> SandboxRecord:
         """A sandbox the API may see (not a ready pool member); a clear 404 otherwise."""
-        rec = self.runtime.sandboxes.get(sandbox_id)
+        rec = self.backends.record(sandbox_id)
         if rec is None or sandbox_id in self.pools.pooled_ids:
             tomb = self.events.tombstone(sandbox_id)
             if tomb is not None:
@@ -327,23 +310,36 @@ class EdgeService:
             raise SandboxNotFound(f"no sandbox {sandbox_id!r} on edge {self.edge_id}", sandbox_id=sandbox_id)
         return rec
 
+    def backend(self, sandbox_id: str) -> Backend:
+        """The backend holding a sandbox the API may see (the same 404 as :meth:`record` otherwise)."""
+        self.record(sandbox_id)
+        found = self.backends.find(sandbox_id)
+        assert found is not None
+        return found[0]
+
+    def _require(self, sandbox_id: str, op: Capability, what: str | None = None) -> Backend:
+        """The sandbox's backend, if it offers ``op``; ``Unsupported`` (HTTP 400) otherwise."""
+        b = self.backend(sandbox_id)
+        b.capabilities.require(op, what=what)
+        return b
+
     def info(self, rec: SandboxRecord, *, with_token: bool = False, from_pool: bool | None = None) -> SandboxInfo:
-        edge = rec.meta.get("edge") or {}
+        edge = rec.edge
         token = expires = None
         if with_token:
             ttl = TOKEN_TTL_S
-            if edge.get("expires_at"):
-                ttl = max(60.0, min(TOKEN_TTL_S, float(edge["expires_at"]) - time.time() + 60.0))
-            token, expires = mint(self.config.cluster_key, sandbox_id=rec.id,
-                                  project=str(edge.get("project") or ""), ttl_s=ttl)
+            if edge.expires_at:
+                ttl = max(60.0, min(TOKEN_TTL_S, edge.expires_at - time.time() + 60.0))
+            token, expires = mint(self.config.cluster_key, sandbox_id=rec.id, project=edge.project or "", ttl_s=ttl)
         return SandboxInfo(
             id=rec.id, state=rec.state, edge_id=self.edge_id, edge_url=self.url,
             token=token, token_expires_at=expires,
-            labels=dict(edge.get("labels") or {}), task=edge.get("task"), project=edge.get("project"),
-            created_at=float(edge.get("created_at") or rec.created_at), expires_at=edge.get("expires_at"),
-            reason=rec.reason, from_pool=bool(edge.get("from_pool")) if from_pool is None else from_pool,
+            labels=dict(edge.labels), task=edge.task, project=edge.project,
+            created_at=edge.created_at or rec.created_at, expires_at=edge.expires_at,
+            reason=rec.reason, from_pool=bool(edge.from_pool) if from_pool is None else from_pool,
             image=rec.spec.image, resources=rec.spec.resources,
-            stage=current_stage(rec), network=current_policy(rec), stages=sorted(rec.spec.stages),
+            stage=rec.current_stage, network=rec.current_policy(), stages=sorted(rec.spec.stages),
+            backend=rec.spec.backend,
         )
 
     def tomb_info(self, tomb: Tombstone) -> SandboxInfo:
@@ -359,8 +355,9 @@ class EdgeService:
         if rid is None:
             return await self._create(req)
         known = self._by_request.get(rid)
-        if known is not None and known in self.runtime.sandboxes:
-            return self.info(self.runtime.sandboxes[known], with_token=True)
+        known_rec = None if known is None else self.backends.record(known)
+        if known_rec is not None:
+            return self.info(known_rec, with_token=True)
         pending = self._pending_requests.get(rid)
         if pending is not None:
             return await asyncio.shield(pending)
@@ -381,12 +378,11 @@ class EdgeService:
         finally:
             self._pending_requests.pop(rid, None)
 
-    def _create_meta(self, req: EdgeCreateSandbox, now: float) -> dict[str, Any]:
-        return {"edge": {
-            "labels": dict(req.labels), "task": req.task, "project": req.project, "request_id": req.request_id,
-            **lifecycle_meta(now, req.lifecycle.ttl_s, req.lifecycle.idle_timeout_s,
-                             req.lifecycle.auto_pause_s or self.config.auto_pause_s),
-        }}
+    def _edge_meta(self, req: EdgeCreateSandbox, now: float) -> EdgeMeta:
+        return EdgeMeta.lifecycle(now, req.lifecycle.ttl_s, req.lifecycle.idle_timeout_s,
+                                  req.lifecycle.auto_pause_s or self.config.auto_pause_s,
+                                  labels=dict(req.labels), task=req.task, project=req.project,
+                                  request_id=req.request_id)
 
     async def _create(self, req: EdgeCreateSandbox) -> SandboxInfo:
         t0 = time.perf_counter()
@@ -395,17 +391,21 @@ class EdgeService:
         if req.id is not None:
             if not req.id.startswith(f"{self.edge_id}-") or len(req.id) <= len(self.edge_id) + 1:
                 raise InvalidSpec(f"sandbox id {req.id!r} must start with this edge's prefix {self.edge_id}-", field="id")
-            existing = self.runtime.sandboxes.get(req.id)
+            existing = self.backends.record(req.id)
             if existing is not None:
                 if req.id in self.pools.pooled_ids:
                     raise InvalidSpec(f"sandbox id {req.id!r} is taken; leave `id` out", field="id")
                 return self.info(existing, with_token=True)
         spec = req.spec
+        backend = self.backends.get(spec.backend)
         if spec.effective_network() is not None or any(st.network is not None for st in spec.stages.values()):
+            backend.capabilities.require(Capability.NETWORK, what="network policies")
             self.require_network("the spec", "spec.network" if spec.stage is None else "spec.stages")
+        if spec.stages:
+            backend.capabilities.require(Capability.STAGES, what="stages")
         now = time.time()
-        if req.id is None and self.pools.pools:
-            taken = self.pools.take(req.spec, self._create_meta(req, now))
+        if req.id is None and self.pools.pools and spec.backend == self.pools.backend_kind:
+            taken = self.pools.take(req.spec, self._edge_meta(req, now))
             if taken is not None:
                 rec, pool = taken
                 self.admission.claim(rec.id)
@@ -413,7 +413,7 @@ class EdgeService:
                     # A pooled sandbox has run nothing yet: entering the stage binds every later
                     # process (2x faster than a cold create with the stage; docs/EDGE.md).
                     try:
-                        rec = await self.runtime.set_stage(rec.id, spec.stage)
+                        rec = await backend.set_stage(rec.id, spec.stage)
                     except BaseException:
                         with contextlib.suppress(Exception):
                             await self.destroy(rec.id, reason="pool_stage_failed", tombstone=False)
@@ -437,7 +437,7 @@ class EdgeService:
             if victims:
                 await asyncio.gather(*(self.destroy(v, reason="pool_evicted", tombstone=False) for v in victims),
                                      return_exceptions=True)
-            rec = await self.runtime.create(req.spec, sandbox_id=sid, meta=self._create_meta(req, now))
+            rec = await backend.create(req.spec, sandbox_id=sid, edge=self._edge_meta(req, now))
         except DsecError as exc:
             self.admission.release(sid)
             self.metrics.creates.labels("failed", "cold", str(getattr(exc, "reason", "") or exc.code)).inc()
@@ -445,7 +445,7 @@ class EdgeService:
         except BaseException:
             self.admission.release(sid)
             raise
-        if sid not in self.runtime.sandboxes:  # deleted while being made
+        if sid not in backend.sandboxes:  # deleted while being made
             self.admission.release(sid)
         return self._created(rec, req, "cold", t0)
 
@@ -455,10 +455,10 @@ class EdgeService:
         self.metrics.create_seconds.labels(source).observe(elapsed)
         if req.request_id:
             self._by_request[req.request_id] = rec.id
-        edge = rec.meta.get("edge") or {}
         self.events.add(rec.id, "created", source=source, pool=pool or None, latency_ms=round(elapsed * 1000, 3),
-                        expires_at=edge.get("expires_at"), idle_timeout_s=edge.get("idle_timeout_s"))
-        self.runtime.last_activity[rec.id] = time.monotonic()
+                        expires_at=rec.edge.expires_at, idle_timeout_s=rec.edge.idle_timeout_s,
+                        backend=rec.spec.backend)
+        self.backends.touch(rec.id)
         return self.info(rec, with_token=True, from_pool=source == "pool")
 
     # -------------------------------------------------------------- destroy --
@@ -466,25 +466,25 @@ class EdgeService:
     async def destroy(self, sandbox_id: str, *, reason: str = "deleted", tombstone: bool = True) -> bool:
         """Destroy a sandbox (idempotent: False if it was not there)."""
         pooled = self.pools.forget(sandbox_id)
-        rec = self.runtime.sandboxes.get(sandbox_id)
-        if rec is None:
+        found = self.backends.find(sandbox_id)
+        if found is None:
             self.admission.release(sandbox_id)
             return False
         for sess in self._sessions.pop(sandbox_id, {}).values():
             with contextlib.suppress(Exception):
                 await sess.close()
+        backend, rec = found
         info = self.info(rec).model_dump(mode="json") if tombstone and not pooled else None
         try:
-            done = await self.runtime.destroy(sandbox_id)
+            done = await backend.destroy(sandbox_id)
         finally:
-            if sandbox_id not in self.runtime.sandboxes:
+            if sandbox_id not in backend.sandboxes:
                 self.admission.release(sandbox_id)
         if not done:
             return False
         self.metrics.destroys.labels(reason).inc()
-        edge = rec.meta.get("edge") or {}
-        if edge.get("request_id"):
-            self._by_request.pop(str(edge["request_id"]), None)
+        if rec.edge.request_id:
+            self._by_request.pop(rec.edge.request_id, None)
         self._busy.pop(sandbox_id, None)
         self._limits_seen.pop(sandbox_id, None)
         self.audit.forget(sandbox_id)
@@ -498,15 +498,14 @@ class EdgeService:
         return True
 
     async def expire(self, sandbox_id: str, why: str) -> None:
-        rec = self.runtime.sandboxes.get(sandbox_id)
+        rec = self.backends.record(sandbox_id)
         if rec is None:
             return
-        edge = rec.meta.get("edge") or {}
         detail: dict[str, Any] = {}
         if why == "ttl":
-            detail = {"ttl_s": edge.get("ttl_s"), "expires_at": edge.get("expires_at")}
+            detail = {"ttl_s": rec.edge.ttl_s, "expires_at": rec.edge.expires_at}
         elif why == "idle":
-            detail = {"idle_timeout_s": edge.get("idle_timeout_s")}
+            detail = {"idle_timeout_s": rec.edge.idle_timeout_s}
         elif why == "failed":
             detail = {"failure": rec.reason}
         self.events.add(sandbox_id, f"{why}_expired" if why != "failed" else "failed", **detail)
@@ -528,21 +527,20 @@ class EdgeService:
              state: str | None = None) -> list[SandboxInfo]:
         out = []
         pooled = self.pools.pooled_ids
-        for rec in self.runtime.list():
+        for rec in self.backends.records():
             if rec.id in pooled:
                 continue
-            edge = rec.meta.get("edge") or {}
-            if task is not None and edge.get("task") != task:
+            if task is not None and rec.edge.task != task:
                 continue
             if state is not None and rec.state.value != state:
                 continue
-            if labels and any((edge.get("labels") or {}).get(k) != v for k, v in labels.items()):
+            if labels and any(rec.edge.labels.get(k) != v for k, v in labels.items()):
                 continue
             out.append(self.info(rec))
         return out
 
     def event_log(self, sandbox_id: str) -> builtins.list[dict[str, Any]]:
-        rec = self.runtime.sandboxes.get(sandbox_id)
+        rec = self.backends.record(sandbox_id)
         if rec is not None and sandbox_id not in self.pools.pooled_ids:
             self._scan_limits(rec)
             return self.events.merged(sandbox_id, list(rec.events))
@@ -557,8 +555,9 @@ class EdgeService:
         now = time.monotonic()
         if now - self._store_cache[0] > 1.0:
             try:
-                if self.runtime.uppers.ready:
-                    space = self.runtime.uppers.space()
+                known = self.backends.store_space()
+                if known is not None:
+                    space = known
                 else:
                     usage = shutil.disk_usage(self.config.state_dir)
                     space = (usage.free, usage.total)
@@ -583,8 +582,9 @@ class EdgeService:
             labels=dict(self.config.labels),
             host={**self.host.sample(), "store_free": float(self._store_space()[0]),
                   "store_total": float(self._store_space()[1])},
-            paused=sum(1 for r in self.runtime.sandboxes.values() if r.state is SandboxState.PAUSED),
-            healthy=not problems, problems=problems, repairs=self.selfcheck.repairs(), runtime=self.runtime.name,
+            paused=sum(1 for r in self.backends.records() if r.state is SandboxState.PAUSED),
+            healthy=not problems, problems=problems, repairs=self.selfcheck.repairs(), runtime=self.config.runtime,
+            backends=self.backends.capabilities(),
         )
 
     def _layers(self) -> builtins.list[str]:
@@ -592,7 +592,7 @@ class EdgeService:
         if now - self._layers_cache[0] > 2.0:
             out: set[str] = set()
             try:
-                for layer in self.runtime.store.list():
+                for layer in self.backends.store.list():
                     out.add(layer.digest)
                     out.add(layer.ref)
             except Exception as exc:  # a broken store must not break health
@@ -606,7 +606,7 @@ class EdgeService:
         """Raise unless a command can start in the sandbox now (a paused one is woken)."""
         rec = self.record(sandbox_id)
         if rec.state is SandboxState.PAUSED:
-            self.runtime.wake(sandbox_id)  # any request resumes a paused sandbox
+            self.backend(sandbox_id).wake(sandbox_id)  # any request resumes a paused sandbox
         if rec.state is not SandboxState.RUNNING:
             raise SandboxStateError(
                 f"sandbox {sandbox_id} is {rec.state.value}, not running" + (f" ({rec.reason})" if rec.reason else ""),
@@ -635,7 +635,7 @@ class EdgeService:
                     extra: dict[str, Any] = {"pristine": req.pristine} if req.pristine else {}
                     if req.output_cap is not None:
                         extra["output_cap"] = req.output_cap
-                    result = await self.runtime.exec(
+                    result = await self._require(sandbox_id, Capability.EXEC).exec(
                         sandbox_id, req.cmd, env=req.env, cwd=req.cwd, user=req.user, stdin=stdin,
                         timeout=req.timeout, idle_timeout=req.idle_timeout, on_output=on_output, **extra,
                     )
@@ -653,14 +653,14 @@ class EdgeService:
         finally:
             self.metrics.execs.labels(kind, outcome).inc()
             self.metrics.exec_seconds.labels(kind).observe(time.perf_counter() - t0)
-            rec = self.runtime.sandboxes.get(sandbox_id)
-            if rec is not None:
-                self._scan_limits(rec)
-                self.audit.check_disk(rec)
+            found = self.backends.find(sandbox_id)
+            if found is not None:
+                self._scan_limits(found[1])
+                self.audit.check_disk(found[0], found[1])
 
     def _note_output(self, sandbox_id: str, kind: str, result: ExecResult, cap: int | None = None) -> None:
         if result.truncated:
-            rec = self.runtime.sandboxes.get(sandbox_id)
+            rec = self.backends.record(sandbox_id)
             self.audit.note_output(sandbox_id, kind, stdout_bytes=result.stdout_bytes, stderr_bytes=result.stderr_bytes,
                                    cap=cap if cap is not None else rec.spec.output_cap if rec is not None else 0)
 
@@ -776,7 +776,7 @@ class EdgeService:
             self.require_network(f"sandbox {sandbox_id}'s policy", "policy")
         t0 = time.perf_counter()
         try:
-            rec = await self.runtime.set_policy(sandbox_id, policy)
+            rec = await self._require(sandbox_id, Capability.NETWORK, "network policies").set_policy(sandbox_id, policy)
         except DsecError:
             self.metrics.policy_changes.labels("failed").inc()
             raise
@@ -789,6 +789,7 @@ class EdgeService:
         """Switch to a declared stage: its file rules and network policy; processes started
         before the switch are killed by the runtime."""
         rec = self.record(sandbox_id)
+        backend = self._require(sandbox_id, Capability.STAGES)
         if stage not in rec.spec.stages:
             known = ", ".join(sorted(rec.spec.stages)) or "none: create the sandbox with `stages`"
             raise InvalidSpec(f"sandbox {sandbox_id} has no stage {stage!r} (declared: {known})",
@@ -796,10 +797,10 @@ class EdgeService:
         if rec.spec.stages[stage].network is not None:
             self.require_network(f"stage {stage!r}", "stage")
         if rec.state is SandboxState.PAUSED:
-            self.runtime.wake(sandbox_id)
+            backend.wake(sandbox_id)
         t0 = time.perf_counter()
         try:
-            rec = await self.runtime.set_stage(sandbox_id, stage)
+            rec = await backend.set_stage(sandbox_id, stage)
         except DsecError:
             self.metrics.stage_changes.labels("failed").inc()
             raise
@@ -823,28 +824,28 @@ class EdgeService:
     def network_info(self, sandbox_id: str) -> NetworkInfo:
         """Address, policy in force and refused attempts (as of the last audit pass)."""
         rec = self.record(sandbox_id)
-        raw = dict(self.runtime.network_info(sandbox_id) or {})
+        raw = dict(self.backend(sandbox_id).network_info(sandbox_id) or {})
         raw.pop("policy", None)
         ip = raw.pop("ip", None)
         denied = raw.pop("denied_packets", 0)
         recent = raw.pop("denied_recent", None) or []
         return NetworkInfo(
-            sandbox_id=sandbox_id, ip=None if ip is None else str(ip), policy=current_policy(rec),
-            stage=current_stage(rec), denied=int(denied or 0), recent_denied=[str(x) for x in recent][-32:],
+            sandbox_id=sandbox_id, ip=None if ip is None else str(ip), policy=rec.current_policy(),
+            stage=rec.current_stage, denied=int(denied or 0), recent_denied=[str(x) for x in recent][-32:],
             detail=_jsonable(raw),
         )
 
     # -------------------------------------------------------------- sessions --
 
     async def open_session(self, sandbox_id: str, body: SessionOpen) -> str:
-        self.record(sandbox_id)
+        backend = self._require(sandbox_id, Capability.SESSIONS)
         with self.activity(sandbox_id):
-            sess = await self.runtime.open_session(sandbox_id, env=body.env, cwd=body.cwd, user=body.user)
+            sess = await backend.open_session(sandbox_id, env=body.env, cwd=body.cwd, user=body.user)
         self._sessions.setdefault(sandbox_id, {})[sess.id] = sess
         self.events.add(sandbox_id, "session_opened", session_id=sess.id)
         return sess.id
 
-    def _session(self, sandbox_id: str, session_id: str) -> Session:
+    def _session(self, sandbox_id: str, session_id: str) -> ShellSession:
         self.record(sandbox_id)
         sess = self._sessions.get(sandbox_id, {}).get(session_id)
         if sess is None:
@@ -862,7 +863,7 @@ class EdgeService:
             with self.activity(sandbox_id):
                 try:
                     result = await sess.run(body.command, timeout=body.timeout,
-                                            output_cap=self.runtime.sandboxes[sandbox_id].spec.output_cap)
+                                            output_cap=self.record(sandbox_id).spec.output_cap)
                 except ExecTimeout as exc:
                     partial = getattr(exc, "result", None)
                     if not isinstance(partial, ExecResult):
@@ -902,27 +903,19 @@ class EdgeService:
         """What the sandbox uses now, beside its limits (``dsec top``)."""
         rec = self.record(sandbox_id)
         res = rec.spec.resources
-
-        def read() -> tuple[dict[str, Any], int, float]:
-            st = self.runtime.stats(sandbox_id)
-            try:
-                disk = self.runtime.disk_usage(sandbox_id).used
-            except (OSError, DsecError):
-                disk = 0
-            return st, disk, process_cpu_seconds(self.runtime.cgroups.pids(sandbox_id))
-
-        st, disk, cpu = await asyncio.to_thread(read)
-        return SandboxStats(id=sandbox_id, state=rec.state, cpu_s=round(cpu, 3), cpu_limit=res.cpu,
-                            memory_bytes=int(st.get("memory_bytes", 0)), memory_limit=res.memory, disk_bytes=disk,
-                            disk_limit=res.disk, pids=int(st.get("pids", 0)), pids_limit=res.pids)
+        use = await asyncio.to_thread(self.backend(sandbox_id).usage, sandbox_id)
+        return SandboxStats(id=sandbox_id, state=rec.state, cpu_s=round(use.cpu_s, 3), cpu_limit=res.cpu,
+                            memory_bytes=use.memory_bytes, memory_limit=res.memory, disk_bytes=use.disk_bytes,
+                            disk_limit=res.disk, pids=use.pids, pids_limit=res.pids)
 
     # ----------------------------------------------------------------- files --
 
-    async def files(self, sandbox_id: str, op: Callable[[SandboxFiles], T]) -> T:
-        """Run ``op`` on the sandbox's SandboxFiles in a worker thread (blocking syscalls)."""
-        self.record(sandbox_id)
+    async def files(self, sandbox_id: str, op: Callable[[Any], T]) -> T:
+        """Run ``op`` on the sandbox's files object (the backend's; ``SandboxFiles`` for the
+        container backend) in a worker thread (blocking syscalls)."""
+        backend = self._require(sandbox_id, Capability.FILES)
         with self.activity(sandbox_id):
-            fs = self.runtime.files(sandbox_id)
+            fs = backend.files(sandbox_id)
             try:
                 return await asyncio.to_thread(op, fs)
             except FileAccessError as exc:
@@ -934,31 +927,34 @@ class EdgeService:
 
     async def pause(self, sandbox_id: str, *, how: str = "api") -> PauseReport:
         """Freeze the sandbox and push its memory to swap. SandboxStateError if it is paused already."""
-        self.record(sandbox_id)
-        res = await self.runtime.pause(sandbox_id)
+        backend = self._require(sandbox_id, Capability.PAUSE)
+        res = await backend.pause(sandbox_id)
         self.metrics.pauses.labels(how).inc()
         r = res.reclaim
         self.events.add(sandbox_id, "paused", how=how, seconds=round(res.seconds, 6),
                         memory_before=r.before if r else None, memory_after=r.after if r else None)
-        return PauseReport(id=sandbox_id, state=self.runtime.get(sandbox_id).state, freeze_s=res.freeze_s,
+        return PauseReport(id=sandbox_id, state=backend.get(sandbox_id).state, freeze_s=res.freeze_s,
                            seconds=res.seconds, memory_before=r.before if r else None,
                            memory_after=r.after if r else None, swapped=r.swapped if r else None)
 
     async def auto_pause(self, sandbox_id: str) -> None:
         """The watchdog's pause of an idle sandbox (a race with a request or a pause is fine)."""
-        rec = self.runtime.sandboxes.get(sandbox_id)
-        if rec is None or rec.state is not SandboxState.RUNNING or self.is_busy(sandbox_id):
+        found = self.backends.find(sandbox_id)
+        if found is None or not found[0].capabilities.supports(Capability.PAUSE):
+            return
+        rec = found[1]
+        if rec.state is not SandboxState.RUNNING or self.is_busy(sandbox_id):
             return
         with contextlib.suppress(SandboxStateError):
             await self.pause(sandbox_id, how="idle")
 
     async def resume(self, sandbox_id: str) -> SandboxInfo:
         """Thaw a paused sandbox. SandboxStateError if it is not paused."""
-        self.record(sandbox_id)
-        await self.runtime.resume(sandbox_id)
+        backend = self._require(sandbox_id, Capability.PAUSE, "resume")
+        rec = await backend.resume(sandbox_id)
         self.touch(sandbox_id)
         self.events.add(sandbox_id, "resumed", how="api")
-        return self.info(self.runtime.get(sandbox_id))
+        return self.info(rec)
 
     def _select(self, ids: builtins.list[str] | None, labels: dict[str, str] | None, task: str | None) -> builtins.list[str]:
         if ids is None and not labels and task is None:
@@ -970,6 +966,31 @@ class EdgeService:
                 [i for i in chosen if i in set(ids)]
         return chosen
 
+    async def _group_op(self, chosen: builtins.list[str], *, pause: bool) -> GroupOutcome:
+        """Pause or resume many sandboxes, each backend's share in one call; a sandbox whose
+        backend cannot pause gets an ``Unsupported`` error in the outcome."""
+        t0 = time.perf_counter()
+        by_backend: dict[str, tuple[Backend, builtins.list[str]]] = {}
+        out = GroupOutcome()
+        for sid in chosen:
+            found = self.backends.find(sid)
+            if found is None:
+                out.errors[sid] = SandboxNotFound(f"no sandbox {sid!r} on edge {self.edge_id}", sandbox_id=sid)
+                continue
+            b = found[0]
+            if not b.capabilities.supports(Capability.PAUSE):
+                out.errors[sid] = Unsupported.operation("pause" if pause else "resume", backend=b.capabilities.kind,
+                                                        sandbox_id=sid)
+                continue
+            by_backend.setdefault(b.capabilities.kind, (b, []))[1].append(sid)
+        for b, ids in by_backend.values():
+            part = await (b.pause_many(ids) if pause else b.resume_many(ids))
+            out.done += part.done
+            out.skipped += part.skipped
+            out.errors.update(part.errors)
+        out.seconds = time.perf_counter() - t0
+        return out
+
     @staticmethod
     def _group(out: Any) -> GroupResult:
         return GroupResult(done=out.done, skipped=out.skipped, seconds=out.seconds,
@@ -978,8 +999,7 @@ class EdgeService:
     async def pause_where(self, *, ids: builtins.list[str] | None = None, labels: dict[str, str] | None = None,
                           task: str | None = None) -> GroupResult:
         """Pause every (running) sandbox of a task / with these labels / in ``ids``."""
-        chosen = self._select(ids, labels, task)
-        out = await self.runtime.pause_many(chosen)
+        out = await self._group_op(self._select(ids, labels, task), pause=True)
         for sid in out.done:
             self.metrics.pauses.labels("group").inc()
             self.events.add(sid, "paused", how="group")
@@ -987,8 +1007,7 @@ class EdgeService:
 
     async def resume_where(self, *, ids: builtins.list[str] | None = None, labels: dict[str, str] | None = None,
                            task: str | None = None) -> GroupResult:
-        chosen = self._select(ids, labels, task)
-        out = await self.runtime.resume_many(chosen)
+        out = await self._group_op(self._select(ids, labels, task), pause=False)
         for sid in out.done:
             self.touch(sid)
             self.events.add(sid, "resumed", how="group")
@@ -1007,9 +1026,9 @@ class EdgeService:
 
     async def snapshot(self, sandbox_id: str, body: SnapshotRequest) -> SnapshotInfo:
         """Pack the sandbox's writable layer into a snapshot layer (it keeps running, or stays paused)."""
-        self.record(sandbox_id)
+        backend = self._require(sandbox_id, Capability.SNAPSHOT)
         with self.activity(sandbox_id):
-            info = await self.runtime.snapshot_info(sandbox_id, name=body.name, tag=body.tag, exclude=body.exclude)
+            info = await backend.snapshot_info(sandbox_id, name=body.name, tag=body.tag, exclude=body.exclude)
         self.metrics.snapshots.labels("snapshot").inc()
         self.events.add(sandbox_id, "snapshot", digest=info.layer.digest, ref=info.layer.ref, size=info.layer.size)
         self._layers_cache = (0.0, [])
@@ -1017,9 +1036,10 @@ class EdgeService:
 
     async def fork(self, sandbox_id: str, body: ForkRequest) -> builtins.list[SandboxInfo]:
         """``n`` new sandboxes from this one's disk now (all or nothing), each with its own
-        identity, under the parent's project, task and (unless given) labels and lifecycle."""
-        from dsec.backends.container.snapshot import FORK_NAME
-
+        identity, under the parent's project, task and (unless given) labels and lifecycle.
+        The backend's ``fork`` does the work (it decides what the children start as: the
+        parent's stage and policy in force now); the edge books their room first."""
+        backend = self._require(sandbox_id, Capability.FORK)
         rec = self.record(sandbox_id)
         if rec.state not in (SandboxState.RUNNING, SandboxState.PAUSED):
             raise SandboxStateError(
@@ -1027,58 +1047,64 @@ class EdgeService:
                 + ": only a running or paused sandbox can be forked",
                 sandbox_id=sandbox_id, state=rec.state.value,
             )
-        edge = rec.meta.get("edge") or {}
+        parent = rec.edge
         # Refuse early, before anything is frozen or packed, if the children cannot all fit.
         self.admission.check_room(rec.spec.resources, body.n)
-        with self.activity(sandbox_id):
-            layer = await self.runtime.snapshot(sandbox_id, name=FORK_NAME, tag=f"{sandbox_id}-{secrets.token_hex(3)}",
-                                                exclude=body.exclude, ephemeral=True)
-        spec = rec.spec.model_copy(update={"image": ImageRef(base=layer.digest)})
-        life = body.lifecycle or Lifecycle(ttl_s=float(edge.get("ttl_s") or 3600.0),
-                                           idle_timeout_s=edge.get("idle_timeout_s"),
-                                           auto_pause_s=edge.get("auto_pause_s"))
-        reqs = [EdgeCreateSandbox(spec=spec, lifecycle=life,
-                                  labels=dict(body.labels if body.labels is not None else (edge.get("labels") or {})),
-                                  task=edge.get("task"), project=edge.get("project"))
-                for _ in range(body.n)]
-        results = await asyncio.gather(*(self._create(r) for r in reqs), return_exceptions=True)
-        made = [r for r in results if isinstance(r, SandboxInfo)]
-        failure = next((r for r in results if isinstance(r, BaseException)), None)
-        if failure is None:
-            try:
-                for child in made:
-                    await asyncio.to_thread(self.runtime.refresh_identity, child.id)
-                    self.events.add(child.id, "forked", parent=sandbox_id, layer=layer.digest)
-            except Exception as exc:
-                failure = exc
-        if failure is not None:
-            await asyncio.gather(*(self.destroy(c.id, reason="fork_failed", tombstone=False) for c in made),
-                                 return_exceptions=True)
-            for c in made:
-                self.runtime._layer_users.get(layer.digest, set()).discard(c.id)
-            self.runtime._maybe_release(layer.digest)
-            self.runtime.drop_ephemeral(layer.digest)
-            raise failure
+        life = body.lifecycle or Lifecycle(ttl_s=parent.ttl_s or 3600.0, idle_timeout_s=parent.idle_timeout_s,
+                                           auto_pause_s=parent.auto_pause_s)
+        now = time.time()
+        ids = [self.new_id() for _ in range(body.n)]
+        edges = [EdgeMeta.lifecycle(now, life.ttl_s, life.idle_timeout_s, life.auto_pause_s or self.config.auto_pause_s,
+                                    labels=dict(body.labels if body.labels is not None else parent.labels),
+                                    task=parent.task, project=parent.project)
+                 for _ in ids]
+        t0 = time.perf_counter()
+        for cid in ids:
+            self.admission.reserve(cid, rec.spec.resources)
+        try:
+            with self.activity(sandbox_id):
+                made = await backend.fork(sandbox_id, ids, edges=edges, exclude=body.exclude)
+        except BaseException:
+            for cid in ids:
+                self.admission.release(cid)
+            raise
+        elapsed = time.perf_counter() - t0
+        layer = None
+        out = []
+        for child in made:
+            self.metrics.creates.labels("ok", "fork", "").inc()
+            self.metrics.create_seconds.labels("fork").observe(elapsed)
+            layer = child.spec.image.base
+            self.events.add(child.id, "created", source="fork", latency_ms=round(elapsed * 1000, 3),
+                            expires_at=child.edge.expires_at, idle_timeout_s=child.edge.idle_timeout_s,
+                            backend=child.spec.backend)
+            self.events.add(child.id, "forked", parent=sandbox_id, layer=layer)
+            self.backends.touch(child.id)
+            out.append(self.info(child, with_token=True, from_pool=False))
         self.metrics.snapshots.labels("fork").inc()
-        self.events.add(sandbox_id, "fork", children=[c.id for c in made], layer=layer.digest)
-        return made
+        self.events.add(sandbox_id, "fork", children=[c.id for c in made], layer=layer)
+        self._layers_cache = (0.0, [])
+        return out
 
     def list_snapshots(self) -> builtins.list[SnapshotInfo]:
         from dsec.images.layer import LayerKind
 
-        return [self.snapshot_info(lay) for lay in self.runtime.store.list() if lay.kind is LayerKind.SNAPSHOT]
+        return [self.snapshot_info(lay) for lay in self.backends.store.list() if lay.kind is LayerKind.SNAPSHOT]
 
     def delete_snapshot(self, ref: str) -> None:
         """Remove a snapshot (LayerInUse while a sandbox or another snapshot needs it)."""
         from dsec.images.layer import LayerKind
 
-        layer = self.runtime.store.resolve(ref)
+        layer = self.backends.store.resolve(ref)
         if layer.kind is not LayerKind.SNAPSHOT:
             raise InvalidSpec(f"{ref} is a {layer.kind.value} layer, not a snapshot (use `dsec image rm`)", field="ref")
         # The runtime keeps an idle layer pinned a moment after its last sandbox (LAYER_RELEASE_GRACE_S):
         # a delete right after that sandbox must not say "in use". No-op while a sandbox uses it.
-        self.runtime._maybe_release(layer.digest)
-        self.runtime.store.remove(ref)
+        for b in self.backends.by_kind.values():
+            release = getattr(b, "release_layer", None)
+            if release is not None:
+                release(layer.digest)
+        self.backends.store.remove(ref)
         self._layers_cache = (0.0, [])
 
     # ------------------------------------------------------------- utilities --

@@ -25,15 +25,12 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from dsec.backends.base import Backend, Capability, ProcessHandle, TtySize, set_tty_size
 from dsec.backends.container.output import write_all
-from dsec.backends.container.runtime import TtySize, set_tty_size
 from dsec.errors import InvalidSpec, QuotaExceeded
 from dsec.spec.api import AttachOpen, TerminalInfo
-
-if TYPE_CHECKING:
-    from dsec.backends.container.runtime import ContainerRuntime, Process
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +74,7 @@ class _Client:
 class Terminal:
     """One command started for attaching clients: on a pty (``master``) or on pipes."""
 
-    def __init__(self, sandbox_id: str, name: str | None, argv: list[str], proc: Process, *,
+    def __init__(self, sandbox_id: str, name: str | None, argv: list[str], proc: ProcessHandle, *,
                  master: int = -1, stdin: int = -1, stdout: int = -1, stderr: int = -1,
                  on_end: Callable[[Terminal], None]) -> None:
         self.sandbox_id, self.name, self.argv, self.proc = sandbox_id, name, argv, proc
@@ -227,8 +224,8 @@ class Terminal:
 class TerminalHub:
     """The edge's terminals: named ones by (sandbox, name), unnamed ones only while attached."""
 
-    def __init__(self, runtime: Callable[[], ContainerRuntime]) -> None:
-        self._runtime = runtime
+    def __init__(self, backend_of: Callable[[str], Backend]) -> None:
+        self._backend_of = backend_of
         self.named: dict[tuple[str, str], Terminal] = {}
         self._starting: dict[tuple[str, str], asyncio.Lock] = {}
 
@@ -253,7 +250,9 @@ class TerminalHub:
         return await self._start(sandbox_id, req), True
 
     async def _start(self, sandbox_id: str, req: AttachOpen) -> Terminal:
-        rt = self._runtime()
+        rt = self._backend_of(sandbox_id)
+        rt.capabilities.require(Capability.PTY if req.tty else Capability.EXEC,
+                                what="terminals" if req.tty else None)
         argv = list(SHELL_ARGV) if req.cmd is None else ["/bin/sh", "-c", req.cmd] if isinstance(req.cmd, str) \
             else list(req.cmd)
         if req.tty:

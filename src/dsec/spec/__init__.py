@@ -202,6 +202,9 @@ class SandboxSpec(_Model):
     """Named stages this sandbox can be switched between (``set_stage``)."""
     stage: str | None = None
     """The stage the sandbox starts in; must name one of ``stages``."""
+    backend: Annotated[str, Field(pattern=r"^[a-z][a-z0-9_-]{0,31}$")] = "container"
+    """Which execution backend runs it (``container``, ``gvisor``...): placement picks an edge
+    that runs it; an operation the backend lacks is refused with ``Unsupported``."""
 
     @model_validator(mode="after")
     def _stage_known(self) -> SandboxSpec:

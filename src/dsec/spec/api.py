@@ -107,6 +107,8 @@ class SandboxInfo(_Wire):
     """The network policy in force now (the stage's, or the last ``set_policy``); None: loopback only."""
     stages: list[str] = Field(default_factory=list)
     """Names of the stages this sandbox can be switched to."""
+    backend: str = "container"
+    """The execution backend running it (``SandboxSpec.backend``)."""
 
 
 class EdgeCreateSandbox(CreateSandbox):
@@ -412,6 +414,9 @@ class EdgeHealth(_Wire):
     runtime: str = ""
     """The name of the edge's runtime, which names its host resources (cgroups
     ``dsec/<runtime>``, the run directory ``<run_dir>/<runtime>``)."""
+    backends: dict[str, list[str]] = Field(default_factory=lambda: {"container": list[str]()})
+    """The execution backends this edge runs, each with the operations it offers
+    (:class:`dsec.backends.base.Capability` values); placement honours ``SandboxSpec.backend``."""
 
 
 # Error code -> HTTP status, read off the error classes (each carries its ``http_status``;

@@ -298,3 +298,19 @@ class RuntimeCgroups:
             cpu_throttled=int(cs.get("nr_throttled", 0)),
             cpu_throttled_s=int(cs.get("throttled_time", 0)) / 1e9,
         )
+
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds of these processes (and of their reaped children), from /proc."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        total += sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
+    return total / _CLK_TCK

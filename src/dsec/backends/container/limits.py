@@ -29,6 +29,7 @@ import signal
 from dataclasses import dataclass
 from typing import Final
 
+from dsec.backends.base import DiskRoom
 from dsec.backends.container.cgroups import RuntimeCgroups
 from dsec.spec import Resources
 from dsec.spec.results import LimitHit
@@ -55,15 +56,6 @@ class Baseline:
 
     counters: Counters | None
     disk_full: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class DiskRoom:
-    """What is left in a sandbox's writable layer under its quota."""
-
-    bytes_free: int
-    inodes_free: int
-    full: bool
 
 
 def counters(cg: RuntimeCgroups, sandbox_id: str) -> Counters | None:

@@ -19,24 +19,35 @@ import builtins
 import collections
 import contextlib
 import dataclasses
-import fcntl
 import itertools
 import json
 import logging
 import os
 import re
 import secrets
-import shlex
 import signal
 import socket
-import struct
-import termios
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, ClassVar, Final
 
+from dsec.backends.base import (
+    BackendBase,
+    Capabilities,
+    Capability,
+    DiskRoom,
+    EdgeMeta,
+    GroupOutcome,
+    HostFinding,
+    OutputCallback,
+    SandboxRecord,
+    TtySize,
+    Usage,
+    check_spec,
+    command_line,
+)
 from dsec.backends.container import cgroups, claims
 from dsec.backends.container import limits as limit_evidence
 from dsec.backends.container import pause as pausing
@@ -94,47 +105,35 @@ class _Unset:
 UNSET: Final = _Unset()
 """Marks an argument left out (the default applies); ``None`` means "none"."""
 
-def command_line(cmd: str | Sequence[str], limit: int = 512) -> str:
-    """A command as a shell would read it, for an event log: at most ``limit`` characters."""
-    text = cmd if isinstance(cmd, str) else shlex.join(cmd)
-    return text if len(text) <= limit else text[: limit - 1] + "…"
+@dataclass(slots=True, kw_only=True)
+class ContainerRecord(SandboxRecord):
+    """The container backend's record: the neutral part plus its uid slot, layers, init
+    process and network."""
 
-
-OutputCallback = Callable[[str, bytes], "asyncio.Future[None] | None"]
-"""Called with ("stdout"|"stderr", chunk) as output is produced. A consumer that cannot take
-more returns a future: the runtime stops reading the command's pipes (the command blocks on
-its writes, as into any full pipe) until the future is done. Nothing is dropped."""
-
-
-@dataclass(slots=True)
-class SandboxRecord:
-    id: str
-    state: SandboxState
-    spec: SandboxSpec
-    slot: int
-    layers: list[str]
-    created_at: float
+    slot: int = -1
+    layers: list[str] = field(default_factory=list)
     init_pid: int = 0
     init_start: int = 0
-    reason: str = ""
-    meta: dict[str, Any] = field(default_factory=dict)
-    """Owner's data kept with the record (the edge keeps labels, TTL, project here)."""
-    events: list[dict[str, Any]] = field(default_factory=list)
-    stage: str | None = None
-    """The stage in force once :meth:`ContainerRuntime.set_stage` switched it (None: ``spec.stage``)."""
     net: dict[str, Any] | None = None
     """Its network when it has one beyond loopback: slot, ip, ifname, policy (JSON)."""
     disk_full: bool = False
     """Its writable layer was full when last looked at (:meth:`ContainerRuntime.disk_room`);
     not saved: it only tells the next command's limit verdict where it started from."""
 
+    backend: ClassVar[str] = "container"
+
     @property
     def uid_base(self) -> int:
         return UID_FIRST_BASE + self.slot * UID_RANGE
 
+    def current_policy(self) -> NetworkPolicy | None:
+        pol = (self.net or {}).get("policy")
+        return None if pol is None else NetworkPolicy.model_validate(pol)
+
     def to_json(self) -> dict[str, Any]:
         return {
             "id": self.id,
+            "backend": self.backend,
             "state": self.state.value,
             "spec": _spec_json(self.spec),
             "slot": self.slot,
@@ -143,13 +142,16 @@ class SandboxRecord:
             "init_pid": self.init_pid,
             "init_start": self.init_start,
             "reason": self.reason,
-            "meta": self.meta,
+            "edge": self.edge.to_json(),
             "stage": self.stage,
             "net": self.net,
         }
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> SandboxRecord:
+    def from_json(cls, d: dict[str, Any]) -> ContainerRecord:
+        edge = d.get("edge")
+        if edge is None:  # written before records had a typed edge part
+            edge = (d.get("meta") or {}).get("edge")
         return cls(
             id=d["id"],
             state=SandboxState(d["state"]),
@@ -160,7 +162,7 @@ class SandboxRecord:
             init_pid=int(d.get("init_pid", 0)),
             init_start=int(d.get("init_start", 0)),
             reason=str(d.get("reason", "")),
-            meta=dict(d.get("meta", {})),
+            edge=EdgeMeta.from_json(edge),
             stage=d.get("stage"),
             net=d.get("net"),
         )
@@ -182,7 +184,7 @@ def _spec_json(spec: SandboxSpec) -> dict[str, Any]:
 
 
 
-def _is_paused(rec: SandboxRecord) -> bool:
+def _is_paused(rec: ContainerRecord) -> bool:
     """(A function, so type checkers do not keep a narrowing across awaits that change the state.)"""
     return rec.state is SandboxState.PAUSED
 
@@ -267,37 +269,6 @@ class Process:
 
 
 @dataclass(frozen=True, slots=True)
-class TtySize:
-    """A terminal's size in character cells."""
-
-    rows: int = 24
-    cols: int = 80
-
-    def __post_init__(self) -> None:
-        if not (1 <= self.rows <= 10_000 and 1 <= self.cols <= 10_000):
-            raise InvalidSpec(f"terminal size {self.rows}x{self.cols}: rows and cols must be 1..10000",
-                              field="tty")
-
-
-def set_tty_size(master: int, size: TtySize) -> None:
-    """Resize a terminal from its master (the foreground group gets SIGWINCH)."""
-    fcntl.ioctl(master, termios.TIOCSWINSZ, struct.pack("HHHH", size.rows, size.cols, 0, 0))
-
-
-@dataclass(frozen=True, slots=True)
-class HostFinding:
-    """Something wrong with the runtime's host state, found by :meth:`ContainerRuntime.heal`
-    or on the way of a create: what (``kind``), exactly where (``message``), and whether it
-    was repaired."""
-
-    kind: str
-    """cgroup, layer_mount, skeleton, uppers, spawner, network, directory, claim."""
-    message: str
-    repaired: bool
-    at: float = field(default_factory=time.time)
-
-
-@dataclass(frozen=True, slots=True)
 class PauseResult:
     """What :meth:`ContainerRuntime.pause` did."""
 
@@ -310,19 +281,21 @@ class PauseResult:
     """The whole pause."""
 
 
-@dataclass(slots=True)
-class GroupOutcome:
-    """Result of a group pause or resume: per sandbox, done, skipped (already there) or failed."""
+CAPABILITIES: Final = Capabilities(
+    kind="container",
+    ops=frozenset({
+        Capability.SANDBOXES, Capability.EXEC, Capability.SESSIONS, Capability.PTY, Capability.FILES,
+        Capability.PAUSE, Capability.SNAPSHOT, Capability.FORK, Capability.NETWORK, Capability.STAGES,
+        Capability.PRISTINE,
+    }),
+    isolation="user, pid, mount, net, ipc, uts and cgroup namespaces; seccomp; Landlock stages; cgroup limits",
+)
 
-    done: builtins.list[str] = field(default_factory=list)
-    skipped: builtins.list[str] = field(default_factory=list)
-    """Already in the wanted state (paused for a pause, running for a resume)."""
-    errors: dict[str, DsecError] = field(default_factory=dict)
-    seconds: float = 0.0
 
-
-class ContainerRuntime:
+class ContainerRuntime(BackendBase):
     """Sandboxes on this node. Use ``async with ContainerRuntime(...) as rt``."""
+
+    kind: ClassVar[str] = "container"
 
     def __init__(
         self,
@@ -350,6 +323,7 @@ class ContainerRuntime:
         if not _NAME_RE.match(name):
             raise InvalidSpec(f"runtime name {name!r} must match {_NAME_RE.pattern}", field="name")
         self.name = name
+        self.capabilities = CAPABILITIES
         base_state = Path(state_dir or os.environ.get("DSEC_STATE_DIR", "/var/lib/dsec"))
         base_run = Path(run_dir or os.environ.get("DSEC_RUN_DIR", "/run/dsec")).absolute()  # mountinfo is absolute
         self.state_dir = base_state
@@ -376,7 +350,7 @@ class ContainerRuntime:
         self._repair_gen = 0
         self._last_heal_start = float("-inf")
         self.spawner: Spawner | None = None
-        self.sandboxes: dict[str, SandboxRecord] = {}
+        self.sandboxes: dict[str, ContainerRecord] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._devnull = -1
         self.reconciled: dict[str, list[str]] = {}
@@ -554,7 +528,7 @@ class ContainerRuntime:
     def _record_path(self, sandbox_id: str) -> Path:
         return self.records_dir / f"{sandbox_id}.json"
 
-    def _save(self, rec: SandboxRecord) -> None:
+    def _save(self, rec: ContainerRecord) -> None:
         path = self._record_path(rec.id)
         data = json.dumps(rec.to_json()).encode()
         try:
@@ -582,7 +556,7 @@ class ContainerRuntime:
         finally:
             os.close(fd)
 
-    def _move(self, rec: SandboxRecord, dst: SandboxState, *, reason: str = "", save: bool = True) -> None:
+    def _move(self, rec: ContainerRecord, dst: SandboxState, *, reason: str = "", save: bool = True) -> None:
         if not can_move(rec.state, dst):
             raise SandboxStateError(
                 f"sandbox {rec.id} cannot go from {rec.state.value} to {dst.value}",
@@ -596,7 +570,7 @@ class ContainerRuntime:
         if save:
             self._save(rec)
 
-    def _event(self, rec: SandboxRecord, kind: str, **data: Any) -> None:
+    def _event(self, rec: ContainerRecord, kind: str, **data: Any) -> None:
         rec.events.append({"t": time.time(), "event": kind, **data})
         if len(rec.events) > 1000:
             del rec.events[:100]
@@ -618,7 +592,7 @@ class ContainerRuntime:
             return slot
         raise HostError("no free uid range for a new sandbox (60,000 in use)")
 
-    def _release_slot(self, rec: SandboxRecord) -> None:
+    def _release_slot(self, rec: ContainerRecord) -> None:
         path = self.slots_dir / str(rec.slot)
         with contextlib.suppress(OSError):
             if path.read_text().split() == [self.name, rec.id]:
@@ -681,8 +655,13 @@ class ContainerRuntime:
         raise AssertionError("unreachable")
 
     async def create(
-        self, spec: SandboxSpec, *, sandbox_id: str | None = None, meta: dict[str, Any] | None = None
-    ) -> SandboxRecord:
+        self, spec: SandboxSpec, *, sandbox_id: str | None = None, edge: EdgeMeta | None = None
+    ) -> ContainerRecord:
+        """Start a sandbox of ``spec`` (idempotent per ``sandbox_id``); ``edge`` is kept with
+        its record for the edge (never read here)."""
+        if spec.backend != self.kind:
+            raise InvalidSpec(f"spec.backend is {spec.backend!r}; this is the {self.kind} backend", field="backend")
+        check_spec(self.capabilities, spec)
         await self._ensure_spawner()
         sid = sandbox_id or self._new_id()
         if not _ID_RE.match(sid):
@@ -693,7 +672,8 @@ class ContainerRuntime:
         layers = self._layers_for(spec.image)
         policy = spec.effective_network()
         compiled = None if policy is None else await self.net.compile(policy)  # bad names fail first
-        rec = SandboxRecord(sid, SandboxState.CREATING, spec, -1, layers, time.time(), meta=dict(meta or {}))
+        rec = ContainerRecord(id=sid, state=SandboxState.CREATING, spec=spec, created_at=time.time(), layers=layers,
+                              edge=edge if edge is not None else EdgeMeta())
         self.sandboxes[sid] = rec
         lock = self._locks.setdefault(sid, asyncio.Lock())
         async with lock:
@@ -771,7 +751,7 @@ class ContainerRuntime:
                 raise HostError(f"sandbox {sandbox_id}: could not remove {left}", sandbox_id=sandbox_id)
             return True
 
-    async def _teardown(self, rec: SandboxRecord) -> list[str]:
+    async def _teardown(self, rec: ContainerRecord) -> list[str]:
         """Kill, unmount (the mount namespace dies with its last process), remove cgroups,
         release layers, uid range and record. Safe to call on a half-made sandbox."""
         sid = rec.id
@@ -802,7 +782,7 @@ class ContainerRuntime:
             self._record_path(sid).unlink(missing_ok=True)
         return left
 
-    async def _kill_init(self, rec: SandboxRecord) -> None:
+    async def _kill_init(self, rec: ContainerRecord) -> None:
         fd = self._open_init(rec, check=False)
         if fd is None:
             return
@@ -829,7 +809,7 @@ class ContainerRuntime:
         if self.spawner is not None:
             self.spawner.forget_exit(rec.init_pid)
 
-    def _open_init(self, rec: SandboxRecord, *, check: bool = True) -> int | None:
+    def _open_init(self, rec: ContainerRecord, *, check: bool = True) -> int | None:
         """A pidfd of the sandbox's init, verified to be that very process (no pid reuse)."""
         try:
             fd = os.pidfd_open(rec.init_pid)
@@ -927,9 +907,9 @@ class ContainerRuntime:
         with contextlib.suppress(RuntimeError):  # no running loop (called from a test): no watch
             asyncio.get_running_loop().call_later(LAYER_REMOVAL_POLL_S, self._unmount_if_removed, digest)
 
-    def update(self, sandbox_id: str, *, spec: SandboxSpec | None = None, meta: dict[str, Any] | None = None) -> SandboxRecord:
+    def update(self, sandbox_id: str, *, spec: SandboxSpec | None = None, edge: EdgeMeta | None = None) -> ContainerRecord:
         """Change what the record says (not the running sandbox): a warm-pool sandbox taken
-        for a request gets that request's spec (same layers and resources) and metadata."""
+        for a request gets that request's spec (same layers and resources) and edge part."""
         rec = self._running(sandbox_id)
         if spec is not None:
             if spec.resources != rec.spec.resources or self._layers_for(spec.image) != rec.layers:
@@ -937,12 +917,12 @@ class ContainerRuntime:
                     f"sandbox {sandbox_id} runs other layers or resources than the new spec", field="spec", sandbox_id=sandbox_id
                 )
             rec.spec = spec
-        if meta is not None:
-            rec.meta = meta
+        if edge is not None:
+            rec.edge = edge
         self._save(rec)
         return rec
 
-    def _check_limits(self, rec: SandboxRecord, counters: limit_evidence.Counters | None = None) -> None:
+    def _check_limits(self, rec: ContainerRecord, counters: limit_evidence.Counters | None = None) -> None:
         """Turn new OOM kills and pids-limit hits into events (counters are cumulative);
         ``counters`` when the caller has just read them."""
         now = counters if counters is not None else limit_evidence.counters(self.cgroups, rec.id)
@@ -954,14 +934,14 @@ class ContainerRuntime:
                 self._event(rec, event, count=value - seen[i])
                 seen[i] = value
 
-    def limit_baseline(self, rec: SandboxRecord) -> limit_evidence.Baseline:
+    def limit_baseline(self, rec: ContainerRecord) -> limit_evidence.Baseline:
         """What a command starts from, for :meth:`limit_hit`: the sandbox's OOM-kill and
         pids-limit counters now (two small reads) and whether its layer was last seen full."""
         return limit_evidence.Baseline(limit_evidence.counters(self.cgroups, rec.id), rec.disk_full)
 
     def limit_hit(
         self,
-        rec: SandboxRecord,
+        rec: ContainerRecord,
         before: limit_evidence.Baseline | None,
         *,
         exit_code: int | None,
@@ -989,15 +969,16 @@ class ContainerRuntime:
             disk=disk, output=output,
         )
 
-    def disk_room(self, rec: SandboxRecord) -> limit_evidence.DiskRoom | None:
+    def disk_room(self, rec: SandboxRecord) -> DiskRoom | None:
         """Room left in the sandbox's writable layer under its quota (None: cannot tell);
         whether it is full is remembered in ``rec.disk_full``."""
+        assert isinstance(rec, ContainerRecord)
         room = self._measure_disk(rec)
         if room is not None:
             rec.disk_full = room.full
         return room
 
-    def _measure_disk(self, rec: SandboxRecord) -> limit_evidence.DiskRoom | None:
+    def _measure_disk(self, rec: ContainerRecord) -> DiskRoom | None:
         if rec.spec.resources.disk_medium == "disk":
             # statvfs of a subvolume shows the whole store: its qgroup holds the quota.
             try:
@@ -1012,32 +993,32 @@ class ContainerRuntime:
                     use = self.uppers.usage(rec.id)
             except (OSError, ValueError, HostError):
                 return None
-            return limit_evidence.DiskRoom(use.free, -1, use.free < limit_evidence.DISK_FULL_BYTES)
+            return DiskRoom(use.free, -1, use.free < limit_evidence.DISK_FULL_BYTES)
         return limit_evidence.disk_room(rec.init_pid)
 
     def events(self, sandbox_id: str) -> builtins.list[dict[str, Any]]:
         return list(self.get(sandbox_id).events)
 
-    def _mark_failed(self, rec: SandboxRecord, reason: str) -> None:
+    def _mark_failed(self, rec: ContainerRecord, reason: str) -> None:
         if can_move(rec.state, SandboxState.FAILED):
             self._move(rec, SandboxState.FAILED, reason=reason)
 
     # ----- lookups -----
 
-    def get(self, sandbox_id: str) -> SandboxRecord:
+    def get(self, sandbox_id: str) -> ContainerRecord:
         rec = self.sandboxes.get(sandbox_id)
         if rec is None:
             raise SandboxNotFound(f"no sandbox {sandbox_id!r} on this node", sandbox_id=sandbox_id)
         return rec
 
-    def list(self) -> builtins.list[SandboxRecord]:
+    def list(self) -> builtins.list[ContainerRecord]:
         return list(self.sandboxes.values())
 
-    def require_running(self, sandbox_id: str) -> SandboxRecord:
+    def require_running(self, sandbox_id: str) -> ContainerRecord:
         """The record of a running sandbox; SandboxNotFound / SandboxStateError otherwise."""
         return self._running(sandbox_id)
 
-    def _running(self, sandbox_id: str, *, resume: bool = True) -> SandboxRecord:
+    def _running(self, sandbox_id: str, *, resume: bool = True) -> ContainerRecord:
         """The record of a running sandbox; a paused one is resumed first (unless ``resume``
         is False: then it is an error like any other state)."""
         rec = self.get(sandbox_id)
@@ -1052,7 +1033,7 @@ class ContainerRuntime:
             )
         return rec
 
-    def _live(self, sandbox_id: str) -> SandboxRecord:
+    def _live(self, sandbox_id: str) -> ContainerRecord:
         """The record of a running or paused sandbox (a paused one stays paused)."""
         rec = self.get(sandbox_id)
         if rec.state is SandboxState.PAUSED:
@@ -1070,7 +1051,7 @@ class ContainerRuntime:
 
     # ----- network -----
 
-    async def set_policy(self, sandbox_id: str, policy: NetworkPolicy | None) -> SandboxRecord:
+    async def set_policy(self, sandbox_id: str, policy: NetworkPolicy | None) -> ContainerRecord:
         """Replace a sandbox's network policy at once (one nftables transaction); TCP
         connections the new policy forbids are cut. ``None``: nothing beyond loopback.
         A loopback-only sandbox gets its veth on the first policy. Works while paused."""
@@ -1103,7 +1084,7 @@ class ContainerRuntime:
             self._event(rec, "policy_changed", policy=dumped, connections_cut=cut)
             return rec
 
-    def _netns_fd(self, rec: SandboxRecord, *, check: bool = True) -> int | None:
+    def _netns_fd(self, rec: ContainerRecord, *, check: bool = True) -> int | None:
         """An fd of the sandbox's network namespace, taken from its verified init."""
         pidfd = self._open_init(rec, check=check)
         if pidfd is None:
@@ -1175,7 +1156,7 @@ class ContainerRuntime:
         rec = self.get(sandbox_id)
         return rec.stage or rec.spec.stage
 
-    async def set_stage(self, sandbox_id: str, name: str) -> SandboxRecord:
+    async def set_stage(self, sandbox_id: str, name: str) -> ContainerRecord:
         """Switch the sandbox to stage ``name`` (declared in ``spec.stages``).
 
         Landlock cannot be changed on a running process, so every process of the
@@ -1225,14 +1206,14 @@ class ContainerRuntime:
             gate.set()
 
     @staticmethod
-    def _stage_fs_checks(rec: SandboxRecord, files: Any) -> tuple[builtins.list[str], builtins.list[str]]:
+    def _stage_fs_checks(rec: ContainerRecord, files: Any) -> tuple[builtins.list[str], builtins.list[str]]:
         """(files under restricted paths split off their hard links, rule paths that are symlinks)."""
         root = f"/proc/{rec.init_pid}/root"
         split = staging.split_hard_links(root, f"/proc/{rec.init_pid}/fd/3/upper", files)
         named = (*staging.restricted_paths(files), *files.writable)
         return split, staging.symlinked_paths(root, named)
 
-    async def _kill_all_but_init(self, rec: SandboxRecord) -> int:
+    async def _kill_all_but_init(self, rec: ContainerRecord) -> int:
         """SIGKILL every process of the sandbox except its init (frozen first, so none forks
         meanwhile); returns how many were killed, once they are gone."""
         sid = rec.id
@@ -1255,7 +1236,7 @@ class ContainerRuntime:
             delay = min(delay * 2, 0.01)
         return len(victims)
 
-    def _pristine_fields(self, rec: SandboxRecord, pristine: Sequence[str]) -> builtins.list[tuple[str, str]]:
+    def _pristine_fields(self, rec: ContainerRecord, pristine: Sequence[str]) -> builtins.list[tuple[str, str]]:
         """Spawner fields for pristine paths: the image layers (never snapshot layers: those
         hold the agent's own writes) as host mounts, top first, and the paths."""
         paths = staging.check_pristine(pristine)
@@ -1429,6 +1410,13 @@ class ContainerRuntime:
             return ExecError(f"cannot apply the stage's file rules in sandbox {sid}: {exc}",
                              sandbox_id=sid, stage="landlock", errno=exc.errno)
         if exc.stage in ("setns", "died"):
+            rec = self.sandboxes.get(sid)
+            if rec is not None:
+                fd = self._open_init(rec, check=False)
+                if fd is None:  # the init is gone: say so in the record, as every other path does
+                    self._mark_failed(rec, "the sandbox's init process is gone")
+                else:
+                    os.close(fd)
             return SandboxFailed(f"sandbox {sid} is gone: {exc}", sandbox_id=sid, reason=exc.stage)
         return ExecError(f"cannot start command in sandbox {sid}: {exc}", sandbox_id=sid, stage=exc.stage)
 
@@ -1663,7 +1651,7 @@ class ContainerRuntime:
         destroyed: list[str] = []
         for path in sorted(self.records_dir.glob("*.json")):
             try:
-                rec = SandboxRecord.from_json(json.loads(path.read_text()))
+                rec = ContainerRecord.from_json(json.loads(path.read_text()))
             except (OSError, ValueError, KeyError):
                 path.unlink(missing_ok=True)
                 continue
@@ -1937,7 +1925,7 @@ class ContainerRuntime:
             return dirs, None
         return dirs, self.uppers.create(sandbox_id, quota=res.disk, uid=uid_base)
 
-    def _remove_host_parts(self, rec: SandboxRecord) -> builtins.list[str]:
+    def _remove_host_parts(self, rec: ContainerRecord) -> builtins.list[str]:
         """Remove the sandbox's cgroups and writable layer (one thread hop); what could not go."""
         left = [str(p) for p in self.cgroups.remove(rec.id)]
         # A memory-medium sandbox has no subvolume (a crash's leftover is the reconciler's).
@@ -1979,7 +1967,7 @@ class ContainerRuntime:
         """The zram device's figures (None without one)."""
         return self.swap.stats()
 
-    def _adopt_freezer(self, rec: SandboxRecord) -> None:
+    def _adopt_freezer(self, rec: ContainerRecord) -> None:
         """After a restart the kernel's freezer state is the truth about pausedness: pause and
         resume write no record (a rename on a busy disk costs ms, too much for a group pause)."""
         frozen = pausing.freezer_state(self.cgroups, rec.id) in ("FROZEN", "FREEZING")
@@ -2062,12 +2050,12 @@ class ContainerRuntime:
                 return None
             return await asyncio.to_thread(pausing.reclaim, self.cgroups, sandbox_id, self.reclaim_method)
 
-    def _open_init_check(self, rec: SandboxRecord) -> None:
+    def _open_init_check(self, rec: ContainerRecord) -> None:
         fd = self._open_init(rec)  # raises SandboxFailed (and marks it failed) if the init is gone
         if fd is not None:
             os.close(fd)
 
-    async def resume(self, sandbox_id: str) -> SandboxRecord:
+    async def resume(self, sandbox_id: str) -> ContainerRecord:
         """Thaw a paused sandbox. SandboxStateError if it is not paused."""
         rec = self.get(sandbox_id)
         if rec.state is not SandboxState.PAUSED:
@@ -2243,19 +2231,27 @@ class ContainerRuntime:
     async def fork(
         self,
         sandbox_id: str,
-        n: int,
+        children: int | Sequence[str],
         *,
-        meta: dict[str, Any] | None = None,
+        edges: Sequence[EdgeMeta] | None = None,
         exclude: Sequence[str] = (),
     ) -> builtins.list[SandboxRecord]:
-        """``n`` new sandboxes whose disks equal this one's now (running or paused).
+        """New sandboxes whose disks equal this one's now (running or paused): ``children``
+        is how many, or their ids; ``edges`` (one per child) is kept with their records.
 
         Each child gets a fresh identity — its id as hostname, a new /etc/machine-id,
         no inherited random seed — and its own writable layer, so siblings never see
-        each other's writes. All or nothing: if one child fails, the others are
-        destroyed and the error raised. Forking a failed sandbox raises SandboxStateError."""
-        if not 1 <= n <= 10000:
+        each other's writes. Children start where the parent is now: its current stage,
+        else its current network policy. All or nothing: if one child fails, the others
+        are destroyed, the fork's layer is dropped and the error raised. Forking a failed
+        sandbox raises SandboxStateError. The only fork: the edge calls this one."""
+        ids: builtins.list[str | None] = (
+            [None] * children if isinstance(children, int) else builtins.list(children))
+        if not 1 <= len(ids) <= 10000:
             raise InvalidSpec("fork needs 1 <= n <= 10000", field="n")
+        metas = builtins.list(edges) if edges is not None else [EdgeMeta() for _ in ids]
+        if len(metas) != len(ids):
+            raise InvalidSpec(f"fork got {len(ids)} children but {len(metas)} edge parts", field="edges")
         rec = self.get(sandbox_id)
         if rec.state not in (SandboxState.RUNNING, SandboxState.PAUSED):
             raise SandboxStateError(
@@ -2265,35 +2261,65 @@ class ContainerRuntime:
             )
         layer = await self.snapshot(sandbox_id, name=snapshots.FORK_NAME, tag=f"{sandbox_id}-{secrets.token_hex(3)}",
                                     exclude=exclude, ephemeral=True)
-        # Children start where the parent is now: its current stage, else its current policy.
-        update: dict[str, Any] = {"image": ImageRef(base=layer.digest)}
-        current = rec.stage or rec.spec.stage
-        if current is not None:
-            update["stage"] = current
-        elif rec.net is not None:
-            pol = rec.net.get("policy")
-            update["network"] = None if pol is None else NetworkPolicy.model_validate(pol)
-        spec = rec.spec.model_copy(update=update)
-        results = await asyncio.gather(*(self.create(spec, meta=dict(meta or {})) for _ in range(n)),
+        spec = self.fork_spec(rec, layer.digest)
+        results = await asyncio.gather(*(self.create(spec, sandbox_id=cid, edge=meta) for cid, meta in zip(ids, metas, strict=True)),
                                        return_exceptions=True)
-        children = [r for r in results if isinstance(r, SandboxRecord)]
+        made: builtins.list[SandboxRecord] = [r for r in results if isinstance(r, ContainerRecord)]
         failure = next((r for r in results if isinstance(r, BaseException)), None)
         if failure is None:
             try:
-                for child in children:
+                for child in made:
                     await asyncio.to_thread(snapshots.fresh_identity, self.files(child.id, platform=True))
+                    assert isinstance(child, ContainerRecord)
                     self._event(child, "forked", parent=sandbox_id, layer=layer.digest)
             except Exception as exc:
                 failure = exc
         if failure is not None:
-            await asyncio.gather(*(self.destroy(c.id) for c in children), return_exceptions=True)
-            for c in children:
+            await asyncio.gather(*(self.destroy(c.id) for c in made), return_exceptions=True)
+            for c in made:
                 self._layer_users.get(layer.digest, set()).discard(c.id)
             self._maybe_release(layer.digest)
             self.drop_ephemeral(layer.digest)
             raise failure
-        self._event(rec, "fork", children=[c.id for c in children], layer=layer.digest)
-        return children
+        self._event(rec, "fork", children=[c.id for c in made], layer=layer.digest)
+        return made
+
+    @staticmethod
+    def fork_spec(rec: ContainerRecord, layer: str) -> SandboxSpec:
+        """The spec of ``rec``'s fork children: its layer as their image, and the stage in
+        force now (else the network policy in force now)."""
+        update: dict[str, Any] = {"image": ImageRef(base=layer)}
+        current = rec.stage or rec.spec.stage
+        if current is not None:
+            update["stage"] = current
+        elif rec.net is not None:
+            update["network"] = rec.current_policy()
+        return rec.spec.model_copy(update=update)
+
+    # ----- the Backend protocol's narrow reads -----
+
+    def usage(self, sandbox_id: str) -> Usage:
+        """Memory, pids, CPU seconds and writable-layer bytes now (blocking reads: call from a thread)."""
+        st = self.stats(sandbox_id)
+        try:
+            disk = self.disk_usage(sandbox_id).used
+        except (OSError, DsecError):
+            disk = 0
+        return Usage(memory_bytes=int(st.get("memory_bytes", 0)), pids=int(st.get("pids", 0)),
+                     cpu_s=cgroups.cpu_seconds(self.cgroups.pids(sandbox_id)), disk_bytes=disk)
+
+    def check_limits(self, rec: SandboxRecord) -> None:
+        """Turn new OOM kills and pids-limit hits into events."""
+        assert isinstance(rec, ContainerRecord)
+        self._check_limits(rec)
+
+    def store_space(self) -> tuple[int, int] | None:
+        """(free, total) bytes of the disk-medium writable-layer store; None until it is set up."""
+        return self.uppers.space() if self.uppers.ready else None
+
+    def release_layer(self, digest: str) -> None:
+        """Drop this runtime's idle pin of a layer now (before deleting it from the store)."""
+        self._maybe_release(digest)
 
     def refresh_identity(self, sandbox_id: str) -> None:
         """Give a sandbox started from another's disk its own machine-id (fork does this)."""

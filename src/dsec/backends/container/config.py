@@ -1,0 +1,31 @@
+"""The container backend's part of an edge's configuration (``EdgeConfig.backends``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from dsec.backends.container.network import NetworkConfig
+
+
+class ContainerConfig(BaseModel):
+    """Namespaces + seccomp + cgroups, the default backend (docs/RUNTIME.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["container"] = "container"
+    zram_size: Annotated[int, Field(ge=0)] = 0
+    """Bytes of compressed RAM swap (zram) set up at start for paused sandboxes' memory;
+    0: none (pause then freezes and drops only page cache). docs/SNAPSHOTS.md, "Swap"."""
+    reclaim_method: Literal["pageout+force_empty", "force_empty", "pageout", "none"] = "pageout+force_empty"
+    """How a pause pushes memory out (docs/SNAPSHOTS.md, "Pause")."""
+    uppers_path: Path | None = None
+    """An existing btrfs mount for writable layers on disk; default the runtime's own image
+    in ``state_dir/uppers`` (docs/RUNTIME.md, "Writable layer on disk")."""
+    network: NetworkConfig | None = None
+    """Sandbox networking: named permissions, always-blocked ranges, the prepared-namespace
+    pool (docs/EDGE.md, "Network"). None: every sandbox is loopback-only and a create or
+    ``set_policy`` with a policy is refused. The edge adds its own and the control plane's
+    addresses to ``blocked`` when it starts."""
