@@ -3,6 +3,8 @@
 Owns the SOCK_SEQPACKET conversation: requests carry a request id, replies may
 arrive out of order, and ``exit`` events report every child the spawner reaps.
 Never blocks the event loop: the socket is read from a loop reader callback.
+Never builds a request itself: :mod:`~dsec.backends.container.wire` does
+(:meth:`Spawner.send` takes its typed requests).
 """
 
 from __future__ import annotations
@@ -17,9 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from dsec.errors import HostError, InvalidSpec
-
-_MAX_MSG = 512 * 1024
+from dsec.backends.container import wire
+from dsec.errors import HostError
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +92,8 @@ class Spawner:
         self._sock = parent
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(parent.fileno(), self._on_readable)
-        reply, _ = await self.request("ping", [])
+        ping = wire.PingRequest()
+        reply, _ = await self.request(ping.OP, ping.encode())
         if reply[0] != "ok":
             raise HostError("dsec-spawner did not answer its first ping")
 
@@ -128,18 +130,11 @@ class Spawner:
     async def request(
         self, op: str, fields: Sequence[tuple[str, str]], fds: Sequence[int] = ()
     ) -> tuple[list[str], int | None]:
+        """Send one request (raw fields: :meth:`send` is the typed way) and wait for its reply."""
         if self._sock is None or self.lost:
             raise HostError("the dsec-spawner is not running")
         rid = str(next(self._rids))
-        parts = [op, rid]
-        for k, v in fields:
-            if "\0" in v:
-                # InvalidSpec (a ValueError): the caller's input, a 4xx at the edge, not a 500.
-                raise InvalidSpec(f"NUL byte in {k}", field=k)
-            parts += [k, v]
-        data = b"\0".join(p.encode() for p in parts) + b"\0"
-        if len(data) > _MAX_MSG - 1:
-            raise InvalidSpec(f"request too large ({len(data)} bytes; argv+env must stay under 500 KiB)", field="cmd")
+        data = wire.frame(op, rid, fields)
         assert self._loop is not None
         fut: asyncio.Future[tuple[list[str], int | None]] = self._loop.create_future()
         self._waiting[rid] = fut
@@ -155,7 +150,12 @@ class Spawner:
         finally:
             self._waiting.pop(rid, None)
 
+    async def send(self, req: wire.CreateRequest | wire.ExecRequest) -> Spawned:
+        """Start what ``req`` asks for (its fields from ``req.encode()``, its fds in order)."""
+        return await self.spawn(req.OP, req.encode(), req.fds())
+
     async def spawn(self, op: str, fields: Sequence[tuple[str, str]], fds: Sequence[int] = ()) -> Spawned:
+        """A create or exec from raw fields (tests of the spawner's own checks use it)."""
         reply, fd = await self.request(op, fields, fds)
         if reply[0] == "ok":
             assert fd is not None, "spawner replied ok without a pidfd"

@@ -96,21 +96,24 @@ static void create_child(struct create_args *a) {
     init_loop();
 }
 
+/* What the init is given from the request (its fds are the caller's to fill in). */
+void create_args_init(struct create_args *a, const struct create_req *c) {
+    *a = (struct create_args){
+        .id = c->id, .lowers = (char **)c->lowers, .cgs = (char **)c->cgs,
+        .uid_base = strtoul(c->uid_base, NULL, 10), .disk = strtoull(c->disk, NULL, 10),
+        .inodes = strtoull(c->inodes, NULL, 10), .upper = c->upper, .devskel = c->devskel, .empty = c->empty,
+        .userns_fd = -1, .go_fd = -1, .report_fd = -1, .net_fd = -1};
+}
+
 void do_create(struct req *r) {
     const char *rid = r->tok[1];
-    const char *id = req_get(r, "id"), *stage = req_get(r, "stage");
-    const char *ub = req_get(r, "uid_base"), *uc = req_get(r, "uid_count");
-    const char *disk = req_get(r, "disk"), *inodes = req_get(r, "inodes");
-    const char *upper = req_get(r, "upper"), *devskel = req_get(r, "devskel"), *empty = req_get(r, "empty");
-    char *lowers[16], *cgs[16];
-    if (req_all(r, "lower", lowers, 15) < 0 || req_all(r, "cg", cgs, 15) < 0) {
-        reply_err(rid, "request", EINVAL, "create takes at most 15 layers and 15 cgroups");
+    struct create_req c;
+    struct parse_err pe;
+    if (parse_create(r, &c, &pe) < 0) {
+        reply_err(rid, pe.stage, pe.err, "%s", pe.msg);
         return;
     }
-    if (!id || !stage || !ub || !uc || !disk || !inodes || !devskel || !empty) {
-        reply_err(rid, "request", EINVAL, "create needs id, stage, uid_base, uid_count, disk, inodes, devskel, empty");
-        return;
-    }
+    const char *stage = c.stage, *ub = c.uid_base, *uc = c.uid_count;
     clock_gettime(CLOCK_MONOTONIC, &trace_t0);
     trace("request");
     /* 1. The user namespace holding the sandbox's uid range. One per uid range,
@@ -137,7 +140,7 @@ void do_create(struct req *r) {
     int pidfd = -1;
     /* A networked sandbox brings its prepared netns (veth, address, nftables) as the
      * request's one fd; others take a loopback-only one from the pool. */
-    int net_fd = r->nfds >= 1 ? fcntl(r->fds[0], F_DUPFD_CLOEXEC, 3) : netpool_take();
+    int net_fd = c.net_fd >= 0 ? fcntl(c.net_fd, F_DUPFD_CLOEXEC, 3) : netpool_take();
     /* CLONE_PARENT: the init is the runtime's child, not ours.  We reap exec children with
      * wait4(-1), which walks every child we have: with 10,000 inits among them, each exec's
      * exit cost O(sandboxes).  The runtime reaps an init through its pidfd on destroy. */
@@ -146,11 +149,9 @@ void do_create(struct req *r) {
         close(go[1]);
         close(rep[0]);
         close(sock_fd);
-        struct create_args a = {
-            .id = id, .lowers = lowers, .cgs = cgs,
-            .uid_base = strtoul(ub, NULL, 10), .disk = strtoull(disk, NULL, 10),
-            .inodes = strtoull(inodes, NULL, 10), .upper = upper, .devskel = devskel, .empty = empty,
-            .userns_fd = userns_fd, .go_fd = go[0], .report_fd = rep[1], .net_fd = net_fd};
+        struct create_args a;
+        create_args_init(&a, &c);
+        a.userns_fd = userns_fd, a.go_fd = go[0], a.report_fd = rep[1], a.net_fd = net_fd;
         sigset_t none;
         sigemptyset(&none);
         sigprocmask(SIG_SETMASK, &none, NULL);
@@ -165,7 +166,7 @@ void do_create(struct req *r) {
         reply_err(rid, "clone", errno, "clone sandbox init");
         return;
     }
-    if (join_cgroups(cgs, pid) < 0) {
+    if (join_cgroups(c.cgs, pid) < 0) {
         int e = errno;
         kill(pid, SIGKILL);
         close(go[1]); close(rep[0]); close(pidfd);

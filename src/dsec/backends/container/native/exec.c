@@ -79,7 +79,7 @@ static void exec_child(struct exec_args *a) {
     for (int i = 0; a->rlimits[i]; i++) {
         int res;
         unsigned long long soft, hard;
-        if (sscanf(a->rlimits[i], "%d:%llu:%llu", &res, &soft, &hard) != 3) child_fail(rfd, "rlimit", "bad rlimit");
+        if (rlimit_parse(a->rlimits[i], &res, &soft, &hard) < 0) child_fail(rfd, "rlimit", "bad rlimit");
         struct rlimit rl = {.rlim_cur = soft, .rlim_max = hard};
         if (setrlimit(res, &rl) < 0) child_fail(rfd, "rlimit", "setrlimit %d", res);
     }
@@ -107,39 +107,38 @@ static void exec_child(struct exec_args *a) {
     child_fail(rfd, "exec", "%s", a->argv[0]);
 }
 
+/* What the exec child is given from the request (report_fd is the caller's to fill in). */
+void exec_args_init(struct exec_args *a, const struct exec_req *x) {
+    *a = (struct exec_args){
+        .initpidfd = x->initpidfd, .in = x->in, .out = x->out, .err = x->err, .report_fd = -1,
+        .argv = x->argv, .envp = x->envp, .cgs = (char **)x->cgs, .rlimits = (char **)x->rl, .cwd = x->cwd,
+        .uid = (uid_t)strtoul(x->uid, NULL, 10), .gid = (gid_t)strtoul(x->gid, NULL, 10),
+        .use_seccomp = !x->seccomp || strcmp(x->seccomp, "0") != 0,
+        .new_session = !x->setsid || strcmp(x->setsid, "0") != 0,
+        .ll_default = (char *)x->ld, .ll_rules = (char **)x->lr, .plowers = (char **)x->pl,
+        .pristine = (char **)x->pp, .init_pid = x->ipid, .tty_gid = x->tty,
+        .rows = (unsigned short)strtoul(x->rows ? x->rows : "0", NULL, 10),
+        .cols = (unsigned short)strtoul(x->cols ? x->cols : "0", NULL, 10)};
+}
+
+/* An "rl" value, RESOURCE:SOFT:HARD (decimal): 0, or -1 when it is not one. */
+int rlimit_parse(const char *s, int *res, unsigned long long *soft, unsigned long long *hard) {
+    return sscanf(s, "%d:%llu:%llu", res, soft, hard) == 3 ? 0 : -1;
+}
+
 void do_exec(struct req *r) {
     const char *rid = r->tok[1];
-    if (r->nfds != 4) {
-        reply_err(rid, "request", EINVAL, "exec needs 4 fds (init pidfd, stdin, stdout, stderr), got %d", r->nfds);
-        return;
-    }
-    static char *argv[MAX_TOK], *envp[MAX_TOK];
-    char *cgs[16], *rl[32], *lr[256], *pl[16], *pp[72];
-    static const struct { const char *key, *what; int max; } lists[] = {
-        {"lr", "file rules (Landlock)", 255}, {"pl", "image layers", 15}, {"pp", "pristine paths", 71},
-        {"cg", "cgroups", 15}, {"rl", "rlimits", 31}};
-    char **outs[] = {lr, pl, pp, cgs, rl};
-    for (size_t i = 0; i < sizeof lists / sizeof lists[0]; i++)
-        if (req_all(r, lists[i].key, outs[i], lists[i].max) < 0) {
-            reply_err(rid, "request", EINVAL, "more than %d %s in one command", lists[i].max, lists[i].what);
-            return;
-        }
-    int argc = req_all(r, "a", argv, MAX_TOK - 1);
-    if (argc < 0 || req_all(r, "e", envp, MAX_TOK - 1) < 0) {
-        reply_err(rid, "request", EINVAL, "more than %d arguments or environment variables", MAX_TOK - 1);
-        return;
-    }
-    const char *cwd = req_get(r, "cwd"), *uid = req_get(r, "uid"), *gid = req_get(r, "gid");
-    const char *sc = req_get(r, "seccomp"), *ss = req_get(r, "setsid");
-    if (argc == 0 || !cwd || !uid || !gid) {
-        reply_err(rid, "request", EINVAL, "exec needs argv, cwd, uid, gid");
+    struct exec_req x;
+    struct parse_err pe;
+    if (parse_exec(r, &x, &pe) < 0) {
+        reply_err(rid, pe.stage, pe.err, "%s", pe.msg);
         return;
     }
     clock_gettime(CLOCK_MONOTONIC, &trace_t0);
     int rep[2];
     if (pipe2(rep, O_CLOEXEC) < 0) { reply_err(rid, "exec", errno, "pipe"); return; }
     /* Children forked now land in the sandbox's pid namespace; switch back right after. */
-    if (setns(r->fds[0], CLONE_NEWPID) < 0) {
+    if (setns(x.initpidfd, CLONE_NEWPID) < 0) {
         int e = errno;
         close(rep[0]); close(rep[1]);
         reply_err(rid, "setns", e, "sandbox is gone (its init has exited)");
@@ -150,15 +149,9 @@ void do_exec(struct req *r) {
     if (pid == 0) {
         close(rep[0]);
         close(sock_fd);
-        struct exec_args a = {
-            .initpidfd = r->fds[0], .in = r->fds[1], .out = r->fds[2], .err = r->fds[3],
-            .report_fd = rep[1], .argv = argv, .envp = envp, .cgs = cgs, .rlimits = rl, .cwd = cwd,
-            .uid = (uid_t)strtoul(uid, NULL, 10), .gid = (gid_t)strtoul(gid, NULL, 10),
-            .use_seccomp = !sc || strcmp(sc, "0") != 0, .new_session = !ss || strcmp(ss, "0") != 0,
-            .ll_default = (char *)req_get(r, "ld"), .ll_rules = lr, .plowers = pl, .pristine = pp,
-            .init_pid = req_get(r, "ipid"), .tty_gid = req_get(r, "tty"),
-            .rows = (unsigned short)strtoul(req_get(r, "rows") ? req_get(r, "rows") : "0", NULL, 10),
-            .cols = (unsigned short)strtoul(req_get(r, "cols") ? req_get(r, "cols") : "0", NULL, 10)};
+        struct exec_args a;
+        exec_args_init(&a, &x);
+        a.report_fd = rep[1];
         sigset_t none;
         sigemptyset(&none);
         sigprocmask(SIG_SETMASK, &none, NULL);

@@ -156,16 +156,21 @@ static void ll_walk(struct ll_ctx *c, int dfd, const char *p, size_t n, char inh
     closedir(d);
 }
 
+/* An "lr" value: a class letter, ':', an absolute path (1), or not (0). */
+int ll_rule_ok(const char *rule) {
+    return rule[0] && rule[1] == ':' && rule[2] == '/';
+}
+
 /* Build the ruleset for "ld" (default class) and "lr" (class:path) tokens; -1 when there are none. */
 int ll_build(char *deflt, char **lr, int rfd) {
     if (!deflt) return -1;
     int abi = landlock_abi();
     if (abi < 1) { errno = EOPNOTSUPP; child_fail(rfd, "landlock", "the kernel has no Landlock"); }
-    static struct ll_rule rules[256];
+    static struct ll_rule rules[MAX_LL_RULES + 1];
     int nr = 0;
     char root_cls = deflt[0];
-    for (int i = 0; lr[i] && nr < 256; i++) {
-        if (!lr[i][0] || lr[i][1] != ':' || lr[i][2] != '/') { errno = EINVAL; child_fail(rfd, "landlock", "bad rule %s", lr[i]); }
+    for (int i = 0; lr[i] && nr < MAX_LL_RULES + 1; i++) {
+        if (!ll_rule_ok(lr[i])) { errno = EINVAL; child_fail(rfd, "landlock", "bad rule %s", lr[i]); }
         const char *path = lr[i] + 2;
         if (strcmp(path, "/") == 0) { root_cls = lr[i][0]; continue; }
         rules[nr].path = path;

@@ -110,6 +110,7 @@ static void reap(void) {
 }
 
 int main(int argc, char **argv) {
+    if (argc == 2 && strcmp(argv[1], "--parse") == 0) return parse_only_main();
     if (argc < 2) {
         fprintf(stderr, "usage: dsec-spawner SOCKET_FD [NETNS_POOL]  (started by the DSec runtime)\n");
         return 2;
@@ -189,21 +190,18 @@ int main(int argc, char **argv) {
             int rc = recv_req(r, buf);
             if (rc == 0) { netpool_stop(); userns_keeper_stop(); return 0; } /* the runtime went away: sandboxes live on */
             if (rc < 0) continue;
-            if (r->ntok < 2) {
-                for (int i = 0; i < r->nfds; i++) close(r->fds[i]);
-                continue;
-            }
-            if (r->overflow) {
-                reply_err(r->tok[1], "request", EINVAL, "%s: refused (nothing is ever truncated)", r->overflow);
-                for (int i = 0; i < r->nfds; i++) close(r->fds[i]);
-                continue;
-            }
-            if (strcmp(r->tok[0], "create") == 0) do_create(r);
-            else if (strcmp(r->tok[0], "exec") == 0) do_exec(r);
-            else if (strcmp(r->tok[0], "ping") == 0) {
+            struct parse_err pe;
+            switch (req_op(r, &pe)) {
+            case OP_NONE: break;
+            case OP_BAD: reply_err(r->tok[1], pe.stage, pe.err, "%s", pe.msg); break;
+            case OP_CREATE: do_create(r); break;
+            case OP_EXEC: do_exec(r); break;
+            case OP_PING: {
                 const char *t[] = {"ok", r->tok[1]};
                 send_tokens(t, 2, -1);
-            } else reply_err(r->tok[1], "request", EINVAL, "unknown op %s", r->tok[0]);
+                break;
+            }
+            }
             for (int i = 0; i < r->nfds; i++) close(r->fds[i]);
         } else if (pfds[0].revents & (POLLHUP | POLLERR)) {
             netpool_stop();

@@ -96,8 +96,8 @@ int sandbox_root(struct create_args *a) {
      * namespace where the host paths resolve, as detached mounts (open_tree clones, and
      * fsmount for the overlay and the memory medium's tmpfs): the sandbox's namespace
      * then holds its own tree and the template's root, nothing else. */
-    int lt[16], nl = 0;
-    for (; a->lowers[nl] && nl < 16; nl++) {
+    int lt[MAX_LAYERS + 1], nl = 0;
+    for (; a->lowers[nl] && nl < MAX_LAYERS + 1; nl++) {
         /* the layers, idmapped so the sandbox's root owns their files */
         lt[nl] = (int)syscall(SYS_open_tree, AT_FDCWD, a->lowers[nl], OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC);
         if (lt[nl] < 0) child_fail(rfd, "layer", "open_tree %s", a->lowers[nl]);

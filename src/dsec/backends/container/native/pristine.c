@@ -12,8 +12,8 @@
  * is reachable after), idmapped like the sandbox's own lowers.
  */
 int pristine_layers(char **lowers, int userns_fd, int rfd) {
-    int t[16], n = 0;
-    for (; lowers[n] && n < 16; n++) {
+    int t[MAX_LAYERS + 1], n = 0;
+    for (; lowers[n] && n < MAX_LAYERS + 1; n++) {
         t[n] = (int)syscall(SYS_open_tree, AT_FDCWD, lowers[n], OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC);
         if (t[n] < 0) child_fail(rfd, "pristine", "open_tree %s", lowers[n]);
         struct mount_attr_s attr = {.attr_set = MOUNT_ATTR_IDMAP | MOUNT_ATTR_RDONLY, .userns_fd = (uint64_t)userns_fd};

@@ -1,7 +1,9 @@
 /*
  * The wire (see spawner.h): a request's tokens and fds, replies and events to the
  * runtime, and the report a child writes on its pipe ("stage\0errno\0message").
- * Parses and formats only: it starts nothing.
+ * Parses and formats only: it starts nothing.  parse_create and parse_exec are the one
+ * reading of those requests (do_create/do_exec act on what they return; `dsec-spawner
+ * --parse` prints it, for tests/integration/test_spawner_wire.py).
  */
 #include "spawner.h"
 
@@ -117,10 +119,12 @@ void child_fail(int rfd, const char *stage, const char *fmt, ...) {
 
 /* ---------- receiving a request ---------- */
 
+_Static_assert(MAX_FDS == 8 && MAX_TOK == 8192 && MAX_MSG == 512 * 1024, "recv_req's messages name these caps");
+
 int recv_req(struct req *r, char *buf) {
     struct iovec iov = {.iov_base = buf, .iov_len = MAX_MSG - 1};
     union {
-        char b[CMSG_SPACE(sizeof(int) * 8)];
+        char b[CMSG_SPACE(sizeof(int) * MAX_FDS)];
         struct cmsghdr align;
     } cm;
     struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cm.b, .msg_controllen = sizeof cm.b};
@@ -137,7 +141,7 @@ int recv_req(struct req *r, char *buf) {
             for (int i = 0; i < k; i++) {
                 int fd;
                 memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
-                if (r->nfds < 8) r->fds[r->nfds++] = fd;
+                if (r->nfds < MAX_FDS) r->fds[r->nfds++] = fd;
                 else { close(fd); r->overflow = "the request carries more than 8 fds"; }
             }
         }
@@ -147,4 +151,77 @@ int recv_req(struct req *r, char *buf) {
     for (; off < n && r->ntok < MAX_TOK; off += (ssize_t)strlen(buf + off) + 1) r->tok[r->ntok++] = buf + off;
     if (off < n) r->overflow = "the request has more than 8192 tokens";
     return 1;
+}
+
+/* ---------- parsing a request ---------- */
+
+static int refuse(struct parse_err *e, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static int refuse(struct parse_err *e, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(e->msg, sizeof e->msg, fmt, ap);
+    va_end(ap);
+    e->stage = "request";
+    e->err = EINVAL;
+    return -1;
+}
+
+/* The checks every request gets, then its op. */
+enum op req_op(struct req *r, struct parse_err *e) {
+    if (r->ntok < 2) return OP_NONE;
+    if (r->overflow) {
+        refuse(e, "%s: refused (nothing is ever truncated)", r->overflow);
+        return OP_BAD;
+    }
+    if (strcmp(r->tok[0], "create") == 0) return OP_CREATE;
+    if (strcmp(r->tok[0], "exec") == 0) return OP_EXEC;
+    if (strcmp(r->tok[0], "ping") == 0) return OP_PING;
+    refuse(e, "unknown op %s", r->tok[0]);
+    return OP_BAD;
+}
+
+/* create: id, stage (the template's mountpoint), uid_base, uid_count, disk, inodes, devskel,
+ * empty, upper (optional: no upper is the memory medium), lower (1..MAX_LAYERS, top first),
+ * cg (0..MAX_CGROUPS); at most one fd, a prepared network namespace. */
+int parse_create(struct req *r, struct create_req *c, struct parse_err *e) {
+    c->id = req_get(r, "id"); c->stage = req_get(r, "stage");
+    c->uid_base = req_get(r, "uid_base"); c->uid_count = req_get(r, "uid_count");
+    c->disk = req_get(r, "disk"); c->inodes = req_get(r, "inodes");
+    c->upper = req_get(r, "upper"); c->devskel = req_get(r, "devskel"); c->empty = req_get(r, "empty");
+    c->net_fd = r->nfds >= 1 ? r->fds[0] : -1;
+    if ((c->nlowers = req_all(r, "lower", c->lowers, MAX_LAYERS)) < 0 ||
+        (c->ncgs = req_all(r, "cg", c->cgs, MAX_CGROUPS)) < 0)
+        return refuse(e, "create takes at most %d layers and %d cgroups", MAX_LAYERS, MAX_CGROUPS);
+    if (!c->id || !c->stage || !c->uid_base || !c->uid_count || !c->disk || !c->inodes || !c->devskel || !c->empty)
+        return refuse(e, "create needs id, stage, uid_base, uid_count, disk, inodes, devskel, empty");
+    return 0;
+}
+
+/* exec: a (argv, 1..MAX_ARGS), e (KEY=VALUE, 0..MAX_ARGS), cwd, uid, gid, seccomp ("0": off),
+ * setsid ("0": stay in the spawner's session), cg, rl (RESOURCE:SOFT:HARD), ld and lr (Landlock
+ * default class and CLASS:/path rules), ipid, pl and pp (pristine layers and paths), tty,
+ * rows, cols; exactly 4 fds (see struct exec_req). */
+int parse_exec(struct req *r, struct exec_req *x, struct parse_err *e) {
+    if (r->nfds != 4)
+        return refuse(e, "exec needs 4 fds (init pidfd, stdin, stdout, stderr), got %d", r->nfds);
+    x->initpidfd = r->fds[0]; x->in = r->fds[1]; x->out = r->fds[2]; x->err = r->fds[3];
+    static char *argv[MAX_TOK], *envp[MAX_TOK];
+    x->argv = argv; x->envp = envp;
+    const struct { const char *key, *what; int max; char **out; int *n; } lists[] = {
+        {"lr", "file rules (Landlock)", MAX_LL_RULES, x->lr, &x->nlr},
+        {"pl", "image layers", MAX_LAYERS, x->pl, &x->npl},
+        {"pp", "pristine paths", MAX_PRISTINE, x->pp, &x->npp},
+        {"cg", "cgroups", MAX_CGROUPS, x->cgs, &x->ncgs},
+        {"rl", "rlimits", MAX_RLIMITS, x->rl, &x->nrl}};
+    for (size_t i = 0; i < sizeof lists / sizeof lists[0]; i++)
+        if ((*lists[i].n = req_all(r, lists[i].key, lists[i].out, lists[i].max)) < 0)
+            return refuse(e, "more than %d %s in one command", lists[i].max, lists[i].what);
+    if ((x->argc = req_all(r, "a", argv, MAX_ARGS)) < 0 || (x->envc = req_all(r, "e", envp, MAX_ARGS)) < 0)
+        return refuse(e, "more than %d arguments or environment variables", MAX_ARGS);
+    x->cwd = req_get(r, "cwd"); x->uid = req_get(r, "uid"); x->gid = req_get(r, "gid");
+    x->seccomp = req_get(r, "seccomp"); x->setsid = req_get(r, "setsid");
+    x->ld = req_get(r, "ld"); x->ipid = req_get(r, "ipid"); x->tty = req_get(r, "tty");
+    x->rows = req_get(r, "rows"); x->cols = req_get(r, "cols");
+    if (x->argc == 0 || !x->cwd || !x->uid || !x->gid) return refuse(e, "exec needs argv, cwd, uid, gid");
+    return 0;
 }

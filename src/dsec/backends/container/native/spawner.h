@@ -35,6 +35,7 @@
  *   landlock.c  a stage's file rules as a Landlock ruleset
  *   pristine.c  pristine paths: the image's own copies in an exec's mount namespace
  *   confine.c   the seccomp filter and capability sets
+ *   parse_only.c  `dsec-spawner --parse`: one request from stdin through the parser, as JSON
  */
 #ifndef DSEC_SPAWNER_H
 #define DSEC_SPAWNER_H
@@ -117,9 +118,20 @@ struct mount_attr_s {
     uint64_t userns_fd;
 };
 
-#define MAX_MSG (512 * 1024)
-#define MAX_TOK 8192
+#define MAX_MSG (512 * 1024) /* a request's bytes, NULs included, are at most MAX_MSG - 1 */
+#define MAX_TOK 8192          /* tokens of one request: op, rid, then key, value pairs */
 #define MAX_PENDING 8192
+
+/* The caps on what one request may carry.  Over a cap a request is refused with EINVAL
+ * ("request" stage), never truncated.  wire.py (the runtime's only encoder) mirrors each
+ * under the same name; tests/integration/test_spawner_wire.py holds the two together. */
+#define MAX_FDS 8               /* fds (SCM_RIGHTS) */
+#define MAX_LAYERS 15           /* "lower" (create), "pl" (exec: pristine image layers) */
+#define MAX_CGROUPS 15          /* "cg" */
+#define MAX_LL_RULES 255        /* "lr" (Landlock file rules) */
+#define MAX_PRISTINE 71         /* "pp" (pristine paths) */
+#define MAX_RLIMITS 31          /* "rl" */
+#define MAX_ARGS (MAX_TOK - 1)  /* "a" and "e", each (the token table binds first) */
 
 #ifndef SYS_openat2
 #define SYS_openat2 437
@@ -151,7 +163,7 @@ struct dsec_open_how {
 struct req {
     char *tok[MAX_TOK];
     int ntok;
-    int fds[8];
+    int fds[MAX_FDS];
     int nfds;
     const char *overflow; /* non-NULL: the request did not fit (refused, never truncated) */
 };
@@ -187,6 +199,37 @@ struct pending {
     char rid[40];
 };
 
+/* ---------- requests as parsed (protocol.c) ---------- */
+
+/* Why a request is refused: the "err" reply's stage, errno and message. */
+struct parse_err {
+    const char *stage;
+    int err;
+    char msg[1024];
+};
+
+/* The ops; OP_NONE: under two tokens (dropped unanswered), OP_BAD: refused (see parse_err). */
+enum op { OP_NONE, OP_BAD, OP_CREATE, OP_EXEC, OP_PING };
+
+/* create.  Strings point into the request; lists are NULL-terminated. */
+struct create_req {
+    const char *id, *stage, *uid_base, *uid_count, *disk, *inodes, *upper, *devskel, *empty;
+    char *lowers[MAX_LAYERS + 1], *cgs[MAX_CGROUPS + 1];
+    int nlowers, ncgs;
+    int net_fd; /* fd 0 of the request: a prepared network namespace; -1: none (one from the pool) */
+};
+
+/* exec.  fds 0-3 of the request, in this order: the init's pidfd, stdin, stdout, stderr. */
+struct exec_req {
+    int initpidfd, in, out, err;
+    char **argv, **envp; /* static arrays of MAX_TOK */
+    int argc, envc;
+    char *lr[MAX_LL_RULES + 1], *pl[MAX_LAYERS + 1], *pp[MAX_PRISTINE + 1], *cgs[MAX_CGROUPS + 1],
+        *rl[MAX_RLIMITS + 1];
+    int nlr, npl, npp, ncgs, nrl;
+    const char *cwd, *uid, *gid, *seccomp, *setsid, *ld, *ipid, *tty, *rows, *cols;
+};
+
 /* ---------- shared state (each defined once; see the file named) ---------- */
 
 extern int sock_fd;                              /* protocol.c: the runtime's socket */
@@ -210,6 +253,10 @@ void reply_ok_pid(const char *rid, pid_t pid, int pidfd);
 void reply_err_pid(const char *rid, const char *stage, int err, int pid, const char *msg);
 void child_fail(int rfd, const char *stage, const char *fmt, ...) __attribute__((noreturn, format(printf, 3, 4)));
 int recv_req(struct req *r, char *buf);
+enum op req_op(struct req *r, struct parse_err *e);
+int parse_create(struct req *r, struct create_req *c, struct parse_err *e);
+int parse_exec(struct req *r, struct exec_req *x, struct parse_err *e);
+int parse_only_main(void); /* parse_only.c: dsec-spawner --parse */
 
 /* main.c */
 void trace(const char *what);
@@ -236,9 +283,11 @@ int sandbox_root(struct create_args *a);
 /* create.c */
 int write_file(const char *path, const char *data);
 int join_cgroups(char **cgs, pid_t pid);
+void create_args_init(struct create_args *a, const struct create_req *c);
 void do_create(struct req *r);
 
 /* landlock.c */
+int ll_rule_ok(const char *rule);
 int ll_build(char *deflt, char **lr, int rfd);
 
 /* pristine.c */
@@ -246,6 +295,8 @@ int pristine_layers(char **lowers, int userns_fd, int rfd);
 void pristine_mount(int img, char **paths, int rfd);
 
 /* exec.c */
+void exec_args_init(struct exec_args *a, const struct exec_req *x);
+int rlimit_parse(const char *s, int *res, unsigned long long *soft, unsigned long long *hard);
 void do_exec(struct req *r);
 
 #endif
