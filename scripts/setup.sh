@@ -19,6 +19,31 @@ if [ "${#missing[@]}" -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
+# gVisor's runsc with the systrap platform: bookworm's own build (2022) has ptrace only, so
+# take it from bookworm-backports (docs/GVISOR.md). The sources file is written once.
+BACKPORTS=/etc/apt/sources.list.d/bookworm-backports.sources
+if grep -q '^VERSION_CODENAME=bookworm' /etc/os-release 2>/dev/null && [ ! -f "$BACKPORTS" ] &&
+   ! grep -rqs 'bookworm-backports' /etc/apt/sources.list /etc/apt/sources.list.d/; then
+  echo "setup: enabling bookworm-backports (for gVisor's runsc)"
+  cat > "$BACKPORTS" <<'SOURCES'
+Types: deb
+URIs: http://deb.debian.org/debian
+Suites: bookworm-backports
+Components: main
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+SOURCES
+  apt-get update -qq
+fi
+if ! dpkg-query -W -f='${Version}' runsc 2>/dev/null | grep -q 'bpo'; then
+  echo "setup: installing runsc from bookworm-backports"
+  if ! grep -rqs 'bookworm-backports' /etc/apt/sources.list /etc/apt/sources.list.d/; then
+    echo "setup: warning: no bookworm-backports source; runsc (gVisor backend) not installed" >&2
+  else
+    apt-cache policy runsc | grep -q bpo || apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends -t bookworm-backports runsc >/dev/null
+  fi
+fi
+
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
@@ -32,3 +57,5 @@ fi
 
 # The native spawner: a small C helper (see docs/ARCHITECTURE-RUNTIME.md).
 .venv/bin/python -m dsec.backends.container.build
+# The gVisor backend's in-sandbox helper (static; see src/dsec/backends/gvisor/build.py).
+.venv/bin/python -m dsec.backends.gvisor.build

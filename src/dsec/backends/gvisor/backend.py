@@ -1,0 +1,1038 @@
+"""The gVisor backend: sandboxes under runsc, behind :class:`dsec.backends.base.Backend`.
+
+One ``GVisorBackend`` per edge (per ``name`` on a test machine). A sandbox is a runsc
+container ``<name>-<sandbox id>`` in the backend's own runsc root, whose root filesystem
+is an overlay of the node's shared EROFS layers under a writable upper of ours (see
+:mod:`bundle`); runsc applies the limits to cgroups ``dsec/<name>/<id>`` (see
+:mod:`cgroups`); commands run through ``runsc exec`` of our helper (see :mod:`process`).
+
+What stands between a sandbox and the host: the sentry (gVisor's kernel in user space,
+systrap platform) answers the sandbox's system calls; the sentry and the gofer run in
+their own namespaces under seccomp; the sandbox has no network but loopback.
+
+Crash safety: a record is written before any host resource is made, and every resource
+is named after the backend and the sandbox, so ``start()`` after a SIGKILL re-adopts the
+sandboxes whose sentry still runs and removes everything else (runsc containers, mounts,
+cgroups, bundle directories, writable layers). Blocking work runs in threads or in
+runsc's processes, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import collections
+import contextlib
+import functools
+import json
+import logging
+import os
+import re
+import secrets
+import signal
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Final
+
+from dsec.backends.base import (
+    BackendBase,
+    Capabilities,
+    Capability,
+    DiskRoom,
+    EdgeMeta,
+    GroupOutcome,
+    HostFinding,
+    OutputCallback,
+    SandboxRecord,
+    ShellSession,
+    Usage,
+    check_spec,
+    command_line,
+)
+from dsec.backends.container import limits as limit_evidence
+from dsec.backends.container.fsops import SandboxFiles
+from dsec.backends.gvisor import bundle as bundles
+from dsec.backends.gvisor.cgroups import SandboxCgroups
+from dsec.backends.gvisor.config import GVisorConfig
+from dsec.backends.gvisor.process import Command, collect, result_of
+from dsec.backends.gvisor.runsc import (
+    Runsc,
+    RunscError,
+    Watched,
+    hold_subreaper,
+    release_subreaper,
+    spawn,
+)
+from dsec.errors import (
+    DsecError,
+    ExecError,
+    ExecTimeout,
+    HostError,
+    InvalidSpec,
+    SandboxFailed,
+    SandboxNotFound,
+    SandboxStateError,
+)
+from dsec.spec import ImageRef, SandboxSpec, SandboxState, can_move
+from dsec.spec.results import ExecResult, LimitHit
+
+log = logging.getLogger("dsec.gvisor")
+
+DEFAULT_TIMEOUT_S: Final = 600.0
+UID_RANGE: Final = 65536
+MAX_LOWERS: Final = 15
+_ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
+DEFAULT_ENV: Final = {
+    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "HOME": "/root",
+    "LANG": "C.UTF-8",
+    "TERM": "dumb",
+}
+ISOLATION: Final = ("gVisor application kernel (runsc, systrap): the sandbox's system calls are served by "
+                    "the sentry in user space, not the host kernel; loopback-only network")
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+UNSET: Final = _Unset()
+
+
+def _proc_start(pid: int, *, zombie: bool = False) -> int:
+    """Start time of ``pid`` (clock ticks since boot): with the pid, a process identity; 0 if
+    gone (or exited and not reaped yet, unless ``zombie``)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return 0
+    fields = data[data.rindex(b")") + 2:].split()
+    return 0 if fields[0] in (b"Z", b"X") and not zombie else int(fields[19])
+
+
+@dataclass(slots=True)
+class GVisorRecord(SandboxRecord):
+    """A gVisor sandbox: the runsc container, its layers and its sentry process."""
+
+    layers: list[str] = field(default_factory=list)
+    """Layer digests, top first."""
+    container_id: str = ""
+    sandbox_pid: int = 0
+    """Host pid of the runsc sandbox process (the sentry)."""
+    sandbox_start: int = 0
+    medium: str = "memory"
+    """Where the writable layer is: "memory" (tmpfs) or "disk" (btrfs subvolume)."""
+    oom_baseline: int = 0
+
+    backend: ClassVar[str] = "gvisor"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id, "state": self.state.value, "spec": self.spec.model_dump(mode="json"),
+            "created_at": self.created_at, "reason": self.reason, "edge": self.edge.to_json(),
+            "stage": self.stage, "layers": self.layers, "container_id": self.container_id,
+            "sandbox_pid": self.sandbox_pid, "sandbox_start": self.sandbox_start, "medium": self.medium,
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> GVisorRecord:
+        return cls(
+            id=str(d["id"]), state=SandboxState(d["state"]), spec=SandboxSpec.model_validate(d["spec"]),
+            created_at=float(d["created_at"]), reason=str(d.get("reason", "")),
+            edge=EdgeMeta.from_json(d.get("edge")), stage=d.get("stage"),
+            layers=[str(x) for x in d.get("layers", [])], container_id=str(d.get("container_id", "")),
+            sandbox_pid=int(d.get("sandbox_pid", 0)), sandbox_start=int(d.get("sandbox_start", 0)),
+            medium=str(d.get("medium", "memory")),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class PauseResult:
+    sandbox_id: str
+    freeze_s: float
+    reclaim: None
+    """gVisor sandboxes' memory is not pushed out on pause (it is the sentry's memory file)."""
+    seconds: float
+
+
+class GVisorBackend(BackendBase):
+    """Sandboxes under gVisor on this node. ``async with GVisorBackend(...)`` or start()/close()."""
+
+    kind: ClassVar[str] = "gvisor"
+
+    def __init__(self, config: GVisorConfig | None = None, *, name: str, state_dir: Path | str,
+                 run_dir: Path | str, id_prefix: str = "sb", store: Any = None) -> None:
+        self.config = config or GVisorConfig()
+        if not _NAME_RE.match(name):
+            raise InvalidSpec(f"backend name {name!r} must match {_NAME_RE.pattern}", field="name")
+        self.name = name
+        self.id_prefix = id_prefix
+        self.state_dir = Path(state_dir)
+        self.run_dir = Path(run_dir).absolute() / name
+        self.records_dir = self.state_dir / "sandboxes" / name
+        self.bundles_dir = self.run_dir / "sb"
+        self.runsc_root = self.run_dir / "runsc"
+        self._store = store
+        self._mounts: Any = None
+        self.cgroups = SandboxCgroups(name)
+        self.runsc: Runsc | None = None
+        self.capabilities = Capabilities(
+            kind=self.kind,
+            ops=frozenset({Capability.SANDBOXES, Capability.EXEC, Capability.FILES, Capability.SESSIONS,
+                           Capability.PAUSE}),
+            isolation=ISOLATION,
+        )
+        self._sandboxes: dict[str, GVisorRecord] = {}
+        self.last_activity: dict[str, float] = {}
+        self.reconciled: dict[str, builtins.list[str]] = {}
+        self._repairs: collections.deque[HostFinding] = collections.deque(maxlen=32)
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._sessions: dict[str, dict[str, Any]] = {}
+        self._sentries: dict[str, Watched] = {}
+        self._reaped: dict[int, Watched] = {}
+        self._layer_users: dict[str, set[str]] = {}
+        self._layer_paths: dict[str, Path] = {}
+        self._helper_fd = -1
+        self._uppers: Any = None
+        self._uppers_lock = asyncio.Lock()
+        self._started = False
+        self._subreaper = False
+
+    # ----- the protocol's read-only views -----
+
+    @property
+    def sandboxes(self) -> Mapping[str, GVisorRecord]:
+        return self._sandboxes
+
+    @property
+    def host_repairs(self) -> Sequence[HostFinding]:
+        return list(self._repairs)
+
+    @property
+    def store(self) -> Any:
+        if self._store is None:
+            from dsec.images.store import LocalLayerStore
+
+            self._store = LocalLayerStore(self.state_dir / "layers")
+        return self._store
+
+    @property
+    def holder(self) -> str:
+        return f"runtime:{self.name}"
+
+    def container_id(self, sandbox_id: str) -> str:
+        return f"{self.name}-{sandbox_id}"
+
+    def bundle_dir(self, sandbox_id: str) -> Path:
+        return self.bundles_dir / sandbox_id
+
+    def rootfs(self, sandbox_id: str) -> Path:
+        return self.bundle_dir(sandbox_id) / "rootfs"
+
+    # ----- lifecycle of the backend -----
+
+    async def __aenter__(self) -> GVisorBackend:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        from dsec.backends.gvisor.build import helper_path
+        from dsec.images.mounts import LayerMounts
+
+        if self._started:
+            return
+        if os.geteuid() != 0:
+            raise HostError("the gvisor backend needs root (runsc with cgroups, overlay mounts)")
+        cfg = self.config
+        self.runsc = Runsc(cfg.runsc, root=self.runsc_root, platform=cfg.platform,
+                           debug_log_dir=cfg.debug_log_dir)
+        helper = await asyncio.to_thread(helper_path)
+        for d in (self.run_dir, self.records_dir, self.bundles_dir, self.runsc_root):
+            d.mkdir(parents=True, exist_ok=True)
+        await asyncio.to_thread(self.cgroups.setup)
+        self._mounts = LayerMounts(self.store, self.run_dir / "layers")
+        await asyncio.to_thread(self._mounts.adopt)
+        self._helper_fd = os.open(helper, os.O_RDONLY | os.O_CLOEXEC)
+        if cfg.subreaper:
+            self._subreaper = hold_subreaper()
+        if self._uppers_wanted() and self._uppers_image_exists():
+            with contextlib.suppress(HostError):
+                await self._setup_uppers()
+        self._started = True
+        try:
+            self.reconciled = await self._reconcile()
+        except BaseException:
+            await self.close(destroy_all=False)
+            raise
+
+    async def close(self, *, destroy_all: bool = True) -> None:
+        """Stop the backend. By default every sandbox is destroyed; ``destroy_all=False``
+        leaves them running for the next ``start()`` to re-adopt."""
+        if destroy_all:
+            await asyncio.gather(*(self.destroy(i) for i in list(self._sandboxes)), return_exceptions=True)
+        else:
+            for sid in list(self._sessions):
+                for sess in list(self._sessions.pop(sid, {}).values()):
+                    with contextlib.suppress(Exception):
+                        await sess.close()
+        for w in [*self._sentries.values(), *self._reaped.values()]:
+            w.close()
+        self._sentries.clear()
+        self._reaped.clear()
+        if self._mounts is not None:
+            for digest in [d for d, users in self._layer_users.items() if not users]:
+                self._release_layer(digest)
+            if destroy_all:
+                await asyncio.to_thread(self._mounts.close)
+            self._mounts = None
+        if self._uppers is not None:
+            unmount = destroy_all and not self._sandboxes
+            await asyncio.to_thread(self._uppers.close, unmount=unmount)
+            self._uppers = None
+        if destroy_all and not self._sandboxes:
+            await asyncio.to_thread(self.cgroups.remove_parents)
+            for d in (self.bundles_dir, self.runsc_root):
+                with contextlib.suppress(OSError):
+                    d.rmdir()
+            with contextlib.suppress(OSError):
+                (self.run_dir / "layers" / ".lock").unlink()
+            for d in (self.run_dir / "layers", self.run_dir):
+                with contextlib.suppress(OSError):
+                    d.rmdir()
+        if self._helper_fd >= 0:
+            os.close(self._helper_fd)
+            self._helper_fd = -1
+        if self._subreaper:
+            release_subreaper()
+            self._subreaper = False
+        self._started = False
+
+    # ----- records -----
+
+    def _record_path(self, sandbox_id: str) -> Path:
+        return self.records_dir / f"{sandbox_id}.json"
+
+    def _save(self, rec: GVisorRecord) -> None:
+        path = self._record_path(rec.id)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(rec.to_json()))
+        os.replace(tmp, path)
+
+    def _move(self, rec: GVisorRecord, dst: SandboxState, *, reason: str = "", save: bool = True) -> None:
+        if not can_move(rec.state, dst):
+            raise SandboxStateError(f"sandbox {rec.id} cannot go from {rec.state.value} to {dst.value}",
+                                    sandbox_id=rec.id, state=rec.state.value)
+        rec.state = dst
+        if reason:
+            rec.reason = reason
+        self._event(rec, "state", state=dst.value, reason=reason)
+        if save:
+            self._save(rec)
+
+    @staticmethod
+    def _event(rec: GVisorRecord, kind: str, **data: Any) -> None:
+        rec.events.append({"t": time.time(), "event": kind, **data})
+        if len(rec.events) > 1000:
+            del rec.events[:100]
+
+    def _mark_failed(self, rec: GVisorRecord, reason: str) -> None:
+        if can_move(rec.state, SandboxState.FAILED):
+            self._move(rec, SandboxState.FAILED, reason=reason)
+
+    # ----- lookups -----
+
+    def get(self, sandbox_id: str) -> GVisorRecord:
+        rec = self._sandboxes.get(sandbox_id)
+        if rec is None:
+            raise SandboxNotFound(f"no sandbox {sandbox_id!r} in the gvisor backend {self.name}",
+                                  sandbox_id=sandbox_id)
+        return rec
+
+    def list(self) -> builtins.list[GVisorRecord]:
+        return list(self._sandboxes.values())
+
+    def update(self, sandbox_id: str, *, spec: SandboxSpec | None = None,
+               edge: EdgeMeta | None = None) -> GVisorRecord:
+        """Change what the record says (not the running sandbox): a pool sandbox taken for a
+        request gets that request's spec (same layers and resources) and edge data."""
+        rec = self.get(sandbox_id)
+        if spec is not None:
+            if spec.resources != rec.spec.resources or self._layers_for(spec.image) != rec.layers:
+                raise InvalidSpec(f"sandbox {sandbox_id} runs other layers or resources than the new spec",
+                                  field="spec", sandbox_id=sandbox_id)
+            check_spec(self.capabilities, spec)
+            rec.spec = spec
+        if edge is not None:
+            rec.edge = edge
+        self._save(rec)
+        return rec
+
+    def _running(self, sandbox_id: str) -> GVisorRecord:
+        """A running sandbox's record; a paused one is thawed first when the pause method allows
+        it synchronously (the freezer); otherwise SandboxStateError."""
+        rec = self.get(sandbox_id)
+        if rec.state is SandboxState.PAUSED:
+            self.wake(sandbox_id)
+        if rec.state is not SandboxState.RUNNING:
+            raise SandboxStateError(
+                f"sandbox {sandbox_id} is {rec.state.value}, not running" + (f" ({rec.reason})" if rec.reason else ""),
+                sandbox_id=sandbox_id, state=rec.state.value)
+        return rec
+
+    async def _running_async(self, sandbox_id: str) -> GVisorRecord:
+        rec = self.get(sandbox_id)
+        if rec.state is SandboxState.PAUSED and self.config.pause_method == "runsc":
+            await self.resume(sandbox_id)
+        return self._running(sandbox_id)
+
+    def _sentry_alive(self, rec: GVisorRecord) -> bool:
+        return rec.sandbox_pid > 0 and _proc_start(rec.sandbox_pid) == rec.sandbox_start
+
+    # ----- layers -----
+
+    def _resolve(self, ref: str) -> str:
+        return str(self.store.resolve(ref).digest)
+
+    def _layers_for(self, image: ImageRef) -> builtins.list[str]:
+        """Digests to stack, top first (a snapshot brings its lineage), as the container backend does."""
+        from dsec.images.layer import LayerKind
+
+        digests = [self._resolve(r) for r in image.layers_top_first()]
+        bottom = self.store.get(digests[-1])
+        if bottom.kind not in (LayerKind.BASE, LayerKind.SNAPSHOT):
+            raise InvalidSpec(f"layer {image.base!r} is a {bottom.kind.value} layer, not a base: stack it over "
+                              "a base image", field="image.base")
+        stack: list[str] = []  # bottom first
+        for d in reversed(digests):
+            layer = self.store.get(d)
+            if layer.kind is LayerKind.SNAPSHOT:
+                lineage = list(reversed(layer.parents))
+                if not stack:
+                    stack = lineage
+                elif stack != lineage:
+                    raise InvalidSpec(f"snapshot {d} was taken over other layers than the ones given beneath it",
+                                      field="image")
+            stack.append(d)
+        if len(stack) > MAX_LOWERS:
+            raise InvalidSpec(f"this image stacks {len(stack)} layers; a sandbox can mount at most {MAX_LOWERS}",
+                              field="image")
+        return list(reversed(stack))
+
+    async def _use_layer(self, digest: str, sandbox_id: str) -> Path:
+        users = self._layer_users.setdefault(digest, set())
+        known = self._layer_paths.get(digest)
+        if known is None or not os.path.ismount(known):
+            known = Path(await asyncio.to_thread(self._mounts.acquire, digest, self.holder))
+            self._layer_paths[digest] = known
+        users.add(sandbox_id)
+        return known
+
+    def _unuse_layer(self, digest: str, sandbox_id: str) -> None:
+        users = self._layer_users.get(digest)
+        if users is None:
+            return
+        users.discard(sandbox_id)
+        if not users:
+            from dsec.images.mounts import IDLE_PIN_GRACE_S
+
+            # Keep the pin a moment: a create/destroy loop must not pay an index write each time.
+            asyncio.get_running_loop().call_later(IDLE_PIN_GRACE_S, self._release_layer, digest)
+
+    def _release_layer(self, digest: str) -> None:
+        if self._layer_users.get(digest) or self._mounts is None:
+            return
+        self._layer_users.pop(digest, None)
+        self._layer_paths.pop(digest, None)
+        with contextlib.suppress(Exception):
+            self._mounts.release(digest, self.holder)
+
+    # ----- writable layers on disk -----
+
+    def _uppers_wanted(self) -> bool:
+        return True
+
+    def _uppers_image_exists(self) -> bool:
+        return self.config.uppers_path is not None or (self.state_dir / "uppers" / f"{self.name}.img").exists()
+
+    async def _setup_uppers(self) -> Any:
+        from dsec.backends.container.uppers import UpperStore
+
+        async with self._uppers_lock:
+            if self._uppers is None:
+                cfg = self.config
+                store = UpperStore(
+                    self.name,
+                    mountpoint=cfg.uppers_path or self.run_dir / "uppers",
+                    image=None if cfg.uppers_path else self.state_dir / "uppers" / f"{self.name}.img",
+                    image_size=cfg.uppers_image_size,
+                )
+                await asyncio.to_thread(store.setup)
+                self._uppers = store
+            return self._uppers
+
+    # ----- create / destroy -----
+
+    def _new_id(self) -> str:
+        return f"{self.id_prefix}-{secrets.token_hex(6)}"
+
+    def _require_started(self) -> Runsc:
+        if self.runsc is None or not self._started:
+            raise HostError("the gvisor backend is not started: use `async with GVisorBackend(...)` or await start()")
+        return self.runsc
+
+    async def create(self, spec: SandboxSpec, *, sandbox_id: str | None = None,
+                     edge: EdgeMeta | None = None) -> GVisorRecord:
+        runsc = self._require_started()
+        check_spec(self.capabilities, spec)
+        sid = sandbox_id or self._new_id()
+        if not _ID_RE.match(sid):
+            raise InvalidSpec(f"sandbox id {sid!r} must match {_ID_RE.pattern}", field="sandbox_id")
+        existing = self._sandboxes.get(sid)
+        if existing is not None:
+            return existing  # idempotent
+        layers = self._layers_for(spec.image)
+        rec = GVisorRecord(sid, SandboxState.CREATING, spec, time.time(), edge=edge or EdgeMeta(), layers=layers,
+                           container_id=self.container_id(sid), medium=spec.resources.disk_medium)
+        self._sandboxes[sid] = rec
+        lock = self._locks.setdefault(sid, asyncio.Lock())
+        async with lock:
+            try:
+                # The record first: whatever a crash leaves from here on is found by its name.
+                self._save(rec)
+                await self._make(rec, runsc)
+                self._move(rec, SandboxState.RUNNING)
+                self.last_activity[sid] = time.monotonic()
+                return rec
+            except BaseException as exc:
+                await self._teardown(rec)
+                self._sandboxes.pop(sid, None)
+                self._locks.pop(sid, None)
+                if isinstance(exc, RunscError):
+                    raise SandboxFailed(f"sandbox {sid} failed to start under runsc: {exc}", sandbox_id=sid,
+                                        reason="runsc", stderr=exc.fields.get("stderr", "")) from None
+                raise
+
+    async def _make(self, rec: GVisorRecord, runsc: Runsc) -> None:
+        sid, res = rec.id, rec.spec.resources
+        bundle = self.bundle_dir(sid)
+        await asyncio.to_thread(bundle.mkdir, 0o700, True, False)
+        lowers = [await self._use_layer(d, sid) for d in rec.layers]
+        if res.disk_medium == "disk":
+            store = await self._setup_uppers()
+            upper_dir = await asyncio.to_thread(store.create, sid, quota=res.disk, uid=0)
+        else:
+            upper_dir = await asyncio.to_thread(bundles.make_tmpfs_upper, bundle / "upper", res.disk)
+        rootfs = self.rootfs(sid)
+        bind_tmp = await asyncio.to_thread(bundles.mount_rootfs, rootfs, lowers, upper_dir)
+        env = {**DEFAULT_ENV, **rec.spec.env}
+        oci = bundles.oci_spec(hostname=sid, rootfs=rootfs, env=env, res=res, cgroups_path=self.cgroups.path(sid),
+                               host_pids=res.pids + self.config.host_pids_headroom, bind_tmp=bind_tmp)
+        await asyncio.to_thread(bundles.write_spec, bundle, oci)
+        pid_file = bundle / "sandbox.pid"
+        # pid 1 is our helper (init mode: it reaps orphans), handed over as fd 3: nothing of
+        # ours is put in the sandbox's filesystem.
+        await runsc.call("run", "--detach", f"--bundle={bundle}", f"--pid-file={pid_file}", "--exec-fd=3",
+                         rec.container_id, what="run", extra_fds={3: self._helper_fd})
+        rec.sandbox_pid = int(pid_file.read_text().strip())
+        rec.sandbox_start = _proc_start(rec.sandbox_pid)
+        rec.oom_baseline = self.cgroups.oom_kills(sid)
+        self._watch(rec)
+
+    def _watch(self, rec: GVisorRecord) -> None:
+        """Watch the sentry (a sandbox that dies on its own is marked failed at once) and reap
+        the runsc processes that were reparented to us (we are their subreaper)."""
+        loop = asyncio.get_running_loop()
+        sentry = Watched(rec.sandbox_pid, loop)
+        self._sentries[rec.id] = sentry
+        sentry.exited.add_done_callback(functools.partial(self._sentry_exited, rec.id, rec.sandbox_start))
+        mine = set(self.cgroups.pids(rec.id))
+        for child in _children():
+            if child in mine and child != rec.sandbox_pid and child not in self._reaped:
+                w = Watched(child, loop)
+                self._reaped[child] = w
+                w.exited.add_done_callback(functools.partial(self._forget_reaped, child))
+
+    def _forget_reaped(self, pid: int, _f: object) -> None:
+        self._reaped.pop(pid, None)
+
+    def _sentry_exited(self, sandbox_id: str, start: int, _f: object) -> None:
+        self._sentry_gone(sandbox_id, start)
+
+    def _sentry_gone(self, sandbox_id: str, start: int) -> None:
+        self._sentries.pop(sandbox_id, None)
+        rec = self._sandboxes.get(sandbox_id)
+        if rec is None or rec.sandbox_start != start or rec.state not in (SandboxState.RUNNING, SandboxState.PAUSED):
+            return
+        oom = self.cgroups.oom_kills(sandbox_id) > rec.oom_baseline
+        why = ("the memory limit was exceeded: the host's OOM killer ended the sandbox's sentry (gVisor has no "
+               "per-process OOM kill inside)" if oom else "its runsc sandbox process exited")
+        self._event(rec, "sentry_exited", oom=oom)
+        self._mark_failed(rec, why)
+
+    async def destroy(self, sandbox_id: str) -> bool:
+        """Destroy a sandbox and everything it holds. Idempotent: False if it was not there."""
+        rec = self._sandboxes.get(sandbox_id)
+        if rec is None:
+            return False
+        lock = self._locks.setdefault(sandbox_id, asyncio.Lock())
+        async with lock:
+            if sandbox_id not in self._sandboxes:
+                return False
+            if can_move(rec.state, SandboxState.STOPPING):
+                self._move(rec, SandboxState.STOPPING, save=False)
+            for sess in list(self._sessions.pop(sandbox_id, {}).values()):
+                with contextlib.suppress(Exception):
+                    await sess.close()
+            left = await self._teardown(rec)
+            if not left and can_move(rec.state, SandboxState.STOPPED):
+                self._move(rec, SandboxState.STOPPED, save=False)
+            self._sandboxes.pop(sandbox_id, None)
+            self._locks.pop(sandbox_id, None)
+            self.last_activity.pop(sandbox_id, None)
+            if left:
+                raise HostError(f"sandbox {sandbox_id}: could not remove {left}", sandbox_id=sandbox_id)
+            return True
+
+    async def _teardown(self, rec: GVisorRecord) -> builtins.list[str]:
+        """Remove the runsc container, cgroups, mounts, upper, bundle, layer pins and record.
+        Safe on a half-made sandbox and on one whose sentry died."""
+        sid, cid = rec.id, rec.container_id or self.container_id(rec.id)
+        left: list[str] = []
+        if self.cgroups.freezer_state(sid) not in ("THAWED", ""):
+            # Frozen tasks die only once thawed; runsc delete would first ask the frozen sentry.
+            self.cgroups.kill_all(sid)
+            self.cgroups.thaw(sid)
+        # Watch every host process of the sandbox until it is gone: those that were reparented
+        # to us (we are their subreaper) are reaped as they die, which runsc delete waits for.
+        loop = asyncio.get_running_loop()
+        watchers = [w for w in (self._sentries.pop(sid, None),) if w is not None]
+        known = {w.pid for w in watchers}
+        if rec.sandbox_pid > 0 and rec.sandbox_pid not in known and \
+                _proc_start(rec.sandbox_pid, zombie=True) == rec.sandbox_start:
+            watchers.append(Watched(rec.sandbox_pid, loop))
+        watchers += [Watched(p, loop) for p in self.cgroups.pids(sid) if p not in known and p != rec.sandbox_pid]
+        runsc = self.runsc
+        if runsc is not None and runsc.state_files(cid):
+            try:
+                await runsc.delete(cid)
+            except (RunscError, TimeoutError) as exc:
+                log.warning("gvisor %s: runsc delete %s failed (%s); removing by hand", self.name, cid, exc)
+        if runsc is not None:
+            for f in runsc.state_files(cid):
+                with contextlib.suppress(OSError):
+                    f.unlink()
+        left += [f"cgroup {p}" for p in await self.cgroups.remove(sid)]
+        if watchers:
+            await asyncio.wait([asyncio.shield(w.exited) for w in watchers], timeout=5.0)
+            for w in watchers:
+                w.close()
+        left += await asyncio.to_thread(bundles.remove_bundle, self.bundle_dir(sid))
+        if rec.medium == "disk" and self._uppers is not None:
+            with contextlib.suppress(OSError, HostError):
+                await asyncio.to_thread(self._uppers.destroy, sid)
+        for d in set(rec.layers):
+            self._unuse_layer(d, sid)
+        if not left:
+            self._record_path(sid).unlink(missing_ok=True)
+        return left
+
+    # ----- running commands -----
+
+    @staticmethod
+    def _user_ids(user: int | str) -> tuple[int, int]:
+        if isinstance(user, int):
+            uid = gid = user
+        elif user == "root":
+            uid = gid = 0
+        elif re.fullmatch(r"\d+(:\d+)?", user):
+            a, _, b = user.partition(":")
+            uid, gid = int(a), int(b or a)
+        else:
+            raise InvalidSpec(f"user {user!r}: give a numeric uid, 'uid:gid' or 'root' (names are not looked up)",
+                              field="user")
+        if not (0 <= uid < UID_RANGE and 0 <= gid < UID_RANGE):
+            raise InvalidSpec(f"uid/gid must be within 0..{UID_RANGE - 1}", field="user")
+        return uid, gid
+
+    async def start_process(self, sandbox_id: str, argv: Sequence[str], *, stdin: int, stdout: int, stderr: int,
+                            env: Mapping[str, str] | None = None, cwd: str = "/",
+                            user: int | str = 0) -> Command:
+        """Start ``argv`` in the sandbox with the given host fds as its stdio (they go to the
+        sentry as they are). The handle's ``kill(tree=True)`` reaches every process it started."""
+        runsc = self._require_started()
+        rec = await self._running_async(sandbox_id)
+        if not argv or not argv[0]:
+            raise InvalidSpec("empty command", field="cmd", sandbox_id=sandbox_id)
+        if not cwd.startswith("/"):
+            raise InvalidSpec(f"cwd {cwd!r} must be an absolute path", field="cwd")
+        uid, gid = self._user_ids(user)
+        merged = {**DEFAULT_ENV, **rec.spec.env, **(env or {})}
+        for k, v in merged.items():
+            if not k or "=" in k or "\0" in k or "\0" in v:
+                raise InvalidSpec(f"bad environment variable {k!r}", field="env")
+        if any("\0" in a for a in argv) or "\0" in cwd:
+            raise InvalidSpec("command or cwd contains a NUL byte", field="cmd")
+        args = ["exec", "--exec-fd=3", "--pass-fd=4:3", f"--user={uid}:{gid}", "--cwd=/"]
+        args += [f"--env={k}={v}" for k, v in merged.items()]
+        args += [rec.container_id, "dsec-gvexec", "run", cwd, *argv]
+        status_r, status_w = os.pipe2(os.O_CLOEXEC)
+        try:
+            pid = spawn(runsc.argv(*args), {0: stdin, 1: stdout, 2: stderr, 3: self._helper_fd, 4: status_w})
+        except BaseException:
+            os.close(status_r)
+            raise
+        finally:
+            os.close(status_w)
+        proc = Command(sandbox_id, Watched(pid, asyncio.get_running_loop()), status_r, self._kill_command)
+        self.last_activity[sandbox_id] = time.monotonic()
+        self._event(rec, "exec_started", pid=pid, argv0=argv[0], cmd=command_line(argv))
+        return proc
+
+    async def _helper_exec(self, rec: GVisorRecord, *args: str, timeout: float = 30.0) -> None:
+        """Run the helper as root in the sandbox (the kill modes) and wait for it."""
+        runsc = self._require_started()
+        try:
+            await runsc.call("exec", "--exec-fd=3", "--user=0:0", "--cwd=/", rec.container_id, "dsec-gvexec", *args,
+                             timeout=timeout, what=f"exec (helper {args[0]})", extra_fds={3: self._helper_fd})
+        except (RunscError, TimeoutError) as exc:
+            log.warning("gvisor %s: %s in %s: %s", self.name, args[0], rec.id, exc)
+
+    async def _kill_command(self, proc: Command, tree: bool) -> None:
+        rec = self._sandboxes.get(proc.sandbox_id)
+        if rec is None or rec.state not in (SandboxState.RUNNING, SandboxState.PAUSED):
+            return
+        if rec.state is SandboxState.PAUSED:
+            await self.resume(rec.id)
+        if proc.inner_pid <= 0:
+            return
+        if tree:
+            await self._helper_exec(rec, "kill", str(proc.inner_pid), str(proc.inner_pid))
+        elif proc.command_pid > 0:
+            await self._helper_exec(rec, "killchildren", str(proc.inner_pid))
+
+    async def kill_children(self, proc: Command) -> None:
+        """Kill what a session's shell started, not the shell (the session lives on)."""
+        rec = self._sandboxes.get(proc.sandbox_id)
+        if rec is not None and proc.command_pid > 0 and rec.state is SandboxState.RUNNING:
+            await self._helper_exec(rec, "killchildren", str(proc.command_pid))
+
+    async def exec(self, sandbox_id: str, cmd: str | Sequence[str], *, env: Mapping[str, str] | None = None,
+                   cwd: str = "/", user: int | str = 0, stdin: bytes | None = None,
+                   timeout: float | _Unset | None = UNSET, idle_timeout: float | None = None,
+                   on_output: OutputCallback | None = None, output_cap: int | None = None,
+                   pristine: Sequence[str] = ()) -> ExecResult:
+        """Run a command to completion: argv list, or a string run by ``/bin/sh -c``.
+        ``timeout`` (default 600 s; None: none) and ``idle_timeout`` kill the command's whole
+        tree (never the sandbox) and raise :class:`ExecTimeout` with the partial result."""
+        if pristine:
+            raise self._unsupported("pristine paths")
+        argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+        limit = DEFAULT_TIMEOUT_S if isinstance(timeout, _Unset) else timeout
+        if limit is not None and limit <= 0:
+            raise InvalidSpec("timeout must be positive (or None for no timeout)", field="timeout")
+        rec = await self._running_async(sandbox_id)
+        cap = output_cap or rec.spec.output_cap
+        before = self.limit_baseline(rec)
+        in_r, in_w = os.pipe2(os.O_CLOEXEC)
+        out_r, out_w = os.pipe2(os.O_CLOEXEC)
+        err_r, err_w = os.pipe2(os.O_CLOEXEC)
+        try:
+            proc = await self.start_process(sandbox_id, argv, stdin=in_r, stdout=out_w, stderr=err_w, env=env,
+                                            cwd=cwd, user=user)
+        except BaseException:
+            for fd in (in_r, in_w, out_r, out_w, err_r, err_w):
+                os.close(fd)
+            raise
+        for fd in (in_r, out_w, err_w):
+            os.close(fd)
+        got = await collect(proc, in_w, out_r, err_r, stdin, limit, idle_timeout, on_output, cap)
+        await proc.wait_killed()
+        self.last_activity[sandbox_id] = time.monotonic()
+        ex = got.exit
+        if ex.error is not None:
+            err, stage = ex.error
+            if stage == "cwd":
+                raise ExecError(f"working directory {cwd!r} does not exist in sandbox {sandbox_id} "
+                                f"({os.strerror(err)})", sandbox_id=sandbox_id, stage="cwd", errno=err)
+            hint = "not found in the sandbox's PATH" if err == 2 else os.strerror(err)
+            raise ExecError(f"cannot run {argv[0]!r} in sandbox {sandbox_id}: {hint}", sandbox_id=sandbox_id,
+                            stage=stage, errno=err)
+        result = result_of(got, proc.start_latency_s)
+        if ex.lost and not self._sentry_alive(rec):
+            self._sentry_gone(rec.id, rec.sandbox_start)
+            if self.cgroups.oom_kills(rec.id) > rec.oom_baseline or "memory limit" in rec.reason:
+                result.exit_code, result.signal = None, signal.SIGKILL
+                result.limit = LimitHit("memory", rec.spec.resources.memory,
+                                        LimitHit.of("memory", rec.spec.resources.memory).message
+                                        + " (under gVisor the whole sandbox is ended)")
+            else:
+                raise SandboxFailed(f"sandbox {sandbox_id} died while running the command ({rec.reason})",
+                                    sandbox_id=sandbox_id, reason="sentry_exited")
+        elif ex.lost and proc.inner_pid == 0:
+            text = result.stderr.decode(errors="replace").strip().splitlines()
+            raise ExecError(f"cannot start command in sandbox {sandbox_id}: {text[-1] if text else 'runsc exec failed'}",
+                            sandbox_id=sandbox_id, stage="runsc")
+        else:
+            result.limit = self.limit_hit(rec, before, exit_code=result.exit_code, sig=result.signal,
+                                          timed_out=result.timed_out, timeout_s=limit, idle_timeout_s=idle_timeout,
+                                          truncated=result.truncated, output_cap=cap,
+                                          output=(result.stderr, result.stdout))
+        self._event(rec, "exec_ended", pid=proc.pid, exit_code=result.exit_code, signal=result.signal,
+                    duration_s=round(result.duration_s, 6), timed_out=result.timed_out,
+                    output_truncated=result.truncated, limit=None if result.limit is None else result.limit.kind)
+        if result.timed_out:
+            what = "produced no output for" if result.timed_out == "idle_timeout" else "ran longer than"
+            secs = idle_timeout if result.timed_out == "idle_timeout" else limit
+            raise ExecTimeout(f"command in sandbox {sandbox_id} {what} {secs} s and was killed (with its process tree)",
+                              sandbox_id=sandbox_id, timeout=secs, reason=result.timed_out, result=result)
+        return result
+
+    # ----- limits -----
+
+    def limit_baseline(self, rec: SandboxRecord) -> limit_evidence.Baseline:
+        counters = limit_evidence.Counters(self.cgroups.oom_kills(rec.id), 0)
+        return limit_evidence.Baseline(counters, False)
+
+    def limit_hit(self, rec: SandboxRecord, before: limit_evidence.Baseline | None, *, exit_code: int | None,
+                  sig: int | None, timed_out: str | None = None, timeout_s: float | None = None,
+                  idle_timeout_s: float | None = None, truncated: bool = False, output_cap: int = 0,
+                  output: tuple[bytes, ...] = ()) -> LimitHit | None:
+        """Which limit ended a command (``ExecResult.limit``), from the same evidence rules as the
+        container backend. gVisor refuses forks past ``pids`` inside the sentry without a counter
+        the host can read, so a pids verdict is never given."""
+        after = disk = None
+        if limit_evidence.failed(exit_code, sig) and timed_out is None:
+            after = limit_evidence.Counters(self.cgroups.oom_kills(rec.id), 0)
+            disk = self.disk_room(rec)
+        return limit_evidence.judge(rec.spec.resources, exit_code=exit_code, sig=sig, timed_out=timed_out,
+                                    timeout_s=timeout_s, idle_timeout_s=idle_timeout_s, truncated=truncated,
+                                    output_cap=output_cap, before=before, after=after, disk=disk, output=output)
+
+    def disk_room(self, rec: SandboxRecord) -> DiskRoom | None:
+        if not isinstance(rec, GVisorRecord):
+            return None
+        try:
+            if rec.medium == "disk":
+                if self._uppers is None:
+                    return None
+                use = self._uppers.usage(rec.id)
+                return DiskRoom(use.free, -1, use.free < limit_evidence.DISK_FULL_BYTES)
+            st = os.statvfs(self.bundle_dir(rec.id) / "upper")
+        except (OSError, ValueError, HostError):
+            return None
+        free = st.f_bavail * st.f_frsize
+        return DiskRoom(free, int(st.f_favail), free < limit_evidence.DISK_FULL_BYTES or st.f_favail == 0)
+
+    def usage(self, sandbox_id: str) -> Usage:
+        """Memory (sentry, gofer and the sandbox's memory, as the memory cgroup charges it),
+        host tasks (the sandbox's processes are not host processes: this counts the sentry's
+        threads, the gofer and the systrap stubs), CPU seconds and the writable layer's bytes."""
+        rec = self.get(sandbox_id)
+        disk = 0
+        room = self.disk_room(rec)
+        if room is not None:
+            total = rec.spec.resources.disk
+            disk = max(0, total - room.bytes_free)
+        return Usage(memory_bytes=self.cgroups.memory_bytes(sandbox_id), pids=self.cgroups.host_tasks(sandbox_id),
+                     cpu_s=self.cgroups.cpu_s(sandbox_id), disk_bytes=disk)
+
+    def store_space(self) -> tuple[int, int] | None:
+        if self._uppers is None:
+            return None
+        with contextlib.suppress(OSError):
+            return self._uppers.space()  # type: ignore[no-any-return]
+        return None
+
+    # ----- files and sessions -----
+
+    def files(self, sandbox_id: str) -> SandboxFiles:
+        """Host-side file access to the sandbox's root (our overlay), confined by openat2
+        (RESOLVE_IN_ROOT, no magic links, no mount crossing). runsc runs with
+        ``--file-access=shared``, so the sandbox sees these changes at once."""
+        rec = self._running(sandbox_id)
+        self.last_activity[sandbox_id] = time.monotonic()
+        return SandboxFiles(str(self.rootfs(rec.id)), 0, sandbox_id)
+
+    async def open_session(self, sandbox_id: str, *, env: Mapping[str, str] | None = None,
+                           cwd: str = "/", user: int | str = 0) -> ShellSession:
+        from dsec.backends.gvisor.sessions import GVisorSession
+
+        await self._running_async(sandbox_id)
+        sess = GVisorSession(self, sandbox_id, f"sess-{secrets.token_hex(4)}")
+        await sess.start(env=dict(env or {}), cwd=cwd, user=user)
+        self._sessions.setdefault(sandbox_id, {})[sess.id] = sess
+        return sess
+
+    # ----- pause / resume -----
+
+    def wake(self, sandbox_id: str) -> bool:
+        """Thaw a paused sandbox at once (freezer pause); False if it was not paused or the
+        pause method needs an async resume."""
+        rec = self._sandboxes.get(sandbox_id)
+        if rec is None or rec.state is not SandboxState.PAUSED or self.config.pause_method != "freezer":
+            return False
+        self.cgroups.thaw(sandbox_id)
+        self._move(rec, SandboxState.RUNNING)
+        self._event(rec, "woken")
+        self.last_activity[sandbox_id] = time.monotonic()
+        return True
+
+    async def pause(self, sandbox_id: str, *, reclaim: bool = True) -> PauseResult:
+        t0 = time.monotonic()
+        rec = self.get(sandbox_id)
+        if rec.state is SandboxState.PAUSED:
+            return PauseResult(sandbox_id, 0.0, None, 0.0)
+        rec = self._running(sandbox_id)
+        if self.config.pause_method == "runsc":
+            await self._require_started().pause(rec.container_id)
+        else:
+            self.cgroups.freeze(sandbox_id)
+            deadline = time.monotonic() + 10
+            while self.cgroups.freezer_state(sandbox_id) != "FROZEN":
+                if time.monotonic() > deadline:
+                    self.cgroups.thaw(sandbox_id)
+                    raise HostError(f"sandbox {sandbox_id} did not freeze within 10 s", sandbox_id=sandbox_id)
+                await asyncio.sleep(0.001)
+        freeze_s = time.monotonic() - t0
+        self._move(rec, SandboxState.PAUSED)
+        self._event(rec, "paused", freeze_s=round(freeze_s, 6), method=self.config.pause_method)
+        return PauseResult(sandbox_id, freeze_s, None, time.monotonic() - t0)
+
+    async def resume(self, sandbox_id: str) -> GVisorRecord:
+        rec = self.get(sandbox_id)
+        if rec.state is not SandboxState.PAUSED:
+            return self._running(sandbox_id)
+        if self.config.pause_method == "runsc":
+            await self._require_started().resume(rec.container_id)
+        else:
+            self.cgroups.thaw(sandbox_id)
+        self._move(rec, SandboxState.RUNNING)
+        self._event(rec, "resumed")
+        self.last_activity[sandbox_id] = time.monotonic()
+        return rec
+
+    async def pause_many(self, sandbox_ids: Sequence[str], *, reclaim: bool = True) -> GroupOutcome:
+        return await self._group(sandbox_ids, SandboxState.PAUSED, lambda s: self.pause(s, reclaim=reclaim))
+
+    async def resume_many(self, sandbox_ids: Sequence[str]) -> GroupOutcome:
+        return await self._group(sandbox_ids, SandboxState.RUNNING, self.resume)
+
+    async def _group(self, ids: Sequence[str], target: SandboxState, op: Any) -> GroupOutcome:
+        t0 = time.monotonic()
+        out = GroupOutcome()
+
+        async def one(sid: str) -> None:
+            try:
+                if self.get(sid).state is target:
+                    out.skipped.append(sid)
+                    return
+                await op(sid)
+                out.done.append(sid)
+            except DsecError as exc:
+                out.errors[sid] = exc
+
+        await asyncio.gather(*(one(s) for s in ids))
+        out.seconds = time.monotonic() - t0
+        return out
+
+    # ----- reconcile after a crash -----
+
+    async def _reconcile(self) -> dict[str, builtins.list[str]]:
+        """Re-adopt sandboxes whose sentry still runs; remove every trace of the others."""
+        runsc = self._require_started()
+        adopted: list[str] = []
+        destroyed: list[str] = []
+        try:
+            containers = await runsc.containers()
+        except (RunscError, ValueError):
+            containers = {}
+        mounted = {m.mount_point for m in await asyncio.to_thread(_mountinfo)}
+        for path in sorted(self.records_dir.glob("*.json")):
+            try:
+                rec = GVisorRecord.from_json(json.loads(path.read_text()))
+            except (OSError, ValueError, KeyError):
+                path.unlink(missing_ok=True)
+                continue
+            c = containers.get(rec.container_id)
+            alive = (rec.state in (SandboxState.RUNNING, SandboxState.PAUSED) and c is not None
+                     and c.get("status") in ("running", "paused") and self._sentry_alive(rec)
+                     and str(self.rootfs(rec.id)) in mounted)
+            if alive and rec.medium == "disk":
+                try:
+                    await self._setup_uppers()
+                except HostError:
+                    alive = False
+            if alive:
+                frozen = self.cgroups.freezer_state(rec.id) == "FROZEN" or (c is not None and c.get("status") == "paused")
+                rec.state = SandboxState.PAUSED if frozen else SandboxState.RUNNING
+                rec.oom_baseline = self.cgroups.oom_kills(rec.id)
+                self._sandboxes[rec.id] = rec
+                for d in rec.layers:
+                    self._layer_users.setdefault(d, set()).add(rec.id)
+                    self._layer_paths[d] = self._mounts.mountpoint(d)
+                self._watch(rec)
+                self._event(rec, "adopted")
+                self._save(rec)
+                self.last_activity[rec.id] = time.monotonic()
+                adopted.append(rec.id)
+                continue
+            await self._teardown(rec)
+            destroyed.append(rec.id)
+        # Anything of this name without a live record: runsc containers, cgroups, bundles, uppers.
+        prefix = f"{self.name}-"
+        for cid in containers:
+            sid = cid[len(prefix):]
+            if cid.startswith(prefix) and sid not in self._sandboxes:
+                await self._teardown(GVisorRecord(sid, SandboxState.FAILED, _ORPHAN_SPEC, 0.0, container_id=cid))
+                destroyed.append(sid)
+        orphans = set(self.cgroups.existing()) | {p.name for p in self.bundles_dir.iterdir() if p.is_dir()}
+        for sid in sorted(orphans - set(self._sandboxes) - set(destroyed)):
+            if _ID_RE.match(sid):
+                await self._teardown(GVisorRecord(sid, SandboxState.FAILED, _ORPHAN_SPEC, 0.0))
+                destroyed.append(sid)
+        if self._uppers is not None:
+            for sid in set(self._uppers.names()) - set(self._sandboxes):
+                with contextlib.suppress(OSError, HostError):
+                    await asyncio.to_thread(self._uppers.destroy, sid)
+        for layer in self.store.list():
+            if self.holder in self.store.holders(layer.digest) and layer.digest not in self._layer_users:
+                self._mounts.release(layer.digest, self.holder)
+        await asyncio.to_thread(self._mounts.unmount_unused)
+        return {"adopted": adopted, "destroyed": destroyed}
+
+    async def heal(self, *, repair: bool = True) -> builtins.list[HostFinding]:
+        """Layer mounts that someone unmounted are mounted again (running sandboxes keep
+        theirs: the overlay holds its lowers)."""
+        if self._mounts is None:
+            return []
+        problems, repairs = await asyncio.to_thread(self._mounts.check, repair=repair)
+        found = [HostFinding("layer_mount", m, False) for m in problems]
+        found += [HostFinding("layer_mount", m, True) for m in repairs]
+        self._repairs.extend(f for f in found if f.repaired)
+        return found
+
+
+_ORPHAN_SPEC: Final = SandboxSpec(image=ImageRef(base="orphan:none"), backend="gvisor")
+"""The spec of a leftover found by name only (its record is gone): never run, only torn down."""
+
+
+def _children() -> builtins.list[int]:
+    out: list[int] = []
+    for t in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError), open(f"/proc/self/task/{t}/children") as f:
+            out.extend(int(x) for x in f.read().split())
+    return out
+
+
+def _mountinfo() -> builtins.list[Any]:
+    from dsec.images import sysmount
+
+    return list(sysmount.mountinfo())

@@ -1,0 +1,178 @@
+"""The gVisor sandboxes' cgroups (v1): made by runsc, named by us, read and cleaned up here.
+
+runsc creates ``/sys/fs/cgroup/<hierarchy>/dsec/<backend-name>/<sandbox-id>`` in every v1
+hierarchy from the OCI ``linux.cgroupsPath`` we give it, puts the sentry, the gofer and
+the systrap stubs in it and writes the limits of ``linux.resources``; ``runsc delete``
+removes it. This module makes the parents (the memory one with ``use_hierarchy``, so
+children are charged to it), reads usage, freezes and thaws, and removes what a crash
+left. It never writes a limit itself (runsc does) and never touches another name's tree.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Final
+
+CGROUP_ROOT: Final = Path("/sys/fs/cgroup")
+
+
+def _read(path: Path) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def _write(path: Path, value: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.write(fd, value.encode())
+    finally:
+        os.close(fd)
+
+
+def hierarchies() -> list[Path]:
+    """The mounted cgroup v1 hierarchies (runsc makes a directory in each)."""
+    out: list[Path] = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            parts = line.split()
+            sep = parts.index("-")
+            if parts[sep + 1] == "cgroup" and parts[4].startswith(str(CGROUP_ROOT) + "/"):
+                out.append(Path(parts[4]))
+    return sorted(set(out))
+
+
+class SandboxCgroups:
+    """The cgroups of one backend name: ``dsec/<name>`` in every hierarchy, a child per sandbox."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.hier = hierarchies()
+
+    def path(self, sandbox_id: str) -> str:
+        """The OCI ``linux.cgroupsPath`` of a sandbox."""
+        return f"/dsec/{self.name}/{sandbox_id}"
+
+    def parent(self, hierarchy: Path) -> Path:
+        return hierarchy / "dsec" / self.name
+
+    def dir(self, controller: str, sandbox_id: str) -> Path:
+        return CGROUP_ROOT / controller / "dsec" / self.name / sandbox_id
+
+    def setup(self) -> None:
+        for h in self.hier:
+            p = self.parent(h)
+            p.mkdir(parents=True, exist_ok=True)
+            use_h = p / "memory.use_hierarchy"
+            if use_h.exists() and _read(use_h).strip() != "1":
+                with contextlib.suppress(OSError):
+                    _write(use_h, "1")
+
+    def remove_parents(self) -> list[Path]:
+        """Remove ``dsec/<name>`` where empty; the ones left (still holding sandboxes)."""
+        left = []
+        for h in self.hier:
+            p = self.parent(h)
+            try:
+                p.rmdir()
+            except FileNotFoundError:
+                pass
+            except OSError:
+                left.append(p)
+        return left
+
+    def existing(self) -> set[str]:
+        """Sandbox ids that have a cgroup directory in any hierarchy."""
+        out: set[str] = set()
+        for h in self.hier:
+            with contextlib.suppress(OSError):
+                out.update(e.name for e in os.scandir(self.parent(h)) if e.is_dir())
+        return out
+
+    def dirs(self, sandbox_id: str) -> list[Path]:
+        return [d for d in (self.parent(h) / sandbox_id for h in self.hier) if d.is_dir()]
+
+    def pids(self, sandbox_id: str) -> list[int]:
+        """Host tasks (sentry, gofer, stubs) of a sandbox, from its pids cgroup."""
+        for ctrl in ("pids", "memory", "freezer"):
+            try:
+                return [int(p) for p in _read(self.dir(ctrl, sandbox_id) / "cgroup.procs").split()]
+            except FileNotFoundError:
+                continue
+        return []
+
+    def kill_all(self, sandbox_id: str) -> None:
+        for pid in self.pids(sandbox_id):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+    async def remove(self, sandbox_id: str, *, wait_s: float = 5.0) -> list[Path]:
+        """Kill what is left in a sandbox's cgroups, thaw them and remove them; the ones left."""
+        import asyncio
+
+        self.kill_all(sandbox_id)
+        self.thaw(sandbox_id)
+        deadline = time.monotonic() + wait_s
+        while self.pids(sandbox_id) and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+        left = []
+        for d in sorted(self.dirs(sandbox_id), key=lambda p: -len(p.parts)):
+            for _ in range(100):
+                try:
+                    d.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    await asyncio.sleep(0.01)  # a dying task leaves its cgroup a moment later
+            else:
+                left.append(d)
+        return left
+
+    # ----- freezer -----
+
+    def freezer_state(self, sandbox_id: str) -> str:
+        try:
+            return _read(self.dir("freezer", sandbox_id) / "freezer.state").strip()
+        except OSError:
+            return ""
+
+    def freeze(self, sandbox_id: str) -> None:
+        _write(self.dir("freezer", sandbox_id) / "freezer.state", "FROZEN")
+
+    def thaw(self, sandbox_id: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            _write(self.dir("freezer", sandbox_id) / "freezer.state", "THAWED")
+
+    # ----- readings -----
+
+    def memory_bytes(self, sandbox_id: str) -> int:
+        try:
+            return int(_read(self.dir("memory", sandbox_id) / "memory.usage_in_bytes"))
+        except (OSError, ValueError):
+            return 0
+
+    def oom_kills(self, sandbox_id: str) -> int:
+        try:
+            for line in _read(self.dir("memory", sandbox_id) / "memory.oom_control").splitlines():
+                k, _, v = line.partition(" ")
+                if k == "oom_kill":
+                    return int(v)
+        except (OSError, ValueError):
+            pass
+        return 0
+
+    def cpu_s(self, sandbox_id: str) -> float:
+        try:
+            return int(_read(self.dir("cpuacct", sandbox_id) / "cpuacct.usage")) / 1e9
+        except (OSError, ValueError):
+            return 0.0
+
+    def host_tasks(self, sandbox_id: str) -> int:
+        try:
+            return int(_read(self.dir("pids", sandbox_id) / "pids.current"))
+        except (OSError, ValueError):
+            return 0

@@ -1,0 +1,307 @@
+"""Commands in a gVisor sandbox: one ``runsc exec`` of our helper per command, and its output.
+
+A command runs as ``runsc exec --exec-fd=<helper> <container> dsec-gvexec run CWD ARGV...``:
+the helper (native/dsec-gvexec.c) forks the command inside the sandbox and reports on
+fd 3 (a pipe of ours) its own pid, which is the command's session id, then the exact
+wait status (``runsc exec`` alone says 128+n for a signal, like a shell). The command's
+stdio are our pipes, passed through runsc to the sentry as they are.
+
+Killing the tree (timeouts, cancellation) is a second ``runsc exec`` of the helper as
+root: ``kill <session> <helper>`` stops every process of that session or group and their
+descendants, then kills them, so nothing forks its way out.
+
+Owns: :class:`Command` (the process handle), :func:`collect` (bounded output, streaming
+with backpressure, timeouts). Never blocks the loop; never signals a host process of the
+sandbox (its processes are not host processes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Final
+
+from dsec.backends.container.output import BoundedCapture, write_all
+from dsec.backends.gvisor.runsc import Exit, Watched
+from dsec.spec.results import ExecResult
+
+KILL_GRACE_S: Final = 10.0
+"""After the in-sandbox kill, how long ``runsc exec`` may take to report before it is killed itself."""
+OUTPUT_WINDOW_S: Final = 0.1
+"""After a command exits, how long output still held open by background children is read."""
+
+
+@dataclass(frozen=True, slots=True)
+class CommandExit:
+    """How a command ended, as the helper saw it inside the sandbox."""
+
+    exit_code: int | None
+    signal: int | None
+    utime_s: float = 0.0
+    stime_s: float = 0.0
+    error: tuple[int, str] | None = None
+    """(errno, stage) when it could not start: stage "cwd" or "exec"."""
+    lost: bool = False
+    """The helper never reported: runsc could not start it, or the sandbox died."""
+    runsc: Exit | None = None
+
+
+class Command:
+    """A command started in a sandbox (satisfies ``dsec.backends.base.ProcessHandle``).
+
+    ``pid`` is the host pid of its ``runsc exec`` process; ``inner_pid`` the helper's pid
+    inside the sandbox (the command's session id) once ``started`` is done."""
+
+    def __init__(self, sandbox_id: str, runsc_exec: Watched, status_fd: int,
+                 killer: Callable[[Command, bool], Awaitable[None]]) -> None:
+        self.sandbox_id = sandbox_id
+        self.pid = runsc_exec.pid
+        self.started_at = time.monotonic()
+        self.start_latency_s = 0.0
+        self.inner_pid = 0
+        self.command_pid = 0
+        self._runsc = runsc_exec
+        self._killer = killer
+        self._kill_task: asyncio.Task[None] | None = None
+        self._fd = status_fd
+        self._buf = bytearray()
+        self._lines: list[list[str]] = []
+        loop = asyncio.get_running_loop()
+        self.started: asyncio.Future[None] = loop.create_future()
+        self.exited: asyncio.Future[CommandExit] = loop.create_future()
+        self._status_eof: asyncio.Future[None] = loop.create_future()
+        os.set_blocking(status_fd, False)
+        loop.add_reader(status_fd, self._readable)
+        self._waiter = asyncio.ensure_future(self._wait())
+
+    def _readable(self) -> None:
+        try:
+            chunk = os.read(self._fd, 4096)
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            asyncio.get_running_loop().remove_reader(self._fd)
+            if not self._status_eof.done():
+                self._status_eof.set_result(None)
+            if not self.started.done():
+                self.started.set_result(None)
+            return
+        self._buf += chunk
+        while b"\n" in self._buf:
+            line, _, rest = bytes(self._buf).partition(b"\n")
+            self._buf[:] = rest
+            words = line.decode(errors="replace").split()
+            if not words:
+                continue
+            self._lines.append(words)
+            if words[0] == "P" and len(words) == 3:
+                self.inner_pid, self.command_pid = int(words[1]), int(words[2])
+                self.start_latency_s = time.monotonic() - self.started_at
+            if words[0] in ("P", "E") and not self.started.done():
+                self.started.set_result(None)
+
+    async def _wait(self) -> None:
+        ex = await self._runsc.exited
+        # runsc exec exits after the helper: what it wrote is in the pipe (EOF follows at once).
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self._status_eof), 2.0)
+        if not self._status_eof.done():
+            self._readable()
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().remove_reader(self._fd)
+        os.close(self._fd)
+        self._fd = -1
+        if not self.started.done():
+            self.started.set_result(None)
+        self.exited.set_result(self._outcome(ex))
+
+    def _outcome(self, ex: Exit) -> CommandExit:
+        error: tuple[int, str] | None = None
+        for words in self._lines:
+            if words[0] == "E" and len(words) == 3:
+                error = (int(words[1]), words[2])
+            elif words[0] in ("X", "K") and len(words) == 4:
+                code, ut, st = int(words[1]), int(words[2]) / 1e6, int(words[3]) / 1e6
+                if error is not None:
+                    return CommandExit(None, None, ut, st, error=error, runsc=ex)
+                if words[0] == "X":
+                    return CommandExit(code, None, ut, st, runsc=ex)
+                return CommandExit(None, code, ut, st, runsc=ex)
+        if error is not None:
+            return CommandExit(None, None, error=error, runsc=ex)
+        # No word from the helper: it was killed (by the command itself: `kill -9` of its
+        # parent), runsc failed, or the sandbox is gone. runsc's own status is all there is.
+        if ex.code is not None and ex.code > 128:
+            return CommandExit(None, ex.code - 128, lost=True, runsc=ex)
+        return CommandExit(ex.code, ex.signal, lost=True, runsc=ex)
+
+    @property
+    def running(self) -> bool:
+        return not self.exited.done()
+
+    def kill(self, *, tree: bool = True) -> None:
+        """Kill the command (with ``tree``: every process of its session, and their
+        descendants) from inside the sandbox. Returns at once; ``exited`` tells when."""
+        if self._kill_task is None and not self.exited.done():
+            self._kill_task = asyncio.ensure_future(self._kill(tree))
+
+    async def _kill(self, tree: bool) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self.started), KILL_GRACE_S)
+        if not self.exited.done():
+            with contextlib.suppress(Exception):
+                await self._killer(self, tree)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self.exited), KILL_GRACE_S)
+        if not self.exited.done():
+            self._runsc.signal(signal.SIGKILL)  # last resort: runsc exec itself
+
+    async def wait_killed(self) -> None:
+        if self._kill_task is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._kill_task)
+
+
+async def feed_stdin(fd: int, data: bytes | None) -> None:
+    try:
+        if data:
+            os.set_blocking(fd, False)
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                await write_all(fd, data)
+    finally:
+        os.close(fd)
+
+
+OutputCallback = Callable[[str, bytes], "asyncio.Future[None] | None"]
+
+
+@dataclass(slots=True)
+class Collected:
+    exit: CommandExit
+    stdout: BoundedCapture
+    stderr: BoundedCapture
+    timed_out: str | None
+    duration_s: float
+
+
+async def collect(cmd: Command, in_w: int, out_r: int, err_r: int, stdin: bytes | None, limit: float | None,
+                  idle_timeout: float | None, on_output: OutputCallback | None, cap: int) -> Collected:
+    """Feed stdin, read both streams (head and tail kept, ``on_output`` streamed with its
+    backpressure), enforce the timeouts (killing the tree) and wait for the exit."""
+    loop = asyncio.get_running_loop()
+    caps = {out_r: BoundedCapture(cap), err_r: BoundedCapture(cap)}
+    names = {out_r: "stdout", err_r: "stderr"}
+    open_fds = {out_r, err_r}
+    eof: asyncio.Future[None] = loop.create_future()
+    last_output = [time.monotonic()]
+    timed_out: list[str] = []
+    paused: list[asyncio.Future[None]] = []
+    reading = [True]
+
+    def resume(_f: object) -> None:
+        paused.clear()
+        last_output[0] = time.monotonic()
+        if reading[0]:
+            for f in open_fds:
+                loop.add_reader(f, on_readable, f)
+
+    def on_readable(fd: int, reads: int = 16, final: bool = False) -> None:
+        for _ in range(reads):
+            try:
+                chunk = os.read(fd, 65536)
+            except BlockingIOError:
+                return
+            except OSError:
+                chunk = b""
+            if not chunk:
+                loop.remove_reader(fd)
+                open_fds.discard(fd)
+                if not open_fds and not eof.done():
+                    eof.set_result(None)
+                return
+            caps[fd].feed(chunk)
+            last_output[0] = time.monotonic()
+            if on_output is not None:
+                wait = on_output(names[fd], chunk)
+                if wait is not None and not final and not paused and not wait.done():
+                    for f in open_fds:
+                        loop.remove_reader(f)
+                    paused.append(wait)
+                    wait.add_done_callback(resume)
+                    return
+
+    for fd in (out_r, err_r):
+        os.set_blocking(fd, False)
+        loop.add_reader(fd, on_readable, fd)
+    writer: asyncio.Future[None] | None = None
+    if stdin:
+        writer = asyncio.ensure_future(feed_stdin(in_w, stdin))
+    else:
+        os.close(in_w)
+
+    def expire(reason: str) -> None:
+        if not cmd.exited.done():
+            timed_out.append(reason)
+            cmd.kill(tree=True)
+
+    timer = loop.call_later(limit, expire, "timeout") if limit is not None else None
+    idle_task = None
+    if idle_timeout is not None:
+        async def idle_watch() -> None:
+            while not cmd.exited.done():
+                if paused:
+                    await asyncio.wait((paused[0],))
+                    continue
+                wait = last_output[0] + idle_timeout - time.monotonic()
+                if wait <= 0:
+                    expire("idle_timeout")
+                    return
+                await asyncio.sleep(wait)
+
+        idle_task = asyncio.ensure_future(idle_watch())
+    try:
+        ex = await asyncio.shield(cmd.exited)
+        window = OUTPUT_WINDOW_S
+        while not eof.done() and window > 0:
+            if paused:
+                await asyncio.wait((paused[0],))
+                continue
+            t = loop.time()
+            await asyncio.wait((eof,), timeout=window)
+            window -= loop.time() - t
+        for fd in list(open_fds):
+            on_readable(fd, reads=64, final=True)
+    except asyncio.CancelledError:
+        cmd.kill(tree=True)
+        raise
+    finally:
+        reading[0] = False
+        if timer is not None:
+            timer.cancel()
+        if idle_task is not None:
+            idle_task.cancel()
+        if writer is not None:
+            writer.cancel()
+        for fd in (out_r, err_r):
+            if fd in open_fds:
+                loop.remove_reader(fd)
+            os.close(fd)
+    return Collected(ex, caps[out_r], caps[err_r], timed_out[0] if timed_out else None,
+                     time.monotonic() - cmd.started_at)
+
+
+def result_of(c: Collected, start_latency_s: float) -> ExecResult:
+    so, se = c.stdout, c.stderr
+    return ExecResult(
+        exit_code=c.exit.exit_code, signal=c.exit.signal, stdout=so.value(), stderr=se.value(),
+        stdout_bytes=so.total, stderr_bytes=se.total, truncated=so.truncated or se.truncated,
+        duration_s=c.duration_s, start_latency_s=start_latency_s, timed_out=c.timed_out,
+        cpu_user_s=c.exit.utime_s, cpu_system_s=c.exit.stime_s,
+    )

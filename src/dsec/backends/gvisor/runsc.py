@@ -1,0 +1,262 @@
+"""The runsc command line, and the host processes it runs as.
+
+Owns every ``runsc`` invocation of the gVisor backend: the global flags (the same on
+every call: ``start`` reads ``--network`` again, for one), container ids, ``run``,
+``exec``, ``delete``, ``pause``/``resume``, ``list``. Processes are started with
+``posix_spawn`` (vfork: no copy of a large edge's page tables) and awaited through a
+pidfd on the event loop; nothing here blocks the loop or forks the Python process.
+
+Must never: pass a flag that differs between calls for one container, or leave a
+child unreaped (every spawned pid is awaited; sandbox and gofer processes that are
+reparented to us are watched and reaped by :class:`Reaper`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import json
+import os
+import shutil
+import signal
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from dsec.errors import HostError
+
+PR_SET_CHILD_SUBREAPER: Final = 36
+_FD_FLOOR: Final = 10
+"""Source fds are moved at or above this before a spawn, so dup2 onto 0..9 never clobbers one."""
+
+
+@dataclass(frozen=True, slots=True)
+class Exit:
+    """How a host process ended: ``code`` when it exited, ``signal`` when a signal killed it."""
+
+    code: int | None
+    signal: int | None
+
+
+_subreaper_holders = 0
+
+
+def hold_subreaper() -> bool:
+    """Make this process a child subreaper (orphans of its descendants become its children,
+    to be reaped by their watchers) for as long as one backend holds it."""
+    global _subreaper_holders
+    _subreaper_holders += 1
+    if _subreaper_holders == 1:
+        return _prctl_subreaper(1)
+    return True
+
+
+def release_subreaper() -> None:
+    global _subreaper_holders
+    _subreaper_holders = max(0, _subreaper_holders - 1)
+    if _subreaper_holders == 0:
+        _prctl_subreaper(0)
+
+
+def _prctl_subreaper(on: int) -> bool:
+    libc = ctypes.CDLL(None, use_errno=True)
+    return int(libc.prctl(PR_SET_CHILD_SUBREAPER, on, 0, 0, 0)) == 0
+
+
+def _high(fd: int) -> int:
+    return fcntl_dupfd(fd) if fd < _FD_FLOOR else fd
+
+
+def fcntl_dupfd(fd: int) -> int:
+    import fcntl
+
+    return fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, _FD_FLOOR)
+
+
+def spawn(argv: Sequence[str], fds: Mapping[int, int], *, env: Mapping[str, str] | None = None) -> int:
+    """Start ``argv`` with ``fds`` (child fd -> our fd) as its only open descriptors; its pid."""
+    moved: list[int] = []
+    actions: list[tuple[Any, ...]] = []
+    try:
+        for child_fd, ours in sorted(fds.items()):
+            src = _high(ours)
+            if src != ours:
+                moved.append(src)
+            actions.append((os.POSIX_SPAWN_DUP2, src, child_fd))
+        return os.posix_spawn(argv[0], list(argv), dict(env if env is not None else os.environ),
+                              file_actions=actions, setsigdef=(signal.SIGPIPE, signal.SIGINT, signal.SIGQUIT,
+                                                               signal.SIGHUP, signal.SIGTERM))
+    finally:
+        for fd in moved:
+            os.close(fd)
+
+
+class Watched:
+    """A host process awaited through a pidfd: ``exited`` resolves (and the zombie is reaped
+    if it is our child) once it ends."""
+
+    def __init__(self, pid: int, loop: asyncio.AbstractEventLoop) -> None:
+        self.pid = pid
+        self.exited: asyncio.Future[Exit] = loop.create_future()
+        self._loop = loop
+        try:
+            self._fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            self._fd = -1
+            self.exited.set_result(Exit(None, None))
+            return
+        loop.add_reader(self._fd, self._ready)
+
+    def _ready(self) -> None:
+        self._loop.remove_reader(self._fd)
+        ex = Exit(None, None)
+        try:
+            info = os.waitid(os.P_PIDFD, self._fd, os.WEXITED)
+            if info is not None:
+                ex = Exit(info.si_status, None) if info.si_code == os.CLD_EXITED else Exit(None, info.si_status)
+        except ChildProcessError:
+            pass  # not our child (adopted after a restart): its parent reaps it
+        os.close(self._fd)
+        self._fd = -1
+        if not self.exited.done():
+            self.exited.set_result(ex)
+
+    def signal(self, sig: int) -> None:
+        if self._fd >= 0:
+            with contextlib.suppress(ProcessLookupError, OSError):
+                signal.pidfd_send_signal(self._fd, sig)
+
+    def close(self) -> None:
+        """Stop watching (the process is left alone)."""
+        if self._fd >= 0:
+            self._loop.remove_reader(self._fd)
+            os.close(self._fd)
+            self._fd = -1
+
+
+async def run_captured(argv: Sequence[str], *, timeout: float = 60.0, stdin_fd: int | None = None,
+                       extra_fds: Mapping[int, int] | None = None) -> tuple[Exit, bytes, bytes]:
+    """Run to completion with stdout and stderr captured (both small: runsc's own output);
+    ``extra_fds`` (child fd -> ours, from 3 up) are handed over too."""
+    loop = asyncio.get_running_loop()
+    out_r, out_w = os.pipe2(os.O_CLOEXEC)
+    err_r, err_w = os.pipe2(os.O_CLOEXEC)
+    null = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
+    try:
+        pid = spawn(argv, {0: stdin_fd if stdin_fd is not None else null, 1: out_w, 2: err_w, **(extra_fds or {})})
+    except BaseException:
+        for fd in (out_r, out_w, err_r, err_w, null):
+            os.close(fd)
+        raise
+    for fd in (out_w, err_w, null):
+        os.close(fd)
+    proc = Watched(pid, loop)
+    bufs: dict[int, bytearray] = {out_r: bytearray(), err_r: bytearray()}
+    eof: dict[int, asyncio.Future[None]] = {fd: loop.create_future() for fd in bufs}
+
+    def readable(fd: int) -> None:
+        try:
+            chunk = os.read(fd, 65536)
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        if chunk:
+            bufs[fd] += chunk
+            if len(bufs[fd]) > 1 << 24:
+                del bufs[fd][: len(bufs[fd]) - (1 << 24)]
+            return
+        loop.remove_reader(fd)
+        if not eof[fd].done():
+            eof[fd].set_result(None)
+
+    for fd in bufs:
+        os.set_blocking(fd, False)
+        loop.add_reader(fd, readable, fd)
+    try:
+        ex = await asyncio.wait_for(asyncio.shield(proc.exited), timeout)
+        # runsc's children (a sandbox, a gofer) may keep the pipes: read what is there.
+        await asyncio.wait(list(eof.values()), timeout=0.2)
+        for fd in bufs:
+            if not eof[fd].done():
+                readable(fd)
+    except TimeoutError:
+        proc.signal(signal.SIGKILL)
+        await proc.exited
+        raise
+    finally:
+        for fd in bufs:
+            if not eof[fd].done():
+                loop.remove_reader(fd)
+            os.close(fd)
+    return ex, bytes(bufs[out_r]), bytes(bufs[err_r])
+
+
+class RunscError(HostError):
+    """A runsc command failed (``command``, ``stderr``)."""
+
+
+class Runsc:
+    """One runsc state root and the global flags every call of this backend uses."""
+
+    def __init__(self, binary: Path | None, *, root: Path, platform: str, debug_log_dir: Path | None = None) -> None:
+        found = str(binary) if binary is not None else shutil.which("runsc")
+        if found is None or not os.access(found, os.X_OK):
+            raise HostError("runsc is not installed: apt-get install -t bookworm-backports runsc "
+                            "(scripts/setup.sh enables bookworm-backports and installs it)", binary=str(binary))
+        self.binary = found
+        self.root = root
+        self.platform = platform
+        self.flags = [
+            f"--root={root}", f"--platform={platform}",
+            "--network=none",  # loopback only: no host network, no veth
+            "--overlay2=none",  # writes land in our upper (a host overlay), not in sentry memory
+            "--file-access=shared",  # the host edits files too (files API): no stale sentry caches
+        ]
+        if debug_log_dir is not None:
+            self.flags += ["--debug", f"--debug-log={debug_log_dir}/"]
+
+    def argv(self, *args: str) -> list[str]:
+        return [self.binary, *self.flags, *args]
+
+    async def call(self, *args: str, timeout: float = 60.0, what: str = "",
+                   extra_fds: Mapping[int, int] | None = None) -> bytes:
+        """Run a runsc subcommand; its stdout, or :class:`RunscError` with its stderr."""
+        argv = self.argv(*args)
+        ex, out, err = await run_captured(argv, timeout=timeout, extra_fds=extra_fds)
+        if ex.code != 0:
+            text = err.decode(errors="replace").strip().splitlines()
+            raise RunscError(f"runsc {what or args[0]} failed: {text[-1] if text else ex}",
+                             command=" ".join(argv), stderr=err.decode(errors="replace")[-4000:])
+        return out
+
+    async def version(self) -> str:
+        _ex, out, _ = await run_captured([self.binary, "--version"], timeout=20)
+        return out.decode(errors="replace").splitlines()[0] if out else ""
+
+    async def containers(self) -> dict[str, dict[str, Any]]:
+        """Containers under this root: id -> runsc's state (``status``, ``pid``)."""
+        out = await self.call("list", "--format=json", what="list")
+        return {c["id"]: c for c in (json.loads(out or b"[]") or [])}
+
+    async def state(self, cid: str) -> dict[str, Any]:
+        return dict(json.loads(await self.call("state", cid, what="state")))
+
+    async def delete(self, cid: str, *, timeout: float = 30.0) -> None:
+        await self.call("delete", "-force", cid, timeout=timeout, what="delete")
+
+    async def pause(self, cid: str) -> None:
+        await self.call("pause", cid, what="pause")
+
+    async def resume(self, cid: str) -> None:
+        await self.call("resume", cid, what="resume")
+
+    def state_files(self, cid: str) -> list[Path]:
+        """runsc's own files of one container (a fallback cleanup when ``delete`` cannot run)."""
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            return []
+        return [self.root / n for n in names if n.startswith(f"{cid}_sandbox:") or n == f"runsc-{cid}.sock"]
