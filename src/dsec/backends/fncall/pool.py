@@ -1,0 +1,664 @@
+"""Warm Python workers per image, and the calls they serve (docs/FNCALL.md).
+
+Owns: the worker sandboxes of the FnCall backend (created in the container
+backend it is given, labelled ``dsec.fncall=worker``), the worker program
+running in each (``worker.py``, copied in through the files API), the frames
+to and from it, the choice of a worker per call, restarting a worker that
+died, and turning a worker's answer into an :class:`FnResult` or a typed
+:class:`FnCallFailed`.
+
+Must never: block the event loop (frames are read and written through asyncio
+pipes), run a call's code on the host (every call runs in a sandbox, as an
+unprivileged uid of its own), or let a call wait forever for a worker that is
+gone (a lost worker fails its calls with :class:`FnCallWorkerLost`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import json
+import logging
+import os
+import struct
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final, Protocol
+
+from dsec.backends.container.runtime import UNSET, _Unset
+from dsec.backends.fncall.config import FnCallConfig, FnCallImage
+from dsec.backends.fncall.types import (
+    FnCall,
+    FnCallError,
+    FnCallFailed,
+    FnCallOOM,
+    FnCallOutputTooLarge,
+    FnCallTimeout,
+    FnCallWorkerLost,
+    FnOutcome,
+    FnResult,
+)
+from dsec.errors import Backpressure, DsecError, ExecError, ImageError, InvalidSpec, PayloadTooLarge
+from dsec.spec import ImageRef, SandboxSpec
+
+log = logging.getLogger("dsec.fncall")
+
+PROGRAM: Final = Path(__file__).with_name("worker.py")
+PROGRAM_PATH: Final = "/opt/dsec-fncall/worker.py"
+"""Where the worker program lives inside a worker sandbox (root-owned, read-only to calls)."""
+LABEL: Final = "dsec.fncall"
+"""Label of every worker sandbox (value ``worker``): the edge does not list them to users."""
+LABEL_POOL: Final = "dsec.fncall.pool"
+CALL_ENV: Final = {
+    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "LANG": "C.UTF-8",
+    # One thread per numerical library: a call is one core's worth of work, and a
+    # template with BLAS threads would fork into a call with none of them.
+    "OPENBLAS_NUM_THREADS": "1",
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "PYTHONDONTWRITEBYTECODE": "1",
+}
+_U32 = struct.Struct(">I")
+_RESTART_BACKOFF_S: Final = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+
+
+class WorkerHost(Protocol):
+    """What the pool needs of the backend its worker sandboxes live in (the container backend)."""
+
+    @property
+    def sandboxes(self) -> Mapping[str, Any]: ...
+
+    async def create(self, spec: SandboxSpec, *, sandbox_id: str | None = None) -> Any: ...
+
+    async def destroy(self, sandbox_id: str) -> bool: ...
+
+    async def start_process(self, sandbox_id: str, argv: Sequence[str], *, stdin: int, stdout: int, stderr: int,
+                            env: Mapping[str, str] | None = None, cwd: str = "/", user: int | str = 0) -> Any: ...
+
+    def files(self, sandbox_id: str) -> Any: ...
+
+
+def image_ref(image: ImageRef | str) -> ImageRef:
+    """An image as a call names it: an :class:`ImageRef`, or a base layer reference ``NAME[:TAG]``."""
+    if isinstance(image, ImageRef):
+        return image
+    try:
+        return ImageRef(base=image)
+    except ValueError as exc:
+        raise InvalidSpec(f"image {image!r}: {exc}", field="image") from None
+
+
+def image_label(image: ImageRef) -> str:
+    parts = [image.base, *([image.workspace] if image.workspace else []), *image.toolkits]
+    return "+".join(parts)
+
+
+@dataclass(slots=True)
+class _Limits:
+    timeout: float | None
+    memory: int
+    output_cap: int
+
+
+@dataclass(slots=True)
+class _Pending:
+    future: asyncio.Future[tuple[dict[str, Any], bytes]]
+    started: float
+
+
+class Worker:
+    """One worker sandbox: its supervisor process and the calls in flight on it."""
+
+    def __init__(self, pool: FnCallPool, image: ImageRef, cfg: FnCallImage, index: int) -> None:
+        self.pool = pool
+        self.image = image
+        self.cfg = cfg
+        self.index = index
+        self.sandbox_id: str | None = None
+        self.state = "new"  # new -> starting -> ready -> dead
+        self.capacity = cfg.concurrency
+        self.in_flight = 0
+        self.pending: dict[int, _Pending] = {}
+        self.info: dict[str, Any] = {}
+        self.reason = ""
+        self.started_at = 0.0
+        self.calls = 0
+        self._proc: Any = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._reader_task: asyncio.Task[None] | None = None
+        self._stderr_task: asyncio.Task[None] | None = None
+        self._stderr: collections.deque[str] = collections.deque(maxlen=200)
+        self._ready: asyncio.Future[dict[str, Any]] | None = None
+        self._ids = 0
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready"
+
+    def stderr_tail(self) -> str:
+        return "\n".join(self._stderr)
+
+    # -- start / stop --
+
+    async def start(self) -> None:
+        host = self.pool.host
+        cfg = self.pool.config
+        self.state = "starting"
+        self.started_at = time.monotonic()
+        spec = SandboxSpec(image=self.image, resources=self.cfg.resources,
+                           labels={LABEL: "worker", LABEL_POOL: self.pool.name})
+        rec = await host.create(spec)
+        self.sandbox_id = str(rec.id)
+        program = await asyncio.to_thread(PROGRAM.read_bytes)
+        await asyncio.to_thread(host.files(self.sandbox_id).write, PROGRAM_PATH, program, mode=0o644,
+                                make_parents=True)
+        in_r, in_w = os.pipe2(os.O_CLOEXEC)
+        out_r, out_w = os.pipe2(os.O_CLOEXEC)
+        err_r, err_w = os.pipe2(os.O_CLOEXEC)
+        try:
+            self._proc = await host.start_process(
+                self.sandbox_id, [self.cfg.python, "-I", PROGRAM_PATH, "supervise"], stdin=in_r, stdout=out_w,
+                stderr=err_w, env={"PYTHONDONTWRITEBYTECODE": "1"}, cwd="/", user=0)
+        except BaseException:
+            for fd in (in_w, out_r, err_r):
+                os.close(fd)
+            raise
+        finally:
+            for fd in (in_r, out_w, err_w):
+                os.close(fd)
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader(limit=1 << 20)
+        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), open(out_r, "rb", buffering=0))  # noqa: SIM115 - the transport owns and closes it
+        err_reader = asyncio.StreamReader(limit=1 << 20)
+        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(err_reader),
+                                     open(err_r, "rb", buffering=0))  # noqa: SIM115 - the transport owns and closes it
+        transport, protocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin,
+                                                            open(in_w, "wb", buffering=0))  # noqa: SIM115 - the transport owns and closes it
+        self._writer = asyncio.StreamWriter(transport, protocol, None, loop)
+        self._ready = loop.create_future()
+        self._reader_task = asyncio.create_task(self._read_frames(reader))
+        self._stderr_task = asyncio.create_task(self._read_stderr(err_reader))
+        slots = self.cfg.concurrency + self.cfg.spare
+        await self._send({
+            "op": "hello", "preload": list(self.cfg.preload), "slots": slots, "uid_base": cfg.call_uid_base,
+            "env": CALL_ENV,
+            "limits": {"nproc": cfg.call_processes, "fsize": cfg.call_file_size, "nofile": cfg.call_nofile},
+        })
+        try:
+            self.info = await asyncio.wait_for(asyncio.shield(self._ready), cfg.start_timeout_s)
+        except TimeoutError:
+            raise ImageError(f"fncall worker for {image_label(self.image)} not ready within "
+                             f"{cfg.start_timeout_s} s; its log: {self.stderr_tail()[-2000:]}",
+                             image=image_label(self.image)) from None
+        self.state = "ready"
+        log.info("fncall worker %s for %s ready in %.2f s (python %s, preload %.2f s, lockdown %.2f s)",
+                 self.sandbox_id, image_label(self.image), time.monotonic() - self.started_at,
+                 self.info.get("python"), self.info.get("preload_s", 0.0), self.info.get("lockdown_s", 0.0))
+
+    async def stop(self, reason: str) -> None:
+        """Fail what is in flight, stop reading, destroy the sandbox. Idempotent."""
+        self._die(reason)
+        for task in (self._reader_task, self._stderr_task):
+            if task is not None and task is not asyncio.current_task():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        if self._proc is not None:
+            with contextlib.suppress(Exception):
+                self._proc.kill()
+        if self.sandbox_id is not None:
+            sid, self.sandbox_id = self.sandbox_id, None
+            try:
+                await self.pool.host.destroy(sid)
+            except Exception:
+                log.exception("fncall: destroying worker sandbox %s failed", sid)
+
+    def _die(self, reason: str) -> None:
+        if self.state == "dead":
+            return
+        was = self.state
+        self.state = "dead"
+        self.reason = reason
+        err = FnCallWorkerLost(f"fncall worker {self.sandbox_id} for {image_label(self.image)} was lost: {reason}",
+                               worker=self.sandbox_id or "", reason=reason)
+        for p in self.pending.values():
+            if not p.future.done():
+                p.future.set_exception(err)
+        self.pending.clear()
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_exception(ImageError(
+                f"fncall worker for {image_label(self.image)} failed to start: {reason}",
+                image=image_label(self.image)))
+            self._ready.exception()  # retrieved: start() may already have given up on it
+        if was == "ready":
+            self.pool._worker_died(self)
+
+    # -- frames --
+
+    async def _send(self, header: Mapping[str, Any], payload: bytes = b"") -> None:
+        if self._writer is None:
+            raise FnCallWorkerLost(f"fncall worker {self.sandbox_id} is gone", worker=self.sandbox_id or "",
+                                   reason=self.reason or "stopped")
+        h = json.dumps(header, separators=(",", ":")).encode()
+        self._writer.write(_U32.pack(4 + len(h) + len(payload)) + _U32.pack(len(h)) + h + payload)
+        await self._writer.drain()
+
+    async def _read_frames(self, reader: asyncio.StreamReader) -> None:
+        why = "its supervisor exited"
+        try:
+            while True:
+                head = await reader.readexactly(4)
+                total = _U32.unpack(head)[0]
+                body = await reader.readexactly(total)
+                hlen = _U32.unpack_from(body, 0)[0]
+                header = json.loads(body[4 : 4 + hlen])
+                self._on_frame(header, body[4 + hlen :])
+                if header.get("op") == "fatal":
+                    why = f"it gave up: {header.get('error')} {header.get('detail') or ''}".strip()
+        except asyncio.IncompleteReadError:
+            pass
+        except asyncio.CancelledError:
+            why = "stopped"
+            raise
+        except Exception as exc:  # a malformed frame: the worker cannot be trusted any more
+            why = f"bad frame from the worker: {exc!r}"
+        finally:
+            tail = self.stderr_tail()[-1000:]
+            self._die(why + (f"; its log: {tail}" if tail and why != "stopped" else ""))
+
+    async def _read_stderr(self, reader: asyncio.StreamReader) -> None:
+        with contextlib.suppress(asyncio.CancelledError, ValueError):
+            while line := await reader.readline():
+                text = line.decode("utf-8", "replace").rstrip()
+                self._stderr.append(text)
+                log.debug("fncall worker %s: %s", self.sandbox_id, text)
+
+    def _on_frame(self, header: dict[str, Any], payload: bytes) -> None:
+        op = header.get("op")
+        if op == "result":
+            p = self.pending.pop(int(header["id"]), None)
+            if p is not None and not p.future.done():
+                p.future.set_result((header, payload))
+        elif op == "ready":
+            if self._ready is not None and not self._ready.done():
+                self._ready.set_result(header)
+        elif op == "fatal":
+            log.error("fncall worker %s gave up: %s %s", self.sandbox_id, header.get("error"), header.get("detail"))
+        elif op == "pong":
+            pass
+
+    # -- calls --
+
+    async def call(self, payload: bytes, limits: _Limits) -> tuple[dict[str, Any], bytes, float]:
+        """Send one call; its answer header and payload, and when it was sent."""
+        if self.state != "ready":
+            raise FnCallWorkerLost(f"fncall worker {self.sandbox_id} is {self.state}", worker=self.sandbox_id or "",
+                                   reason=self.reason or self.state)
+        self._ids += 1
+        cid = self._ids
+        fut: asyncio.Future[tuple[dict[str, Any], bytes]] = asyncio.get_running_loop().create_future()
+        started = time.monotonic()
+        self.pending[cid] = _Pending(fut, started)
+        self.calls += 1
+        try:
+            await self._send({"op": "call", "id": cid, "timeout": limits.timeout, "memory": limits.memory,
+                              "output_cap": limits.output_cap}, payload)
+            guard = None if limits.timeout is None else limits.timeout + self.pool.config.answer_grace_s
+            try:
+                header, body = await asyncio.wait_for(asyncio.shield(fut), guard)
+            except TimeoutError:
+                await self.stop(f"no answer {guard:.1f} s after a call was sent")
+                raise FnCallWorkerLost(f"fncall worker {self.sandbox_id} did not answer a call", reason="unresponsive",
+                                       worker=self.sandbox_id or "") from None
+        except asyncio.CancelledError:
+            if self.pending.pop(cid, None) is not None and self.state == "ready":
+                with contextlib.suppress(Exception):  # kill it in the worker: nobody waits for it
+                    await asyncio.shield(self._send({"op": "cancel", "id": cid}))
+            raise
+        return header, body, started
+
+
+class _ImagePool:
+    """The workers of one image, and the calls waiting for room on them."""
+
+    def __init__(self, pool: FnCallPool, image: ImageRef, cfg: FnCallImage) -> None:
+        self.pool = pool
+        self.image = image
+        self.cfg = cfg
+        self.workers: list[Worker | None] = [None] * cfg.workers
+        self.waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.failures = 0
+        self.last_error: BaseException | None = None
+        self.starting = 0
+        self.restarts = 0
+
+    def spawn(self, index: int, delay: float = 0.0) -> None:
+        self.starting += 1
+        task = asyncio.create_task(self._start_worker(index, delay))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _start_worker(self, index: int, delay: float) -> None:
+        w = Worker(self.pool, self.image, self.cfg, index)
+        try:
+            if delay:
+                await asyncio.sleep(delay)
+            self.workers[index] = w
+            await w.start()
+        except asyncio.CancelledError:
+            await w.stop("pool closing")
+            raise
+        except BaseException as exc:
+            self.failures += 1
+            self.last_error = _start_error(self.image, exc, w)
+            log.warning("fncall: worker %d for %s failed to start (%d in a row): %s", index,
+                        image_label(self.image), self.failures, self.last_error)
+            await w.stop(f"start failed: {exc}")
+            self.starting -= 1
+            self._wake_all()
+            if not self.pool.closing:
+                backoff = _RESTART_BACKOFF_S[min(self.failures, len(_RESTART_BACKOFF_S)) - 1]
+                self.spawn(index, backoff)
+            return
+        self.starting -= 1
+        self.failures = 0
+        self.last_error = None
+        self._wake_all()
+
+    def _wake_all(self) -> None:
+        while self.waiters:
+            f = self.waiters.popleft()
+            if not f.done():
+                f.set_result(None)
+
+    def release(self, w: Worker) -> None:
+        w.in_flight -= 1
+        while self.waiters:
+            f = self.waiters.popleft()
+            if not f.done():
+                f.set_result(None)
+                return
+
+    async def acquire(self) -> Worker:
+        while True:
+            best: Worker | None = None
+            for w in self.workers:
+                if w is not None and w.ready and w.in_flight < w.capacity and (
+                        best is None or w.in_flight < best.in_flight):
+                    best = w
+            if best is not None:
+                best.in_flight += 1
+                return best
+            if not self.starting and self.last_error is not None:
+                raise self.last_error  # nothing is coming up: say why, do not wait forever
+            if len(self.waiters) >= self.pool.config.max_queue:
+                raise Backpressure(f"{len(self.waiters)} calls already wait for a fncall worker of "
+                                   f"{image_label(self.image)}", retry_after=1.0, reason="fncall_queue")
+            fut = asyncio.get_running_loop().create_future()
+            self.waiters.append(fut)
+            try:
+                await fut
+            except asyncio.CancelledError:
+                if fut.done() and not fut.cancelled():
+                    self._pass_on()
+                raise
+
+    def _pass_on(self) -> None:
+        """A waiter that was woken but gave up hands its turn to the next one."""
+        while self.waiters:
+            f = self.waiters.popleft()
+            if not f.done():
+                f.set_result(None)
+                return
+
+
+def _start_error(image: ImageRef, exc: BaseException, w: Worker) -> BaseException:
+    label = image_label(image)
+    if isinstance(exc, ExecError):
+        return ImageError(f"image {label} cannot run the fncall worker ({w.cfg.python}): {exc}", image=label)
+    if isinstance(exc, DsecError):
+        return exc
+    return ImageError(f"fncall worker for {label} failed to start: {exc!r}", image=label)
+
+
+@dataclass(slots=True)
+class PoolStats:
+    calls: int = 0
+    failures: dict[str, int] = field(default_factory=dict)
+    restarts: int = 0
+
+
+class FnCallPool:
+    """Warm workers per image (``config.images`` at start, others on first use) and the calls on them."""
+
+    def __init__(self, config: FnCallConfig, host: WorkerHost, *, name: str = "fncall") -> None:
+        self.config = config
+        self.host = host
+        self.name = name
+        self.images: dict[ImageRef, _ImagePool] = {}
+        self.closing = False
+        self.stats = PoolStats()
+        self._restarts: set[asyncio.Task[None]] = set()
+
+    async def start(self, *, wait: bool = True) -> None:
+        """Remove worker sandboxes an earlier run of this pool left, then start the configured
+        images' workers (waiting until each is ready or has failed once, with ``wait``)."""
+        stale = [sid for sid, rec in list(self.host.sandboxes.items())
+                 if _labels(rec).get(LABEL) == "worker" and _labels(rec).get(LABEL_POOL) == self.name]
+        for sid in stale:
+            log.info("fncall: removing worker sandbox %s left by an earlier run", sid)
+            with contextlib.suppress(Exception):
+                await self.host.destroy(sid)
+        for img in self.config.images:
+            self._image_pool(img.image, img)
+        if wait:
+            await self.wait_ready()
+
+    async def wait_ready(self, timeout: float | None = None) -> None:
+        """Until no worker is starting (each is ready, or failed and waits for a retry)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while any(ip.starting and ip.failures == 0 for ip in self.images.values()):
+            if deadline is not None and time.monotonic() > deadline:
+                return
+            await asyncio.sleep(0.02)
+
+    async def close(self) -> None:
+        self.closing = True
+        for t in list(self._restarts):
+            t.cancel()
+        for ip in self.images.values():
+            for t in list(ip.tasks):
+                t.cancel()
+        tasks = [t for ip in self.images.values() for t in ip.tasks] + list(self._restarts)
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        stops = [w.stop("pool closed") for ip in self.images.values() for w in ip.workers if w is not None]
+        await asyncio.gather(*stops, return_exceptions=True)
+        for ip in self.images.values():
+            ip.last_error = FnCallWorkerLost("the fncall pool is closed", reason="closed")
+            ip._wake_all()
+
+    def _image_pool(self, image: ImageRef, cfg: FnCallImage | None = None) -> _ImagePool:
+        ip = self.images.get(image)
+        if ip is not None:
+            return ip
+        if cfg is None:
+            cfg = self.config.image_config(image)
+        if cfg is None:
+            if not self.config.lazy_images:
+                raise InvalidSpec(f"no fncall workers for image {image_label(image)} (configured: "
+                                  f"{', '.join(image_label(c.image) for c in self.config.images) or 'none'})",
+                                  field="image")
+            cfg = FnCallImage(image=image, concurrency=self.config.lazy_concurrency)
+        ip = _ImagePool(self, image, cfg)
+        self.images[image] = ip
+        for i in range(cfg.workers):
+            ip.spawn(i)
+        return ip
+
+    def _worker_died(self, w: Worker) -> None:
+        if self.closing:
+            return
+        ip = self.images.get(w.image)
+        if ip is None:
+            return
+        self.stats.restarts += 1
+        ip.restarts += 1
+        log.warning("fncall worker %s for %s died (%s); starting another", w.sandbox_id, image_label(w.image),
+                    w.reason)
+
+        async def replace() -> None:
+            await w.stop(w.reason)
+            if not self.closing and ip.workers[w.index] is w:
+                ip.spawn(w.index)
+
+        task = asyncio.create_task(replace())
+        self._restarts.add(task)
+        task.add_done_callback(self._restarts.discard)
+
+    def workers(self) -> list[Worker]:
+        return [w for ip in self.images.values() for w in ip.workers if w is not None]
+
+    def worker_sandboxes(self) -> set[str]:
+        return {w.sandbox_id for w in self.workers() if w.sandbox_id}
+
+    # -- calls --
+
+    def _limits(self, timeout: float | _Unset | None, memory: int | None, output_cap: int | None) -> _Limits:
+        cfg = self.config
+        t = cfg.call_timeout_s if isinstance(timeout, _Unset) else timeout
+        if t is not None and not t > 0:
+            raise InvalidSpec("timeout must be positive (or None for none)", field="timeout")
+        if cfg.max_call_timeout_s is not None and (t is None or t > cfg.max_call_timeout_s):
+            raise InvalidSpec(f"timeout {t} is above this edge's ceiling of {cfg.max_call_timeout_s} s",
+                              field="timeout")
+        m = cfg.call_memory if memory is None else int(memory)
+        if not 16 << 20 <= m <= cfg.max_call_memory:
+            raise InvalidSpec(f"memory must be 16 MiB..{cfg.max_call_memory} bytes", field="memory")
+        c = cfg.output_cap if output_cap is None else int(output_cap)
+        if not 1024 <= c <= cfg.max_output_cap:
+            raise InvalidSpec(f"output_cap must be 1024..{cfg.max_output_cap} bytes", field="output_cap")
+        return _Limits(t, m, c)
+
+    def _payload(self, source: str, args: Sequence[Any], kwargs: Mapping[str, Any] | None,
+                 entry: str | None) -> bytes:
+        if not isinstance(source, str):
+            raise InvalidSpec("source must be a string of Python code", field="source")
+        if entry is not None and not entry.isidentifier():
+            raise InvalidSpec(f"entry {entry!r} is not a Python identifier", field="entry")
+        try:
+            payload = json.dumps({"source": source, "args": list(args), "kwargs": dict(kwargs or {}),
+                                  "entry": entry}, separators=(",", ":")).encode()
+        except (TypeError, ValueError) as exc:
+            raise InvalidSpec(f"args and kwargs must be JSON values: {exc}", field="args") from None
+        if len(payload) > self.config.max_request_bytes:
+            raise PayloadTooLarge(f"a call of {len(payload)} bytes is over this edge's "
+                                  f"{self.config.max_request_bytes}", limit=self.config.max_request_bytes)
+        return payload
+
+    async def call(self, image: ImageRef | str, source: str, args: Sequence[Any] = (),
+                   kwargs: Mapping[str, Any] | None = None, *, entry: str | None = None,
+                   timeout: float | _Unset | None = UNSET, memory: int | None = None,
+                   output_cap: int | None = None) -> FnResult:
+        """Run ``source`` in a fresh fork of ``image``'s warm template (docs/FNCALL.md, "Contract").
+
+        ``timeout`` (seconds; default the pool's; None for none where the pool allows),
+        ``memory`` (bytes the call may map on top of the template) and ``output_cap``
+        (bytes of each of stdout, stderr and the JSON result) bound it. Raises a
+        :class:`FnCallFailed` subclass when it does not return a value."""
+        out = await self._call(image_ref(image), self._payload(source, args, kwargs, entry),
+                               self._limits(timeout, memory, output_cap))
+        if isinstance(out, FnResult):
+            return out
+        raise out
+
+    async def call_many(self, image: ImageRef | str, calls: Sequence[FnCall | str], *,
+                        timeout: float | _Unset | None = UNSET, memory: int | None = None,
+                        output_cap: int | None = None) -> list[FnOutcome]:
+        """Several calls on ``image``, run concurrently (as many at once as its workers take):
+        one :class:`FnResult` or :class:`FnCallFailed` per call, in order (failures are
+        returned, not raised). Bad input (not JSON, over the limits) raises before any runs."""
+        ref = image_ref(image)
+        limits = self._limits(timeout, memory, output_cap)
+        items = [FnCall(c) if isinstance(c, str) else c for c in calls]
+        payloads = [self._payload(c.source, c.args, c.kwargs, c.entry) for c in items]
+        return list(await asyncio.gather(*(self._call(ref, p, limits) for p in payloads)))
+
+    async def _call(self, image: ImageRef, payload: bytes, limits: _Limits) -> FnOutcome:
+        t0 = time.monotonic()
+        ip = self._image_pool(image)
+        worker = await ip.acquire()
+        try:
+            header, body, _sent = await worker.call(payload, limits)
+        except FnCallFailed as exc:
+            self._count(exc)
+            return exc
+        finally:
+            ip.release(worker)
+        self.stats.calls += 1
+        out = _outcome(header, body, limits, worker.sandbox_id or "", time.monotonic() - t0)
+        if isinstance(out, FnCallFailed):
+            self._count(out)
+        return out
+
+    def _count(self, exc: FnCallFailed) -> None:
+        self.stats.failures[exc.code] = self.stats.failures.get(exc.code, 0) + 1
+
+
+def _labels(rec: Any) -> dict[str, str]:
+    spec = getattr(rec, "spec", None)
+    return dict(getattr(spec, "labels", None) or {})
+
+
+def _outcome(h: Mapping[str, Any], body: bytes, limits: _Limits, worker: str, duration: float) -> FnOutcome:
+    kind = h.get("kind")
+    common: dict[str, Any] = {"stdout": str(h.get("stdout", "")), "stderr": str(h.get("stderr", "")),
+                              "worker": worker, "duration_s": round(duration, 6)}
+    if kind == "value":
+        try:
+            value = json.loads(body)
+        except ValueError:
+            return FnCallError("the call's result could not be decoded", exc_type="ProtocolError",
+                               exc_message="bad result", traceback="", **common)
+        return FnResult(value=value, run_s=float(h.get("run_s", 0.0)), **common)
+    if kind == "error":
+        d = json.loads(body) if body[:1] == b"{" else {"exc_type": "Error", "message": body.decode(errors="replace")}
+        exc_type, msg = str(d.get("exc_type", "Error")), str(d.get("message", ""))
+        return FnCallError(f"{exc_type}: {msg}" if msg else exc_type, exc_type=exc_type, exc_message=msg,
+                           traceback=str(d.get("traceback", "")), **common)
+    if kind == "timeout":
+        return FnCallTimeout(f"the call ran longer than {limits.timeout} s and was killed with every process it "
+                             "started", timeout=limits.timeout, reason="timeout", **common)
+    if kind == "oom":
+        how = ("was killed by the kernel: the worker ran out of memory" if h.get("signal")
+               else f"ran out of its {limits.memory} bytes of memory (MemoryError)")
+        return FnCallOOM(f"the call {how}", memory=limits.memory, **common)
+    if kind == "output":
+        what = str(h.get("what", "output"))
+        return FnCallOutputTooLarge(f"the call's {what} went past its output cap of {limits.output_cap} bytes"
+                                    + ("; it was killed there" if what != "result" else ""),
+                                    what=what, output_cap=limits.output_cap, **common)
+    if kind == "crash":
+        if h.get("signal") is not None:
+            import signal as _signal
+
+            try:
+                name = _signal.Signals(int(h["signal"])).name
+            except ValueError:
+                name = f"signal {h['signal']}"
+            return FnCallError(f"the call's process was killed by {name}", exc_type="Signal", exc_message=name,
+                               signal=int(h["signal"]), traceback="", **common)
+        code = h.get("exit_code")
+        return FnCallError(f"the call's process exited with status {code} without returning", exc_type="ProcessExit",
+                           exc_message=f"exit status {code}", exit_code=code, traceback="", **common)
+    return FnCallError(f"unknown answer {kind!r} from the worker", exc_type="ProtocolError", exc_message=str(kind),
+                       traceback="", **common)
+

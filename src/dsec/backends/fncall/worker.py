@@ -1,0 +1,1228 @@
+"""The FnCall worker program: runs inside a worker sandbox with the image's own python3.
+
+Standalone on purpose: it imports only the standard library (never ``dsec``) and
+runs on Python 3.8 or later, because it runs with whatever interpreter the image
+ships. The host copies this file into the sandbox and starts it as root inside
+the sandbox (``supervise``); it never runs on the host.
+
+Three kinds of process, in the sandbox's namespaces, seccomp filter and cgroups:
+
+``supervise`` (one, root in the sandbox)
+    Talks to the host over its stdin/stdout in length-prefixed frames, holds
+    every call's data, enforces wall-clock timeouts and output caps, and sweeps a
+    call's uid clean after it. It never forks: nothing can inherit its memory.
+``zygote`` (one, root in the sandbox, started by the supervisor with a fresh exec)
+    Imports the preload modules once (numpy, sympy...) and then only forks. It
+    never sees a call's source, arguments, results or output: what it receives
+    is "fork slot S as uid U with these four pipe ends", so the memory every
+    call starts from holds nothing of any other call.
+a call process (one per call, forked from the zygote ahead of demand)
+    Drops to the slot's own unprivileged uid, takes its limits, and waits for
+    its request; runs it once, sends the result and exits. Never reused.
+
+Why not namespaces per call: the sandbox's seccomp filter refuses ``unshare``,
+``setns``, ``mount`` and namespace flags to ``clone``, and root inside the
+sandbox has no CAP_SYS_ADMIN. Isolation between calls is therefore built from
+what the filter leaves (docs/FNCALL.md, "Isolation"):
+
+- memory, globals, environment: a fresh fork of the clean zygote per call;
+- files: the calls' uids can write nowhere but their own scratch directory (the
+  supervisor takes write permission for "other" off every directory and file of
+  the root filesystem at start), made empty per call and removed after it;
+- processes: every concurrent call has its own uid, so signals, ptrace,
+  ``/proc/<pid>/mem`` and ``/proc/<pid>/environ`` of another call, of the zygote
+  and of the supervisor are refused by the kernel; after a call every process
+  of its uid is killed before the uid serves another call;
+- SysV IPC and POSIX message queues (which outlive processes): refused to calls
+  by an extra seccomp filter the call process adds (RLIMIT_MSGQUEUE 0 as well).
+
+Host <-> supervisor frames: ``>I`` total length, ``>I`` header length, a JSON
+header, then an opaque payload (the call's JSON request; the result's JSON).
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import ctypes
+import errno
+import heapq
+import json
+import os
+import platform
+import selectors
+import signal
+import socket
+import stat
+import struct
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+PROTOCOL = 1
+SCRATCH_ROOT = "/fncall"
+"""Root-owned, mode 0711: calls can enter their own scratch directory but list nothing."""
+U32 = struct.Struct(">I")
+RESULT_HEAD = struct.Struct(">IBd")
+"""A call's result: length of what follows the length, kind, seconds its code ran."""
+MAX_FRAME = 1 << 30
+
+PR_SET_PDEATHSIG = 1
+PR_SET_DUMPABLE = 4
+PR_SET_SECCOMP = 22
+PR_SET_CHILD_SUBREAPER = 36
+PR_SET_NO_NEW_PRIVS = 38
+SECCOMP_MODE_FILTER = 2
+
+# Result kinds (one byte from the call process).
+K_VALUE = 0x56  # "V": the JSON value follows
+K_ERROR = 0x45  # "E": {exc_type, message, traceback}
+K_OOM = 0x4D  # "M": MemoryError under the call's memory cap
+K_TOO_LARGE = 0x4F  # "O": the JSON result is larger than the output cap
+
+
+def _now() -> float:
+    return time.monotonic()
+
+
+def _log(msg: str) -> None:
+    with contextlib.suppress(OSError):
+        os.write(2, (f"dsec-fncall[{os.getpid()}]: {msg}\n").encode("utf-8", "replace"))
+
+
+# ----------------------------------------------------------------- kernel ----
+
+_libc: ctypes.CDLL | None = None
+
+
+def _lib() -> ctypes.CDLL:
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    return _libc
+
+
+def prctl(option: int, arg2: int = 0) -> None:
+    rc = _lib().prctl(ctypes.c_int(option), ctypes.c_ulong(arg2), ctypes.c_ulong(0), ctypes.c_ulong(0),
+                      ctypes.c_ulong(0))
+    if rc != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"prctl({option}): {os.strerror(e)}")
+
+
+# Syscalls a call may not make: each creates an object that outlives the call's processes
+# and that another call could open by key or name. numbers per audit arch.
+_IPC_SYSCALLS = {
+    0xC000003E: (29, 64, 68, 240),  # x86_64: shmget, semget, msgget, mq_open
+    0xC00000B7: (194, 190, 186, 180),  # aarch64: shmget, semget, msgget, mq_open
+}
+_MACHINE_ARCH = {"x86_64": 0xC000003E, "amd64": 0xC000003E, "aarch64": 0xC00000B7, "arm64": 0xC00000B7}
+
+
+def ipc_filter() -> bytes:
+    """A classic BPF seccomp program: EPERM for the IPC syscalls above, kill for a foreign
+    arch (the sandbox's own filter already kills those), x32 numbers refused on x86_64."""
+    arch = _MACHINE_ARCH.get(platform.machine().lower())
+    if arch is None:
+        raise OSError(errno.ENOSYS, f"no IPC filter for machine {platform.machine()!r}")
+    nrs = _IPC_SYSCALLS[arch]
+    ld_w_abs, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06
+    allow, deny, kill = 0x7FFF0000, 0x00050000 | errno.EPERM, 0x80000000
+    n = len(nrs)
+    ins: list[tuple[int, int, int, int]] = [
+        (ld_w_abs, 0, 0, 4),  # arch
+        (jeq, 0, n + 4, arch),  # -> kill
+        (ld_w_abs, 0, 0, 0),  # nr
+        (jge, n + 1, 0, 0x40000000),  # x32 ABI -> deny
+    ]
+    for i, nr in enumerate(nrs):
+        ins.append((jeq, n - i, 0, nr))  # -> deny
+    ins += [(ret, 0, 0, allow), (ret, 0, 0, deny), (ret, 0, 0, kill)]
+    return b"".join(struct.pack("=HBBI", *x) for x in ins)
+
+
+def load_filter(prog: bytes) -> None:
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    buf = ctypes.create_string_buffer(prog, len(prog))
+    fprog = SockFprog(len(prog) // 8, ctypes.cast(buf, ctypes.c_void_p))
+    rc = _lib().prctl(ctypes.c_int(PR_SET_SECCOMP), ctypes.c_ulong(SECCOMP_MODE_FILTER),
+                      ctypes.c_void_p(ctypes.addressof(fprog)), ctypes.c_ulong(0), ctypes.c_ulong(0))
+    if rc != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"seccomp: {os.strerror(e)}")
+
+
+def send_msg(sock: socket.socket, text: str, fds: tuple[int, ...] = ()) -> None:
+    anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())] if fds else []
+    deadline = _now() + 10.0
+    while True:
+        try:
+            sock.sendmsg([text.encode()], anc)
+            return
+        except BlockingIOError:
+            if _now() > deadline:
+                raise OSError(errno.ETIMEDOUT, "control socket full") from None
+            time.sleep(0.001)
+
+
+def recv_msg(sock: socket.socket) -> tuple[str | None, list[int]]:
+    """One control message (None at EOF) and the fds it carried."""
+    msg, anc, _flags, _addr = sock.recvmsg(4096, socket.CMSG_SPACE(16 * 4))
+    fds: list[int] = []
+    for level, kind, data in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            a = array.array("i")
+            a.frombytes(data[: len(data) - (len(data) % a.itemsize)])
+            fds.extend(a)
+    if not msg:
+        for fd in fds:
+            os.close(fd)
+        return None, []
+    return msg.decode(), fds
+
+
+def proc_uids(uids: set[int], skip: set[int]) -> dict[int, int]:
+    """Live (not zombie) processes whose real uid is in ``uids``: pid -> uid. ``skip``:
+    pids whose uid the caller already knows."""
+    out: dict[int, int] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        pid = int(name)
+        if pid in skip:
+            continue
+        try:
+            with open(f"/proc/{pid}/status", "rb") as f:
+                data = f.read()
+        except OSError:
+            continue
+        state: list[bytes] = []
+        ids: set[int] = set()
+        for line in data.split(b"\n"):
+            if line.startswith(b"State:"):
+                state = line.split()[1:2]
+            elif line.startswith(b"Uid:"):
+                ids = {int(x) for x in line.split()[1:]}  # real, effective, saved, filesystem
+                break
+        hit = ids & uids
+        if hit and state not in ([b"Z"], [b"X"]):
+            out[pid] = min(hit)
+    return out
+
+
+def read_all(fd: int) -> bytes:
+    chunks: list[bytes] = []
+    while True:
+        b = os.read(fd, 1 << 16)
+        if not b:
+            return b"".join(chunks)
+        chunks.append(b)
+
+
+def write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+# ----------------------------------------------------------------- lockdown --
+
+
+def lockdown(uid_lo: int, uid_hi: int) -> dict[str, int]:
+    """Take write permission for "other" off every directory and file of the root
+    filesystem (and /dev/shm), and give anything owned by the calls' uid range to root:
+    afterwards a call's uid can write only where it is given a directory of its own."""
+    root_dev = os.lstat("/").st_dev
+    skip = {"/proc", "/sys", "/dev"}
+    counts = {"entries": 0, "fixed": 0}
+    failed: list[str] = []
+
+    def fix(path: str, st: os.stat_result) -> None:
+        counts["entries"] += 1
+        if stat.S_ISLNK(st.st_mode):
+            return
+        try:
+            if uid_lo <= st.st_uid < uid_hi or uid_lo <= st.st_gid < uid_hi:
+                os.lchown(path, 0, 0)
+                counts["fixed"] += 1
+            if st.st_mode & stat.S_IWOTH:
+                os.chmod(path, stat.S_IMODE(st.st_mode) & ~stat.S_IWOTH)
+                counts["fixed"] += 1
+        except OSError as e:
+            failed.append(f"{path}: {e.strerror}")
+
+    def walk(top: str, dev: int) -> None:
+        stack = [top]
+        while stack:
+            d = stack.pop()
+            try:
+                it = list(os.scandir(d))
+            except OSError:
+                continue
+            for e in it:
+                if e.path in skip:
+                    continue
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                is_dir = stat.S_ISDIR(st.st_mode)
+                if is_dir and st.st_dev != dev:
+                    continue  # a mount point: not the image's files (an overlay's files may
+                    # report their layer's device; its directories report the overlay's)
+                fix(e.path, st)
+                if is_dir:
+                    stack.append(e.path)
+
+    fix("/", os.lstat("/"))
+    walk("/", root_dev)
+    for extra in ("/dev/shm", "/dev/mqueue"):
+        try:
+            st = os.lstat(extra)
+        except OSError:
+            continue
+        fix(extra, st)
+        if stat.S_ISDIR(st.st_mode):
+            walk(extra, st.st_dev)
+    if failed:  # fail closed: a place every call could write is a channel between calls
+        raise OSError(errno.EPERM, "cannot take write permission for others off: " + "; ".join(failed[:10]))
+    return counts
+
+
+# ------------------------------------------------------------------ call ----
+
+
+def _exc_name(t: type) -> str:
+    mod = getattr(t, "__module__", "builtins")
+    return t.__qualname__ if mod in ("builtins", "__main__", None) else f"{mod}.{t.__qualname__}"
+
+
+def _jsonable(o: Any) -> Any:
+    tolist = getattr(o, "tolist", None)  # numpy arrays and scalars
+    if callable(tolist):
+        return tolist()
+    if isinstance(o, (set, frozenset)):
+        return list(o)
+    raise TypeError(f"the result is not JSON-serialisable: {type(o).__name__}")
+
+
+def run_source(source: str, args: list[Any], kwargs: dict[str, Any], entry: str | None) -> Any:
+    """The call contract: run ``source`` as a module named ``__fncall__``; if it defines a
+    callable ``entry`` (default ``main``), the result is ``entry(*args, **kwargs)``
+    (awaited if it is a coroutine); otherwise the value of its last top-level
+    expression statement (None if it does not end with one)."""
+    import ast
+    import builtins
+    import linecache
+
+    linecache.cache["<fncall>"] = (len(source), None, source.splitlines(True), "<fncall>")
+    tree = ast.parse(source, "<fncall>", "exec")
+    ns: dict[str, Any] = {"__name__": "__fncall__", "__builtins__": builtins, "__file__": "<fncall>"}
+    tail = None
+    last = tree.body[-1] if tree.body else None
+    if isinstance(last, ast.Expr):
+        tree.body.pop()
+        tail = ast.Expression(last.value)
+    exec(compile(tree, "<fncall>", "exec"), ns)
+    value = eval(compile(tail, "<fncall>", "eval"), ns) if tail is not None else None
+    name = entry or "main"
+    fn = ns.get(name)
+    if callable(fn):
+        value = fn(*args, **kwargs)
+    elif entry is not None:
+        raise NameError(f"the source defines no callable {entry!r} (the entry point asked for)")
+    elif args or kwargs:
+        raise TypeError("arguments were given but the source defines no main(); define main(*args, **kwargs)")
+    if hasattr(value, "__await__") and hasattr(value, "send"):
+        import asyncio
+
+        value = asyncio.run(value)  # type: ignore[arg-type]
+    return value
+
+
+def _traceback(e: BaseException) -> str:
+    import traceback
+
+    tb = e.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename != "<fncall>":
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(e), e, tb))
+
+
+def call_child(uid: int, scratch: str, fds: list[int], env: dict[str, str], limits: dict[str, int],
+               zygote_pid: int) -> None:
+    """The call process: set up as the slot's uid, say ready, run one request, exit."""
+    req_r, res_w, out_w, err_w = fds
+    try:
+        signal.set_wakeup_fd(-1)
+        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
+            signal.signal(sig, signal.SIG_DFL)
+        os.setsid()
+        devnull = os.open("/dev/null", os.O_RDWR)
+        os.dup2(devnull, 0)
+        os.dup2(out_w, 1)
+        os.dup2(err_w, 2)
+        mine = {0, 1, 2, req_r, res_w}
+        for fd in sorted(set(os.listdir("/proc/self/fd")) - {str(x) for x in mine}, key=int):
+            with contextlib.suppress(OSError):
+                os.close(int(fd))  # nothing of the zygote's stays open in a call
+        os.set_inheritable(req_r, False)
+        os.set_inheritable(res_w, False)
+        os.mkdir(scratch, 0o700)
+        os.chown(scratch, uid, uid)
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")  # the cgroup's OOM killer takes a call before the zygote or supervisor
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        resource.setrlimit(resource.RLIMIT_MSGQUEUE, (0, 0))
+        resource.setrlimit(resource.RLIMIT_NPROC, (limits["nproc"], limits["nproc"]))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limits["fsize"], limits["fsize"]))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limits["nofile"], limits["nofile"]))
+        os.setgroups([])
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # after the uid change, which clears it
+        if os.getppid() != zygote_pid:
+            os._exit(3)
+        prctl(PR_SET_NO_NEW_PRIVS, 1)
+        prctl(PR_SET_DUMPABLE, 0)
+        load_filter(ipc_filter())
+        os.chdir(scratch)
+        os.umask(0o077)
+        os.environ.clear()
+        os.environ.update(env)
+        os.environ.update({"HOME": scratch, "TMPDIR": scratch, "PWD": scratch})
+        sys.argv[:] = ["<fncall>"]
+        nprandom = sys.modules.get("numpy.random")
+        if nprandom is not None:
+            nprandom.seed()  # the legacy global generator is not reseeded at fork by numpy
+        warm()
+        os.write(res_w, b"R")
+    except BaseException as e:
+        try:
+            os.write(res_w, (f"F{type(e).__name__}: {e}").encode()[:4000])
+        finally:
+            os._exit(4)
+    # Ready: block until the supervisor hands over one request.
+    try:
+        data = read_all(req_r)
+        os.close(req_r)
+    except BaseException:
+        os._exit(5)
+    frame = handle(data, limit=True)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except BaseException:
+            pass
+    try:
+        write_all(res_w, frame)
+    finally:
+        os._exit(0)
+
+
+WARM_REQUEST = (b'{"memory":0,"cap":65536,"cpu":null}\n'
+                b'{"source":"import json\\ndef main(a, b=1):\\n    return [a, b, {\\"k\\": str(a)}, json.dumps(a)]\\n",'
+                b'"args":[1.5],"kwargs":{"b":"x"},"entry":null}')
+
+
+def warm() -> None:
+    """Run the call path once with fixed requests before the real one: a fresh fork shares
+    every page with the zygote, and the first write to each (reference counts, allocator
+    pools) copies it. Paid here, before the call process says it is ready, not by the call."""
+    for req in (WARM_REQUEST,):
+        handle(req, limit=False)
+    with open("/proc/self/statm", "rb") as f:
+        f.read()
+
+
+def handle(data: bytes, *, limit: bool) -> bytes:
+    """One request (a limits line, then the call's JSON) to its result frame."""
+    try:
+        line, _, body = data.partition(b"\n")
+        lim = json.loads(line)
+        req = json.loads(body)
+        source, args, kwargs, entry = req["source"], req.get("args") or [], req.get("kwargs") or {}, req.get("entry")
+        if not isinstance(source, str) or not isinstance(args, list) or not isinstance(kwargs, dict):
+            raise TypeError("bad request")
+        cap = int(lim["cap"])
+        reserve = bytearray(1 << 20)  # freed on MemoryError, so the error can still be sent
+        if limit:
+            import resource
+
+            if lim.get("cpu"):
+                resource.setrlimit(resource.RLIMIT_CPU, (int(lim["cpu"]), int(lim["cpu"]) + 1))
+            with open("/proc/self/statm", "rb") as f:
+                vm = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+            resource.setrlimit(resource.RLIMIT_AS, (vm + int(lim["memory"]), vm + int(lim["memory"])))
+    except BaseException as e:
+        bad = json.dumps({"exc_type": "ProtocolError", "message": repr(e), "traceback": ""}).encode()
+        return RESULT_HEAD.pack(9 + len(bad), K_ERROR, 0.0) + bad
+    kind, payload = K_VALUE, b""
+    t0 = time.perf_counter()
+    try:
+        value = run_source(source, args, kwargs, entry)
+        ran = time.perf_counter() - t0
+        payload = json.dumps(value, default=_jsonable, separators=(",", ":")).encode()
+        if len(payload) > cap:
+            kind, payload = K_TOO_LARGE, json.dumps({"size": len(payload)}).encode()
+    except MemoryError:
+        ran = time.perf_counter() - t0
+        del reserve
+        kind, payload = K_OOM, b"{}"
+    except BaseException as e:
+        ran = time.perf_counter() - t0
+        try:
+            message = str(e)
+        except BaseException:
+            message = f"<unprintable {type(e).__name__}>"
+        try:
+            tb = _traceback(e)
+        except BaseException:
+            tb = ""
+        kind = K_ERROR
+        payload = json.dumps({"exc_type": _exc_name(type(e)), "message": message[:cap],
+                              "traceback": tb[-cap:]}).encode()
+    return RESULT_HEAD.pack(9 + len(payload), kind, ran) + payload
+
+
+# ----------------------------------------------------------------- zygote ----
+
+
+def zygote_main(cfg: dict[str, Any]) -> None:
+    ctl_fd = int(cfg["ctl_fd"])
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != int(cfg["supervisor"]):
+        os._exit(1)
+    prctl(PR_SET_CHILD_SUBREAPER, 1)  # a call's orphans come here and are reaped
+    ctl = socket.socket(fileno=ctl_fd)
+    info: dict[str, Any] = {"python": sys.version.split()[0], "preloaded": {}, "pid": os.getpid()}
+    t0 = time.perf_counter()
+    import importlib
+
+    for name in cfg["preload"]:
+        t = time.perf_counter()
+        try:
+            mod = importlib.import_module(name)
+        except BaseException as e:
+            send_msg(ctl, "E" + json.dumps({"module": name, "error": f"{type(e).__name__}: {e}"}))
+            os._exit(2)
+        info["preloaded"][name] = {"s": round(time.perf_counter() - t, 4),
+                                   "version": str(getattr(mod, "__version__", ""))}
+    import ast  # noqa: F401 - the call path's own imports, done once here
+    import linecache  # noqa: F401
+    import resource  # noqa: F401
+    import traceback  # noqa: F401
+
+    info["preload_s"] = round(time.perf_counter() - t0, 4)
+    import gc
+
+    gc.collect()
+    gc.freeze()  # calls' collections never walk (and so never copy) the template's objects
+    wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.set_wakeup_fd(wake_w)
+    ctl.setblocking(False)
+    env = dict(cfg["env"])
+    limits = dict(cfg["limits"])
+    me = os.getpid()
+    send_msg(ctl, "R" + json.dumps(info))
+    import select
+
+    poller = select.poll()
+    poller.register(ctl_fd, select.POLLIN)
+    poller.register(wake_r, select.POLLIN)
+    while True:
+        for fd, _ev in poller.poll():
+            if fd == wake_r:
+                try:
+                    while os.read(wake_r, 512):
+                        pass
+                except BlockingIOError:
+                    pass
+                _reap(ctl)
+                continue
+            try:
+                msg, fds = recv_msg(ctl)
+            except BlockingIOError:
+                continue
+            if msg is None:
+                os._exit(0)  # the supervisor is gone
+            op, _, rest = msg.partition(" ")
+            if op == "F":
+                slot_s, uid_s, scratch = rest.split(" ", 2)
+                pid = os.fork()
+                if pid == 0:
+                    ctl.detach()
+                    for fd_ in (ctl_fd, wake_r, wake_w):
+                        os.close(fd_)
+                    call_child(int(uid_s), scratch, fds, env, limits, me)
+                    os._exit(6)  # not reached
+                for fd_ in fds:
+                    os.close(fd_)
+                send_msg(ctl, f"P {slot_s} {pid}")
+            elif op == "K":
+                uid = int(rest)
+                pid = os.fork()
+                if pid == 0:
+                    try:
+                        ctl.detach()
+                        os.setgroups([])
+                        os.setresgid(uid, uid, uid)
+                        os.setresuid(uid, uid, uid)
+                        os.kill(-1, signal.SIGKILL)  # every process of this uid but this one, at once
+                    except BaseException:
+                        pass
+                    os._exit(0)
+                while True:
+                    try:
+                        os.waitpid(pid, 0)
+                        break
+                    except ChildProcessError:
+                        break
+                _reap(ctl)
+                send_msg(ctl, f"k {uid}")
+            else:
+                for fd_ in fds:
+                    os.close(fd_)
+
+
+def _reap(ctl: socket.socket) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        send_msg(ctl, f"X {pid} {status}")
+
+
+# -------------------------------------------------------------- supervisor ---
+
+
+class Call:
+    __slots__ = (
+        "cap",
+        "done",
+        "err",
+        "exited",
+        "id",
+        "killed",
+        "limits",
+        "marks",
+        "out",
+        "payload",
+        "res",
+        "status",
+        "t0",
+        "timer",
+        "written",
+    )
+
+    def __init__(self, cid: Any, limits: dict[str, Any], payload: bytes) -> None:
+        self.id = cid
+        self.t0 = _now()
+        self.limits = limits
+        self.payload = payload
+        self.out = bytearray()
+        self.err = bytearray()
+        self.res = bytearray()
+        self.exited = False
+        self.status: int | None = None
+        self.killed: str | None = None
+        self.timer: list[Any] | None = None
+        self.cap = int(limits["output_cap"])
+        self.done = False
+        self.written = 0
+        self.marks: dict[str, float] = {}
+
+
+class Slot:
+    __slots__ = (
+        "call",
+        "err_r",
+        "index",
+        "out_r",
+        "pid",
+        "pidfd",
+        "ready_buf",
+        "req_w",
+        "res_r",
+        "scratch",
+        "state",
+        "sweeps",
+        "uid",
+    )
+
+    def __init__(self, index: int, uid: int) -> None:
+        self.index = index
+        self.uid = uid
+        self.state = "idle"  # idle -> forking -> ready -> busy -> sweeping -> cleaning -> idle
+        self.pid = 0
+        self.pidfd = -1
+        self.req_w = self.res_r = self.out_r = self.err_r = -1
+        self.scratch = ""
+        self.call: Call | None = None
+        self.ready_buf = b""
+        self.sweeps = 0
+
+
+class Supervisor:
+    def __init__(self) -> None:
+        self.sel = selectors.DefaultSelector()
+        self.inbuf = bytearray()
+        self.outbuf = bytearray()
+        self.out_registered = False
+        self.timers: list[list[Any]] = []
+        self.seq = 0
+        self.slots: list[Slot] = []
+        self.queue: deque[Call] = deque()
+        self.by_pid: dict[int, Slot] = {}
+        self.statuses: dict[int, int] = {}
+        self.ctl: socket.socket | None = None
+        self.zygote = 0
+        self.cfg: dict[str, Any] = {}
+        self.ready_sent = False
+        self.closing = False
+        self.cleanups: deque[tuple[Slot, str]] = deque()
+        self.cleaned: deque[Slot] = deque()
+        self.clean_cv = threading.Condition()
+        self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.pidfd_ok = hasattr(os, "pidfd_open")
+        self.info: dict[str, Any] = {}
+        self.started: dict[str, Any] = {}
+        self.dying = False
+
+    # -- plumbing --
+
+    def timer(self, delay: float, fn: Callable[[], None]) -> list[Any]:
+        self.seq += 1
+        t = [_now() + delay, self.seq, fn]
+        heapq.heappush(self.timers, t)
+        return t
+
+    @staticmethod
+    def cancel(t: list[Any] | None) -> None:
+        if t is not None:
+            t[2] = None
+
+    def send(self, header: dict[str, Any], payload: bytes = b"") -> None:
+        h = json.dumps(header, separators=(",", ":")).encode()
+        self.outbuf += U32.pack(4 + len(h) + len(payload)) + U32.pack(len(h)) + h + payload
+        self.flush()
+
+    def flush(self) -> None:
+        while self.outbuf:
+            try:
+                n = os.write(1, self.outbuf)
+            except BlockingIOError:
+                break
+            except BrokenPipeError:
+                self.fatal("the host closed the channel")
+            del self.outbuf[:n]
+        if self.outbuf and not self.out_registered:
+            self.sel.register(1, selectors.EVENT_WRITE, lambda _ev: self.flush())
+            self.out_registered = True
+        elif not self.outbuf and self.out_registered:
+            self.sel.unregister(1)
+            self.out_registered = False
+
+    def fatal(self, why: str) -> None:
+        """Give up the worker: the host fails its calls and starts a new sandbox."""
+        if not self.dying:
+            self.dying = True
+            _log("fatal: " + why)
+            try:
+                h = json.dumps({"op": "fatal", "error": why}).encode()
+                os.set_blocking(1, True)
+                write_all(1, bytes(self.outbuf) + U32.pack(4 + len(h)) + U32.pack(len(h)) + h)
+            except BaseException:
+                pass
+        os._exit(70)
+
+    # -- start --
+
+    def run(self) -> None:
+        os.set_blocking(0, False)
+        os.set_blocking(1, False)
+        self.sel.register(0, selectors.EVENT_READ, self.on_stdin)
+        self.sel.register(self.wake_r, selectors.EVENT_READ, self.on_cleaned)
+        threading.Thread(target=self.cleaner, daemon=True).start()
+        while True:
+            delay = None
+            while self.timers and self.timers[0][2] is None:
+                heapq.heappop(self.timers)
+            if self.timers:
+                delay = max(0.0, self.timers[0][0] - _now())
+            for key, ev in self.sel.select(delay):
+                if self.sel.get_map().get(key.fd) is key:  # not closed (or reused) by an earlier callback
+                    key.data(ev)
+            now = _now()
+            while self.timers and (self.timers[0][2] is None or self.timers[0][0] <= now):
+                t = heapq.heappop(self.timers)
+                if t[2] is not None:
+                    fn, t[2] = t[2], None
+                    fn()
+
+    def hello(self, cfg: dict[str, Any]) -> None:
+        self.cfg = cfg
+        t = time.perf_counter()
+        uid_lo = int(cfg["uid_base"])
+        nslots = int(cfg["slots"])
+        counts = lockdown(uid_lo, uid_lo + max(nslots, 1024))
+        os.makedirs(SCRATCH_ROOT, exist_ok=True)
+        os.chown(SCRATCH_ROOT, 0, 0)
+        os.chmod(SCRATCH_ROOT, 0o711)
+        for name in os.listdir(SCRATCH_ROOT):  # a previous supervisor's leftovers
+            _rmtree(os.path.join(SCRATCH_ROOT, name))
+        lock_s = time.perf_counter() - t
+        self.slots = [Slot(i, uid_lo + i) for i in range(nslots)]
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        a.set_inheritable(False)
+        b.set_inheritable(True)
+        zcfg = {"ctl_fd": b.fileno(), "supervisor": os.getpid(), "preload": list(cfg.get("preload") or []),
+                "env": dict(cfg["env"]), "limits": dict(cfg["limits"])}
+        env = dict(cfg["env"])
+        env.update(cfg.get("zygote_env") or {})
+        pid = os.fork()  # exec right away: the zygote starts from a fresh interpreter, not this one
+        if pid == 0:
+            try:
+                os.dup2(os.open("/dev/null", os.O_RDONLY), 0)
+                os.dup2(2, 1)
+                os.execve(sys.executable, [sys.executable, "-I", os.path.abspath(__file__), "zygote",
+                                           json.dumps(zcfg)], env)
+            finally:
+                os._exit(127)
+        b.close()
+        self.zygote = pid
+        a.setblocking(False)
+        self.ctl = a
+        self.sel.register(a.fileno(), selectors.EVENT_READ, self.on_ctl)
+        self.started = {"lockdown_s": round(lock_s, 4), "lockdown": counts}
+
+    # -- host frames --
+
+    def on_stdin(self, _ev: int) -> None:
+        try:
+            data = os.read(0, 1 << 20)
+        except BlockingIOError:
+            return
+        if not data:
+            os._exit(0)  # the host is gone: the zygote and calls die with us (pdeathsig)
+        self.inbuf += data
+        while len(self.inbuf) >= 8:
+            total = U32.unpack_from(self.inbuf, 0)[0]
+            if total > MAX_FRAME:
+                self.fatal(f"frame of {total} bytes")
+            if len(self.inbuf) < 4 + total:
+                break
+            hlen = U32.unpack_from(self.inbuf, 4)[0]
+            header = json.loads(bytes(self.inbuf[8 : 8 + hlen]))
+            payload = bytes(self.inbuf[8 + hlen : 4 + total])
+            del self.inbuf[: 4 + total]
+            self.on_frame(header, payload)
+
+    def on_frame(self, h: dict[str, Any], payload: bytes) -> None:
+        op = h.get("op")
+        if op == "hello":
+            try:
+                self.hello(h)
+            except Exception as e:
+                self.fatal(f"cannot start: {type(e).__name__}: {e}")
+        elif op == "call":
+            call = Call(h["id"], h, payload)
+            if h.get("timeout") is not None:
+                call.timer = self.timer(float(h["timeout"]), lambda: self.expire(call))
+            self.queue.append(call)
+            self.dispatch()
+        elif op == "cancel":  # nobody waits for it any more
+            for s in self.slots:
+                if s.call is not None and s.call.id == h.get("id") and s.state == "busy":
+                    self.kill(s, "cancelled")
+            for c in self.queue:
+                if c.id == h.get("id"):
+                    c.done = True
+                    self.cancel(c.timer)
+        elif op == "ping":
+            self.send({"op": "pong", "id": h.get("id"), "slots": [s.state for s in self.slots]})
+        else:
+            self.fatal(f"unknown op {op!r}")
+
+    # -- zygote --
+
+    def on_ctl(self, _ev: int) -> None:
+        assert self.ctl is not None
+        while True:
+            try:
+                msg, fds = recv_msg(self.ctl)
+            except BlockingIOError:
+                return
+            for fd in fds:
+                os.close(fd)
+            if msg is None:
+                self.fatal("the zygote exited")
+                return
+            op, rest = msg[0], msg[1:].strip()
+            if op == "R":
+                info = json.loads(rest)
+                info.update(self.started)
+                self.info = info
+                for s in self.slots:
+                    self.prefork(s)
+            elif op == "E":
+                self.send({"op": "fatal", "error": "preload failed", "detail": json.loads(rest)})
+                os._exit(71)
+            elif op == "P":
+                idx, pid = (int(x) for x in rest.split())
+                self.forked(self.slots[idx], pid)
+            elif op == "X":
+                pid, status = (int(x) for x in rest.split())
+                slot = self.by_pid.get(pid)
+                if slot is not None:
+                    self.statuses[pid] = status
+                    self.exited(slot, pid)
+                    self.maybe_finish(slot)
+            elif op == "k":
+                uid = int(rest)
+                for s in self.slots:
+                    if s.uid == uid and s.state == "sweeping":
+                        self.sweep(s)
+
+    def prefork(self, s: Slot) -> None:
+        assert self.ctl is not None
+        req_r, s.req_w = os.pipe2(os.O_CLOEXEC)
+        s.res_r, res_w = os.pipe2(os.O_CLOEXEC)
+        s.out_r, out_w = os.pipe2(os.O_CLOEXEC)
+        s.err_r, err_w = os.pipe2(os.O_CLOEXEC)
+        for fd in (s.req_w, s.res_r, s.out_r, s.err_r):
+            os.set_blocking(fd, False)
+        s.scratch = f"{SCRATCH_ROOT}/{s.index}-{os.urandom(8).hex()}"
+        s.state = "forking"
+        s.ready_buf = b""
+        try:
+            send_msg(self.ctl, f"F {s.index} {s.uid} {s.scratch}", (req_r, res_w, out_w, err_w))
+        finally:
+            for fd in (req_r, res_w, out_w, err_w):
+                os.close(fd)
+        self.sel.register(s.res_r, selectors.EVENT_READ, lambda ev, s=s: self.on_res(s))
+
+    def forked(self, s: Slot, pid: int) -> None:
+        s.pid = pid
+        self.by_pid[pid] = s
+        if self.pidfd_ok:
+            try:
+                s.pidfd = os.pidfd_open(pid)  # type: ignore[attr-defined,unused-ignore]
+                self.sel.register(s.pidfd, selectors.EVENT_READ, lambda ev, s=s, pid=pid: self.exited(s, pid))
+            except OSError:
+                s.pidfd = -1
+                self.exited(s, pid)
+
+    # -- calls --
+
+    def dispatch(self) -> None:
+        while self.queue:
+            slot = next((s for s in self.slots if s.state == "ready"), None)
+            if slot is None:
+                return
+            call = self.queue.popleft()
+            if call.done:
+                continue
+            slot.state = "busy"
+            slot.call = call
+            lim = {"memory": int(call.limits["memory"]), "cap": call.cap,
+                   "cpu": None if call.limits.get("timeout") is None else int(float(call.limits["timeout"])) + 2}
+            call.payload = json.dumps(lim).encode() + b"\n" + call.payload
+            self.sel.register(slot.out_r, selectors.EVENT_READ, lambda ev, s=slot: self.on_out(s, s.out_r))
+            self.sel.register(slot.err_r, selectors.EVENT_READ, lambda ev, s=slot: self.on_out(s, s.err_r))
+            call.marks["dispatch"] = _now() - call.t0
+            self.feed(slot)
+
+    def feed(self, s: Slot) -> None:
+        call = s.call
+        if call is None or s.req_w < 0:
+            return
+        view = memoryview(call.payload)[call.written :]
+        try:
+            while view:
+                n = os.write(s.req_w, view)
+                call.written += n
+                view = view[n:]
+        except BlockingIOError:
+            with contextlib.suppress(KeyError):
+                self.sel.register(s.req_w, selectors.EVENT_WRITE, lambda ev, s=s: self.feed(s))
+            return
+        except BrokenPipeError:
+            pass
+        with contextlib.suppress(KeyError):
+            self.sel.unregister(s.req_w)
+        os.close(s.req_w)
+        s.req_w = -1
+
+    def on_res(self, s: Slot) -> None:
+        try:
+            data = os.read(s.res_r, 1 << 20)
+        except BlockingIOError:
+            return
+        if s.state == "forking":
+            s.ready_buf += data
+            if s.ready_buf[:1] == b"R":
+                s.state = "ready"
+                if len(s.ready_buf) > 1:
+                    self.fatal("a call process wrote before its request")
+                if not self.ready_sent and all(x.state == "ready" for x in self.slots):
+                    self.ready_sent = True
+                    self.send({"op": "ready", "protocol": PROTOCOL, "slots": len(self.slots), **self.info})
+                self.dispatch()
+            elif s.ready_buf[:1] == b"F" or not data:
+                self.fatal("a call process failed to start: {}".format(s.ready_buf[1:].decode("utf-8", "replace")))
+            return
+        call = s.call
+        if not data:
+            self.sel.unregister(s.res_r)
+            return
+        if call is None:
+            return
+        call.res += data
+        if len(call.res) > call.cap + 64 and call.killed is None:
+            self.kill(s, "output")
+            return
+        if self.result_complete(call):
+            call.marks.setdefault("result", _now() - call.t0)
+            self.answer_early(s)
+            self.maybe_finish(s)
+
+    @staticmethod
+    def result_complete(call: Call) -> bool:
+        return len(call.res) >= 4 and len(call.res) >= 4 + U32.unpack_from(call.res, 0)[0]
+
+    def on_out(self, s: Slot, fd: int) -> None:
+        call = s.call
+        try:
+            data = os.read(fd, 1 << 16)
+        except BlockingIOError:
+            return
+        if not data:
+            self.sel.unregister(fd)
+            return
+        if call is None:
+            return
+        buf = call.out if fd == s.out_r else call.err
+        room = call.cap - len(buf)
+        buf += data[: max(room, 0)]
+        if len(data) > room and call.killed is None:
+            self.kill(s, "output")
+
+    def expire(self, call: Call) -> None:
+        call.timer = None
+        for s in self.slots:
+            if s.call is call:
+                if call.killed is None and s.state == "busy" and not self.result_complete(call):
+                    self.kill(s, "timeout")
+                return
+        if not call.done:  # still queued: no slot ever ran it
+            call.killed = "timeout"
+            self.respond(None, call)
+
+    def kill(self, s: Slot, why: str) -> None:
+        call = s.call
+        if call is not None and call.killed is None:
+            call.killed = why
+        with contextlib.suppress(OSError):
+            os.killpg(s.pid, signal.SIGKILL)  # the call did setsid: its group is its pid
+        with contextlib.suppress(OSError):
+            os.kill(s.pid, signal.SIGKILL)
+
+    def exited(self, s: Slot, pid: int) -> None:
+        if pid != s.pid:
+            return
+        if s.pidfd >= 0:
+            with contextlib.suppress(KeyError):
+                self.sel.unregister(s.pidfd)
+            os.close(s.pidfd)
+            s.pidfd = -1
+        if s.state == "forking":
+            self.fatal(f"a call process exited before it was ready (status {self.statuses.get(pid)})")
+        if s.state == "ready":
+            self.fatal(f"a waiting call process exited (status {self.statuses.get(pid)})")
+        call = s.call
+        if call is not None and not call.exited:
+            call.exited = True
+            call.marks["exit"] = _now() - call.t0
+            self.maybe_finish(s)
+
+    def maybe_finish(self, s: Slot) -> None:
+        call = s.call
+        if call is None or s.state != "busy" or not call.exited:
+            return
+        while not self.result_complete(call):  # the exit can be seen before the result's bytes are read
+            try:
+                data = os.read(s.res_r, 1 << 20)
+            except (BlockingIOError, OSError):
+                break
+            if not data:
+                break
+            call.res += data
+        if call.killed is None and not self.result_complete(call) and s.pid not in self.statuses:
+            return  # died without a result: its exit status says how (the zygote reaps it)
+        s.state = "sweeping"
+        s.sweeps = 0
+        self.sweep(s)
+
+    def known_pids(self, s: Slot) -> set[int]:
+        known = {os.getpid(), self.zygote}
+        known.update(x.pid for x in self.slots if x.pid and x is not s)
+        return known
+
+    def answer_early(self, s: Slot) -> None:
+        """Answer a call as soon as its result is in, when its process is the only one of its
+        uid (it is exiting: our code, not the call's, runs after the result). The exit of a
+        forked interpreter costs milliseconds; the slot is swept after it, before reuse.
+        A call that left other processes is answered only once they are all dead."""
+        call = s.call
+        if call is None or call.done or call.killed is not None or s.state != "busy":
+            return
+        if proc_uids({s.uid}, self.known_pids(s) | {s.pid}):
+            return
+        self.drain_output(s, call)
+        if call.killed is None:
+            self.respond(s, call)
+
+    def drain_output(self, s: Slot, call: Call) -> None:
+        for fd in (s.out_r, s.err_r):
+            while fd >= 0:  # what the call wrote before its result or its end
+                try:
+                    data = os.read(fd, 1 << 16)
+                except (BlockingIOError, OSError):
+                    break
+                if not data:
+                    break
+                buf = call.out if fd == s.out_r else call.err
+                room = call.cap - len(buf)
+                buf += data[: max(room, 0)]
+                if len(data) > room:
+                    call.killed = call.killed or "output"
+                    break
+
+    def sweep(self, s: Slot) -> None:
+        """Kill every process of the slot's uid; then answer the call and clean the slot."""
+        left = proc_uids({s.uid}, self.known_pids(s))
+        if left:
+            s.sweeps += 1
+            if s.sweeps > 400:
+                self.fatal(f"cannot kill the processes of uid {s.uid}: {sorted(left)}")
+            assert self.ctl is not None
+            if s.sweeps % 2 == 1:
+                send_msg(self.ctl, f"K {s.uid}")  # answered with "k", which sweeps again
+            else:
+                self.timer(0.005, lambda: self.sweep(s))
+            return
+        call = s.call
+        s.call = None
+        if call is not None and not call.done:
+            self.drain_output(s, call)
+        for fd in (s.res_r, s.out_r, s.err_r, s.req_w):
+            if fd >= 0:
+                with contextlib.suppress(KeyError):
+                    self.sel.unregister(fd)
+                os.close(fd)
+        s.res_r = s.out_r = s.err_r = s.req_w = -1
+        self.by_pid.pop(s.pid, None)
+        status = self.statuses.pop(s.pid, None)
+        if call is not None and not call.done:
+            self.respond(s, call, status)
+        s.state = "cleaning"
+        with self.clean_cv:
+            self.cleanups.append((s, s.scratch))
+            self.clean_cv.notify()
+
+    def respond(self, s: Slot | None, call: Call, status: int | None = None) -> None:
+        call.done = True
+        self.cancel(call.timer)
+        h: dict[str, Any] = {"op": "result", "id": call.id, "stdout": call.out.decode("utf-8", "replace"),
+                             "stderr": call.err.decode("utf-8", "replace"), "call_s": round(_now() - call.t0, 6),
+                             "marks": {k: round(v, 6) for k, v in call.marks.items()}}
+        payload = b""
+        if call.killed == "timeout":
+            h["kind"] = "timeout"
+        elif call.killed == "output":
+            h["kind"] = "output"
+            h["what"] = "stdout or stderr"
+        elif self.result_complete(call):
+            n, kind, ran = RESULT_HEAD.unpack_from(call.res, 0)
+            payload = bytes(call.res[RESULT_HEAD.size : 4 + n])
+            h["run_s"] = round(ran, 6)
+            h["kind"] = {K_VALUE: "value", K_ERROR: "error", K_OOM: "oom", K_TOO_LARGE: "output"}.get(kind, "crash")
+            if kind == K_TOO_LARGE:
+                h["what"] = "result"
+        else:
+            h["kind"] = "crash"
+            if status is not None and os.WIFSIGNALED(status):
+                sig = os.WTERMSIG(status)
+                h["signal"] = sig
+                if sig == signal.SIGKILL:
+                    h["kind"] = "oom"  # a SIGKILL we did not send: the memory cgroup's OOM killer
+                elif sig == signal.SIGXCPU:
+                    h["kind"] = "timeout"
+            elif status is not None and os.WIFEXITED(status):
+                h["exit_code"] = os.WEXITSTATUS(status)
+        self.send(h, payload)
+
+    # -- cleaning (a thread: removing a large scratch tree must not stall other calls) --
+
+    def cleaner(self) -> None:
+        while True:
+            with self.clean_cv:
+                while not self.cleanups:
+                    self.clean_cv.wait()
+                s, scratch = self.cleanups.popleft()
+            _rmtree(scratch)
+            with self.clean_cv:
+                self.cleaned.append(s)
+            with contextlib.suppress(BlockingIOError):
+                os.write(self.wake_w, b"x")
+
+    def on_cleaned(self, _ev: int) -> None:
+        try:
+            while os.read(self.wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        while True:
+            with self.clean_cv:
+                if not self.cleaned:
+                    break
+                s = self.cleaned.popleft()
+            s.state = "idle"
+            self.prefork(s)
+
+
+def _rmtree(path: str) -> None:
+    import shutil
+
+    if os.path.lexists(path):
+        shutil.rmtree(path, ignore_errors=True)
+    if os.path.lexists(path):
+        _log(f"could not remove {path}")
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) >= 2 and argv[1] == "zygote":
+        zygote_main(json.loads(argv[2]))
+    elif len(argv) >= 2 and argv[1] == "supervise":
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+        Supervisor().run()
+    else:
+        sys.stderr.write("usage: worker.py supervise|zygote CONFIG\n")
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main(sys.argv)
