@@ -139,6 +139,11 @@ class Worker:
     def ready(self) -> bool:
         return self.state == "ready"
 
+    @property
+    def supervisor_pid(self) -> int | None:
+        """The worker program's host pid (None before it runs)."""
+        return None if self._proc is None else int(self._proc.pid)
+
     def stderr_tail(self) -> str:
         return "\n".join(self._stderr)
 
@@ -397,8 +402,8 @@ class _ImagePool:
             if best is not None:
                 best.in_flight += 1
                 return best
-            if not self.starting and self.last_error is not None:
-                raise self.last_error  # nothing is coming up: say why, do not wait forever
+            if self.failures and self.last_error is not None:
+                raise self.last_error  # its workers fail to start: say why, do not wait for a retry
             if len(self.waiters) >= self.pool.config.max_queue:
                 raise Backpressure(f"{len(self.waiters)} calls already wait for a fncall worker of "
                                    f"{image_label(self.image)}", retry_after=1.0, reason="fncall_queue")

@@ -1,0 +1,385 @@
+"""``dsec bench fncall``: function calls on warm workers, beside a sandbox per call, in one run.
+
+Figures, not assertions. Every figure comes from the same image (Debian bookworm
+with python3 and python3-numpy, built once with debootstrap and cached) and the
+same snippet, a numpy reward function::
+
+    import numpy as np
+    def main(a, b): return float(np.dot(np.asarray(a), np.asarray(b)))
+
+- ``fncall_p50_ms`` / ``fncall_p90_ms``: one call after another (``n_seq``), numpy
+  already imported in the template; through the pool directly (``fncall_pool_*``) and,
+  when an SDK client is given, end to end through the SDK and the edge
+  (``fncall_sdk_*``; ``fncall_p50_ms`` is then the SDK's).
+- ``fncall_per_s``: ``n_conc`` calls at once (``call_many``) on this host's cores.
+- ``sandbox_call_p50_ms``: create a container sandbox of the same image, exec
+  ``python3 -c`` with the same snippet (numpy imported by that process), destroy;
+  ``fncall_vs_sandbox_ratio`` = ``fncall_pool_p50_ms / sandbox_call_p50_ms``.
+- ``fncall_isolation_cases``: how many isolation cases ran; each tries to leave state
+  for the next call or read another's, and must be refused. A case that leaks makes
+  :func:`measure` raise (:class:`IsolationLeak`), so no figure is reported for a pool
+  that leaks.
+
+Must never: leave a sandbox behind (the pool and the sandbox phase clean up on error).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from dsec.bench.stats import percentile
+
+Progress = Callable[[str], None]
+PACKAGES = ("python3", "python3-numpy")
+SNIPPET = "import numpy as np\ndef main(a, b):\n    return float(np.dot(np.asarray(a), np.asarray(b)))\n"
+ARGS = ([1.0, 2.0, 3.0], [4.0, 5.0, 6.0])
+
+
+class IsolationLeak(AssertionError):
+    """An isolation case saw what it must not: the figures of such a pool mean nothing."""
+
+
+def _quiet(_msg: str) -> None:
+    return None
+
+
+# ----------------------------------------------------------------- images ----
+
+
+def python_rootfs(cache: Path, packages: Sequence[str] = PACKAGES, say: Progress = _quiet) -> Path:
+    """A Debian bookworm minbase tree with ``packages``, made once with debootstrap and cached."""
+    from dsec.images.debootstrap import find_mirror, run_debootstrap, slim_rootfs
+
+    target = cache / ("debian-bookworm-" + "-".join(sorted(packages)))
+    done = target / ".dsec-complete"
+    if done.exists():
+        return target
+    if target.exists():
+        shutil.rmtree(target)
+    say(f"building a Debian rootfs with {', '.join(packages)} in {target} (debootstrap, once)")
+    cache.mkdir(parents=True, exist_ok=True)
+    run_debootstrap(target, suite="bookworm", variant="minbase", packages=packages, mirror=find_mirror("bookworm"))
+    slim_rootfs(target)
+    done.write_text("ok\n")
+    return target
+
+
+def python_layer(store: Any, cache: Path, *, name: str = "pyfn", tag: str = "bench",
+                 packages: Sequence[str] = PACKAGES, say: Progress = _quiet) -> str:
+    """``name:tag`` in ``store``: the EROFS layer of :func:`python_rootfs`, built once into a
+    layer store under ``cache`` and imported from there (a copy of one file)."""
+    from dsec.errors import LayerNotFound
+    from dsec.images.build import build_from_dir
+    from dsec.images.store import LocalLayerStore
+
+    ref = f"{name}:{tag}"
+    with contextlib.suppress(LayerNotFound):
+        store.resolve(ref)
+        return ref
+    cached = LocalLayerStore(cache / "fncall-layers")
+    key = "py-" + "-".join(sorted(p.replace("python3-", "") for p in packages if p != "python3"))[:100]
+    try:
+        layer = cached.resolve(f"{key or 'py'}:bookworm")
+    except LayerNotFound:
+        root = python_rootfs(cache, packages, say)
+        say(f"making the EROFS layer of {root}")
+        layer = build_from_dir(cached, root, name=key or "py", tag="bookworm", kind="base")
+    store.add_erofs(Path(cached.blob_path(layer.digest)), name=name, tag=tag, kind="base")
+    return ref
+
+
+# -------------------------------------------------------------- isolation ----
+
+# Each case: a first call that tries to leave or take something, and a check, run after it
+# (or beside it), that must find nothing. "refused" lists what the first call was refused.
+ISOLATION_CASES: dict[str, tuple[str, str]] = {
+    "tmp_file": (
+        "import os\n"
+        "def main():\n"
+        "    out = []\n"
+        "    for p in ('/tmp/x', '/var/tmp/x', '/dev/shm/x', '/x', '/fncall/x'):\n"
+        "        try:\n"
+        "            open(p, 'w').write('leak')\n"
+        "            out.append(p)\n"
+        "        except OSError:\n"
+        "            pass\n"
+        "    open('mine', 'w').write('leak')\n"
+        "    return out\n",
+        "import os\n"
+        "def main():\n"
+        "    seen = [p for p in ('/tmp/x', '/var/tmp/x', '/dev/shm/x', '/x', '/fncall/x') if os.path.exists(p)]\n"
+        "    return seen + os.listdir('.')\n",
+    ),
+    "global": (
+        "import json, builtins, sys\n"
+        "def main():\n"
+        "    json.LEAK = 1; builtins.LEAK = 1; sys.modules['os'].LEAK = 1\n"
+        "    globals()['LEAK'] = 1\n"
+        "    return []\n",
+        "import json, builtins, os\n"
+        "def main():\n"
+        "    seen = [m.__name__ for m in (json, builtins, os) if hasattr(m, 'LEAK')]\n"
+        "    return seen + (['globals'] if 'LEAK' in globals() else [])\n",
+    ),
+    "env": (
+        "import os\n"
+        "def main():\n"
+        "    os.environ['LEAK'] = '1'; os.putenv('LEAK2', '1')\n"
+        "    return []\n",
+        "import os\n"
+        "def main():\n"
+        "    return [k for k in ('LEAK', 'LEAK2') if k in os.environ or os.getenv(k)]\n",
+    ),
+    "background_process": (
+        "import os, subprocess\n"
+        "def main():\n"
+        "    p = subprocess.Popen(['sleep', '1000'], start_new_session=True)\n"
+        "    if os.fork() == 0:\n"
+        "        os.setsid()\n"
+        "        if os.fork() == 0:\n"
+        "            import time; time.sleep(1000)\n"
+        "        os._exit(0)\n"
+        "    return [p.pid]\n",
+        "import os\n"
+        "def main(pids):\n"
+        "    alive = []\n"
+        "    for pid in os.listdir('/proc'):\n"
+        "        if pid.isdigit():\n"
+        "            try:\n"
+        "                cmd = open(f'/proc/{pid}/cmdline', 'rb').read()\n"
+        "            except OSError:\n"
+        "                continue\n"
+        "            if b'sleep' in cmd or int(pid) in pids:\n"
+        "                alive.append(int(pid))\n"
+        "    return alive\n",
+    ),
+    "template_memory": (
+        "import os\n"
+        "def main():\n"
+        "    out = []\n"
+        "    for pid in {os.getppid(), 1, 2, 3, 4, 5}:\n"
+        "        try:\n"
+        "            with open(f'/proc/{pid}/mem', 'r+b') as f:\n"
+        "                out.append(pid)\n"
+        "        except OSError:\n"
+        "            pass\n"
+        "    return out\n",
+        "def main():\n"
+        "    return []\n",
+    ),
+    "site_packages": (
+        "import os, json, numpy\n"
+        "def main():\n"
+        "    out = []\n"
+        "    for d in ('/usr/lib/python3/dist-packages', os.path.dirname(json.__file__),\n"
+        "              os.path.dirname(numpy.__file__), '/usr/local/lib/python3.11/dist-packages',\n"
+        "              '/opt/dsec-fncall'):\n"
+        "        try:\n"
+        "            open(os.path.join(d, 'fncall_leak.py'), 'w').write('LEAK = 1')\n"
+        "            out.append(d)\n"
+        "        except OSError:\n"
+        "            pass\n"
+        "    return out\n",
+        "def main():\n"
+        "    try:\n"
+        "        import fncall_leak\n"
+        "        return ['imported']\n"
+        "    except ImportError:\n"
+        "        return []\n",
+    ),
+    "ipc": (
+        "import ctypes\n"
+        "def main():\n"
+        "    libc = ctypes.CDLL(None, use_errno=True)\n"
+        "    out = []\n"
+        "    if libc.shmget(0x4c45414b, 4096, 0o1666) >= 0: out.append('shm')\n"
+        "    if libc.semget(0x4c45414b, 1, 0o1666) >= 0: out.append('sem')\n"
+        "    if libc.msgget(0x4c45414b, 0o1666) >= 0: out.append('msg')\n"
+        "    return out\n",
+        "import ctypes\n"
+        "def main():\n"
+        "    libc = ctypes.CDLL(None, use_errno=True)\n"
+        "    return ['shm'] if libc.shmget(0x4c45414b, 0, 0) >= 0 else []\n",
+    ),
+}
+
+CONCURRENT_VICTIM = (
+    "import os, time\n"
+    "def main(secret):\n"
+    "    os.environ['SECRET'] = secret\n"
+    "    keep = secret * 3\n"
+    "    time.sleep(1.5)\n"
+    "    return 'alive:' + str(len(keep))\n"
+)
+CONCURRENT_ATTACKER = (
+    "import os, signal, ctypes, time\n"
+    "def main(secret):\n"
+    "    time.sleep(0.5)\n"
+    "    me = os.getuid()\n"
+    "    got = []\n"
+    "    libc = ctypes.CDLL(None, use_errno=True)\n"
+    "    for pid in os.listdir('/proc'):\n"
+    "        if not pid.isdigit() or int(pid) == os.getpid():\n"
+    "            continue\n"
+    "        pid = int(pid)\n"
+    "        try:\n"
+    "            uid = int(open(f'/proc/{pid}/status').read().split('Uid:')[1].split()[0])\n"
+    "        except (OSError, IndexError):\n"
+    "            continue\n"
+    "        if uid == me:\n"
+    "            continue\n"
+    "        for name in ('environ', 'cmdline', 'mem', 'maps', 'cwd/x'):\n"
+    "            try:\n"
+    "                data = open(f'/proc/{pid}/{name}', 'rb').read()\n"
+    "                if secret.encode() in data: got.append(f'{name}:{pid}')\n"
+    "            except OSError:\n"
+    "                pass\n"
+    "        try:\n"
+    "            os.kill(pid, signal.SIGKILL); got.append(f'kill:{pid}')\n"
+    "        except OSError:\n"
+    "            pass\n"
+    "        if libc.ptrace(16, pid, 0, 0) == 0: got.append(f'ptrace:{pid}')\n"
+    "    return got\n"
+)
+
+
+async def run_isolation_cases(call: Callable[..., Any]) -> int:
+    """Run every case through ``call(source, args)`` (an awaitable returning the call's value);
+    raise :class:`IsolationLeak` naming the case that saw something. Returns how many ran."""
+    n = 0
+    for name, (first, check) in ISOLATION_CASES.items():
+        left = await call(first, [])
+        args = [left] if name == "background_process" else []
+        seen = await call(check, args)
+        if name == "background_process":
+            if seen:
+                raise IsolationLeak(f"{name}: processes of an earlier call still run: {seen}")
+        elif left or seen:
+            raise IsolationLeak(f"{name}: the first call was allowed {left!r}; the next saw {seen!r}")
+        n += 1
+    victim, attacker = await asyncio.gather(call(CONCURRENT_VICTIM, ["s3cr3t-fncall"]),
+                                            call(CONCURRENT_ATTACKER, ["s3cr3t-fncall"]))
+    if attacker or victim != "alive:" + str(len("s3cr3t-fncall") * 3):
+        raise IsolationLeak(f"concurrent calls: the attacker got {attacker!r}; the victim returned {victim!r}")
+    return n + 1
+
+
+# ---------------------------------------------------------------- measure ----
+
+
+async def _timed(n: int, one: Callable[[], Any]) -> list[float]:
+    out: list[float] = []
+    for _ in range(n):
+        t = time.perf_counter()
+        await one()
+        out.append((time.perf_counter() - t) * 1000)
+    return out
+
+
+async def measure(pool: Any, container: Any, image: Any, *, n_seq: int = 300, n_conc: int = 2000,
+                  n_sandbox: int = 20, sdk_call: Callable[..., Any] | None = None,
+                  say: Progress = _quiet) -> dict[str, float]:
+    """The figures of one run (see the module docstring). ``pool`` is a started
+    :class:`~dsec.backends.fncall.pool.FnCallPool` with ``image`` configured (numpy
+    preloaded), ``container`` the container backend for the sandbox-per-call baseline,
+    ``sdk_call(source, args)`` an SDK ``fncall`` for the end-to-end figures."""
+    from dsec.spec import ImageRef, SandboxSpec
+
+    results: dict[str, float] = {}
+
+    async def pool_call(source: str, args: Sequence[Any]) -> Any:
+        return (await pool.call(image, source, list(args))).value
+
+    say("warming up")
+    for _ in range(20):
+        await pool_call(SNIPPET, ARGS)
+    say(f"fncall: {n_seq} calls one after another (pool)")
+    lat = await _timed(n_seq, lambda: pool_call(SNIPPET, ARGS))
+    results["fncall_pool_p50_ms"] = percentile(lat, 50)
+    results["fncall_pool_p90_ms"] = percentile(lat, 90)
+    results["fncall_pool_p99_ms"] = percentile(lat, 99)
+    if sdk_call is not None:
+        for _ in range(20):
+            await sdk_call(SNIPPET, ARGS)
+        say(f"fncall: {n_seq} calls one after another (SDK -> edge)")
+        lat = await _timed(n_seq, lambda: sdk_call(SNIPPET, ARGS))
+        results["fncall_sdk_p50_ms"] = percentile(lat, 50)
+        results["fncall_sdk_p90_ms"] = percentile(lat, 90)
+        results["fncall_sdk_p99_ms"] = percentile(lat, 99)
+    results["fncall_p50_ms"] = results.get("fncall_sdk_p50_ms", results["fncall_pool_p50_ms"])
+    results["fncall_p90_ms"] = results.get("fncall_sdk_p90_ms", results["fncall_pool_p90_ms"])
+
+    say(f"fncall: {n_conc} calls at once")
+    from dsec.backends.fncall.types import FnCall, FnResult
+
+    t = time.perf_counter()
+    outs = await pool.call_many(image, [FnCall(SNIPPET, ARGS)] * n_conc)
+    dt = time.perf_counter() - t
+    bad = [o for o in outs if not isinstance(o, FnResult)]
+    if bad:
+        raise RuntimeError(f"{len(bad)} of {n_conc} concurrent calls failed, e.g. {bad[0]!r}")
+    results["fncall_per_s"] = n_conc / dt
+    results["fncall_conc_n"] = float(n_conc)
+    results["cpus"] = float(os.cpu_count() or 1)
+
+    say(f"sandbox per call: {n_sandbox} x create + exec python3 -c + destroy")
+    ref = image if isinstance(image, ImageRef) else ImageRef(base=str(image))
+    spec = SandboxSpec(image=ref)
+    cmd = ["python3", "-c", SNIPPET + f"import sys\nsys.stdout.write(repr(main(*{json.dumps(ARGS)})))\n"]
+    sb_lat: list[float] = []
+    for _ in range(n_sandbox):
+        t = time.perf_counter()
+        rec = await container.create(spec)
+        try:
+            r = await container.exec(rec.id, cmd, timeout=60)
+            if r.exit_code != 0:
+                raise RuntimeError(f"the baseline's snippet failed: {r.stderr[-500:]!r}")
+        finally:
+            await container.destroy(rec.id)
+        sb_lat.append((time.perf_counter() - t) * 1000)
+    results["sandbox_call_p50_ms"] = percentile(sb_lat, 50)
+    results["fncall_vs_sandbox_ratio"] = results["fncall_pool_p50_ms"] / results["sandbox_call_p50_ms"]
+
+    say("isolation cases")
+    results["fncall_isolation_cases"] = float(await run_isolation_cases(pool_call))
+    return results
+
+
+def run(*, quick: bool = False, state_dir: Path | None = None, say: Progress = print) -> dict[str, float]:
+    """The whole bench in a runtime of its own (``dsec bench fncall``): the image, a pool
+    with numpy preloaded, :func:`measure`, and clean-up."""
+    import tempfile
+
+    from dsec.backends.container.runtime import ContainerRuntime
+    from dsec.backends.fncall.config import FnCallConfig, FnCallImage
+    from dsec.backends.fncall.pool import FnCallPool
+    from dsec.spec import ImageRef
+
+    base = Path(state_dir or os.environ.get("DSEC_STATE_DIR", "/var/lib/dsec"))
+    cache = base / "cache"
+
+    async def main() -> dict[str, float]:
+        with tempfile.TemporaryDirectory(prefix="dsec-bench-fncall-") as tmp:
+            rt = ContainerRuntime(name=f"bfn{os.getpid() % 100000}", state_dir=Path(tmp) / "state",
+                                  run_dir=Path(tmp) / "run")
+            ref = await asyncio.to_thread(python_layer, rt.store, cache, say=say)
+            image = ImageRef(base=ref)
+            cfg = FnCallConfig(images=(FnCallImage(image=image, preload=("numpy",), concurrency=4, spare=4),))
+            async with rt:
+                pool = FnCallPool(cfg, rt, name="bench")
+                try:
+                    await pool.start()
+                    return await measure(pool, rt, image, n_seq=100 if quick else 300,
+                                         n_conc=300 if quick else 2000, n_sandbox=5 if quick else 20, say=say)
+                finally:
+                    await pool.close()
+
+    return asyncio.run(main())
