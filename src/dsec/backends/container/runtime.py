@@ -48,7 +48,7 @@ from dsec.backends.base import (
     check_spec,
     command_line,
 )
-from dsec.backends.container import cgroups, claims
+from dsec.backends.container import cgroups, claims, wire
 from dsec.backends.container import limits as limit_evidence
 from dsec.backends.container import pause as pausing
 from dsec.backends.container import snapshot as snapshots
@@ -631,7 +631,7 @@ class ContainerRuntime(BackendBase):
         assert self.spawner is not None
         return self.spawner
 
-    async def _spawn_create(self, sid: str, fields: list[tuple[str, str]], fds: list[int]) -> Any:
+    async def _spawn_create(self, sid: str, req: wire.CreateRequest) -> Any:
         """The spawner's create, tried again once when it failed because host state had
         vanished and a heal pass (:meth:`heal`) put it back (a layer unmounted, the /dev
         skeleton gone, the spawner dead)."""
@@ -639,7 +639,7 @@ class ContainerRuntime(BackendBase):
             gen, t0 = self._repair_gen, time.monotonic()
             spawner = await self._ensure_spawner()
             try:
-                return await spawner.spawn("create", fields, fds=fds)
+                return await spawner.send(req)
             except SpawnError as exc:
                 if exc.pid > 0:
                     _reap(exc.pid)  # our child (CLONE_PARENT), already exited
@@ -686,25 +686,16 @@ class ContainerRuntime(BackendBase):
                 if res.disk_medium == "disk" and not (self.uppers.ready and self.uppers.mounted()):
                     await self._setup_uppers()
                 cg_dirs, upper = await asyncio.to_thread(self._make_host_parts, sid, res, rec.uid_base)
-                lowers = [str(await self._use_layer(d, sid)) for d in layers]
-                fields = [
-                    ("id", sid),
-                    ("stage", str(self.stage_dir)),
-                    ("uid_base", str(rec.uid_base)),
-                    ("uid_count", str(UID_RANGE)),
-                    ("disk", str(res.disk)),
-                    ("inodes", str(max(16384, res.disk // 8192))),
-                    ("devskel", str(self.devskel_dir)),
-                    ("empty", str(self.empty_dir)),
-                    *([("upper", str(upper))] if upper is not None else []),
-                    *[("lower", p) for p in lowers],
-                    *[("cg", str(d)) for d in cg_dirs],
-                ]
+                lowers = [await self._use_layer(d, sid) for d in layers]
                 if policy is not None:
                     lease = await self.net.take()
                     await self.net.apply(sid, lease.fd, lease.info(), policy, compiled=compiled, fresh=True)
                     rec.net = {**lease.info(), "policy": policy.model_dump(mode="json")}
-                spawned = await self._spawn_create(sid, fields, [lease.fd] if lease else [])
+                spawned = await self._spawn_create(sid, wire.CreateRequest(
+                    sandbox_id=sid, stage=self.stage_dir, uid_base=rec.uid_base, uid_count=UID_RANGE,
+                    disk=res.disk, inodes=max(16384, res.disk // 8192), devskel=self.devskel_dir,
+                    empty=self.empty_dir, upper=upper, lowers=tuple(lowers), cgroups=tuple(cg_dirs),
+                    net_fd=lease.fd if lease else None))
                 os.close(spawned.pidfd)
                 rec.init_pid = spawned.pid
                 rec.init_start = _proc_start_time(spawned.pid)
@@ -1236,18 +1227,15 @@ class ContainerRuntime(BackendBase):
             delay = min(delay * 2, 0.01)
         return len(victims)
 
-    def _pristine_fields(self, rec: ContainerRecord, pristine: Sequence[str]) -> builtins.list[tuple[str, str]]:
-        """Spawner fields for pristine paths: the image layers (never snapshot layers: those
-        hold the agent's own writes) as host mounts, top first, and the paths."""
+    def _pristine(self, rec: ContainerRecord, pristine: Sequence[str]) -> wire.Pristine:
+        """What the spawner needs for pristine paths: the image layers (never snapshot layers:
+        those hold the agent's own writes) as host mounts, top first, and the paths."""
         paths = staging.check_pristine(pristine)
         image = [d for d in rec.layers if self._layer_lineage(d) is None]
         if not image:
             raise InvalidSpec(f"sandbox {rec.id} has no image layers to take pristine copies from",
                               field="pristine", sandbox_id=rec.id)
-        out = [("ipid", str(rec.init_pid))]
-        out += [("pl", str(self._layer_paths.get(d) or self._mounts.mountpoint(d))) for d in image]
-        out += [("pp", p) for p in paths]
-        return out
+        return wire.Pristine(tuple(Path(self._layer_paths.get(d) or self._mounts.mountpoint(d)) for d in image), paths)
 
     # ----- running things -----
 
@@ -1306,33 +1294,29 @@ class ContainerRuntime(BackendBase):
             if not k or "=" in k or "\0" in k or "\0" in v:
                 raise InvalidSpec(f"bad environment variable {k!r}", field="env")
         res = rec.spec.resources
-        fields: list[tuple[str, str]] = [("a", a) for a in argv]
-        fields += [("e", f"{k}={v}") for k, v in merged.items()]
-        fields += [("cwd", cwd), ("uid", str(uid)), ("gid", str(gid)), ("seccomp", "1" if seccomp else "0")]
+        stage = rec.stage or rec.spec.stage
+        landlock = None if stage is None else wire.Landlock.from_tokens(
+            staging.landlock_tokens(rec.spec.stages[stage].files))
+        image_copies = self._pristine(rec, pristine) if pristine else None  # checked before a cgroup is made
         cg_dirs = self.cgroups.dirs(sandbox_id)
         track: Path | None = None
         if tracked:
             self._track_seq += 1  # unique across runtime restarts: leftovers of a re-adopted sandbox stay
             track = self.cgroups.make_track(sandbox_id, f"x{self._boot}{self._track_seq}")
             cg_dirs = [d for d in cg_dirs if d != self.cgroups.parents["freezer"] / sandbox_id] + [track]
-        fields += [("cg", str(d)) for d in cg_dirs]
-        fields += [("rl", f"7:{res.nofile}:{res.nofile}")]  # RLIMIT_NOFILE
-        stage = rec.stage or rec.spec.stage
-        if stage is not None:
-            fields += staging.landlock_tokens(rec.spec.stages[stage].files)
-        if pristine:
-            fields += self._pristine_fields(rec, pristine)
-        if tty is not None:
-            if not pristine:
-                fields += [("ipid", str(rec.init_pid))]
-            # The sandbox's tty group (gid 5 inside) in host ids: devpts takes the mounter's.
-            fields += [("tty", str(rec.uid_base + 5)), ("rows", str(tty.rows)), ("cols", str(tty.cols))]
         init_fd = self._open_init(rec)
         assert init_fd is not None
         started = time.monotonic()
         self._spawning[sandbox_id] = self._spawning.get(sandbox_id, 0) + 1
         try:
-            spawned = await spawner.spawn("exec", fields, [init_fd, stdin, stdout, stderr])
+            spawned = await spawner.send(wire.ExecRequest(
+                init_pidfd=init_fd, stdin=stdin, stdout=stdout, stderr=stderr, argv=tuple(argv),
+                env=tuple(merged.items()), cwd=cwd, uid=uid, gid=gid, seccomp=seccomp, cgroups=tuple(cg_dirs),
+                rlimits=(wire.Rlimit(7, res.nofile, res.nofile),),  # RLIMIT_NOFILE
+                landlock=landlock, pristine=image_copies,
+                init_pid=rec.init_pid if image_copies is not None or tty is not None else None,
+                # The sandbox's tty group (gid 5 inside) in host ids: devpts takes the mounter's.
+                tty=None if tty is None else wire.Tty(rec.uid_base + 5, tty.rows, tty.cols)))
         except SpawnError as exc:
             if track is not None:
                 self.cgroups.drop_track(track)
