@@ -258,9 +258,12 @@ def create_app(config: EdgeConfig, *, service: EdgeService | None = None) -> Fas
             return answer_of(_validation_response(exc.errors()))
         return None
 
+    from dsec.edge import fncall_routes  # POST /v1/fncall and /v1/fncall/batch (docs/FNCALL.md)
+
     app.add_middleware(FastRoutes, errors=fast_error, routes={
         ("POST", "/v1/sandboxes"): fast_create,
         ("POST", "/v1/sandboxes/{}/exec"): fast_exec,
+        **fncall_routes.install(app, svc, auth),
     })
     # JSON bodies stop at 16 MiB; file bodies are capped by the sandbox's quota (read_body).
     # Added last, so it is outside the fast routes too.

@@ -33,6 +33,7 @@ from dsec.errors import (
 )
 from dsec.sdk._http import UNSET as UNSET  # defined beside the HTTP plumbing, which needs it too
 from dsec.sdk._http import Endpoint, Response, _Unset, raise_for_error, result_from_wire
+from dsec.sdk.fncall import FnCalls
 from dsec.spec import NetworkPolicy, SandboxSpec, SandboxState
 
 if TYPE_CHECKING:
@@ -123,7 +124,7 @@ def _labels_query(labels: Mapping[str, str] | None) -> list[tuple[str, str]]:
     return [("label", f"{k}={v}") for k, v in (labels or {}).items()]
 
 
-class AsyncClient:
+class AsyncClient(FnCalls):  # fncall / fncall_many: dsec/sdk/fncall.py
     """Client of a DSec control plane. ``url``/``token`` default to $DSEC_URL/$DSEC_TOKEN.
 
     ``transport``: an httpx transport that carries every call (tests); without one, plain
