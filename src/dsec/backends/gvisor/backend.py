@@ -304,7 +304,7 @@ class GVisorBackend(BackendBase):
                     d.rmdir()
             with contextlib.suppress(OSError):
                 (self.run_dir / "layers" / ".lock").unlink()
-            for d in (self.run_dir / "layers", self.run_dir):
+            for d in (self.run_dir / "layers", self.run_dir / "uppers", self.run_dir):
                 with contextlib.suppress(OSError):
                     d.rmdir()
         if self._helper_fd >= 0:
@@ -606,10 +606,6 @@ class GVisorBackend(BackendBase):
         Safe on a half-made sandbox and on one whose sentry died."""
         sid, cid = rec.id, rec.container_id or self.container_id(rec.id)
         left: list[str] = []
-        if self.cgroups.freezer_state(sid) not in ("THAWED", ""):
-            # Frozen tasks die only once thawed; runsc delete would first ask the frozen sentry.
-            self.cgroups.kill_all(sid)
-            self.cgroups.thaw(sid)
         # Watch every host process of the sandbox until it is gone: those that were reparented
         # to us (we are their subreaper) are reaped as they die, which runsc delete waits for.
         loop = asyncio.get_running_loop()
@@ -619,6 +615,16 @@ class GVisorBackend(BackendBase):
                 _proc_start(rec.sandbox_pid, zombie=True) == rec.sandbox_start:
             watchers.append(Watched(rec.sandbox_pid, loop))
         watchers += [Watched(p, loop) for p in self.cgroups.pids(sid) if p not in known and p != rec.sandbox_pid]
+        gofer = self.runsc.gofer_pid(cid) if self.runsc is not None else 0
+        if gofer > 0 and _our_zombie(gofer):
+            watchers.append(Watched(gofer, loop))
+        # Kill the sentry, gofer and stubs ourselves (then thaw: frozen tasks die only once
+        # thawed). runsc delete then finds a stopped sandbox and only removes its state and
+        # cgroups: it never waits on a sentry that cannot answer (frozen, or its gofer gone).
+        self.cgroups.kill_all(sid)
+        self.cgroups.thaw(sid)
+        if watchers:
+            await asyncio.wait([asyncio.shield(w.exited) for w in watchers], timeout=5.0)
         runsc = self.runsc
         if runsc is not None and runsc.state_files(cid):
             try:
@@ -630,10 +636,8 @@ class GVisorBackend(BackendBase):
                 with contextlib.suppress(OSError):
                     f.unlink()
         left += [f"cgroup {p}" for p in await self.cgroups.remove(sid)]
-        if watchers:
-            await asyncio.wait([asyncio.shield(w.exited) for w in watchers], timeout=5.0)
-            for w in watchers:
-                w.close()
+        for w in watchers:
+            w.close()
         left += await asyncio.to_thread(bundles.remove_bundle, self.bundle_dir(sid))
         if rec.medium == "disk" and self._uppers is not None:
             with contextlib.suppress(OSError, HostError):
@@ -811,6 +815,14 @@ class GVisorBackend(BackendBase):
         after = disk = None
         if limit_evidence.failed(exit_code, sig) and timed_out is None:
             after = limit_evidence.Counters(self.cgroups.oom_kills(rec.id), 0)
+            start = None if before is None else before.counters
+            if start is not None and after.oom_kills > start.oom_kills:
+                # The host's OOM killer ends the systrap stub that maps the process's memory;
+                # the sentry then reports the process as exited (status 1, measured), not as
+                # SIGKILL: the counter's growth while it ran is the evidence here.
+                hit = LimitHit.of("memory", rec.spec.resources.memory)
+                return LimitHit("memory", hit.value, hit.message + " (gVisor: the host's OOM killer ended it; "
+                                "the sentry's own memory counts against the limit too)")
             disk = self.disk_room(rec)
         return limit_evidence.judge(rec.spec.resources, exit_code=exit_code, sig=sig, timed_out=timed_out,
                                     timeout_s=timeout_s, idle_timeout_s=idle_timeout_s, truncated=truncated,
@@ -886,6 +898,11 @@ class GVisorBackend(BackendBase):
         return True
 
     async def pause(self, sandbox_id: str, *, reclaim: bool = True) -> PauseResult:
+        """Freeze the sandbox (``reclaim`` is ignored: its memory is the sentry's, not swapped out)."""
+        async with self._locks.setdefault(sandbox_id, asyncio.Lock()):
+            return await self._pause(sandbox_id)
+
+    async def _pause(self, sandbox_id: str) -> PauseResult:
         t0 = time.monotonic()
         rec = self.get(sandbox_id)
         if rec.state is SandboxState.PAUSED:
@@ -907,13 +924,26 @@ class GVisorBackend(BackendBase):
         return PauseResult(sandbox_id, freeze_s, None, time.monotonic() - t0)
 
     async def resume(self, sandbox_id: str) -> GVisorRecord:
+        if self.config.pause_method == "freezer":
+            return self._resume(sandbox_id)  # one write, no await: nothing to interleave with
+        async with self._locks.setdefault(sandbox_id, asyncio.Lock()):
+            return await self._resume_runsc(sandbox_id)
+
+    def _resume(self, sandbox_id: str) -> GVisorRecord:
         rec = self.get(sandbox_id)
         if rec.state is not SandboxState.PAUSED:
             return self._running(sandbox_id)
-        if self.config.pause_method == "runsc":
-            await self._require_started().resume(rec.container_id)
-        else:
-            self.cgroups.thaw(sandbox_id)
+        self.cgroups.thaw(sandbox_id)
+        self._move(rec, SandboxState.RUNNING)
+        self._event(rec, "resumed")
+        self.last_activity[sandbox_id] = time.monotonic()
+        return rec
+
+    async def _resume_runsc(self, sandbox_id: str) -> GVisorRecord:
+        rec = self.get(sandbox_id)
+        if rec.state is not SandboxState.PAUSED:
+            return self._running(sandbox_id)
+        await self._require_started().resume(rec.container_id)
         self._move(rec, SandboxState.RUNNING)
         self._event(rec, "resumed")
         self.last_activity[sandbox_id] = time.monotonic()
@@ -939,7 +969,7 @@ class GVisorBackend(BackendBase):
             except DsecError as exc:
                 out.errors[sid] = exc
 
-        await asyncio.gather(*(one(s) for s in ids))
+        await asyncio.gather(*(one(s) for s in dict.fromkeys(ids)))
         out.seconds = time.monotonic() - t0
         return out
 
@@ -950,10 +980,7 @@ class GVisorBackend(BackendBase):
         runsc = self._require_started()
         adopted: list[str] = []
         destroyed: list[str] = []
-        try:
-            containers = await runsc.containers()
-        except (RunscError, ValueError):
-            containers = {}
+        containers = set(runsc.container_ids())
         mounted = {m.mount_point for m in await asyncio.to_thread(_mountinfo)}
         for path in sorted(self.records_dir.glob("*.json")):
             try:
@@ -961,18 +988,17 @@ class GVisorBackend(BackendBase):
             except (OSError, ValueError, KeyError):
                 path.unlink(missing_ok=True)
                 continue
-            c = containers.get(rec.container_id)
-            alive = (rec.state in (SandboxState.RUNNING, SandboxState.PAUSED) and c is not None
-                     and c.get("status") in ("running", "paused") and self._sentry_alive(rec)
-                     and str(self.rootfs(rec.id)) in mounted)
+            alive = (rec.state in (SandboxState.RUNNING, SandboxState.PAUSED) and rec.container_id in containers
+                     and self._sentry_alive(rec) and str(self.rootfs(rec.id)) in mounted)
             if alive and rec.medium == "disk":
                 try:
                     await self._setup_uppers()
                 except HostError:
                     alive = False
             if alive:
-                frozen = self.cgroups.freezer_state(rec.id) == "FROZEN" or (c is not None and c.get("status") == "paused")
-                rec.state = SandboxState.PAUSED if frozen else SandboxState.RUNNING
+                if self.config.pause_method == "freezer":
+                    frozen = self.cgroups.freezer_state(rec.id) == "FROZEN"
+                    rec.state = SandboxState.PAUSED if frozen else SandboxState.RUNNING
                 rec.oom_baseline = self.cgroups.oom_kills(rec.id)
                 self._sandboxes[rec.id] = rec
                 for d in rec.layers:
@@ -1022,6 +1048,19 @@ class GVisorBackend(BackendBase):
 
 _ORPHAN_SPEC: Final = SandboxSpec(image=ImageRef(base="orphan:none"), backend="gvisor")
 """The spec of a leftover found by name only (its record is gone): never run, only torn down."""
+
+
+def _our_zombie(pid: int) -> bool:
+    """``pid`` is an exited, unreaped child of this process that runsc made (its binary re-executed
+    as ``exe``, or named runsc-*)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return False
+    comm = data[data.index(b"(") + 1:data.rindex(b")")]
+    fields = data[data.rindex(b")") + 2:].split()
+    return fields[0] == b"Z" and int(fields[1]) == os.getpid() and (comm == b"exe" or comm.startswith(b"runsc"))
 
 
 def _children() -> builtins.list[int]:
