@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from conftest import RuntimeHarness, mountinfo_lines
-from dsec.backends.container.runtime import Process, TtySize, set_tty_size
+from dsec.backends.base import TtySize, set_tty_size
+from dsec.backends.container.runtime import Process
 from dsec.errors import InvalidSpec
 
 pytestmark = pytest.mark.root

@@ -202,11 +202,13 @@ async def start_cluster(
             try:
                 started.append(await serve_edge(ecfg))
             except HostError as exc:
-                if "network" in (edge_overrides or {}):
+                if "network" in (edge_overrides or {}) or "backends" in (edge_overrides or {}):
                     raise
                 # The default network could not start (no libnftables, no free subnet...):
                 # an all-in-one without it beats none; said at start (Cluster.notes).
-                started.append(await serve_edge(ecfg.model_copy(update={"network": None})))
+                backends = [b.model_copy(update={"network": None}) if b.kind == "container" else b
+                            for b in ecfg.backends]
+                started.append(await serve_edge(ecfg.model_copy(update={"backends": backends})))
                 notes.append(f"edge {edge_id} has no sandbox network ({exc}); its sandboxes are loopback-only")
         await _wait_registered(control, [e.edge_id for e in started])
     except BaseException:
