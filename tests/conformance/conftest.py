@@ -70,14 +70,6 @@ KINDS: dict[str, Callable[[], Any]] = {"container": _container_config, "gvisor":
 """Each backend kind and how to make its (default) config; skips when the host cannot run it."""
 
 KNOWN_BUGS: dict[tuple[str, str], str] = {
-    ("container", "test_non_positive_idle_timeout"): (
-        "ContainerRuntime.exec checks timeout > 0 but not idle_timeout: idle_timeout=-1 (or 0) is accepted and "
-        "the command is killed at once with ExecTimeout('produced no output for -1 s') instead of "
-        "InvalidSpec(field='idle_timeout') before anything runs"),
-    ("container", "test_negative_output_cap"): (
-        "ContainerRuntime.exec takes output_cap=-5 as a cap (only SandboxSpec.output_cap is validated, >= 1024): "
-        "'echo hi' returns stdout b'\\n[... dsec: 3 bytes omitted ...]\\n', truncated=True, instead of "
-        "InvalidSpec(field='output_cap')"),
     ("gvisor", "test_pausing_a_paused_sandbox_is_a_state_error"): (
         "GVisorBackend.resume of a running sandbox returns its record instead of raising SandboxStateError as "
         "ContainerRuntime does (running -> running is not a move of dsec.spec.TRANSITIONS)"),

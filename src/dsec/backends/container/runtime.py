@@ -1433,6 +1433,11 @@ class ContainerRuntime(BackendBase):
         limit = DEFAULT_TIMEOUT_S if isinstance(timeout, _Unset) else timeout
         if limit is not None and limit <= 0:
             raise InvalidSpec("timeout must be positive (or None for no timeout)", field="timeout")
+        if idle_timeout is not None and idle_timeout <= 0:
+            raise InvalidSpec("idle_timeout must be positive (or None for none)", field="idle_timeout")
+        if output_cap is not None and output_cap < 1:
+            raise InvalidSpec(f"output_cap {output_cap} must be at least 1 byte (or None for the sandbox's)",
+                              field="output_cap")
         rec = self._running(sandbox_id)
         cap = output_cap or rec.spec.output_cap
         before = self.limit_baseline(rec)
