@@ -10,6 +10,7 @@ a worker killed in the middle of a call."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import secrets
 import shutil
@@ -209,6 +210,48 @@ def test_200_calls_at_once(rtx: RuntimeHarness, pool: FnCallPool) -> None:
     assert [v[0] for v in values] == list(range(200))
     uids = {v[1] for v in values}
     assert all(u >= pool.config.call_uid_base for u in uids) and len(uids) > 1
+
+
+def test_large_arguments_and_results_stream_through(rtx: RuntimeHarness, pool: FnCallPool) -> None:
+    blob = "ab" * (3 * MiB)  # 6 MiB each way: more than any pipe holds at once
+    r = call(rtx, pool, "def main(s):\n    print(len(s))\n    return s[::-1]", blob, output_cap=8 * MiB)
+    assert r.value == blob[::-1] and r.stdout == f"{len(blob)}\n"
+
+
+def test_a_cancelled_call_is_killed_in_the_worker(rtx: RuntimeHarness, pool: FnCallPool) -> None:
+    marker = f"{secrets.randbelow(10**6) + 1000}.{secrets.randbelow(1000)}"
+
+    async def cancel_one() -> None:
+        task = asyncio.ensure_future(pool.call(IMAGE, "import subprocess\ndef main(m):\n"
+                                                      "    subprocess.run(['sleep', m])", [marker], timeout=60))
+        assert await asyncio.to_thread(wait_until, lambda: bool(host_pids_with(f"sleep {marker}")), 10)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    rtx.run(cancel_one())
+    assert wait_until(lambda: not host_pids_with(f"sleep {marker}"), timeout=10)
+    assert call(rtx, pool, "'after'").value == "after"
+
+
+def test_a_call_that_forges_its_result_and_lives_on_is_killed(rtx: RuntimeHarness, pool: FnCallPool) -> None:
+    """A call can write its own result frame (the pipe is its own) and keep running: it gets
+    the answer it forged, and its process is killed a few seconds later all the same."""
+    marker = f"{secrets.randbelow(10**6) + 1000}.{secrets.randbelow(1000)}"
+    src = ("import os, struct\n"
+           "def main(m):\n"
+           "    for fd in [int(f) for f in os.listdir('/proc/self/fd') if int(f) > 2]:\n"
+           "        try:\n"
+           "            os.write(fd, struct.pack('>IBd', 17, 0x56, 0.0) + b'\"forged\"')\n"
+           "        except OSError:\n"
+           "            pass\n"
+           "    os.execvp('sleep', ['sleep', m])\n")
+    t = time.monotonic()
+    assert call(rtx, pool, src, marker, timeout=60).value == "forged"
+    seen = wait_until(lambda: bool(host_pids_with(f"sleep {marker}")), timeout=0.4)  # it may be gone already
+    assert wait_until(lambda: not host_pids_with(f"sleep {marker}"), timeout=10)
+    assert time.monotonic() - t < 5, seen
+    assert call(rtx, pool, "'next'").value == "next"
 
 
 # ---------------------------------------------------------------- isolation --

@@ -158,7 +158,8 @@ ISOLATION_CASES: dict[str, tuple[str, str]] = {
         "            except OSError:\n"
         "                continue\n"
         "            if b'sleep' in cmd or int(pid) in pids:\n"
-        "                alive.append(int(pid))\n"
+        "                state = open(f'/proc/{pid}/stat').read().rsplit(')', 1)[1].split()[0]\n"
+        "                alive.append([int(pid), cmd.decode(errors='replace'), state])\n"
         "    return alive\n",
     ),
     "template_memory": (

@@ -70,6 +70,8 @@ U32 = struct.Struct(">I")
 RESULT_HEAD = struct.Struct(">IBd")
 """A call's result: length of what follows the length, kind, seconds its code ran."""
 MAX_FRAME = 1 << 30
+LATE_EXIT_S = 0.5
+"""A call answered early whose process has not exited this long after is killed."""
 
 PR_SET_PDEATHSIG = 1
 PR_SET_DUMPABLE = 4
@@ -570,7 +572,13 @@ def zygote_main(cfg: dict[str, Any]) -> None:
             op, _, rest = msg.partition(" ")
             if op == "F":
                 slot_s, uid_s, scratch = rest.split(" ", 2)
-                pid = os.fork()
+                try:
+                    pid = os.fork()
+                except OSError as e:  # EAGAIN (pids cgroup, RLIMIT_NPROC): the supervisor retries
+                    for fd_ in fds:
+                        os.close(fd_)
+                    send_msg(ctl, f"P {slot_s} -{e.errno}")
+                    continue
                 if pid == 0:
                     ctl.detach()
                     for fd_ in (ctl_fd, wake_r, wake_w):
@@ -582,7 +590,11 @@ def zygote_main(cfg: dict[str, Any]) -> None:
                 send_msg(ctl, f"P {slot_s} {pid}")
             elif op == "K":
                 uid = int(rest)
-                pid = os.fork()
+                try:
+                    pid = os.fork()
+                except OSError:
+                    send_msg(ctl, f"k {uid}")  # the supervisor sees what is left and asks again
+                    continue
                 if pid == 0:
                     try:
                         ctl.detach()
@@ -767,7 +779,6 @@ class Supervisor:
         os.set_blocking(1, False)
         self.sel.register(0, selectors.EVENT_READ, self.on_stdin)
         self.sel.register(self.wake_r, selectors.EVENT_READ, self.on_cleaned)
-        threading.Thread(target=self.cleaner, daemon=True).start()
         while True:
             delay = None
             while self.timers and self.timers[0][2] is None:
@@ -818,6 +829,7 @@ class Supervisor:
         self.ctl = a
         self.sel.register(a.fileno(), selectors.EVENT_READ, self.on_ctl)
         self.started = {"lockdown_s": round(lock_s, 4), "lockdown": counts}
+        threading.Thread(target=self.cleaner, daemon=True).start()  # after the fork above
 
     # -- host frames --
 
@@ -893,7 +905,10 @@ class Supervisor:
                 os._exit(71)
             elif op == "P":
                 idx, pid = (int(x) for x in rest.split())
-                self.forked(self.slots[idx], pid)
+                if pid > 0:
+                    self.forked(self.slots[idx], pid)
+                else:
+                    self.fork_failed(self.slots[idx], -pid)
             elif op == "X":
                 pid, status = (int(x) for x in rest.split())
                 slot = self.by_pid.get(pid)
@@ -935,6 +950,17 @@ class Supervisor:
             except OSError:
                 s.pidfd = -1
                 self.exited(s, pid)
+
+    def fork_failed(self, s: Slot, err: int) -> None:
+        _log(f"fork for slot {s.index} failed: {os.strerror(err)}; retrying")
+        for fd in (s.res_r, s.out_r, s.err_r, s.req_w):
+            if fd >= 0:
+                with contextlib.suppress(KeyError):
+                    self.sel.unregister(fd)
+                os.close(fd)
+        s.res_r = s.out_r = s.err_r = s.req_w = -1
+        s.state = "idle"
+        self.timer(0.05, lambda: self.prefork(s) if s.state == "idle" else None)
 
     # -- calls --
 
@@ -1105,6 +1131,11 @@ class Supervisor:
         self.drain_output(s, call)
         if call.killed is None:
             self.respond(s, call)
+            # Its process exits right after its result, unless the call forged the result
+            # (it can write to its own result pipe) and lives on: then it is killed (killing
+            # one that is already exiting loses nothing: its answer is out).
+            call.timer = self.timer(LATE_EXIT_S, lambda: self.kill(s, "late") if s.call is call and not call.exited
+                                    else None)
 
     def drain_output(self, s: Slot, call: Call) -> None:
         for fd in (s.out_r, s.err_r):
@@ -1147,8 +1178,10 @@ class Supervisor:
         s.res_r = s.out_r = s.err_r = s.req_w = -1
         self.by_pid.pop(s.pid, None)
         status = self.statuses.pop(s.pid, None)
-        if call is not None and not call.done:
-            self.respond(s, call, status)
+        if call is not None:
+            self.cancel(call.timer)
+            if not call.done:
+                self.respond(s, call, status)
         s.state = "cleaning"
         with self.clean_cv:
             self.cleanups.append((s, s.scratch))
