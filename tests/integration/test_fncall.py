@@ -273,6 +273,9 @@ def test_isolation_a_file_in_tmp_or_the_scratch_dir_is_not_seen_by_the_next_call
     # The call's own scratch directory is its cwd, HOME and TMPDIR, empty at start.
     v = call(rtx, pool, "import os, tempfile\n[os.getcwd(), os.environ['HOME'], tempfile.gettempdir(), os.listdir('.')]")
     assert v.value[0] == v.value[1] == v.value[2] and v.value[0].startswith("/fncall/") and v.value[3] == []
+    v = call(rtx, pool, "import getpass, os, tempfile\n"
+                        "[getpass.getuser(), os.path.dirname(tempfile.mkstemp()[1]) == os.getcwd()]")
+    assert v.value[0].startswith("fncall") and v.value[1] is True
 
 
 def test_isolation_a_global_set_by_a_call_is_gone_for_the_next(rtx: RuntimeHarness, pool: FnCallPool) -> None:

@@ -405,7 +405,11 @@ def call_child(uid: int, scratch: str, fds: list[int], limits: dict[str, int], z
         os.chdir(scratch)
         os.umask(0o077)
         # The zygote was started with the calls' environment: only these differ per call.
-        os.environ.update({"HOME": scratch, "TMPDIR": scratch, "PWD": scratch})
+        name = f"fncall{uid}"  # no passwd entry: getpass.getuser() and friends read these
+        os.environ.update({"HOME": scratch, "TMPDIR": scratch, "PWD": scratch, "USER": name, "LOGNAME": name})
+        tmpmod = sys.modules.get("tempfile")
+        if tmpmod is not None:
+            tmpmod.tempdir = None  # type: ignore[attr-defined]  # a preload may have cached the zygote's
         sys.argv[:] = ["<fncall>"]
         nprandom = sys.modules.get("numpy.random")
         if nprandom is not None:
