@@ -57,6 +57,7 @@ from dsec.backends.container.fsops import SandboxFiles
 from dsec.backends.container.network import Lease, NetworkConfig, NetworkManager
 from dsec.backends.container.output import BoundedCapture, ExecResult, write_all
 from dsec.backends.container.output import set_done as _set_done
+from dsec.backends.container.sandbox import LiveSandbox, RecordView
 from dsec.backends.container.sessions import Session
 from dsec.backends.container.spawner import ChildExit, Spawner, SpawnError
 from dsec.backends.container.uppers import UpperStore, UpperUsage
@@ -350,12 +351,13 @@ class ContainerRuntime(BackendBase):
         self._repair_gen = 0
         self._last_heal_start = float("-inf")
         self.spawner: Spawner | None = None
-        self.sandboxes: dict[str, ContainerRecord] = {}
-        self._locks: dict[str, asyncio.Lock] = {}
+        self._boxes: dict[str, LiveSandbox] = {}
+        """Every sandbox's live state, its record included (:mod:`sandbox`)."""
+        self.sandboxes: RecordView = RecordView(self._boxes)
+        """The records, read-only (the Backend protocol's view)."""
         self._devnull = -1
         self.reconciled: dict[str, list[str]] = {}
         self.last_activity: dict[str, float] = {}
-        self._sessions: dict[str, dict[str, Session]] = {}
         # Which sandboxes use which layer. The store holds one pin per layer for this
         # runtime ("runtime:<name>") while any sandbox uses it: one sqlite write per
         # layer, not per sandbox, and records rebuild the map after a crash.
@@ -363,7 +365,6 @@ class ContainerRuntime(BackendBase):
         self._layer_paths: dict[str, Path] = {}
         self._resolved: dict[str, tuple[float, str]] = {}
         self._free_slots: list[int] = []
-        self._limits_seen: dict[str, list[int]] = {}
         self._track_seq = 0
         self._boot = secrets.token_hex(3)
         if reclaim_method not in pausing.RECLAIM_METHODS:
@@ -371,7 +372,6 @@ class ContainerRuntime(BackendBase):
                               field="reclaim_method")
         self.reclaim_method: pausing.ReclaimMethod = reclaim_method
         self.swap = ZramSwap(name, zram_size, self.run_dir / "zram.json")
-        self._wake_gen: dict[str, int] = {}
         self.max_layers = snapshots.DEFAULT_MAX_LAYERS
         self.snapshot_compressor = snapshots.SNAPSHOT_COMPRESSOR
         """mkfs.erofs compressor of snapshot layers: lz4 (default), lz4hc, or none."""
@@ -380,13 +380,9 @@ class ContainerRuntime(BackendBase):
         self.snapshot_scratch = "auto"
         """Where a snapshot copies the upper while frozen: "auto" (a tmpfs if any, else the store) or "store"."""
         """A snapshot whose stack would be deeper collapses the snapshots on top (docs/SNAPSHOTS.md)."""
-        self._packing: set[str] = set()
-        self._thaw_after_pack: dict[str, bool] = {}
         self._lineage: dict[str, tuple[str, ...] | None] = {}
         self._kinds: dict[str, LayerKind] = {}
         self._ephemeral_dir = self.run_dir / "ephemeral"
-        self._stage_gates: dict[str, asyncio.Event] = {}
-        self._spawning: dict[str, int] = {}
         self.landlock_abi = staging.landlock_abi()
         """The kernel's Landlock ABI (0: none; stages with file rules then fail to exec)."""
         self.net = NetworkManager(network, runtime=name, claims_dir=self.claims_dir)
@@ -409,7 +405,6 @@ class ContainerRuntime(BackendBase):
             raise InvalidSpec(f"uppers path {self.uppers.mountpoint} must not contain , : \\ or spaces "
                               "(it goes into overlayfs options)", field="uppers_path")
         self._uppers_lock = asyncio.Lock()
-        self._disk_commits: dict[str, float] = {}
 
     # ----- lifecycle of the runtime itself -----
 
@@ -674,9 +669,8 @@ class ContainerRuntime(BackendBase):
         compiled = None if policy is None else await self.net.compile(policy)  # bad names fail first
         rec = ContainerRecord(id=sid, state=SandboxState.CREATING, spec=spec, created_at=time.time(), layers=layers,
                               edge=edge if edge is not None else EdgeMeta())
-        self.sandboxes[sid] = rec
-        lock = self._locks.setdefault(sid, asyncio.Lock())
-        async with lock:
+        box = self._boxes[sid] = LiveSandbox(rec)
+        async with box.lock:
             lease: Lease | None = None
             try:
                 # No record until the init runs: until then every host resource is
@@ -706,7 +700,7 @@ class ContainerRuntime(BackendBase):
                 if lease is not None and sid not in self.net.sandboxes:
                     self.net.release(lease)  # never handed over to the sandbox's state
                 await self._teardown(rec)
-                self.sandboxes.pop(sid, None)
+                self._boxes.pop(sid, None)
                 raise
             finally:
                 if lease is not None:
@@ -714,30 +708,26 @@ class ContainerRuntime(BackendBase):
 
     async def destroy(self, sandbox_id: str) -> bool:
         """Destroy a sandbox and everything it holds. Idempotent: False if it was not there."""
-        rec = self.sandboxes.get(sandbox_id)
-        if rec is None:
+        box = self._boxes.get(sandbox_id)
+        if box is None:
             return False
-        lock = self._locks.setdefault(sandbox_id, asyncio.Lock())
-        async with lock:
-            if sandbox_id not in self.sandboxes:
+        rec = box.rec
+        async with box.lock:
+            if self._boxes.get(sandbox_id) is not box:
                 return False
             if rec.state is SandboxState.PAUSED:
                 # Frozen tasks die only once thawed: kill them frozen, then thaw (no page-in).
                 self.cgroups.kill_all(sandbox_id)
             if rec.state in (SandboxState.RUNNING, SandboxState.FAILED, SandboxState.CREATING, SandboxState.PAUSED):
                 self._move(rec, SandboxState.STOPPING, save=False)  # a cut-short destroy: see docs/RUNTIME.md
-            for sess in self._sessions.pop(sandbox_id, {}).values():
+            for sess in box.take_sessions():
                 with contextlib.suppress(Exception):
                     await sess.close()
             left = await self._teardown(rec)
             if not left:
                 self._move(rec, SandboxState.STOPPED, save=False)  # the record file is gone
-            self.sandboxes.pop(sandbox_id, None)
-            self._locks.pop(sandbox_id, None)
+            self._boxes.pop(sandbox_id, None)
             self.last_activity.pop(sandbox_id, None)
-            self._limits_seen.pop(sandbox_id, None)
-            self._disk_commits.pop(sandbox_id, None)
-            self._wake_gen.pop(sandbox_id, None)
             if left:
                 raise HostError(f"sandbox {sandbox_id}: could not remove {left}", sandbox_id=sandbox_id)
             return True
@@ -919,7 +909,10 @@ class ContainerRuntime(BackendBase):
         now = counters if counters is not None else limit_evidence.counters(self.cgroups, rec.id)
         if now is None:
             return
-        seen = self._limits_seen.setdefault(rec.id, [0, 0])
+        box = self._boxes.get(rec.id)
+        if box is None:
+            return  # destroyed meanwhile
+        seen = box.limits_seen
         for i, (event, value) in enumerate((("oom", now.oom_kills), ("pids_limit", now.pids_hits))):
             if value > seen[i]:
                 self._event(rec, event, count=value - seen[i])
@@ -975,11 +968,12 @@ class ContainerRuntime(BackendBase):
             try:
                 use = self.uppers.usage(rec.id)
                 seen = self.last_activity.get(rec.id, 0.0)
-                if use.free < limit_evidence.DISK_FULL_BYTES and self._disk_commits.get(rec.id) != seen:
+                box = self._boxes.get(rec.id)
+                if use.free < limit_evidence.DISK_FULL_BYTES and box is not None and box.disk_commit != seen:
                     # Looks full: the figures may predate an rm (qgroups update at commits).
                     # Commit (a few ms) and look again, once per burst of activity: a full
                     # sandbox left idle costs nothing more.
-                    self._disk_commits[rec.id] = seen
+                    box.disk_commit = seen
                     self.uppers.commit()
                     use = self.uppers.usage(rec.id)
             except (OSError, ValueError, HostError):
@@ -1003,7 +997,42 @@ class ContainerRuntime(BackendBase):
         return rec
 
     def list(self) -> builtins.list[ContainerRecord]:
-        return list(self.sandboxes.values())
+        return [b.rec for b in self._boxes.values()]
+
+    def sandbox_state(self, sandbox_id: str) -> LiveSandbox | None:
+        """Like :meth:`live`, None for a sandbox that is gone."""
+        return self._boxes.get(sandbox_id)
+
+    def init_handle(self, rec: ContainerRecord) -> int:
+        """A pidfd of the sandbox's init (the caller closes it); SandboxFailed, and the record
+        marked failed, if the init is gone."""
+        fd = self._open_init(rec)
+        assert fd is not None
+        return fd
+
+    def mark_failed(self, rec: ContainerRecord, reason: str) -> None:
+        self._mark_failed(rec, reason)
+
+    def layer_path(self, digest: str) -> Path:
+        """Where a layer this runtime uses is mounted on the host."""
+        known = self._layer_paths.get(digest)
+        return Path(known) if known is not None else Path(self._mounts.mountpoint(digest))
+
+    def mark_ephemeral(self, digest: str) -> None:
+        """A fork's layer: removed once no sandbox uses it (:meth:`drop_ephemeral`)."""
+        self._mark_ephemeral(digest)
+
+    def event(self, rec: ContainerRecord, kind: str, **data: Any) -> None:
+        """Add to the sandbox's event log."""
+        self._event(rec, kind, **data)
+
+    def live(self, sandbox_id: str) -> LiveSandbox:
+        """The sandbox's live state (lock, sessions, stage switch, pack handshake): what
+        sessions, snapshots and pause use instead of the runtime's private members."""
+        box = self._boxes.get(sandbox_id)
+        if box is None:
+            raise SandboxNotFound(f"no sandbox {sandbox_id!r} on this node", sandbox_id=sandbox_id)
+        return box
 
     def require_running(self, sandbox_id: str) -> ContainerRecord:
         """The record of a running sandbox; SandboxNotFound / SandboxStateError otherwise."""
@@ -1047,8 +1076,7 @@ class ContainerRuntime(BackendBase):
         connections the new policy forbids are cut. ``None``: nothing beyond loopback.
         A loopback-only sandbox gets its veth on the first policy. Works while paused."""
         compiled = None if policy is None else await self.net.compile(policy)
-        lock = self._locks.setdefault(sandbox_id, asyncio.Lock())
-        async with lock:
+        async with self.live(sandbox_id).lock:
             rec = self._live(sandbox_id)
             if rec.net is None and policy is None:
                 return rec
@@ -1165,19 +1193,17 @@ class ContainerRuntime(BackendBase):
         if not stage.files.unrestricted and self.landlock_abi < 1:
             raise HostError("stage file rules need Landlock, which this kernel lacks (CONFIG_SECURITY_LANDLOCK, lsm=landlock)",
                             sandbox_id=sandbox_id)
-        while (busy := self._stage_gates.get(sandbox_id)) is not None:
-            await busy.wait()  # one switch at a time
-        gate = asyncio.Event()
-        self._stage_gates[sandbox_id] = gate
+        box = self.live(sandbox_id)
+        gate = await box.begin_stage_switch()  # one switch at a time
         t0 = time.perf_counter()
         try:
             rec = self._running(sandbox_id)
             old = rec.stage or rec.spec.stage
             # Starts already sent to the spawner finish first (their child may not be in the cgroup yet).
-            while self._spawning.get(sandbox_id, 0) > 0:
+            while box.spawning > 0:
                 await asyncio.sleep(0.0005)
             killed = await self._kill_all_but_init(rec)
-            for sess in list(self._sessions.pop(sandbox_id, {}).values()):
+            for sess in box.take_sessions():
                 sess.ended_reason = f"the sandbox switched to stage {name!r}; open a new session"
                 with contextlib.suppress(Exception):
                     await sess.close()
@@ -1193,8 +1219,7 @@ class ContainerRuntime(BackendBase):
             self.last_activity[sandbox_id] = time.monotonic()
             return rec
         finally:
-            self._stage_gates.pop(sandbox_id, None)
-            gate.set()
+            box.end_stage_switch(gate)
 
     @staticmethod
     def _stage_fs_checks(rec: ContainerRecord, files: Any) -> tuple[builtins.list[str], builtins.list[str]]:
@@ -1280,10 +1305,9 @@ class ContainerRuntime(BackendBase):
         image's own (see :meth:`exec`). With ``tty`` the stdio fds are
         ignored: use :meth:`start_tty`."""
         spawner = await self._ensure_spawner()
-        gate = self._stage_gates.get(sandbox_id)
-        if gate is not None:
-            await gate.wait()  # a stage switch is killing the old stage's processes
+        await self.live(sandbox_id).wait_for_stage_switch()  # it kills the old stage's processes
         rec = self._running(sandbox_id)
+        box = self.live(sandbox_id)
         if not argv or not argv[0]:
             raise InvalidSpec("empty command", field="cmd", sandbox_id=sandbox_id)
         if not cwd.startswith("/"):
@@ -1307,16 +1331,16 @@ class ContainerRuntime(BackendBase):
         init_fd = self._open_init(rec)
         assert init_fd is not None
         started = time.monotonic()
-        self._spawning[sandbox_id] = self._spawning.get(sandbox_id, 0) + 1
         try:
-            spawned = await spawner.send(wire.ExecRequest(
-                init_pidfd=init_fd, stdin=stdin, stdout=stdout, stderr=stderr, argv=tuple(argv),
-                env=tuple(merged.items()), cwd=cwd, uid=uid, gid=gid, seccomp=seccomp, cgroups=tuple(cg_dirs),
-                rlimits=(wire.Rlimit(7, res.nofile, res.nofile),),  # RLIMIT_NOFILE
-                landlock=landlock, pristine=image_copies,
-                init_pid=rec.init_pid if image_copies is not None or tty is not None else None,
-                # The sandbox's tty group (gid 5 inside) in host ids: devpts takes the mounter's.
-                tty=None if tty is None else wire.Tty(rec.uid_base + 5, tty.rows, tty.cols)))
+            with box.starting():
+                spawned = await spawner.send(wire.ExecRequest(
+                    init_pidfd=init_fd, stdin=stdin, stdout=stdout, stderr=stderr, argv=tuple(argv),
+                    env=tuple(merged.items()), cwd=cwd, uid=uid, gid=gid, seccomp=seccomp, cgroups=tuple(cg_dirs),
+                    rlimits=(wire.Rlimit(7, res.nofile, res.nofile),),  # RLIMIT_NOFILE
+                    landlock=landlock, pristine=image_copies,
+                    init_pid=rec.init_pid if image_copies is not None or tty is not None else None,
+                    # The sandbox's tty group (gid 5 inside) in host ids: devpts takes the mounter's.
+                    tty=None if tty is None else wire.Tty(rec.uid_base + 5, tty.rows, tty.cols)))
         except SpawnError as exc:
             if track is not None:
                 self.cgroups.drop_track(track)
@@ -1327,10 +1351,6 @@ class ContainerRuntime(BackendBase):
             raise
         finally:
             os.close(init_fd)
-            if (left := self._spawning[sandbox_id] - 1) > 0:
-                self._spawning[sandbox_id] = left
-            else:
-                del self._spawning[sandbox_id]
         os.close(spawned.pidfd)
         self.last_activity[sandbox_id] = time.monotonic()
         self._event(rec, "exec_started", pid=spawned.pid, argv0=argv[0], cmd=command_line(argv))
@@ -1651,7 +1671,7 @@ class ContainerRuntime(BackendBase):
                     os.close(fd)
                     alive = rec.init_pid in self.cgroups.pids(rec.id)
             if alive:
-                self.sandboxes[rec.id] = rec
+                self._boxes[rec.id] = LiveSandbox(rec)
                 if rec.net is not None:
                     pol = rec.net.get("policy")
                     self.net.adopt(rec.id, rec.net, None if pol is None else NetworkPolicy.model_validate(pol))
@@ -1872,19 +1892,21 @@ class ContainerRuntime(BackendBase):
         self._running(sandbox_id)
         sess = pausing.ResumingSession(self, sandbox_id, f"sess-{secrets.token_hex(4)}")
         await sess.start(env=dict(env or {}), cwd=cwd, user=user)
-        self._sessions.setdefault(sandbox_id, {})[sess.id] = sess
+        self.live(sandbox_id).add_session(sess)
         return sess
 
     async def close_session(self, sandbox_id: str, session_id: str) -> bool:
         """Kill a session's shell and everything it started; False if there was no such session."""
-        sess = self._sessions.get(sandbox_id, {}).pop(session_id, None)
+        box = self._boxes.get(sandbox_id)
+        sess = None if box is None else box.drop_session(session_id)
         if sess is None:
             return False
         await sess.close()
         return True
 
     def sessions(self, sandbox_id: str) -> builtins.list[Session]:
-        return list(self._sessions.get(sandbox_id, {}).values())
+        box = self._boxes.get(sandbox_id)
+        return [] if box is None else list(box.sessions.values())
 
     # ----- introspection -----
 
@@ -1970,16 +1992,14 @@ class ContainerRuntime(BackendBase):
 
         Exec, files and sessions call this, so a paused sandbox resumes on any request;
         its pages come back from swap as they are touched."""
-        rec = self.sandboxes.get(sandbox_id)
-        if rec is None or rec.state is not SandboxState.PAUSED:
+        box = self._boxes.get(sandbox_id)
+        if box is None or box.rec.state is not SandboxState.PAUSED:
             return False
-        if sandbox_id in self._packing:
-            # A snapshot is copying its upper: it thaws when the copy is done; the
-            # request goes on and waits for that inside the frozen cgroup.
-            self._thaw_after_pack[sandbox_id] = True
-        else:
+        rec = box.rec
+        # While a snapshot copies its upper it thaws when the copy is done; the request
+        # goes on and waits for that inside the frozen cgroup.
+        if not box.wake_requested():
             pausing.thaw(self.cgroups, sandbox_id)
-        self._wake_gen[sandbox_id] = self._wake_gen.get(sandbox_id, 0) + 1
         self._move(rec, SandboxState.RUNNING, save=False)
         self._event(rec, "resumed")
         self.last_activity[sandbox_id] = time.monotonic()
@@ -2009,8 +2029,7 @@ class ContainerRuntime(BackendBase):
         if rec.state is SandboxState.PAUSED:
             raise SandboxStateError(f"sandbox {sandbox_id} is already paused", sandbox_id=sandbox_id, state="paused")
         self._running(sandbox_id, resume=False)
-        lock = self._locks.setdefault(sandbox_id, asyncio.Lock())
-        async with lock:
+        async with self.live(sandbox_id).lock:
             rec = self.get(sandbox_id)
             if rec.state is SandboxState.PAUSED:
                 raise SandboxStateError(f"sandbox {sandbox_id} is already paused", sandbox_id=sandbox_id, state="paused")
@@ -2029,13 +2048,12 @@ class ContainerRuntime(BackendBase):
 
     async def _reclaim_paused(self, sandbox_id: str) -> pausing.ReclaimStats | None:
         """The second half: push a paused sandbox's memory to swap (None if it was resumed meanwhile)."""
-        rec = self.sandboxes.get(sandbox_id)
-        if rec is None or not _is_paused(rec):
+        box = self._boxes.get(sandbox_id)
+        if box is None or not _is_paused(box.rec):
             return None
-        gen = self._wake_gen.get(sandbox_id, 0)
-        lock = self._locks.setdefault(sandbox_id, asyncio.Lock())
-        async with lock:
-            if not _is_paused(rec) or self._wake_gen.get(sandbox_id, 0) != gen or sandbox_id not in self.sandboxes:
+        rec, gen = box.rec, box.wake_gen
+        async with box.lock:
+            if not _is_paused(rec) or box.wake_gen != gen or self._boxes.get(sandbox_id) is not box:
                 return None
             return await asyncio.to_thread(pausing.reclaim, self.cgroups, sandbox_id, self.reclaim_method)
 

@@ -263,7 +263,9 @@ class Session:
 
     async def close(self) -> None:
         """Kill the shell and everything it started. Idempotent."""
-        self.runtime._sessions.get(self.sandbox_id, {}).pop(self.id, None)
+        box = self.runtime.sandbox_state(self.sandbox_id)
+        if box is not None:
+            box.drop_session(self.id)
         if self._proc is not None and not self._proc.exited.done():
             self._proc.kill(tree=True)
             with contextlib.suppress(Exception):

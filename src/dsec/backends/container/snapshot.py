@@ -216,24 +216,23 @@ async def make_snapshot(
     store = rt.store
     the_plan = plan(rec.layers, lambda d: store.get(d).kind, max_layers or rt.max_layers)
     t0 = time.perf_counter()
-    lock = rt._locks.setdefault(sandbox_id, asyncio.Lock())
+    box = rt.live(sandbox_id)
     stats = DiffStats()
     frozen_s = 0.0
     with store.scratch("snapshot") as scratch, contextlib.ExitStack() as stack:
-        async with lock:
+        async with box.lock:
             rec = rt.get(sandbox_id)
             if rec.state not in (SandboxState.RUNNING, SandboxState.PAUSED):
                 raise SandboxStateError(f"sandbox {sandbox_id} is {rec.state.value}", sandbox_id=sandbox_id,
                                         state=rec.state.value)
-            pidfd = rt._open_init(rec)  # SandboxFailed if the init is gone
-            assert pidfd is not None
+            pidfd = rt.init_handle(rec)  # SandboxFailed if the init is gone
             try:
                 upper = Path(f"/proc/{rec.init_pid}/fd/3")
                 try:
                     used = rt.disk_usage(sandbox_id).used
                     upper_fd = open_dir(upper / "upper")
                 except OSError:
-                    rt._mark_failed(rec, "the sandbox's init process is gone")
+                    rt.mark_failed(rec, "the sandbox's init process is gone")
                     raise SandboxFailed(f"sandbox {sandbox_id} has failed: its init process is gone",
                                         sandbox_id=sandbox_id, reason="init_exited") from None
             finally:
@@ -256,7 +255,7 @@ async def make_snapshot(
                     )
                 # Lower layers of the collapsed run: immutable, copied before the freeze.
                 for digest in reversed(the_plan.merge):
-                    src = open_dir(rt._layer_paths.get(digest) or rt._mounts.mountpoint(digest))
+                    src = open_dir(rt.layer_path(digest))
                     try:
                         await asyncio.to_thread(apply_diff, src, tree, stats=stats, root_meta=False)
                     finally:
@@ -271,7 +270,7 @@ async def make_snapshot(
                     since_ns = time.clock_gettime_ns(time.CLOCK_REALTIME) - PRECOPY_TICK_NS
                     await asyncio.to_thread(apply_diff, upper_fd, tree, uid_shift=rec.uid_base, exclude=excluder,
                                             stats=stats, record=seen)
-                rt._packing.add(sandbox_id)
+                box.begin_pack()
                 try:
                     if not was_paused:
                         frozen_s = await pausing.freeze(rt.cgroups, sandbox_id)
@@ -284,8 +283,7 @@ async def make_snapshot(
                                                 exclude=excluder, stats=stats)
                     frozen_s = 0.0 if was_paused else frozen_s + time.perf_counter() - tf
                 finally:
-                    rt._packing.discard(sandbox_id)
-                    woken = rt._thaw_after_pack.pop(sandbox_id, False)
+                    woken = box.end_pack()
                     if not was_paused or woken:
                         with contextlib.suppress(OSError):
                             pausing.thaw(rt.cgroups, sandbox_id)
@@ -319,12 +317,12 @@ async def make_snapshot(
                 raise _storage_full(exc, "store", scratch.parent, sandbox_id) from None
             raise
     if ephemeral:
-        rt._mark_ephemeral(layer.digest)
+        rt.mark_ephemeral(layer.digest)
     elapsed = time.perf_counter() - t0
     rec2 = rt.sandboxes.get(sandbox_id)
     if rec2 is not None:
-        rt._event(rec2, "snapshot", digest=layer.digest, ref=layer.ref, size=layer.size, bytes=stats.bytes,
-                  frozen_s=round(frozen_s, 6), seconds=round(elapsed, 6), collapsed=len(the_plan.merge))
+        rt.event(rec2, "snapshot", digest=layer.digest, ref=layer.ref, size=layer.size, bytes=stats.bytes,
+                 frozen_s=round(frozen_s, 6), seconds=round(elapsed, 6), collapsed=len(the_plan.merge))
     return SnapshotInfo(layer, stats, frozen_s, elapsed, the_plan.merge)
 
 
