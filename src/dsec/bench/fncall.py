@@ -276,6 +276,25 @@ async def run_isolation_cases(call: Callable[..., Any]) -> int:
 # ---------------------------------------------------------------- measure ----
 
 
+def _proc_cpu_s(pid: int) -> float:
+    """utime + stime + cutime + cstime of ``pid`` (its own and its reaped children's)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_s(supervisors: Sequence[int]) -> float:
+    """CPU seconds used so far by this process and by the workers: each supervisor and its
+    zygote, whose reaped children are every call process (and their orphans: the zygote is
+    their subreaper)."""
+    total = time.process_time()
+    for pid in supervisors:
+        total += _proc_cpu_s(pid)
+        for task in os.listdir(f"/proc/{pid}/task"):
+            for child in Path(f"/proc/{pid}/task/{task}/children").read_text().split():
+                total += _proc_cpu_s(int(child))
+    return total
+
+
 async def _timed(n: int, one: Callable[[], Any]) -> list[float]:
     out: list[float] = []
     for _ in range(n):
@@ -321,9 +340,17 @@ async def measure(pool: Any, container: Any, image: Any, *, n_seq: int = 300, n_
     say(f"fncall: {n_conc} calls at once")
     from dsec.backends.fncall.types import FnCall, FnResult
 
-    t = time.perf_counter()
+    sups = [w.supervisor_pid for w in pool.workers() if w.supervisor_pid]
+    cpu0, t = _cpu_s(sups), time.perf_counter()
     outs = await pool.call_many(image, [FnCall(SNIPPET, ARGS)] * n_conc)
     dt = time.perf_counter() - t
+    await asyncio.sleep(0.5)  # the last call processes exit and are reaped
+    cpu = _cpu_s(sups) - cpu0
+    if cpu > 0:
+        # What a call costs in CPU, host side (this process) and in its worker sandbox: on a
+        # machine shared with other work, rate = cores / cpu per call is what it would do alone.
+        results["fncall_cpu_ms_per_call"] = cpu / n_conc * 1000
+        results["fncall_per_s_cpu_bound"] = (os.cpu_count() or 1) / (cpu / n_conc)
     bad = [o for o in outs if not isinstance(o, FnResult)]
     if bad:
         raise RuntimeError(f"{len(bad)} of {n_conc} concurrent calls failed, e.g. {bad[0]!r}")
