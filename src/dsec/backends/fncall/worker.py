@@ -369,8 +369,7 @@ def call_child(uid: int, scratch: str, fds: list[int], limits: dict[str, int], z
     req_r, res_w, out_w, err_w = fds
     try:
         signal.set_wakeup_fd(-1)
-        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
-            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the only disposition the zygote changed
         os.setsid()
         devnull = os.open("/dev/null", os.O_RDWR)
         os.dup2(devnull, 0)
@@ -384,8 +383,11 @@ def call_child(uid: int, scratch: str, fds: list[int], limits: dict[str, int], z
         os.set_inheritable(res_w, False)
         os.mkdir(scratch, 0o700)
         os.chown(scratch, uid, uid)
-        with open("/proc/self/oom_score_adj", "w") as f:
-            f.write("1000")  # the cgroup's OOM killer takes a call before the zygote or supervisor
+        adj = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
+        try:  # the cgroup's OOM killer takes a call before the zygote or supervisor
+            os.write(adj, b"1000")
+        finally:
+            os.close(adj)
         import resource
 
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
