@@ -377,13 +377,14 @@ def test_the_datagram_and_fd_caps(binary: Path, fds: list[int]) -> None:
 
 
 def test_landlock_from_stage_tokens() -> None:
-    from dsec.backends.container.stages import landlock_tokens
+    from dsec.backends.container.stages import landlock
     from dsec.spec import FileRules
 
     rules = FileRules(default="rw", hidden=("/tests",), read_only=("/usr",), writable=("/workspace",))
-    ll = Landlock.from_tokens(landlock_tokens(rules))
-    assert ll is not None and ll.encode() == list(landlock_tokens(rules))
-    assert Landlock.from_tokens(landlock_tokens(FileRules())) is None  # unrestricted: no Landlock at all
+    built = landlock(rules)
+    assert built is not None
+    assert Landlock.from_tokens(built.encode()) == built  # tokens round-trip
+    assert landlock(FileRules()) is None  # unrestricted: no Landlock at all
     for bad in ([("lr", "w:/x")], [("ld", "w"), ("ld", "r")], [("ld", "w"), ("lr", "q:/x")], [("x", "y")]):
         with pytest.raises(InvalidSpec):
             Landlock.from_tokens(bad)

@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from dsec.backends.container.stages import check_pristine, landlock_tokens, restricted_paths
+from dsec.backends.container.stages import check_pristine, landlock, restricted_paths
 from dsec.errors import InvalidSpec
 from dsec.spec import FileRules
+
+
+def landlock_tokens(rules: FileRules) -> tuple[tuple[str, str], ...]:
+    """What goes on the wire for ``rules`` (the spawner's ``ld``/``lr`` fields)."""
+    ll = landlock(rules)
+    return () if ll is None else tuple(ll.encode())
 
 
 def test_unrestricted_rules_send_nothing() -> None:

@@ -1319,8 +1319,7 @@ class ContainerRuntime(BackendBase):
                 raise InvalidSpec(f"bad environment variable {k!r}", field="env")
         res = rec.spec.resources
         stage = rec.stage or rec.spec.stage
-        landlock = None if stage is None else wire.Landlock.from_tokens(
-            staging.landlock_tokens(rec.spec.stages[stage].files))
+        landlock = None if stage is None else staging.landlock(rec.spec.stages[stage].files)
         image_copies = self._pristine(rec, pristine) if pristine else None  # checked before a cgroup is made
         cg_dirs = self.cgroups.dirs(sandbox_id)
         track: Path | None = None
@@ -2177,9 +2176,9 @@ class ContainerRuntime(BackendBase):
                         field="image",
                     )
             stack.append(d)
-        if len(stack) > snapshots.MAX_LOWERS:
+        if len(stack) > wire.MAX_LAYERS:
             raise InvalidSpec(
-                f"this image stacks {len(stack)} layers; a sandbox can mount at most {snapshots.MAX_LOWERS}",
+                f"this image stacks {len(stack)} layers; a sandbox can mount at most {wire.MAX_LAYERS}",
                 field="image",
             )
         return list(reversed(stack))

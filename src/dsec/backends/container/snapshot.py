@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 from dsec.backends.container import pause as pausing
+from dsec.backends.container import wire
 from dsec.errors import InvalidSpec, SandboxFailed, SandboxStateError
 from dsec.images.diff import DiffStats, Excluder, apply_diff, open_dir, resync_diff, tree_bytes
 from dsec.images.erofs import make_erofs
@@ -50,7 +51,8 @@ from dsec.spec import SandboxState
 if TYPE_CHECKING:
     from dsec.backends.container.runtime import ContainerRuntime
 
-MAX_LOWERS: Final = 15
+MAX_LOWERS: Final = wire.MAX_LAYERS
+"""Layers a sandbox can stack (the spawner's cap)."""
 """Lower layers the spawner mounts at most (it reads 15 ``lower`` fields)."""
 DEFAULT_MAX_LAYERS: Final = 8
 """Collapse when a snapshot's stack would exceed this (room left for toolkits on top)."""

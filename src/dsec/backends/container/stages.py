@@ -5,7 +5,7 @@ This module owns what the runtime sends the spawner for a stage's
 work of a stage switch (breaking hard links out of restricted paths). The
 kernel work itself — walking the sandbox's tree, building the Landlock ruleset,
 mounting pristine copies — happens in the spawner's exec child
-(``native/dsec-spawner.c``, "stages"), inside the sandbox's mount namespace, so
+(``native/landlock.c``), inside the sandbox's mount namespace, so
 every exec sees the tree as it is at that moment.
 
 It never grants anything: an empty token list means "no Landlock", which is
@@ -23,6 +23,7 @@ import stat as stat_mod
 from collections.abc import Iterable, Sequence
 from functools import lru_cache
 
+from dsec.backends.container import wire
 from dsec.backends.container.fsops import (
     RESOLVE_IN_ROOT,
     RESOLVE_NO_MAGICLINKS,
@@ -56,22 +57,22 @@ def _under(path: str, top: str) -> bool:
 
 
 @lru_cache(maxsize=256)
-def landlock_tokens(rules: FileRules) -> tuple[tuple[str, str], ...]:
-    """Spawner request fields for ``rules``: ``ld`` (the default) and one ``lr`` per rule
-    (``h``idden, ``r``ead-only, ``w``ritable, then ``:path``). Empty when nothing is
-    restricted: such an exec carries no Landlock at all."""
+def landlock(rules: FileRules) -> wire.Landlock | None:
+    """The spawner's Landlock part of an exec for ``rules``: the default access and one rule
+    per path (``h``idden, ``r``ead-only, ``w``ritable), plus the implicitly writable paths no
+    rule names. None when nothing is restricted: such an exec carries no Landlock at all."""
     if rules.unrestricted:
-        return ()
-    out: list[tuple[str, str]] = [("ld", "w" if rules.default == "rw" else "r")]
+        return None
+    out: list[wire.LandlockRule] = []
     named: list[str] = []
     for cls, paths in (("h", rules.hidden), ("r", rules.read_only), ("w", rules.writable)):
         for p in paths:
-            out.append(("lr", f"{cls}:{p}"))
+            out.append(wire.LandlockRule(cls, p))  # type: ignore[arg-type]
             named.append(p)
     for p in IMPLICIT_WRITABLE:
         if not any(_under(n, p) for n in named if n != "/"):
-            out.append(("lr", f"w:{p}"))
-    return tuple(out)
+            out.append(wire.LandlockRule("w", p))
+    return wire.Landlock("w" if rules.default == "rw" else "r", tuple(out))
 
 
 def check_pristine(paths: Sequence[str]) -> tuple[str, ...]:
@@ -236,8 +237,8 @@ __all__ = [
     "MAX_PRISTINE",
     "access_class",
     "check_pristine",
+    "landlock",
     "landlock_abi",
-    "landlock_tokens",
     "restricted_paths",
     "split_hard_links",
     "symlinked_paths",
