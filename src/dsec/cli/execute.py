@@ -29,7 +29,7 @@ FLAGS = {
     "resources.cpu": "--cpu", "resources.memory": "--memory", "resources.disk": "--disk",
     "resources.pids": "--pids", "resources.disk_medium": "--disk-medium", "output_cap": "--output-cap",
     "env": "--env", "labels": "--label", "task": "--task", "lifecycle.ttl_s": "--ttl",
-    "network": "--allow", "stages": "--stages-file", "stage": "--stage",
+    "network": "--allow", "stages": "--stages-file", "stage": "--stage", "backend": "--backend",
 }
 """API field (below ``spec.``) -> the flag that sets it."""
 SIZE_FLAGS = frozenset({"--memory", "--disk", "--output-cap"})
@@ -42,7 +42,7 @@ _WORDS = {"greater than or equal to": "at least", "greater than": "more than",
 def spec_dict(image: str, *, workspace: str | None = None, toolkits: tuple[str, ...] = (), cpu: float | None = None,
               memory: int | None = None, disk: int | None = None, pids: int | None = None,
               disk_medium: str | None = None, output_cap: int | None = None,
-              env: Mapping[str, str] | None = None) -> dict[str, Any]:
+              env: Mapping[str, str] | None = None, backend: str | None = None) -> dict[str, Any]:
     """A ``SandboxSpec`` as the API takes it, with only what the flags gave (the rest: defaults)."""
     res: dict[str, Any] = {k: v for k, v in (("cpu", cpu), ("memory", memory), ("disk", disk), ("pids", pids),
                                               ("disk_medium", disk_medium)) if v is not None}
@@ -54,6 +54,8 @@ def spec_dict(image: str, *, workspace: str | None = None, toolkits: tuple[str, 
     spec: dict[str, Any] = {"image": img, "resources": res, "env": dict(env or {})}
     if output_cap is not None:
         spec["output_cap"] = output_cap
+    if backend is not None:
+        spec["backend"] = backend
     return spec
 
 

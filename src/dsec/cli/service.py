@@ -58,18 +58,18 @@ def lean() -> Any:
 
 
 def _typed(cpu: float | None, memory: str | None, disk: str | None, pids: int | None, output_cap: str | None,
-           disk_medium: str | None, image: str, workspace: str | None) -> dict[str, str]:
+           disk_medium: str | None, image: str, workspace: str | None, backend: str | None = None) -> dict[str, str]:
     """What the person typed for each flag, to name it in an error."""
     given = {"--cpu": None if cpu is None else f"{cpu:g}", "--memory": memory, "--disk": disk,
              "--pids": None if pids is None else str(pids), "--output-cap": output_cap, "--disk-medium": disk_medium,
-             "IMAGE": image, "--workspace": workspace}
+             "IMAGE": image, "--workspace": workspace, "--backend": backend}
     return {k: v for k, v in given.items() if v is not None}
 
 
 def _spec(image: str, workspace: str | None, toolkit: tuple[str, ...], cpu: float | None, memory: str | None,
           disk: str | None, env: tuple[str, ...], pids: int | None = None, output_cap: str | None = None,
           disk_medium: str | None = None, *, policy: PolicyArgs | None = None,
-          validate: bool = True) -> dict[str, Any]:
+          validate: bool = True, backend: str | None = None) -> dict[str, Any]:
     """The spec the flags ask for, as the API's JSON. ``validate``: checked here with the spec
     models (needed anyway with policy flags); else the server checks it (``dsec run``: the lean
     path). Either way a bad value is one usage line naming the flag."""
@@ -79,7 +79,7 @@ def _spec(image: str, workspace: str | None, toolkit: tuple[str, ...], cpu: floa
                      memory=parse_size(memory, "--memory") if memory else None,
                      disk=parse_size(disk, "--disk") if disk else None, pids=pids, disk_medium=disk_medium,
                      output_cap=parse_size(output_cap, "--output-cap") if output_cap else None,
-                     env=parse_kv(env, "--env"))
+                     env=parse_kv(env, "--env"), backend=backend)
     if not validate and (policy is None or policy.empty):
         return spec
     from pydantic import ValidationError
@@ -90,7 +90,7 @@ def _spec(image: str, workspace: str | None, toolkit: tuple[str, ...], cpu: floa
         model = SandboxSpec.model_validate(spec)
     except ValidationError as exc:
         raise pydantic_flag_errors(
-            exc, _typed(cpu, memory, disk, pids, output_cap, disk_medium, image, workspace)) from None
+            exc, _typed(cpu, memory, disk, pids, output_cap, disk_medium, image, workspace, backend)) from None
     if policy is not None:
         model = policy.apply(model)
     dumped: dict[str, Any] = model.model_dump(mode="json")
@@ -114,6 +114,8 @@ def sandbox_options(f: Any) -> Any:
         click.option("--env", "-e", multiple=True, help="KEY=VALUE for every command; repeat."),
         click.option("--label", "-l", multiple=True, help="KEY=VALUE label; repeat."),
         click.option("--task", default=None, help="Task (training job) this sandbox belongs to."),
+        click.option("--backend", default=None, metavar="KIND",
+                     help="Execution backend: container (default), gvisor... (docs/BACKENDS.md)."),
     ]):
         f = opt(f)
     return f
@@ -200,8 +202,8 @@ def register(main: click.Group) -> None:
     @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
     def run(image: str, workspace: str | None, toolkit: tuple[str, ...], cpu: float | None, memory: str | None,
             disk: str | None, disk_medium: str | None, pids: int | None, output_cap: str | None, ttl: float,
-            env: tuple[str, ...], label: tuple[str, ...], task: str | None, timeout: float, cmd: tuple[str, ...],
-            policy: PolicyArgs) -> None:
+            env: tuple[str, ...], label: tuple[str, ...], task: str | None, backend: str | None, timeout: float,
+            cmd: tuple[str, ...], policy: PolicyArgs) -> None:
         """Create a sandbox, run CMD, print its output, destroy it; exit with CMD's code.
 
         All of CMD's output is printed, as it comes (with --output-cap: the head and the tail,
@@ -210,10 +212,10 @@ def register(main: click.Group) -> None:
         from dsec.cli.execute import flag_errors, stream_exec
 
         spec = _spec(image, workspace, toolkit, cpu, memory, disk, env, pids, output_cap, disk_medium,
-                     policy=policy, validate=False)
+                     policy=policy, validate=False, backend=backend)
         labels = parse_kv(label, "--label")
         with lean() as c:
-            with flag_errors(_typed(cpu, memory, disk, pids, output_cap, disk_medium, image, workspace)):
+            with flag_errors(_typed(cpu, memory, disk, pids, output_cap, disk_medium, image, workspace, backend)):
                 sb = c.create(spec, labels=labels, task=task, ttl_s=ttl)
             try:
                 code = stream_exec(sb, list(cmd), timeout=timeout, output_cap=spec.get("output_cap"))
@@ -231,16 +233,16 @@ def register(main: click.Group) -> None:
     @policy_options
     def create(image: str, workspace: str | None, toolkit: tuple[str, ...], cpu: float | None, memory: str | None,
                disk: str | None, disk_medium: str | None, pids: int | None, output_cap: str | None, ttl: float,
-               env: tuple[str, ...], label: tuple[str, ...], task: str | None, count: int, concurrency: int,
-               as_json: bool, policy: PolicyArgs) -> None:
+               env: tuple[str, ...], label: tuple[str, ...], task: str | None, backend: str | None, count: int,
+               concurrency: int, as_json: bool, policy: PolicyArgs) -> None:
         """Create sandboxes and print their ids (one per line)."""
         from dsec.cli.execute import flag_errors
 
         labels = parse_kv(label, "--label")
-        typed = _typed(cpu, memory, disk, pids, output_cap, disk_medium, image, workspace)
+        typed = _typed(cpu, memory, disk, pids, output_cap, disk_medium, image, workspace, backend)
         if count == 1:
             spec = _spec(image, workspace, toolkit, cpu, memory, disk, env, pids, output_cap, disk_medium,
-                         policy=policy, validate=False)
+                         policy=policy, validate=False, backend=backend)
             with lean() as c, flag_errors(typed):
                 sb = c.create(spec, labels=labels, task=task, ttl_s=ttl)
             if as_json:
@@ -253,7 +255,7 @@ def register(main: click.Group) -> None:
         from dsec.spec import SandboxSpec
 
         model = SandboxSpec.model_validate(_spec(image, workspace, toolkit, cpu, memory, disk, env, pids, output_cap,
-                                                 disk_medium, policy=policy))
+                                                 disk_medium, policy=policy, backend=backend))
         with client() as c:
             ok: list[Any] = []
             failed: list[Any] = []
