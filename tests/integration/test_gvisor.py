@@ -39,6 +39,7 @@ TREE = (
     "sh -c 'trap \"\" TERM; sleep 1001' & "
     "(trap '' TERM; sleep 1002 & wait) & "
     "(sh -c 'trap \"\" TERM HUP; sleep 1003' &) ; "
+    "setsid sh -c 'sleep 1005' & "  # out of the session and group (not orphaned: still a descendant)
     "echo started; sleep 1000"
 )
 
@@ -231,6 +232,7 @@ def test_timeout_kills_the_whole_tree_not_the_sandbox(gv: GVHarness, sb: Any) ->
     assert err.result.stdout == b"started\n" and err.result.signal == signal.SIGKILL
     ps = gv.ok(sb.id, "ps -o pid,args")
     assert "sleep 100" not in ps, ps
+    assert err.result.limit is not None and err.result.limit.kind == "timeout"
     with pytest.raises(ExecTimeout):
         gv.sh(sb.id, "sleep 1; echo hi; sleep 100", timeout=30, idle_timeout=0.5)
     assert gv.ok(sb.id, "echo alive") == "alive\n"
@@ -320,6 +322,7 @@ def test_pids_and_cpu_limits_bind(gv: GVHarness) -> None:
         assert gv.ok(rec.id, "ulimit -u; ulimit -Hu") == "16\n16\n"
         r = gv.sh(rec.id, "for i in $(seq 1 40); do sleep 2 & done; echo never")
         assert r.exit_code != 0 and b"can't fork" in r.stderr and b"never" not in r.stdout, r
+        assert r.limit is not None and (r.limit.kind, r.limit.value) == ("pids", 16), r
         # At the limit nothing more starts; once the sleeps end, the sandbox works again.
         def works() -> bool:
             try:
@@ -361,6 +364,8 @@ def test_pause_freezes_and_resume_thaws(gv: GVHarness, sb: Any) -> None:
     c0 = gv.b.cgroups.cpu_s(sb.id)
     time.sleep(0.5)
     assert gv.b.cgroups.cpu_s(sb.id) - c0 < 0.01  # sentry, gofer and the busy loop all stopped
+    with pytest.raises(SandboxStateError):
+        gv.run(gv.b.pause(sb.id))  # paused -> paused is no move
     gv.run(gv.b.resume(sb.id))
     assert gv.b.get(sb.id).state.value == "running"
     # An exec on a paused sandbox wakes it first.
@@ -412,6 +417,14 @@ def test_unsupported_operations_say_so(gv: GVHarness, sb: Any) -> None:
         assert ei.value.fields.get("backend") == "gvisor"
     with pytest.raises(Unsupported):
         gv.run(gv.b.create(gv.spec(network=NetworkPolicy(allow=("pypi",)))))
+    from dsec.errors import InvalidSpec
+
+    with pytest.raises(InvalidSpec) as bad:
+        gv.run(gv.b.create(gv.spec().model_copy(update={"backend": "container"})))
+    assert bad.value.fields.get("field") == "backend"
+    for kw in ({"idle_timeout": 0}, {"output_cap": -5}, {"timeout": -1}):
+        with pytest.raises(InvalidSpec):
+            gv.run(gv.b.exec(sb.id, "echo ran", **kw))
 
 
 # ------------------------------------------------------------ reconcile ----
@@ -442,7 +455,7 @@ _CRASHER = textwrap.dedent("""
         run_call = b.runsc.call
 
         async def stuck(*args, **kw):
-            if args[0] == "run":  # the runsc container of "half" is never made
+            if "run" in args:  # the runsc container of "half" is never made
                 print(json.dumps({"keep": keep.id, "dead": dead.id, "dead_pid": dead.sandbox_pid,
                                   "paused": paused.id, "half": "gv-half"}), flush=True)
                 await asyncio.sleep(3600)
@@ -468,27 +481,26 @@ def test_reconcile_after_sigkill(gv: GVHarness, dsec_base: Path, busybox_seed: P
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()
-        assert line, "the crashing process did not get its sandboxes up"
-        ids = json.loads(line)
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         if proc.stdout is not None:
             proc.stdout.close()
-    # "dead" dies while no backend runs: its sentry and everything in its cgroup.
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(ids["dead_pid"], signal.SIGKILL)
-    assert wait_until(lambda: not Path(f"/proc/{ids['dead_pid']}/cmdline").exists()
-                      or not Path(f"/proc/{ids['dead_pid']}/cmdline").read_bytes(), timeout=5)
-    assert (gv.run_dir / name / "sb" / "gv-half" / "rootfs").is_dir()  # half made: mounted, no container
+    from dsec.backends.gvisor.config import GVisorConfig
 
     h = GVHarness.__new__(GVHarness)
     h.name, h.runner, h.run_dir = name, asyncio.Runner(), dsec_base / "run"
-    from dsec.backends.gvisor.config import GVisorConfig
-
     h.b = GVisorBackend(GVisorConfig(uppers_image_size=1 << 30), name=name, state_dir=state,
                         run_dir=dsec_base / "run", id_prefix="gv", store=LocalLayerStore(state / "layers"))
     try:
+        assert line, "the crashing process did not get its sandboxes up"
+        ids = json.loads(line)
+        # "dead" dies while no backend runs: its sentry.
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(ids["dead_pid"], signal.SIGKILL)
+        assert wait_until(lambda: not Path(f"/proc/{ids['dead_pid']}/cmdline").exists()
+                          or not Path(f"/proc/{ids['dead_pid']}/cmdline").read_bytes(), timeout=5)
+        assert (h.run_dir / name / "sb" / "gv-half" / "rootfs").is_dir()  # half made: mounted, no container
         h.run(h.b.start())
         assert sorted(h.b.reconciled["adopted"]) == sorted([ids["keep"], ids["paused"]])
         assert {ids["dead"], ids["half"]} <= set(h.b.reconciled["destroyed"])
@@ -498,6 +510,9 @@ def test_reconcile_after_sigkill(gv: GVHarness, dsec_base: Path, busybox_seed: P
         for sid in (ids["dead"], ids["half"]):
             assert not h.holdings(sid), h.holdings(sid)
     finally:
+        # Whatever happened above, a start (reconcile) and close of this name removes it all.
+        with contextlib.suppress(Exception):
+            h.run(h.b.start())
         h.run(h.b.close())
         h.runner.close()
     left = GVHarness.leftovers(h)

@@ -15,17 +15,23 @@
  *   run CWD ARGV...      fd 3 is the host's status pipe. Forks the command (in CWD, default
  *                        signal dispositions, fd 3 closed) and writes one line per event:
  *                          "P <own pid> <command pid>"          started
- *                          "E <errno> <stage>"                  could not start (cwd, exec)
+ *                          "E <errno> <stage>"                  could not start (fork, cwd, exec)
  *                          "X <code> <utime us> <stime us>"      exited
  *                          "K <signal> <utime us> <stime us>"    killed by a signal
  *                        It ignores the catchable signals a command may send its own group
- *                        (`kill 0`), so it lives to report; it is this command's session
- *                        leader, so its session id names every process the command made.
- *   kill SID [KEEP]      SIGKILL every process of session or process group SID and all their
- *                        descendants, except KEEP, pid 1 and itself. All are stopped first
- *                        (SIGSTOP), the scan repeated until no new one appears, then killed:
- *                        nothing forks its way out between scan and kill.
- *   killchildren PID     The same for the descendants of PID only (a session's shell lives).
+ *                        (`kill 0`), so it lives to report; and it leads the command's session.
+ *                        It is not a child subreaper: with this runsc, an orphan that exits
+ *                        while its exec'd subreaper exits is taken for the namespace's init
+ *                        and the whole sandbox is killed (measured), so a process that both
+ *                        leaves the session (setsid) and is orphaned escapes a tree kill.
+ *   kill ROOT [KEEP...]  SIGKILL every process of session or process group ROOT and every
+ *                        descendant of ROOT or of a KEEP, except ROOT and the KEEPs themselves,
+ *                        pid 1 and itself. All are stopped first (SIGSTOP), the scan repeated
+ *                        until no new one appears, then killed: nothing forks its way out.
+ *                        (A command: `kill H H`; a session's command, the shell S living on:
+ *                        `kill H H S`; a whole session: `kill H` kills H too.)
+ *   count                One line "<uid> <processes>" per user: how close each is to
+ *                        RLIMIT_NPROC (the sandbox's pids limit) after a failed fork.
  *
  * Must never: write to fd 3 in "kill" modes, follow symlinks outside /proc, or block on
  * anything but wait(2).
@@ -39,6 +45,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -108,7 +115,7 @@ static int do_run(const char *cwd, char **argv) {
     return 0;
 }
 
-struct proc { int pid, ppid, pgrp, sid; };
+struct proc { int pid, ppid, pgrp, sid, uid; };
 static struct proc procs[MAXP];
 static int victims[MAXP];
 static int nvictims;
@@ -126,7 +133,8 @@ static int scan(void) {
         snprintf(path, sizeof path, "/proc/%ld/stat", pid);
         int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
         if (fd < 0) continue;
-        ssize_t r = read(fd, buf, sizeof buf - 1);
+        struct stat sb;
+        ssize_t r = fstat(fd, &sb) < 0 ? -1 : read(fd, buf, sizeof buf - 1);
         close(fd);
         if (r <= 0) continue;
         buf[r] = 0;
@@ -135,29 +143,28 @@ static int scan(void) {
         int ppid, pgrp, sid;
         if (!p || sscanf(p + 1, " %c %d %d %d", &state, &ppid, &pgrp, &sid) != 4) continue;
         if (state == 'Z' || state == 'X') continue;
-        procs[n++] = (struct proc){(int)pid, ppid, pgrp, sid};
+        procs[n++] = (struct proc){(int)pid, ppid, pgrp, sid, (int)sb.st_uid};
     }
     closedir(d);
     return n;
 }
 
-static int is_victim(int pid) {
-    for (int i = 0; i < nvictims; i++)
-        if (victims[i] == pid) return 1;
+static int in(const int *set, int n, int pid) {
+    for (int i = 0; i < n; i++)
+        if (set[i] == pid) return 1;
     return 0;
 }
 
-/* by_session: members are the session/group `root` and their descendants; else `root`'s descendants. */
-static int do_kill(int root, int keep, int by_session) {
+static int do_kill(int root, const int *keep, int nkeep) {
     int self = getpid();
     for (int round = 0; round < 1000; round++) {
         int n = scan(), grew = 0;
         if (n < 0) return 1;
         for (int i = 0; i < n; i++) {
             struct proc *p = &procs[i];
-            if (p->pid == 1 || p->pid == self || p->pid == keep || is_victim(p->pid)) continue;
-            int member = is_victim(p->ppid) || p->ppid == root;
-            if (by_session) member = member || p->sid == root || p->pgrp == root || p->pid == root;
+            if (p->pid == 1 || p->pid == self || in(keep, nkeep, p->pid) || in(victims, nvictims, p->pid)) continue;
+            int member = p->sid == root || p->pgrp == root || p->pid == root || p->ppid == root ||
+                         in(keep, nkeep, p->ppid) || in(victims, nvictims, p->ppid);
             if (!member || nvictims >= MAXP) continue;
             kill(p->pid, SIGSTOP);
             victims[nvictims++] = p->pid;
@@ -169,11 +176,31 @@ static int do_kill(int root, int keep, int by_session) {
     return 0;
 }
 
+static int do_count(void) {
+    int n = scan();
+    if (n < 0) return 1;
+    static int uids[MAXP], counts[MAXP];
+    int nu = 0;
+    for (int i = 0; i < n; i++) {
+        int j = 0;
+        while (j < nu && uids[j] != procs[i].uid) j++;
+        if (j == nu) { uids[nu] = procs[i].uid; counts[nu++] = 0; }
+        counts[j]++;
+    }
+    for (int j = 0; j < nu; j++) printf("%d %d\n", uids[j], counts[j]);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     if (argc >= 2 && !strcmp(argv[1], "init")) do_init();
     if (argc >= 4 && !strcmp(argv[1], "run")) return do_run(argv[2], argv + 3);
-    if (argc >= 3 && !strcmp(argv[1], "kill")) return do_kill(atoi(argv[2]), argc >= 4 ? atoi(argv[3]) : -1, 1);
-    if (argc >= 3 && !strcmp(argv[1], "killchildren")) return do_kill(atoi(argv[2]), atoi(argv[2]), 0);
-    fprintf(stderr, "usage: dsec-gvexec init | run CWD ARGV... | kill SID [KEEP] | killchildren PID\n");
+    if (argc >= 3 && !strcmp(argv[1], "kill")) {
+        static int keep[64];
+        int nkeep = 0;
+        for (int i = 3; i < argc && nkeep < 64; i++) keep[nkeep++] = atoi(argv[i]);
+        return do_kill(atoi(argv[2]), keep, nkeep);
+    }
+    if (argc == 2 && !strcmp(argv[1], "count")) return do_count();
+    fprintf(stderr, "usage: dsec-gvexec init | run CWD ARGV... | kill ROOT [KEEP...] | count\n");
     return 2;
 }
