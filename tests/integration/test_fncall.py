@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from conftest import RuntimeHarness, all_pids, pid_alive, proc_cmdline, wait_until
-from dsec.backends.base import Capability
+from dsec.backends.base import Backend, Capability
 from dsec.backends.fncall.backend import FnCallBackend
 from dsec.backends.fncall.config import FnCallConfig, FnCallImage
 from dsec.backends.fncall.pool import LABEL, FnCallPool
@@ -402,6 +402,7 @@ def test_the_backend_holds_no_sandboxes_and_refuses_sandbox_operations(rtx: Runt
                                                                        py_image: ImageRef) -> None:
     b = FnCallBackend(FnCallConfig(images=(FnCallImage(image=py_image, concurrency=1, spare=0),)), name="tback",
                       host=rtx.rt)
+    assert isinstance(b, Backend) and b.kind == "fncall"
     assert b.capabilities.ops == frozenset({Capability.FNCALL})
     rtx.run(b.start())
     try:

@@ -10,7 +10,10 @@ same snippet, a numpy reward function::
 - ``fncall_p50_ms`` / ``fncall_p90_ms``: one call after another (``n_seq``), numpy
   already imported in the template; through the pool directly (``fncall_pool_*``) and,
   when an SDK client is given, end to end through the SDK and the edge
-  (``fncall_sdk_*``; ``fncall_p50_ms`` is then the SDK's).
+  (``fncall_sdk_*``; ``fncall_p50_ms`` is then the SDK's). ``*_paced_*``: the same with
+  20 ms between calls.
+- ``fncall_cpu_ms_per_call``: CPU per call during the concurrent phase, host side and in
+  the worker (supervisor, zygote, call processes); ``fncall_per_s_cpu_bound`` = cores / that.
 - ``fncall_per_s``: ``n_conc`` calls at once (``call_many``) on this host's cores.
 - ``sandbox_call_p50_ms``: create a container sandbox of the same image, exec
   ``python3 -c`` with the same snippet (numpy imported by that process), destroy;
@@ -41,6 +44,10 @@ Progress = Callable[[str], None]
 PACKAGES = ("python3", "python3-numpy")
 SNIPPET = "import numpy as np\ndef main(a, b):\n    return float(np.dot(np.asarray(a), np.asarray(b)))\n"
 ARGS = ([1.0, 2.0, 3.0], [4.0, 5.0, 6.0])
+PACED_GAP_S = 0.02
+"""The ``*_paced_*`` figures leave this long between calls (an agent's think time): the
+call alone, not the rate at which a worker re-forks; back to back, a 2-core host is
+bound by the forks and exits of the processes."""
 
 
 class IsolationLeak(AssertionError):
@@ -295,9 +302,11 @@ def _cpu_s(supervisors: Sequence[int]) -> float:
     return total
 
 
-async def _timed(n: int, one: Callable[[], Any]) -> list[float]:
+async def _timed(n: int, one: Callable[[], Any], *, gap_s: float = 0.0) -> list[float]:
     out: list[float] = []
     for _ in range(n):
+        if gap_s:
+            await asyncio.sleep(gap_s)
         t = time.perf_counter()
         await one()
         out.append((time.perf_counter() - t) * 1000)
@@ -326,6 +335,9 @@ async def measure(pool: Any, container: Any, image: Any, *, n_seq: int = 300, n_
     results["fncall_pool_p50_ms"] = percentile(lat, 50)
     results["fncall_pool_p90_ms"] = percentile(lat, 90)
     results["fncall_pool_p99_ms"] = percentile(lat, 99)
+    lat = await _timed(n_seq // 2, lambda: pool_call(SNIPPET, ARGS), gap_s=PACED_GAP_S)
+    results["fncall_pool_paced_p50_ms"] = percentile(lat, 50)
+    results["fncall_pool_paced_p90_ms"] = percentile(lat, 90)
     if sdk_call is not None:
         for _ in range(20):
             await sdk_call(SNIPPET, ARGS)
@@ -386,8 +398,34 @@ async def measure_sdk(call: Callable[..., Any], *, n_seq: int = 300) -> dict[str
     for _ in range(20):
         await call(SNIPPET, ARGS)
     lat = await _timed(n_seq, lambda: call(SNIPPET, ARGS))
+    paced = await _timed(n_seq // 2, lambda: call(SNIPPET, ARGS), gap_s=PACED_GAP_S)
     return {"fncall_sdk_p50_ms": percentile(lat, 50), "fncall_sdk_p90_ms": percentile(lat, 90),
-            "fncall_sdk_p99_ms": percentile(lat, 99)}
+            "fncall_sdk_p99_ms": percentile(lat, 99), "fncall_sdk_paced_p50_ms": percentile(paced, 50),
+            "fncall_sdk_paced_p90_ms": percentile(paced, 90)}
+
+
+async def _sdk_figures(url: str, token: str, image: str, n_seq: int) -> dict[str, float]:
+    from dsec.sdk import AsyncClient
+
+    async with AsyncClient(url, token) as c:
+        async def one(source: str, args: Sequence[Any]) -> Any:
+            return (await c.fncall(image, source, args=list(args))).value
+
+        return await measure_sdk(one, n_seq=n_seq)
+
+
+def sdk_figures(url: str, token: str, image: str, *, n_seq: int) -> dict[str, float]:
+    """:func:`measure_sdk` from a process of its own, as a trainer calls an edge (not a
+    thread of the edge's process, whose interpreter lock it would share)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "dsec.bench.fncall", "--sdk-client", url, image, str(n_seq)],
+                          input=token, capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the SDK client failed: {proc.stderr[-2000:]}")
+    figures: dict[str, float] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return figures
 
 
 def run(*, quick: bool = False, state_dir: Path | None = None, say: Progress = print) -> dict[str, float]:
@@ -405,7 +443,6 @@ def run(*, quick: bool = False, state_dir: Path | None = None, say: Progress = p
     from dsec.edge.config import EdgeConfig
     from dsec.edge.testing import EdgeThread, prepare_busybox
     from dsec.images.store import LocalLayerStore
-    from dsec.sdk import AsyncClient
     from dsec.spec import ImageRef
 
     base = Path(state_dir or os.environ.get("DSEC_STATE_DIR", "/var/lib/dsec"))
@@ -443,15 +480,8 @@ def run(*, quick: bool = False, state_dir: Path | None = None, say: Progress = p
             results = edge.call(measure(backend.pool, kinds["container"], image, n_seq=n_seq, n_conc=n_conc,
                                         n_sandbox=n_sandbox, say=say), timeout=3600)
 
-            async def sdk() -> dict[str, float]:
-                async with AsyncClient(edge.url, edge.admin_token()) as c:
-                    async def one(source: str, args: Sequence[Any]) -> Any:
-                        return (await c.fncall(image, source, args=list(args))).value
-
-                    return await measure_sdk(one, n_seq=n_seq)
-
-            say(f"fncall: {n_seq} calls one after another (SDK -> edge over loopback HTTP)")
-            results.update(asyncio.run(sdk()))
+            say(f"fncall: {n_seq} calls one after another (SDK in another process -> edge over loopback HTTP)")
+            results.update(sdk_figures(edge.url, edge.admin_token(), ref, n_seq=n_seq))
             results["fncall_p50_ms"] = results["fncall_sdk_p50_ms"]
             results["fncall_p90_ms"] = results["fncall_sdk_p90_ms"]
             return results
@@ -465,7 +495,14 @@ if __name__ == "__main__":  # python -m dsec.bench.fncall [--quick] [--json PATH
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--sdk-client", nargs=3, metavar=("URL", "IMAGE", "N"), help=argparse.SUPPRESS)
     ns = ap.parse_args()
+    if ns.sdk_client:  # the SDK side of run(): the token on stdin, the figures as JSON on stdout
+        import sys
+
+        url, img, n = ns.sdk_client
+        print(json.dumps(asyncio.run(_sdk_figures(url, sys.stdin.read().strip(), img, int(n)))))
+        raise SystemExit(0)
     figures = run(quick=ns.quick)
     for k, v in sorted(figures.items()):
         print(f"{k:28} {v:10.3f}")
