@@ -402,6 +402,8 @@ class _ImagePool:
             if best is not None:
                 best.in_flight += 1
                 return best
+            if self.pool.closing:
+                raise FnCallWorkerLost("the fncall pool is closed", reason="closed")
             if self.failures and self.last_error is not None:
                 raise self.last_error  # its workers fail to start: say why, do not wait for a retry
             if len(self.waiters) >= self.pool.config.max_queue:
