@@ -371,6 +371,8 @@ def test_pause_freezes_and_resume_thaws(gv: GVHarness, sb: Any) -> None:
     # An exec on a paused sandbox wakes it first.
     gv.run(gv.b.pause(sb.id))
     assert gv.ok(sb.id, "echo awake") == "awake\n"
+    with pytest.raises(SandboxStateError):
+        gv.run(gv.b.resume(sb.id))  # running -> running is no move either
     out = gv.run(gv.b.pause_many([sb.id, sb.id]))
     assert set(out.done) | set(out.skipped) == {sb.id} and not out.errors
     gv.run(gv.b.resume_many([sb.id]))

@@ -394,7 +394,8 @@ class GVisorBackend(BackendBase):
     async def _running_async(self, sandbox_id: str) -> GVisorRecord:
         rec = self.get(sandbox_id)
         if rec.state is SandboxState.PAUSED and self.config.pause_method == "runsc":
-            await self.resume(sandbox_id)
+            with contextlib.suppress(SandboxStateError):  # resumed meanwhile
+                await self.resume(sandbox_id)
         return self._running(sandbox_id)
 
     def _sentry_alive(self, rec: GVisorRecord) -> bool:
@@ -745,7 +746,8 @@ class GVisorBackend(BackendBase):
         if rec is None or rec.state not in (SandboxState.RUNNING, SandboxState.PAUSED):
             return
         if rec.state is SandboxState.PAUSED:
-            await self.resume(rec.id)
+            with contextlib.suppress(SandboxStateError):
+                await self.resume(rec.id)
         if proc.inner_pid <= 0:
             return
         # Everything of the command's session and process group and their descendants (an
@@ -973,10 +975,14 @@ class GVisorBackend(BackendBase):
         async with self._locks.setdefault(sandbox_id, asyncio.Lock()):
             return await self._resume_runsc(sandbox_id)
 
+    def _not_paused(self, rec: GVisorRecord) -> SandboxStateError:
+        return SandboxStateError(f"sandbox {rec.id} is {rec.state.value}: only a paused sandbox can be resumed",
+                                 sandbox_id=rec.id, state=rec.state.value)
+
     def _resume(self, sandbox_id: str) -> GVisorRecord:
         rec = self.get(sandbox_id)
         if rec.state is not SandboxState.PAUSED:
-            return self._running(sandbox_id)
+            raise self._not_paused(rec)
         self.cgroups.thaw(sandbox_id)
         self._move(rec, SandboxState.RUNNING)
         self._event(rec, "resumed")
@@ -986,7 +992,7 @@ class GVisorBackend(BackendBase):
     async def _resume_runsc(self, sandbox_id: str) -> GVisorRecord:
         rec = self.get(sandbox_id)
         if rec.state is not SandboxState.PAUSED:
-            return self._running(sandbox_id)
+            raise self._not_paused(rec)
         await self._require_started().resume(rec.container_id)
         self._move(rec, SandboxState.RUNNING)
         self._event(rec, "resumed")
