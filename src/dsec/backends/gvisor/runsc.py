@@ -178,11 +178,15 @@ async def run_captured(argv: Sequence[str], *, timeout: float = 60.0, stdin_fd: 
         loop.add_reader(fd, readable, fd)
     try:
         ex = await asyncio.wait_for(asyncio.shield(proc.exited), timeout)
-        # runsc's children (a sandbox, a gofer) may keep the pipes: read what is there.
-        await asyncio.wait(list(eof.values()), timeout=0.2)
+        # What runsc wrote is in the pipes once it has exited; its children (the sandbox of a
+        # `run --detach` holds them as the container's stdio) may keep them open for good, so
+        # drain what is there and never wait for an EOF.
         for fd in bufs:
-            if not eof[fd].done():
+            while not eof[fd].done() and len(bufs[fd]) < 1 << 24:
+                size = len(bufs[fd])
                 readable(fd)
+                if len(bufs[fd]) == size:
+                    break
     except TimeoutError:
         proc.signal(signal.SIGKILL)
         await proc.exited
