@@ -70,9 +70,6 @@ KINDS: dict[str, Callable[[], Any]] = {"container": _container_config, "gvisor":
 """Each backend kind and how to make its (default) config; skips when the host cannot run it."""
 
 KNOWN_BUGS: dict[tuple[str, str], str] = {
-    ("gvisor", "test_pausing_a_paused_sandbox_is_a_state_error"): (
-        "GVisorBackend.resume of a running sandbox returns its record instead of raising SandboxStateError as "
-        "ContainerRuntime does (running -> running is not a move of dsec.spec.TRANSITIONS)"),
 }
 """Backend bugs this suite found, by (kind, case): those cases are expected to fail (strict: once
 fixed they pass, and the run says to drop the entry)."""

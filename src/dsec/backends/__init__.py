@@ -44,4 +44,13 @@ def build(config: Any, ctx: BackendContext) -> Backend:
             zram_size=config.zram_size, reclaim_method=config.reclaim_method, uppers_path=config.uppers_path,
             network=config.network,
         )
+    if kind == "gvisor":
+        from dsec.backends.gvisor.backend import GVisorBackend
+
+        return GVisorBackend(config, name=ctx.name, state_dir=ctx.state_dir, run_dir=ctx.run_dir,
+                             id_prefix=ctx.id_prefix, store=ctx.store)
+    if kind == "fncall":
+        from dsec.backends.fncall.backend import FnCallBackend
+
+        return FnCallBackend.from_context(config, ctx)
     raise ValueError(f"no backend of kind {kind!r}")

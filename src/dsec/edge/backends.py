@@ -62,7 +62,8 @@ class EdgeBackends:
         self.build_all()
         started: list[Backend] = []
         try:
-            for b in self.by_kind.values():
+            # Backends that run on others (FnCall's workers are container sandboxes) start last.
+            for b in sorted(self.by_kind.values(), key=lambda b: b.capabilities.kind == "fncall"):
                 await b.start()
                 started.append(b)
         except BaseException:
@@ -72,7 +73,7 @@ class EdgeBackends:
             raise
 
     async def close(self, *, destroy_all: bool) -> None:
-        for b in reversed(list(self.by_kind.values())):
+        for b in sorted(self.by_kind.values(), key=lambda b: b.capabilities.kind != "fncall"):
             try:
                 await b.close(destroy_all=destroy_all)
             except Exception:

@@ -25,9 +25,12 @@ from pydantic import (
 from dsec.auth import parse_key
 from dsec.backends.container.config import ContainerConfig
 from dsec.backends.container.network import NetworkConfig, Permission
+from dsec.backends.fncall.config import FnCallConfig
+from dsec.backends.gvisor.config import GVisorConfig
 from dsec.spec import ImageRef, Resources
 
-__all__ = ["BackendConfig", "ContainerConfig", "EdgeConfig", "NetworkConfig", "Permission", "PoolConfig"]
+__all__ = ["BackendConfig", "ContainerConfig", "EdgeConfig", "FnCallConfig", "GVisorConfig", "NetworkConfig",
+           "Permission", "PoolConfig"]
 
 EDGE_ID_RE = re.compile(r"^[a-z][a-z0-9]{0,7}$")
 _RUNTIME_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
@@ -45,7 +48,7 @@ class _Config(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-BackendConfig = Annotated[ContainerConfig, Field(discriminator="kind")]
+BackendConfig = Annotated[ContainerConfig | GVisorConfig | FnCallConfig, Field(discriminator="kind")]
 """One member per backend kind (each defined in its ``dsec.backends.<kind>.config``)."""
 
 _CONTAINER_KEYS = ("zram_size", "reclaim_method", "uppers_path", "network")
@@ -114,7 +117,7 @@ class EdgeConfig(_Config):
     fill its quota; agents rarely do, so dense nodes raise it (the reserve still guards the disk)."""
 
 
-    backends: list[BackendConfig] = Field(default_factory=lambda: [ContainerConfig()])
+    backends: list[BackendConfig] = Field(default_factory=lambda: list[BackendConfig]([ContainerConfig()]))
     """The execution backends this edge runs, one per kind (``kind`` picks the member:
     docs/BACKENDS.md). Each is built and started with the edge; the edge advertises them
     and places a sandbox on the one its ``SandboxSpec.backend`` names. The container
@@ -180,6 +183,9 @@ class EdgeConfig(_Config):
         kinds = [b.kind for b in v]
         if not kinds:
             raise ValueError("an edge needs at least one backend")
+        if "fncall" in kinds and "container" not in kinds:
+            raise ValueError("the fncall backend runs its workers in container sandboxes: list the container "
+                             "backend too")
         dup = sorted({k for k in kinds if kinds.count(k) > 1})
         if dup:
             raise ValueError(f"backend {', '.join(dup)} listed twice; one entry per kind")

@@ -165,6 +165,15 @@ def platform_blocked(config: EdgeConfig) -> tuple[str, ...]:
     return tuple(out)
 
 
+PLATFORM_LABELS = ("dsec.fncall",)
+"""Spec labels of sandboxes a backend runs for itself (FnCall's workers): not the API's to see."""
+
+
+def _platform_owned(rec: SandboxRecord) -> bool:
+    labels = rec.spec.labels
+    return bool(labels) and any(k in labels for k in PLATFORM_LABELS)
+
+
 class EdgeService:
     def __init__(self, config: EdgeConfig) -> None:
         self.config = config
@@ -299,7 +308,7 @@ class EdgeService:
     def record(self, sandbox_id: str) -> SandboxRecord:
         """A sandbox the API may see (not a ready pool member); a clear 404 otherwise."""
         rec = self.backends.record(sandbox_id)
-        if rec is None or sandbox_id in self.pools.pooled_ids:
+        if rec is None or sandbox_id in self.pools.pooled_ids or _platform_owned(rec):
             tomb = self.events.tombstone(sandbox_id)
             if tomb is not None:
                 raise SandboxNotFound(
@@ -528,7 +537,7 @@ class EdgeService:
         out = []
         pooled = self.pools.pooled_ids
         for rec in self.backends.records():
-            if rec.id in pooled:
+            if rec.id in pooled or _platform_owned(rec):
                 continue
             if task is not None and rec.edge.task != task:
                 continue
