@@ -9,6 +9,8 @@ this process:
 - ``<b>_exec_p50_ms``: ``exec(["/bin/true"])`` round trip in one sandbox, ``n_exec`` samples.
 - ``<b>_idle_mib_per_sandbox``: the drop in the host's MemAvailable with ``n`` idle sandboxes
   (after a settle), divided by ``n``; ``<b>_idle_n`` says the n (capped by MemAvailable).
+  ``<b>_idle_cgroup_mib_per_sandbox``: what their memory cgroups are charged, per sandbox
+  (steadier than MemAvailable on a shared machine at a small n).
 - ``<b>_syscall_us``: a syscall-heavy loop (getpid, stat, open, close: 4 calls per round,
   ``loop_rounds`` rounds) timed inside the sandbox by the program itself (CLOCK_MONOTONIC
   through the vDSO, no trap), per call, best of 3; ``gvisor_syscall_overhead_ratio`` =
@@ -128,8 +130,10 @@ async def _syscall_us(b: Any, sid: str, loop: Path, rounds: int, *, only_getpid:
     return best
 
 
-async def _idle(b: Any, spec: Any, n: int, concurrency: int = 4) -> float:
-    """MiB of MemAvailable per idle sandbox with ``n`` of them (destroyed afterwards)."""
+async def _idle(b: Any, spec: Any, n: int, concurrency: int = 4) -> tuple[float, float]:
+    """MiB per idle sandbox with ``n`` of them (destroyed afterwards): the drop in MemAvailable,
+    and what the sandboxes' memory cgroups are charged (steadier on a shared machine; no
+    page tables or other kernel memory outside the cgroup)."""
     ids: list[str] = []
     sem = asyncio.Semaphore(concurrency)
 
@@ -143,9 +147,11 @@ async def _idle(b: Any, spec: Any, n: int, concurrency: int = 4) -> float:
         await asyncio.gather(*(one() for _ in range(n)))
         await asyncio.sleep(2.0)  # let lazily freed and lazily touched memory settle
         after = _mem_available()
+        charged = sum(await asyncio.to_thread(lambda: [b.usage(i).memory_bytes for i in ids]))
     finally:
         await asyncio.gather(*(b.destroy(i) for i in ids), return_exceptions=True)
-    return (before - after) / MiB / max(1, len(ids))
+    count = max(1, len(ids))
+    return (before - after) / MiB / count, charged / MiB / count
 
 
 async def _one_backend(kind: str, b: Any, spec: Any, loop: Path, *, n: int, n_lat: int, n_exec: int,
@@ -167,7 +173,7 @@ async def _one_backend(kind: str, b: Any, spec: Any, loop: Path, *, n: int, n_la
     finally:
         await b.destroy(rec.id)
     say(f"{kind}: {n} idle sandboxes")
-    out[f"{kind}_idle_mib_per_sandbox"] = await _idle(b, spec, n)
+    out[f"{kind}_idle_mib_per_sandbox"], out[f"{kind}_idle_cgroup_mib_per_sandbox"] = await _idle(b, spec, n)
     out[f"{kind}_idle_n"] = float(n)
     return out
 
