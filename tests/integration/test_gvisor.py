@@ -427,6 +427,15 @@ def test_unsupported_operations_say_so(gv: GVHarness, sb: Any) -> None:
     for kw in ({"idle_timeout": 0}, {"output_cap": -5}, {"timeout": -1}):
         with pytest.raises(InvalidSpec):
             gv.run(gv.b.exec(sb.id, "echo ran", **kw))
+    # With file_access="exclusive" the sentry caches as if alone: no host-side files then.
+    from dsec.backends.gvisor.backend import GVisorBackend
+    from dsec.backends.gvisor.config import GVisorConfig
+
+    fast = GVisorBackend(GVisorConfig(file_access="exclusive"), name=f"{gv.name}x", state_dir=gv.state_dir,
+                         run_dir=gv.run_dir, store=gv.store)
+    assert Capability.FILES not in fast.capabilities.ops
+    with pytest.raises(Unsupported):
+        fast.files(sb.id)
 
 
 # ------------------------------------------------------------ reconcile ----

@@ -187,8 +187,8 @@ class GVisorBackend(BackendBase):
         self.runsc: Runsc | None = None
         self.capabilities = Capabilities(
             kind=self.kind,
-            ops=frozenset({Capability.SANDBOXES, Capability.EXEC, Capability.FILES, Capability.SESSIONS,
-                           Capability.PAUSE}),
+            ops=frozenset({Capability.SANDBOXES, Capability.EXEC, Capability.SESSIONS, Capability.PAUSE}
+                          | ({Capability.FILES} if self.config.file_access == "shared" else set())),
             isolation=ISOLATION,
         )
         self._sandboxes: dict[str, GVisorRecord] = {}
@@ -256,7 +256,7 @@ class GVisorBackend(BackendBase):
         if os.geteuid() != 0:
             raise HostError("the gvisor backend needs root (runsc with cgroups, overlay mounts)")
         cfg = self.config
-        self.runsc = Runsc(cfg.runsc, root=self.runsc_root, platform=cfg.platform,
+        self.runsc = Runsc(cfg.runsc, root=self.runsc_root, platform=cfg.platform, file_access=cfg.file_access,
                            debug_log_dir=cfg.debug_log_dir)
         helper = await asyncio.to_thread(helper_path)
         for d in (self.run_dir, self.records_dir, self.bundles_dir, self.runsc_root):
@@ -909,6 +909,7 @@ class GVisorBackend(BackendBase):
         """Host-side file access to the sandbox's root (our overlay), confined by openat2
         (RESOLVE_IN_ROOT, no magic links, no mount crossing). runsc runs with
         ``--file-access=shared``, so the sandbox sees these changes at once."""
+        self.capabilities.require(Capability.FILES, what="files (file_access='exclusive')")
         rec = self._running(sandbox_id)
         self.last_activity[sandbox_id] = time.monotonic()
         return SandboxFiles(str(self.rootfs(rec.id)), 0, sandbox_id)

@@ -25,6 +25,13 @@ class GVisorConfig(BaseModel):
     platform: Literal["systrap", "ptrace"] = "systrap"
     """How the sentry intercepts system calls. systrap (seccomp traps, ~2-3 us per call) needs a
     runsc from 2023 or later; ptrace (~50 us per call) works with any."""
+    file_access: Literal["shared", "exclusive"] = "shared"
+    """runsc's ``--file-access`` for the sandbox's root. ``shared``: the sentry revalidates what
+    it caches, so host-side file operations (the files API) are seen at once and never
+    corrupted; file system calls cost ~3-4x more (stat/open ~17-24 us against ~6 us,
+    docs/GVISOR.md). ``exclusive``: faster, but the sentry assumes nobody else writes the
+    files, so the backend then does not offer FILES (an edit from the host could be lost or
+    overwritten by a stale cached size)."""
     pause_method: Literal["freezer", "runsc"] = "freezer"
     """``freezer``: freeze the sandbox's cgroup (the sentry, gofer and stubs stop at once: no CPU
     while paused; ~1 ms). ``runsc``: ``runsc pause``, which stops the sandbox's tasks inside the

@@ -206,7 +206,8 @@ class RunscError(HostError):
 class Runsc:
     """One runsc state root and the global flags every call of this backend uses."""
 
-    def __init__(self, binary: Path | None, *, root: Path, platform: str, debug_log_dir: Path | None = None) -> None:
+    def __init__(self, binary: Path | None, *, root: Path, platform: str, file_access: str = "shared",
+                 debug_log_dir: Path | None = None) -> None:
         found = str(binary) if binary is not None else shutil.which("runsc")
         if found is None or not os.access(found, os.X_OK):
             raise HostError("runsc is not installed: apt-get install -t bookworm-backports runsc "
@@ -218,7 +219,7 @@ class Runsc:
             f"--root={root}", f"--platform={platform}",
             "--network=none",  # loopback only: no host network, no veth
             "--overlay2=none",  # writes land in our upper (a host overlay), not in sentry memory
-            "--file-access=shared",  # the host edits files too (files API): no stale sentry caches
+            f"--file-access={file_access}",  # shared: the host edits files too (files API), no stale caches
         ]
         if debug_log_dir is not None:
             self.flags += ["--debug", f"--debug-log={debug_log_dir}/"]
