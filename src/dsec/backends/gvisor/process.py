@@ -36,6 +36,13 @@ OUTPUT_WINDOW_S: Final = 0.1
 """After a command exits, how long output still held open by background children is read."""
 
 
+MAX_STATUS_LINES: Final = 8
+
+
+def _is_int(word: str) -> bool:
+    return word.lstrip("-").isdigit() and len(word) < 20
+
+
 @dataclass(frozen=True, slots=True)
 class CommandExit:
     """How a command ended, as the helper saw it inside the sandbox."""
@@ -93,15 +100,17 @@ class Command:
             if not self.started.done():
                 self.started.set_result(None)
             return
-        self._buf += chunk
+        # The helper runs as the command's user: a command that ptraces it could write here.
+        # Lines are parsed defensively and few are kept; a lie only misreports its own command.
+        self._buf += chunk[: max(0, 4096 - len(self._buf))]
         while b"\n" in self._buf:
             line, _, rest = bytes(self._buf).partition(b"\n")
             self._buf[:] = rest
             words = line.decode(errors="replace").split()
-            if not words:
+            if not words or len(self._lines) >= MAX_STATUS_LINES or not all(_is_int(w) for w in words[1:2]):
                 continue
             self._lines.append(words)
-            if words[0] == "P" and len(words) == 3:
+            if words[0] == "P" and len(words) == 3 and _is_int(words[2]) and not self.inner_pid:
                 self.inner_pid, self.command_pid = int(words[1]), int(words[2])
                 self.start_latency_s = time.monotonic() - self.started_at
             if words[0] in ("P", "E") and not self.started.done():
@@ -120,14 +129,18 @@ class Command:
         self._fd = -1
         if not self.started.done():
             self.started.set_result(None)
-        self.exited.set_result(self._outcome(ex))
+        try:
+            outcome = self._outcome(ex)
+        except (ValueError, IndexError):  # nothing the helper says may keep exited unresolved
+            outcome = CommandExit(ex.code, ex.signal, lost=True, runsc=ex)
+        self.exited.set_result(outcome)
 
     def _outcome(self, ex: Exit) -> CommandExit:
         error: tuple[int, str] | None = None
         for words in self._lines:
             if words[0] == "E" and len(words) == 3:
                 error = (int(words[1]), words[2])
-            elif words[0] in ("X", "K") and len(words) == 4:
+            elif words[0] in ("X", "K") and len(words) == 4 and all(_is_int(w) for w in words[1:]):
                 code, ut, st = int(words[1]), int(words[2]) / 1e6, int(words[3]) / 1e6
                 if error is not None:
                     return CommandExit(None, None, ut, st, error=error, runsc=ex)
