@@ -18,6 +18,12 @@ from dsec.errors import (
     ExecError,
     ExecTimeout,
     FileAccessError,
+    FnCallError,
+    FnCallFailed,
+    FnCallOOM,
+    FnCallOutputTooLarge,
+    FnCallTimeout,
+    FnCallWorkerLost,
     Forbidden,
     HostError,
     ImageError,
@@ -33,6 +39,7 @@ from dsec.errors import (
 )
 
 if TYPE_CHECKING:
+    from dsec.backends.fncall.types import FnCall, FnResult
     from dsec.sdk import (
         AsyncClient,
         AsyncSandbox,
@@ -64,6 +71,7 @@ _LAZY = {
     **dict.fromkeys(("FileRules", "ImageRef", "NetRule", "NetworkPolicy", "Resources", "SandboxSpec",
                      "SandboxState", "Stage"), "dsec.spec"),
     **dict.fromkeys(("ExecResult", "LimitHit"), "dsec.spec.results"),
+    **dict.fromkeys(("FnCall", "FnResult"), "dsec.backends.fncall.types"),
 }
 
 
@@ -97,6 +105,14 @@ __all__ = [
     "ExecTimeout",
     "FileAccessError",
     "FileRules",
+    "FnCall",
+    "FnCallError",
+    "FnCallFailed",
+    "FnCallOOM",
+    "FnCallOutputTooLarge",
+    "FnCallTimeout",
+    "FnCallWorkerLost",
+    "FnResult",
     "Forbidden",
     "HostError",
     "ImageError",

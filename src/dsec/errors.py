@@ -182,6 +182,58 @@ class Unsupported(DsecError, NotImplementedError):
                    "that does (SandboxSpec.backend)", operation=op, backend=backend, **fields)
 
 
+class FnCallFailed(DsecError):
+    """A function call did not return a value. Fields: ``stdout``, ``stderr`` (what it
+    printed, capped), ``worker`` (the worker sandbox), ``duration_s``."""
+
+    code = "fncall_failed"
+    http_status: ClassVar[int] = 500
+
+
+class FnCallError(FnCallFailed, RuntimeError):
+    """The call's code raised: ``exc_type`` (e.g. ``ValueError``, ``numpy.linalg.LinAlgError``),
+    ``exc_message`` (``str()`` of the exception; ``message`` is ``"<exc_type>: <exc_message>"``)
+    and ``traceback`` (the call's own frames only); or its process ended without returning
+    (``exc_type`` ``ProcessExit`` with ``exit_code``, or ``Signal`` with ``signal``)."""
+
+    code = "fncall_error"
+    http_status: ClassVar[int] = 422
+    exc_type: str
+    exc_message: str
+    traceback: str
+
+
+class FnCallTimeout(FnCallFailed, ExecTimeout):
+    """The call ran longer than its ``timeout`` (seconds): it and every process it started were killed."""
+
+    code = "fncall_timeout"
+    http_status: ClassVar[int] = 408
+
+
+class FnCallOOM(FnCallFailed, MemoryError):
+    """The call ran out of memory: its ``memory`` cap (bytes on top of the warm template;
+    a ``MemoryError`` inside the call) or, killed by the kernel, the worker's memory limit."""
+
+    code = "fncall_oom"
+    http_status: ClassVar[int] = 422
+
+
+class FnCallOutputTooLarge(FnCallFailed, ValueError):
+    """The call's stdout or stderr, or its JSON result (``what``), went past ``output_cap``
+    bytes; a call over the cap on stdout or stderr is killed there."""
+
+    code = "fncall_output_too_large"
+    http_status: ClassVar[int] = 422
+
+
+class FnCallWorkerLost(FnCallFailed, SandboxFailed):
+    """The worker running the call died or stopped answering (``reason``); the pool starts
+    another. The call may have run partly: retry it if it is idempotent."""
+
+    code = "fncall_worker_lost"
+    http_status: ClassVar[int] = 503
+
+
 class HostError(DsecError, RuntimeError):
     """The host lacks something DSec needs (a kernel feature, a binary, privilege)."""
 
@@ -213,6 +265,12 @@ ERRORS_BY_CODE: dict[str, type[DsecError]] = {
         PayloadTooLarge,
         Unsupported,
         HostError,
+        FnCallFailed,
+        FnCallError,
+        FnCallTimeout,
+        FnCallOOM,
+        FnCallOutputTooLarge,
+        FnCallWorkerLost,
     )
 }
 

@@ -196,3 +196,53 @@ def test_sdk_latency_is_milliseconds(edge: Any) -> None:
 
     lat = run(go())
     assert statistics.median(lat) < 100, sorted(lat)
+
+
+def test_through_the_control_plane_calls_go_straight_to_the_edge() -> None:
+    """A client of the all-in-one's control plane: one lease (an edge running fncall and a
+    fncall token), then calls to that edge; a refused token is leased again, once."""
+    import tempfile
+
+    from dsec.cli.up import start_cluster
+    from dsec.images.store import LocalLayerStore
+
+    have_cache = (CACHE / ("debian-bookworm-" + "-".join(sorted(bench.PACKAGES))) / ".dsec-complete").exists()
+    if not have_cache and shutil.which("debootstrap") is None:
+        pytest.skip("needs debootstrap (or a cached Debian python3-numpy rootfs) for a python layer")
+    with tempfile.TemporaryDirectory(prefix="dsec-test-fncp-") as tmp:
+        data = Path(tmp)
+        store = LocalLayerStore(data / "layers")
+        try:
+            bench.python_layer(store, CACHE, name="pyfn", tag="test")
+        finally:
+            store.close()
+
+        async def go() -> None:
+            cluster = await start_cluster(data, port=0, edge_overrides={
+                "backends": [{"kind": "container"}, FNCALL.model_dump(mode="json")]})
+            try:
+                async with AsyncClient(cluster.url, cluster.admin_token) as c:
+                    assert (await c.fncall(IMAGE, "def main(x):\n    return x + 1", args=[41])).value == 42
+                    leases = c.__dict__["_fncall_leases"]
+                    (expires, edge, token), = leases.values()
+                    assert edge.base_url == cluster.edges[0].url != cluster.url
+                    assert expires > time.time() + 600
+                    async with httpx.AsyncClient(timeout=60) as h:  # (the cluster runs on this loop)
+                        r = await h.post(f"{edge.base_url}/v1/fncall", json={"image": "pyfn:test", "source": "1"},
+                                         headers={"authorization": f"Bearer {token}"})
+                    assert r.status_code == 200 and r.json()["value"] == 1  # the token is the edge's to check
+                    # a lease the edge no longer honours (another cluster key) is replaced, once
+                    bad, _ = mint(secrets.token_bytes(32), sandbox_id="fncall:x", project="x", scope="fncall")
+                    leases[next(iter(leases))] = (expires, edge, bad)
+                    assert (await c.fncall(IMAGE, "2 * 21")).value == 42
+                    assert next(iter(leases.values()))[2] != bad
+                    # a sandbox token (no fncall scope) is refused by the edge
+                    sb_token, _ = mint(b"k" * 32, sandbox_id="x", project="p")
+                    async with httpx.AsyncClient(timeout=60) as h:
+                        r = await h.post(f"{edge.base_url}/v1/fncall", json={"image": "pyfn:test", "source": "1"},
+                                         headers={"authorization": f"Bearer {sb_token}"})
+                    assert r.status_code in (401, 403), r.text
+            finally:
+                await cluster.stop()
+
+        asyncio.run(go())

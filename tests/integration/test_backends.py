@@ -154,6 +154,9 @@ def test_control_plane_places_by_backend_and_refuses_an_unknown_one() -> None:
                 await sb.close()
             with pytest.raises((InvalidSpec, ValueError)):
                 SandboxSpec(image=ImageRef(base="busybox"), backend="../x")
+            with pytest.raises(Unsupported) as ei:  # no edge of this cluster runs function calls
+                await c.fncall("busybox", "1")
+            assert ei.value.backend == "fncall" and "container" in str(ei.value)
 
     with in_process_cluster("dsec-test-backends-") as h:
         h.run(go(h))

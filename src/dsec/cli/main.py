@@ -183,6 +183,18 @@ def bench_cli(quick: bool, json_path: Path | None) -> None:
     _report("dsec bench cli", results, json_path)
 
 
+@bench.command("fncall")
+@click.option("--quick", is_flag=True, help="Fewer calls: 100 in a row and 300 at once instead of 300 and 2,000.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the flat JSON here.")
+def bench_fncall(quick: bool, json_path: Path | None) -> None:
+    """Function calls on warm numpy workers: latency through the SDK, calls/s on this machine,
+    vs a sandbox per call (create + exec + destroy, same run), isolation cases."""
+    from dsec.bench.fncall import run
+
+    results = run(quick=quick, say=lambda m: console.print(f"[dim]{m}[/dim]", highlight=False))
+    _report("dsec bench fncall", results, json_path)
+
+
 @bench.command("abuse")
 @click.option("--quick", is_flag=True, help="Shorter floods and spins, 2 neighbours, fewer network/stage samples (< ~3 min).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the flat JSON here.")

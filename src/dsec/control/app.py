@@ -49,6 +49,8 @@ from dsec.spec.api import (
     DrainEdge,
     EdgeHealth,
     EdgeInfo,
+    FnCallLease,
+    FnCallLeaseRequest,
     ForkRequest,
     GroupResult,
     LayerInfo,
@@ -273,6 +275,12 @@ def create_app(config: ControlConfig, *, control: Control | None = None) -> Fast
     @app.post("/v1/sandboxes", status_code=201, response_model=SandboxInfo, tags=["sandboxes"])
     async def create_sandbox(ctl: Ctl, who: Who, body: CreateBody) -> Response:
         return Response(await _create(ctl, who, body), status_code=201, media_type="application/json")
+
+    @app.post("/v1/fncall/lease", response_model=FnCallLease, tags=["fncall"])
+    async def fncall_lease(ctl: Ctl, who: Who, body: FnCallLeaseRequest) -> FnCallLease:
+        """An edge that runs function calls and a token for it (the SDK's ``fncall`` asks once
+        and then calls the edge directly; docs/FNCALL.md)."""
+        return await ctl.sandboxes.fncall_lease(who, body.image)
 
     @app.post("/v1/sandboxes/batch", tags=["sandboxes"])
     async def create_batch(ctl: Ctl, who: Who, body: BatchBody) -> BatchResult:

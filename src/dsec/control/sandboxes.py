@@ -72,7 +72,15 @@ from dsec.errors import (
     Unsupported,
 )
 from dsec.spec import SandboxState, can_move
-from dsec.spec.api import BatchItem, BatchResult, CreateBatch, CreateSandbox, SandboxInfo, TaskQuota
+from dsec.spec.api import (
+    BatchItem,
+    BatchResult,
+    CreateBatch,
+    CreateSandbox,
+    FnCallLease,
+    SandboxInfo,
+    TaskQuota,
+)
 
 log = logging.getLogger("dsec.control.sandboxes")
 
@@ -300,6 +308,32 @@ class Sandboxes:
             selector=dict(req.edge_selector),
             backend=req.spec.backend,
         )
+
+    async def fncall_lease(self, who: Principal, image: Any = None) -> FnCallLease:
+        """An edge running the fncall backend (preferring one that holds the image's layers,
+        then the least loaded of two at random) and a fncall-scoped token for it."""
+        loaded = await self.store.read(lambda s: load_views(s, self.health))
+        cands = [(v, url) for v, url in loaded if v.alive and not v.draining and "fncall" in v.backends]
+        if not cands:
+            live = [v for v, _ in loaded if v.alive]
+            runs = sorted({b for v in live for b in v.backends}) or ["none"]
+            raise Unsupported(
+                f"no live edge runs the fncall backend (the cluster's edges run: {', '.join(runs)}); add "
+                "{\"kind\": \"fncall\"} to an edge's backends (docs/FNCALL.md)", operation="fncall", backend="fncall")
+        refs: tuple[str, ...] = ()
+        if isinstance(image, str):
+            refs = (image,)
+        elif image is not None and hasattr(image, "layers_top_first"):
+            refs = tuple(image.layers_top_first())
+        if refs:
+            local = [(v, u) for v, u in cands if all(normalize_ref(r) in v.layers for r in refs)]
+            cands = local or cands
+        picks = self.rng.sample(cands, min(2, len(cands)))
+        view, url = min(picks, key=lambda c: c[0].committed.sandboxes / max(1, c[0].capacity.sandboxes))
+        ttl = self.config.sandbox_token_ttl_s
+        tok, exp = auth.mint(self.key, sandbox_id=f"fncall:{who.project}", project=who.project, ttl_s=ttl,
+                             scope="fncall")
+        return FnCallLease(edge_id=view.id, edge_url=url, token=tok, expires_at=exp)
 
     def _pick(
         self, s: Session, demand: Demand, exclude: frozenset[str]

@@ -31,6 +31,7 @@ from dsec.backends.fncall.types import FnCall, outcome_to_wire
 from dsec.errors import Forbidden, Unsupported
 from dsec.fastroute import Answer, FastRequest, Handler
 from dsec.spec import ImageRef
+from dsec.spec.api import FnCallLease, FnCallLeaseRequest
 
 MAX_BATCH = 10_000
 SCOPES = ("edge-admin", "fncall")
@@ -77,6 +78,8 @@ class _Auth(Protocol):
 
 class _Service(Protocol):
     edge_id: str
+    url: str
+    config: Any
     backends: Any
 
 
@@ -147,6 +150,17 @@ def install(app: FastAPI, svc: _Service, auth: _Auth) -> dict[tuple[str, str], H
         _allowed(auth.claims_of(header(req)))
         out = await unless_gone(req.receive, batch(req.model(FnCallBatchRequest)))
         return Answer(499, b"") if out is None else Answer(200, out)
+
+    @app.post("/v1/fncall/lease", response_model=FnCallLease, tags=["fncall"])
+    async def fncall_lease(body: FnCallLeaseRequest, claims: Caller) -> FnCallLease:
+        """This edge, for a client pointed at it directly (the control plane answers the
+        same request by choosing an edge): its URL and a fncall token."""
+        backend()  # Unsupported unless this edge runs function calls
+        from dsec.auth import mint
+
+        tok, exp = mint(svc.config.cluster_key, sandbox_id=f"fncall:{claims.project}", project=claims.project,
+                        scope="fncall")
+        return FnCallLease(edge_id=svc.edge_id, edge_url=svc.url, token=tok, expires_at=exp)
 
     @app.post("/v1/fncall", tags=["fncall"])
     async def fncall(body: FnCallRequest, request: Request, _c: Caller) -> Response:

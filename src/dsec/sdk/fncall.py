@@ -6,13 +6,18 @@ A call runs ``source`` in a fresh fork of a warm, pre-imported Python template o
 ``FnCallOutputTooLarge``, ``FnCallWorkerLost``). :class:`AsyncClient` gets the methods from
 :class:`FnCalls` (a mixin); the sync ``Client`` derives them as for every other method.
 
-The request goes to the client's URL: an edge, with an ``edge-admin`` or ``fncall`` token.
-Imports nothing heavy (the result types are plain dataclasses).
+The client asks its URL once per image for a lease (``POST /v1/fncall/lease``: the control
+plane picks an edge that runs the fncall backend, preferring one holding the image, and
+mints a ``fncall`` token; an edge answers with itself), then sends calls straight to that
+edge until the lease nears its end. A lease whose edge refuses the token or cannot be
+reached is dropped and asked for again, once per call. Imports nothing heavy (the result
+types are plain dataclasses).
 """
 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
@@ -20,8 +25,11 @@ from dsec.backends.fncall.types import FnCall, FnCallFailed, FnOutcome, FnResult
 from dsec.sdk._http import UNSET, _Unset, raise_for_error
 
 if TYPE_CHECKING:
-    from dsec.sdk._http import Endpoint
+    from dsec.sdk._http import Endpoint, Response
     from dsec.spec import ImageRef
+
+LEASE_MARGIN_S: Final = 60.0
+"""A lease is renewed this long before it expires."""
 
 HTTP_MARGIN_S: Final = 30.0
 """The HTTP request waits this much longer than the call's own timeout (the edge answers a
@@ -61,6 +69,44 @@ class FnCalls:
 
     _http: Endpoint
 
+    def _edge(self, url: str) -> Endpoint:
+        raise NotImplementedError  # AsyncClient's: pooled connections to an edge
+
+    async def _fncall_lease(self, image: ImageRef | str, *, fresh: bool = False) -> tuple[Endpoint, str]:
+        """(the edge to call, the token to call it with) for ``image``, leased from the client's URL."""
+        leases: dict[str, tuple[float, Endpoint, str]] = self.__dict__.setdefault("_fncall_leases", {})
+        key = json.dumps(_image(image), sort_keys=True)
+        hit = leases.get(key)
+        if hit is not None and not fresh and hit[0] - LEASE_MARGIN_S > time.time():
+            return hit[1], hit[2]
+        resp = await self._http.request("POST", "/v1/fncall/lease", content=_encode({"image": _image(image)}),
+                                        headers=_JSON, idempotent=True)
+        raise_for_error(resp)
+        got = json.loads(resp.content)
+        edge = self._edge(str(got["edge_url"]))
+        leases[key] = (float(got["expires_at"]), edge, str(got["token"]))
+        return edge, str(got["token"])
+
+    async def _fncall_post(self, image: ImageRef | str, path: str, body: bytes, timeout: float | None) -> Response:
+        """POST to the leased edge; a refused token or an unreachable edge gets a new lease once
+        (a call never sent is safe to send again; one that reached a worker is not resent)."""
+        import httpx
+
+        for attempt in (0, 1):
+            edge, token = await self._fncall_lease(image, fresh=attempt == 1)
+            try:
+                resp = await edge.request("POST", path, content=body, timeout=timeout, idempotent=False,
+                                          headers={**_JSON, "authorization": f"Bearer {token}"})
+            except (httpx.ConnectError, ConnectionRefusedError) as exc:
+                if attempt:
+                    raise
+                last: BaseException = exc
+                continue
+            if resp.status_code in (401, 403) and not attempt:
+                continue
+            return resp
+        raise AssertionError(f"unreachable: {last!r}")
+
     async def fncall(self, image: ImageRef | str, source: str, *, args: Sequence[Any] = (),
                      kwargs: Mapping[str, Any] | None = None, entry: str | None = None,
                      timeout: float | _Unset | None = UNSET, memory: int | None = None,
@@ -78,8 +124,7 @@ class FnCalls:
         if entry is not None:
             body["entry"] = entry
         http_timeout = _limits(body, timeout, memory, output_cap)
-        resp = await self._http.request("POST", "/v1/fncall", content=_encode(body), headers=_JSON,
-                                        timeout=http_timeout, idempotent=False)
+        resp = await self._fncall_post(image, "/v1/fncall", _encode(body), http_timeout)
         raise_for_error(resp)
         out = outcome_from_wire(json.loads(resp.content))
         if isinstance(out, FnCallFailed):
@@ -101,7 +146,6 @@ class FnCalls:
             items.append(item)
         body: dict[str, Any] = {"image": _image(image), "calls": items}
         http_timeout = _limits(body, timeout, memory, output_cap)
-        resp = await self._http.request("POST", "/v1/fncall/batch", content=_encode(body), headers=_JSON,
-                                        timeout=http_timeout, idempotent=False)
+        resp = await self._fncall_post(image, "/v1/fncall/batch", _encode(body), http_timeout)
         raise_for_error(resp)
         return [outcome_from_wire(d) for d in json.loads(resp.content)["results"]]

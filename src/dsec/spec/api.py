@@ -379,6 +379,23 @@ class GroupResult(_Wire):
     seconds: float = 0.0
 
 
+class FnCallLeaseRequest(_Wire):
+    """Where may this caller send function calls for ``image`` (``POST /v1/fncall/lease``)?"""
+
+    image: ImageRef | str | None = None
+
+
+class FnCallLease(_Wire):
+    """An edge that runs the fncall backend and a token (scope ``fncall``) to call it with:
+    the SDK sends calls straight there until ``expires_at`` (the control plane is never on
+    a call's path)."""
+
+    edge_id: str
+    edge_url: str
+    token: str
+    expires_at: float
+
+
 class EdgeHealth(_Wire):
     edge_id: str
     url: str

@@ -6,18 +6,25 @@ The SDK decodes the edge's answers into these too, so this module imports only
 Every failure of a call is a :class:`FnCallFailed`; each kind also inherits the
 builtin (or DSec error) a Python user would expect: a timeout is a
 :class:`~dsec.errors.ExecTimeout` (so a ``TimeoutError``), running out of the
-call's memory a ``MemoryError``. :data:`FNCALL_ERRORS_BY_CODE` maps their wire
-codes to the classes (``dsec.errors.ERRORS_BY_CODE`` is a fixed table of the
-core classes and does not list these).
+call's memory a ``MemoryError``. The classes live in :mod:`dsec.errors` (in its one
+table of wire codes, ``ERRORS_BY_CODE``) and are re-exported here;
+:data:`FNCALL_ERRORS_BY_CODE` is the subset a call's answer can carry.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
-from dsec.errors import DsecError, ExecTimeout, SandboxFailed
+from dsec.errors import (
+    FnCallError,
+    FnCallFailed,
+    FnCallOOM,
+    FnCallOutputTooLarge,
+    FnCallTimeout,
+    FnCallWorkerLost,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,57 +63,11 @@ class FnCall:
     """The function to call (default ``main`` when the source defines it)."""
 
 
-class FnCallFailed(DsecError):
-    """A function call did not return a value. Fields: ``stdout``, ``stderr`` (what it
-    printed, capped), ``worker`` (the worker sandbox), ``duration_s``."""
-
-    code = "fncall_failed"
-    http_status: ClassVar[int] = 500
-
-
-class FnCallError(FnCallFailed, RuntimeError):
-    """The call's code raised: ``exc_type`` (e.g. ``ValueError``, ``numpy.linalg.LinAlgError``),
-    ``exc_message`` (``str()`` of the exception; ``message`` is ``"<exc_type>: <exc_message>"``)
-    and ``traceback`` (the call's own frames only); or its process ended without returning
-    (``exc_type`` ``ProcessExit`` with ``exit_code``, or ``Signal`` with ``signal``)."""
-
-    code = "fncall_error"
-    http_status: ClassVar[int] = 422
-    exc_type: str
-    exc_message: str
-    traceback: str
-
-
-class FnCallTimeout(FnCallFailed, ExecTimeout):
-    """The call ran longer than its ``timeout`` (seconds): it and every process it started were killed."""
-
-    code = "fncall_timeout"
-    http_status: ClassVar[int] = 408
-
-
-class FnCallOOM(FnCallFailed, MemoryError):
-    """The call ran out of memory: its ``memory`` cap (bytes on top of the warm template;
-    a ``MemoryError`` inside the call) or, killed by the kernel, the worker's memory limit."""
-
-    code = "fncall_oom"
-    http_status: ClassVar[int] = 422
-
-
-class FnCallOutputTooLarge(FnCallFailed, ValueError):
-    """The call's stdout or stderr, or its JSON result (``what``), went past ``output_cap``
-    bytes; a call over the cap on stdout or stderr is killed there."""
-
-    code = "fncall_output_too_large"
-    http_status: ClassVar[int] = 422
-
-
-class FnCallWorkerLost(FnCallFailed, SandboxFailed):
-    """The worker running the call died or stopped answering (``reason``); the pool starts
-    another. The call may have run partly: retry it if it is idempotent."""
-
-    code = "fncall_worker_lost"
-    http_status: ClassVar[int] = 503
-
+__all__ = [
+    "FNCALL_ERRORS", "FNCALL_ERRORS_BY_CODE", "FnCall", "FnCallError", "FnCallFailed", "FnCallOOM",
+    "FnCallOutputTooLarge", "FnCallTimeout", "FnCallWorkerLost", "FnOutcome", "FnResult", "outcome_from_wire",
+    "outcome_to_wire",
+]
 
 FNCALL_ERRORS: tuple[type[FnCallFailed], ...] = (
     FnCallFailed, FnCallError, FnCallTimeout, FnCallOOM, FnCallOutputTooLarge, FnCallWorkerLost,
