@@ -28,7 +28,7 @@ class GVisorConfig(BaseModel):
     file_access: Literal["shared", "exclusive"] = "shared"
     """runsc's ``--file-access`` for the sandbox's root. ``shared``: the sentry revalidates what
     it caches, so host-side file operations (the files API) are seen at once and never
-    corrupted; file system calls cost ~3-4x more (stat/open ~17-24 us against ~6 us,
+    corrupted; file system calls cost ~3-4x more (the bench loop: ~14-24 us per call against ~6 us,
     docs/GVISOR.md). ``exclusive``: faster, but the sentry assumes nobody else writes the
     files, so the backend then does not offer FILES (an edit from the host could be lost or
     overwritten by a stale cached size)."""
