@@ -68,6 +68,7 @@ import math
 import os
 import re
 import resource
+import shutil
 import statistics
 import tempfile
 import time
@@ -94,6 +95,9 @@ ORDERS: tuple[tuple[str, ...], ...] = (
 """Six runs put each runtime in each place twice and after each other runtime equally
 often, and no two runs in a row start with the same runtime."""
 FULL_N = 10_000
+QUICK_GVISOR_N = 10
+FULL_GVISOR_N = 50
+"""gVisor sandboxes kept idle for its memory figure (each ~12 MiB: its sentry and gofer)."""
 QUICK_N = 200
 FULL_WRITTEN_N = 1_000
 QUICK_WRITTEN_N = 50
@@ -813,7 +817,9 @@ def _ratio(results: dict[str, Any], a: str, b: str) -> float:
 
 def run(*, quick: bool = False, n_keep: int | None = None, order: Sequence[str] | None = None,
         written_n: int | None = None, debian: bool | None = None, cache_dir: Path | None = None,
-        say: Progress = print) -> dict[str, Any]:
+        gvisor: bool | None = None, say: Progress = print) -> dict[str, Any]:
+    """The whole suite; ``gvisor`` (default: when runsc is installed) adds the gVisor backend's
+    figures beside the container backend's, measured in the same run (dsec.bench.gvisor)."""
     from dsec.bench import baselines
 
     n_lat = 30 if quick else 200
@@ -890,6 +896,16 @@ def run(*, quick: bool = False, n_keep: int | None = None, order: Sequence[str] 
         results.update(asyncio.run(_dsec_media(rootfs, work, n_lat=n_lat, k=k_media, media=media,
                                                host=host, say=say)))
 
+    if gvisor is not False and shutil.which("runsc") is not None:
+        from dsec.bench import gvisor as gv_bench
+
+        gv_n = QUICK_GVISOR_N if quick else FULL_GVISOR_N
+        say(f"gvisor: {gv_n} idle sandboxes beside the container backend's {gv_n} (same run)")
+        gv = asyncio.run(gv_bench.measure(gv_n, n_lat=n_lat // 4 or 10, n_exec=n_exec // 4 or 10, say=say))
+        results.update({k: v for k, v in gv.items()})
+        results["gvisor_idle_n"] = gv_n
+    elif gvisor:
+        raise RuntimeError("--gvisor asked for, but runsc is not installed (scripts/setup.sh installs it)")
     results["create_p50_vs_crun"] = _ratio(results, "create_p50_ms", "crun_create_p50_ms")
     results["create_exec_destroy_p50_vs_crun"] = _ratio(results, "create_exec_destroy_p50_ms", "crun_create_p50_ms")
     results["create_p50_vs_bwrap"] = _ratio(results, "create_p50_ms", "bwrap_create_p50_ms")

@@ -134,8 +134,10 @@ def _report(title: str, results: dict[str, Any], json_path: Path | None) -> None
                    "The memory medium runs at most what MemAvailable holds, the disk medium what the disk holds.")
 @click.option("--debian/--no-debian", default=None,
               help="Also measure on a Debian rootfs (default: on, except with --quick). Built once with debootstrap.")
+@click.option("--gvisor/--no-gvisor", default=None,
+              help="Also measure the gVisor backend beside the container backend (default: when runsc is installed).")
 def bench_runtime(quick: bool, json_path: Path | None, n_keep: int | None, order: str | None,
-                  written_n: int | None, debian: bool | None) -> None:
+                  written_n: int | None, debian: bool | None, gvisor: bool | None) -> None:
     """Create latency, create-and-keep at the same N, idle memory, kernel state, exec, teardown: DSec vs crun vs bwrap."""
     from dsec.bench.runtime import parse_order, run
 
@@ -143,7 +145,7 @@ def bench_runtime(quick: bool, json_path: Path | None, n_keep: int | None, order
         runtimes = parse_order(order) if order is not None else None
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--order") from None
-    results = run(quick=quick, n_keep=n_keep, order=runtimes, written_n=written_n, debian=debian,
+    results = run(quick=quick, n_keep=n_keep, order=runtimes, written_n=written_n, debian=debian, gvisor=gvisor,
                   say=lambda m: console.print(f"[dim]{m}[/dim]", highlight=False))
     _report("dsec bench runtime", results, json_path)
 
