@@ -16,13 +16,16 @@ when its bytecode needs the rewrite.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import os
 import shutil
 import subprocess
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, cast
+from typing import IO, Any, cast
 
 from dsec.errors import DsecError, InvalidSpec
 
@@ -32,7 +35,7 @@ from .debootstrap import check_args as _check_debootstrap_args
 from .erofs import make_erofs
 from .errors import LayerBuildError
 from .layer import Layer, LayerKind, check_kind, check_name, check_tag
-from .oci import ImageSource, LayerBlob, VerifyingReader, find_layers
+from .oci import ImageSource, VerifyingReader, find_layers
 from .pyc import normalize_pycs
 from .store import LayerStore
 from .unpack import UnpackStats, unpack_tar
@@ -216,13 +219,59 @@ def build_from_oci(
     (matched against ref-name annotations or RepoTags).
     """
     source = Path(source)
+    with ImageSource(source) as src:
+        image = find_layers(src, ref=ref)
+        streams = [
+            LayerStream(
+                open=functools.partial(src.open, blob.path),
+                media_type=blob.media_type,
+                digest=blob.digest,
+                size=blob.size,
+                where=f"{source}: layer {i + 1}/{len(image.layers)} ({blob.digest or blob.path})",
+            )
+            for i, blob in enumerate(image.layers)
+        ]
+        return build_from_layers(
+            store, streams, name=name, tag=tag, kind=kind, parents=parents, progress=progress,
+            source=str(source),
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class LayerStream:
+    """One layer of a container image, to be applied over the ones before it.
+
+    ``open()`` gives its bytes as they are stored: a tar, plain or compressed with
+    gzip, bzip2, xz or zstd (told by ``media_type`` or by the bytes themselves).
+    ``digest`` (``sha256:...``), when known, is checked against those bytes after
+    the layer is applied; ``where`` names it in errors."""
+
+    open: Callable[[], contextlib.AbstractContextManager[IO[bytes]]]
+    media_type: str
+    digest: str | None
+    size: int | None
+    where: str
+
+
+def build_from_layers(
+    store: LayerStore,
+    layers: Sequence[LayerStream],
+    *,
+    name: str,
+    tag: str,
+    kind: LayerKind | str = LayerKind.BASE,
+    parents: Iterable[str] = (),
+    progress: Progress | None = None,
+    source: str = "image",
+) -> Layer:
+    """Apply container image layers in order (whiteouts and opaque directories
+    honoured) into one tree, streaming each, and make a layer of the result."""
     k, parent_digests = _prepare(store, name, tag, kind, parents)
     report = progress or _noop
-    with ImageSource(source) as src, store.scratch("build") as scratch:
-        image = find_layers(src, ref=ref)
-        if not image.layers:
-            raise LayerBuildError(f"{source}: the image has no layers", stage="oci")
-        sizes = [b.size for b in image.layers]
+    if not layers:
+        raise LayerBuildError(f"{source}: the image has no layers", stage="oci")
+    with store.scratch("build") as scratch:
+        sizes = [layer.size for layer in layers]
         total = sum(s for s in sizes if s is not None) if None not in sizes else None
         root = _new_root(scratch)
         done = 0
@@ -233,8 +282,8 @@ def build_from_oci(
             report("unpack", done if total is None else min(done, total), total)
 
         stats = UnpackStats()
-        for i, blob in enumerate(image.layers):
-            stats.merge(_apply_blob(src, blob, root, on_read, index=i, count=len(image.layers)))
+        for layer in layers:
+            stats.merge(_apply_stream(layer, root, on_read))
         _log_stats(source, stats)
         return _to_layer(
             store, root, scratch, name=name, tag=tag, kind=k, parents=parent_digests,
@@ -242,49 +291,63 @@ def build_from_oci(
         )  # fmt: skip
 
 
-def _apply_blob(
-    src: ImageSource,
-    blob: LayerBlob,
-    root: Path,
-    on_read: Callable[[int], None],
-    *,
-    index: int,
-    count: int,
-) -> UnpackStats:
-    where = f"{src.path}: layer {index + 1}/{count} ({blob.digest or blob.path})"
-    if "zstd" in blob.media_type:
+class _Peeked:
+    """A reader whose first bytes were read ahead (to sniff the compression)."""
+
+    def __init__(self, head: bytes, rest: IO[bytes]) -> None:
+        self.head = head
+        self.rest = rest
+
+    def read(self, n: int = -1) -> bytes:
+        if self.head:
+            if n < 0:
+                out, self.head = self.head + self.rest.read(), b""
+                return out
+            out, self.head = self.head[:n], self.head[n:]
+            return out
+        return self.rest.read(n)
+
+
+def _zstd_reader(raw: Any, where: str) -> IO[bytes]:
+    try:
+        import zstandard
+    except ImportError:
         raise LayerBuildError(
-            f"{where} is zstd-compressed, which this Python cannot read; re-export the image "
-            "with gzip layers (e.g. `skopeo copy --dest-compress-format=gzip ...`)",
-            stage="oci",
-        )
-    with src.open(blob.path) as raw:
-        peek = getattr(raw, "peek", None)
-        if peek is not None and bytes(peek(4))[:4] == _ZSTD_MAGIC:
-            raise LayerBuildError(
-                f"{where} is zstd-compressed, which this Python cannot read; re-export the "
-                "image with gzip layers",
-                stage="oci",
-            )
+            f"{where} is zstd-compressed and the zstandard module is missing: "
+            "pip install 'dsec[server]' (or zstandard)", stage="oci",
+        ) from None  # fmt: skip
+    return cast(IO[bytes], zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True))
+
+
+def _apply_stream(layer: LayerStream, root: Path, on_read: Callable[[int], None]) -> UnpackStats:
+    where = layer.where
+    with layer.open() as raw:
         reader = VerifyingReader(raw, on_read=on_read)
+        head = reader.read(4)
+        body: Any = _Peeked(head, cast(IO[bytes], reader))
+        if "zstd" in layer.media_type or head == _ZSTD_MAGIC:
+            body = _zstd_reader(body, where)
         try:
-            stats = unpack_tar(cast(IO[bytes], reader), root, whiteouts=True)
+            stats = unpack_tar(cast(IO[bytes], body), root, whiteouts=True)
         except DsecError as e:
             # Same error class, with the layer named: "which layer of which image".
             fields = {k: v for k, v in e.fields.items() if k != "stage"}
             raise type(e)(f"{where}: {e.message}", stage="oci", **fields) from e
+        except Exception as e:
+            # zstd and gzip decoders raise their own errors on damaged data.
+            raise LayerBuildError(f"{where}: cannot decompress the layer ({e})", stage="oci") from e
         reader.drain()
-    if blob.digest is not None and blob.digest.startswith("sha256:"):
+    if layer.digest is not None and layer.digest.startswith("sha256:"):
         got = "sha256:" + reader.hexdigest()
-        if got != blob.digest:
+        if got != layer.digest:
             raise LayerBuildError(
-                f"{where} is corrupt: its content hashes to {got}, not {blob.digest}",
+                f"{where} is corrupt: its content hashes to {got}, not {layer.digest}",
                 stage="oci",
             )
     return stats
 
 
-def _log_stats(source: Path, stats: UnpackStats) -> None:
+def _log_stats(source: Path | str, stats: UnpackStats) -> None:
     if stats.skipped_devices:
         log.warning("%s: skipped %d device node(s)", source, stats.skipped_devices)
     log.info(
@@ -359,11 +422,13 @@ def build_busybox(
 
 
 __all__ = [
+    "LayerStream",
     "Progress",
     "build_busybox",
     "build_busybox_rootfs",
     "build_debootstrap",
     "build_from_dir",
+    "build_from_layers",
     "build_from_oci",
     "build_from_tar",
 ]
