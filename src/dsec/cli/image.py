@@ -121,7 +121,7 @@ def _progress_display(
     last: list[str] = []
 
     def detail(stage: str, done: int, total: int | None) -> str:
-        if stage == "unpack":
+        if stage in ("unpack", "push", "pull"):
             return _human(done) + (f" / {_human(total)}" if total else "")
         if stage.startswith("debootstrap"):
             return f"{done}" + (f"/{total} packages" if total else " packages")
@@ -399,6 +399,152 @@ def _remove(store: LocalLayerStore, ref: str) -> None:
             if time.monotonic() >= deadline:
                 raise
         time.sleep(0.05)
+
+
+# -- registries: push, pull, import ---------------------------------------------------------
+
+
+def _registry_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    f = click.option("--password-stdin", is_flag=True,
+                     help="Read the registry password (or token) from stdin "
+                          "[default: $DSEC_REGISTRY_PASSWORD].")(f)  # fmt: skip
+    f = click.option("--username", "-u", default=None, envvar="DSEC_REGISTRY_USERNAME",
+                     help="Registry user (basic auth and token servers) [env DSEC_REGISTRY_USERNAME].")(f)  # fmt: skip
+    return f
+
+
+def _client(base_url: str, username: str | None, password_stdin: bool) -> Any:
+    import sys
+
+    from dsec.images.registry import Credentials, RegistryClient
+
+    password = os.environ.get("DSEC_REGISTRY_PASSWORD", "")
+    if password_stdin:
+        password = sys.stdin.readline().rstrip("\r\n")
+    if password and not username:
+        raise click.UsageError("a registry password was given without --username")
+    creds = Credentials(username, password) if username else None
+    return RegistryClient(base_url, credentials=creds)
+
+
+def _registry_ref(text: str, param: str, *, allow_tag: bool = True) -> Any:
+    from dsec.errors import InvalidSpec
+    from dsec.images.registry import parse_registry_ref
+
+    try:
+        return parse_registry_ref(text, allow_tag=allow_tag, default_tag=None)
+    except InvalidSpec as e:
+        raise click.BadParameter(e.message, param_hint=param) from None
+
+
+def _name_tag(text: str | None) -> tuple[str | None, str | None]:
+    if text is None:
+        return None, None
+    name, _, tag = text.partition(":")
+    return name, tag or None
+
+
+@image_group.command("push")
+@click.argument("ref", metavar="NAME[:TAG]")
+@click.option("--registry", "registry", required=True, metavar="[http[s]://]HOST[:PORT]/REPO[:TAG]",
+              help="Where to push; the tag defaults to the layer's own.")  # fmt: skip
+@_registry_options
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress display.")
+@click.pass_context
+def push_cmd(ctx: click.Context, ref: str, registry: str, username: str | None, password_stdin: bool,
+             as_json: bool, quiet: bool) -> None:  # fmt: skip
+    """Push a layer (and the parents the store has) to an OCI registry.
+
+    The layer's EROFS file goes up once as a blob (skipped when the registry
+    has it), with a config holding its kind, name:tag, lineage and chunk table,
+    under a manifest tagged TAG and sha256-<layer hex>. Prints the manifest digest.
+    """
+    from dsec.images.transfer import push_layer
+
+    dest = _registry_ref(registry, "--registry")
+    if dest.digest is not None:
+        raise click.BadParameter("push to a tag (HOST/REPO[:TAG]), not a digest", param_hint="--registry")
+    with _errors():
+        store = _store(ctx)
+        with _client(dest.base_url, username, password_stdin) as client, \
+                _progress_display(enabled=not quiet) as progress:  # fmt: skip
+            result = push_layer(store, ref, client, dest, progress=progress)
+    if not quiet:
+        sent = "uploaded" if result.uploaded else "already there, metadata only"
+        click.echo(f"pushed {result.layer.ref} to {result.ref} ({_human(result.layer.size)}, {sent})", err=True)
+    if as_json:
+        click.echo(json.dumps({"ref": result.ref, "manifest_digest": result.manifest_digest,
+                               "layer_digest": result.layer.digest, "uploaded": result.uploaded,
+                               "parents": result.parents}))  # fmt: skip
+    else:
+        click.echo(result.manifest_digest)
+
+
+@image_group.command("pull")
+@click.argument("ref", metavar="[http[s]://]HOST[:PORT]/REPO[:TAG|@sha256:HEX]")
+@click.option("--name", "name_tag", default=None, metavar="NAME[:TAG]",
+              help="Store it under this name [default: the name:tag it was pushed from].")  # fmt: skip
+@_registry_options
+@click.option("--json", "as_json", is_flag=True, help="Print the layer as JSON.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress display.")
+@click.pass_context
+def pull_cmd(ctx: click.Context, ref: str, name_tag: str | None, username: str | None, password_stdin: bool,
+             as_json: bool, quiet: bool) -> None:  # fmt: skip
+    """Fetch a DSec layer from a registry into the local store (its parents first).
+
+    Every chunk is checked against the layer's chunk table as it arrives, and
+    the whole file against its digest; a mismatch keeps nothing. Prints the digest.
+    """
+    from dsec.images.transfer import pull_layer
+
+    src = _registry_ref(ref, "REF")
+    if src.tag is None and src.digest is None:
+        src = type(src)(src.base_url, src.repo, "latest", None)
+    name, tag = _name_tag(name_tag)
+    with _errors():
+        store = _store(ctx)
+        with _client(src.base_url, username, password_stdin) as client, \
+                _progress_display(enabled=not quiet) as progress:  # fmt: skip
+            layer = pull_layer(store, client, src, name=name, tag=tag, progress=progress)
+    if not quiet:
+        click.echo(f"pulled {src} as {layer.ref} ({layer.kind.value}, {_human(layer.size)})", err=True)
+    click.echo(layer.model_dump_json() if as_json else layer.digest)
+
+
+@image_group.command("import")
+@click.argument("ref", metavar="[http[s]://]HOST[:PORT]/REPO[:TAG|@sha256:HEX]")
+@click.option("--name", "name_tag", default=None, metavar="NAME[:TAG]",
+              help="Layer name [default: the repository's last component and the image's tag].")  # fmt: skip
+@click.option("--kind", type=click.Choice(_KINDS), default="base", show_default=True)
+@_registry_options
+@click.option("--json", "as_json", is_flag=True, help="Print the layer as JSON.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress display.")
+@click.pass_context
+def import_cmd(ctx: click.Context, ref: str, name_tag: str | None, kind: str, username: str | None,
+               password_stdin: bool, as_json: bool, quiet: bool) -> None:  # fmt: skip
+    """Turn a container image in a registry into a DSec layer (no Docker engine).
+
+    A multi-platform image resolves to linux/<this machine's architecture>; its
+    layers (tar, gzip or zstd) stream from the registry and are applied in order
+    with whiteouts into one tree, which becomes one EROFS layer. Prints the digest.
+    """
+    from dsec.images.oci_import import import_image
+
+    src = _registry_ref(ref, "REF")
+    if src.tag is None and src.digest is None:
+        src = type(src)(src.base_url, src.repo, "latest", None)
+    name, tag = _name_tag(name_tag)
+    stages = _Stages()
+    with _errors():
+        store = _store(ctx)
+        with _client(src.base_url, username, password_stdin) as client, \
+                _progress_display(enabled=not quiet, stages=stages) as progress:  # fmt: skip
+            layer = import_image(store, client, src, name=name, tag=tag, kind=kind, progress=progress)
+    if not quiet:
+        click.echo(f"imported {src} as {layer.ref} ({layer.kind.value}, {_human(layer.size)}) "
+                   f"{stages.summary()}", err=True)  # fmt: skip
+    click.echo(layer.model_dump_json() if as_json else layer.digest)
 
 
 __all__ = ["default_store_root", "image_group"]

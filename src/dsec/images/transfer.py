@@ -1,0 +1,295 @@
+"""Moving DSec layers between a node's layer store and an OCI registry: push and pull.
+
+Owns: writing a stored layer into a registry in the DSec layer format
+(:mod:`dsec.images.registry`: the EROFS file as the one blob, a config with
+kind, name:tag, lineage and the chunk table, a manifest under a tag), and the
+reverse: fetching such a layer, verifying every chunk and the whole digest
+while it streams to disk, and adding it to the store.
+
+Lineage travels with a layer. Every layer pushed is also tagged
+``sha256-<layer hex>`` (:func:`~dsec.images.registry.layer_alias_tag`), and a
+push pushes the layer's parents first (those in the local store), so a pull
+finds each parent in the same repository by its digest and fetches it first
+(a snapshot cannot be used without its lineage; other kinds record it only).
+
+Never writes a byte to the store that was not verified: a pulled file is
+added (renamed into place) only after its digest matched.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dsec.errors import ImageError, LayerNotFound
+
+from .errors import DigestMismatch, RegistryNotFound, UnsupportedManifest
+from .layer import Layer, LayerKind, check_name, check_tag
+from .registry import (
+    DSEC_LAYER_CONFIG,
+    DSEC_LAYER_EROFS,
+    OCI_MANIFEST,
+    Descriptor,
+    DsecLayerConfig,
+    Manifest,
+    RegistryClient,
+    RegistryRef,
+    dsec_layer_manifest,
+    layer_alias_tag,
+)
+from .store import LayerStore
+
+log = logging.getLogger("dsec.images")
+
+Progress = Callable[[str, int, int | None], None]
+"""``progress(stage, done, total)``, as for builds; stages ``push`` and ``pull`` (bytes)."""
+_MAX_LINEAGE = 64
+
+
+def _noop(stage: str, done: int, total: int | None) -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class Pushed:
+    """What a push stored: the manifest's digest, and whether the blob had to be sent."""
+
+    ref: str
+    """``host/repo:tag`` the layer is now under."""
+    manifest_digest: str
+    layer: Layer
+    uploaded: bool
+    """False when the registry had the EROFS blob already (only metadata was sent)."""
+    parents: list[str] = field(default_factory=list)
+    """Digests of parent layers pushed with it (each under its ``sha256-<hex>`` tag)."""
+
+
+def push_layer(
+    store: LayerStore,
+    ref: str,
+    client: RegistryClient,
+    dest: RegistryRef,
+    *,
+    progress: Progress | None = None,
+) -> Pushed:
+    """Push the layer ``ref`` (``NAME[:TAG]`` or digest) of ``store`` to ``dest``.
+
+    The registry tag is ``dest.tag`` if given, else the layer's own tag. Parents that
+    are in the store are pushed first; parents that are not are named in a warning.
+    """
+    layer = store.resolve(ref)
+    report = progress or _noop
+    pushed_parents: list[str] = []
+    for parent in _lineage(store, layer):
+        _push_one(store, store.get(parent), client, dest.repo, tags=[layer_alias_tag(parent)],
+                  report=_noop)  # fmt: skip
+        pushed_parents.append(parent)
+    tag = dest.tag or layer.tag
+    digest, uploaded = _push_one(store, layer, client, dest.repo,
+                                 tags=[tag, layer_alias_tag(layer.digest)], report=report)  # fmt: skip
+    host = dest.base_url.split("://", 1)[1]
+    return Pushed(f"{host}/{dest.repo}:{tag}", digest, layer, uploaded, pushed_parents)
+
+
+def _lineage(store: LayerStore, layer: Layer) -> list[str]:
+    """The layer's ancestors that are in the store, oldest first (each once)."""
+    order: list[str] = []
+    seen: set[str] = set()
+
+    def visit(digest: str, depth: int) -> None:
+        if depth > _MAX_LINEAGE:
+            raise ImageError(f"the lineage of {layer.ref} is deeper than {_MAX_LINEAGE} layers",
+                             digest=layer.digest)  # fmt: skip
+        try:
+            parent = store.get(digest)
+        except LayerNotFound:
+            log.warning("%s: parent layer %s is not in the local store, so it is not pushed; "
+                        "a pull of %s will not find it", layer.ref, digest, layer.ref)  # fmt: skip
+            return
+        for p in parent.parents:
+            if p not in seen:
+                seen.add(p)
+                visit(p, depth + 1)
+        order.append(digest)
+
+    for p in layer.parents:
+        if p not in seen:
+            seen.add(p)
+            visit(p, 1)
+    return order
+
+
+def _push_one(
+    store: LayerStore, layer: Layer, client: RegistryClient, repo: str, *, tags: list[str], report: Progress
+) -> tuple[str, bool]:
+    path = store.open_local(layer.digest)
+    report("push", 0, layer.size)
+    config = DsecLayerConfig.of_file(path, kind=layer.kind, name=layer.name, tag=layer.tag,
+                                     parents=layer.parents)  # fmt: skip
+    if config.digest != layer.digest or config.size != layer.size:
+        raise ImageError(
+            f"the local file of {layer.ref} ({path}) no longer hashes to {layer.digest}: it is damaged; "
+            f"remove the layer (`dsec image rm {layer.digest}`) and build or pull it again",
+            digest=layer.digest,
+        )  # fmt: skip
+    blob, uploaded = client.push_blob_file(
+        repo, path, digest=layer.digest, media_type=DSEC_LAYER_EROFS,
+        on_progress=lambda done, total: report("push", done, total),
+    )  # fmt: skip
+    cfg = client.push_blob(repo, config.to_json(), media_type=DSEC_LAYER_CONFIG)
+    raw = dsec_layer_manifest(cfg, Descriptor(DSEC_LAYER_EROFS, blob.digest, blob.size), title=layer.ref)
+    digest = ""
+    for tag in tags:
+        digest = client.put_manifest(repo, tag, raw, OCI_MANIFEST)
+    return digest, uploaded
+
+
+# -- pull -----------------------------------------------------------------------------------
+
+
+def read_dsec_layer(client: RegistryClient, repo: str, reference: str) -> tuple[Manifest, DsecLayerConfig]:
+    """The manifest and config of the DSec layer at ``repo:reference``, both checked.
+
+    :class:`UnsupportedManifest` when it is not a DSec layer (a container image, say:
+    that is ``dsec image import``'s job) or its parts disagree."""
+    m = client.get_manifest(repo, reference)
+    if not m.is_dsec_layer:
+        raise UnsupportedManifest(
+            f"{m.where} is not a DSec layer ({'an image index' if m.is_index else m.media_type}"
+            f"{', artifactType ' + m.artifact_type if m.artifact_type else ''}); for a container "
+            "image use `dsec image import`", media_type=m.media_type,
+        )  # fmt: skip
+    cfg_desc = m.config
+    layers = m.layers
+    if cfg_desc.media_type != DSEC_LAYER_CONFIG:
+        raise UnsupportedManifest(f"{m.where}: config media type {cfg_desc.media_type!r}, expected "
+                                  f"{DSEC_LAYER_CONFIG}", media_type=cfg_desc.media_type)  # fmt: skip
+    if len(layers) != 1 or layers[0].media_type != DSEC_LAYER_EROFS:
+        kinds = ", ".join(d.media_type for d in layers) or "none"
+        raise UnsupportedManifest(f"{m.where}: a DSec layer has exactly one {DSEC_LAYER_EROFS} blob "
+                                  f"(found: {kinds})", media_type=m.media_type)  # fmt: skip
+    cfg = DsecLayerConfig.parse(client.get_blob(repo, cfg_desc.digest), where=m.where)
+    if cfg.digest != layers[0].digest or cfg.size != layers[0].size:
+        raise UnsupportedManifest(
+            f"{m.where}: the config describes {cfg.digest} ({cfg.size} bytes) but the manifest's blob is "
+            f"{layers[0].digest} ({layers[0].size} bytes); push the layer again", media_type=m.media_type,
+        )  # fmt: skip
+    return m, cfg
+
+
+def pull_layer(
+    store: LayerStore,
+    client: RegistryClient,
+    src: RegistryRef,
+    *,
+    name: str | None = None,
+    tag: str | None = None,
+    progress: Progress | None = None,
+) -> Layer:
+    """Fetch the DSec layer ``src`` into ``store`` under ``name:tag`` (default: the name
+    and tag it was pushed from), its parents first. Returns the stored layer."""
+    if name is not None:
+        check_name(name)
+    if tag is not None:
+        check_tag(tag)
+    return _pull(store, client, src.repo, src.reference, name=name, tag=tag, report=progress or _noop,
+                 seen=set(), depth=0)  # fmt: skip
+
+
+def _pull(
+    store: LayerStore,
+    client: RegistryClient,
+    repo: str,
+    reference: str,
+    *,
+    name: str | None,
+    tag: str | None,
+    report: Progress,
+    seen: set[str],
+    depth: int,
+) -> Layer:
+    m, cfg = read_dsec_layer(client, repo, reference)
+    if depth > _MAX_LINEAGE or cfg.digest in seen:
+        raise UnsupportedManifest(f"{m.where}: the layer's lineage loops or is deeper than {_MAX_LINEAGE}",
+                                  media_type=m.media_type)  # fmt: skip
+    seen.add(cfg.digest)
+    for parent in cfg.parents:
+        if _have(store, parent):
+            continue
+        try:
+            _pull(store, client, repo, layer_alias_tag(parent), name=None, tag=None, report=_noop,
+                  seen=seen, depth=depth + 1)  # fmt: skip
+        except RegistryNotFound:
+            if cfg.kind == LayerKind.SNAPSHOT:
+                raise RegistryNotFound(
+                    f"{m.where} is a snapshot over {parent}, which is neither in the local store nor in "
+                    f"{repo} (tag {layer_alias_tag(parent)}): push the snapshot again from a store that "
+                    "holds its lineage", status=404, registry_code="MANIFEST_UNKNOWN", url=m.where,
+                ) from None  # fmt: skip
+            log.warning("%s: parent layer %s is not in %s; its lineage is recorded only", m.where, parent, repo)
+    want_name, want_tag = name or cfg.name, tag or cfg.tag
+    if _have(store, cfg.digest):
+        return _retag(store, cfg, want_name, want_tag)
+    with store.scratch("pull") as scratch:
+        path = scratch / "layer.erofs"
+        _download(client, repo, cfg, path, report, where=m.where)
+        return store.add_erofs(path, name=want_name, tag=want_tag, kind=cfg.kind, parents=cfg.parents,
+                               consume=True)  # fmt: skip
+
+
+def _have(store: LayerStore, digest: str) -> bool:
+    try:
+        store.get(digest)
+    except LayerNotFound:
+        return False
+    return True
+
+
+def _retag(store: LayerStore, cfg: DsecLayerConfig, name: str, tag: str) -> Layer:
+    """The layer is stored already: give it ``name:tag`` (a hard link of its file into
+    the store's scratch, so nothing is copied; a copy where links do not work)."""
+    try:
+        current = store.resolve(f"{name}:{tag}")
+        if current.digest == cfg.digest:
+            return current
+    except LayerNotFound:
+        pass
+    src = store.open_local(cfg.digest)
+    with store.scratch("pull") as scratch:
+        link = scratch / "layer.erofs"
+        try:
+            os.link(src, link)
+            return store.add_erofs(link, name=name, tag=tag, kind=cfg.kind, parents=cfg.parents, consume=True)
+        except OSError:
+            return store.add_erofs(src, name=name, tag=tag, kind=cfg.kind, parents=cfg.parents)
+
+
+def _download(client: RegistryClient, repo: str, cfg: DsecLayerConfig, path: Path, report: Progress,
+              *, where: str) -> None:  # fmt: skip
+    """Stream the layer blob to ``path``, each chunk checked against the table on arrival."""
+    report("pull", 0, cfg.size)
+    done = 0
+    with client.open_blob(repo, cfg.digest, size=cfg.size) as blob, open(path, "wb") as out:
+        for i in range(cfg.chunk_count):
+            start, end = cfg.chunk_range(i)
+            data = blob.read(end - start)
+            if not cfg.verify_chunk(i, data):
+                raise DigestMismatch(
+                    f"{where}: chunk {i} (bytes {start}-{end - 1}) of {cfg.digest} does not match its "
+                    f"digest {cfg.chunks[i]}"
+                    + (f" (got {len(data)} of {end - start} bytes)" if len(data) != end - start else "")
+                    + "; the registry's copy is damaged or was tampered with: nothing was kept, push the "
+                    "layer again", expected=cfg.chunks[i], got="", chunk=i, status=0, url=where,
+                )  # fmt: skip
+            out.write(data)
+            done += len(data)
+            report("pull", done, cfg.size)
+        blob.verify()
+        out.flush()
+        os.fsync(out.fileno())
+
+
+__all__ = ["Pushed", "pull_layer", "push_layer", "read_dsec_layer"]
