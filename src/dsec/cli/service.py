@@ -155,8 +155,13 @@ def register(main: click.Group) -> None:
     @click.option("--node-name", default=None, metavar="NAME",
                   help="Names this instance's host resources (cgroups, mounts, network); default up-<hash of the "
                        "data directory>.")
+    @click.option("--registry", "registry", is_flag=True,
+                  help="Also run an OCI registry (docker-registry) on --host, data in <data-dir>/registry, "
+                       "for `dsec image push/pull` (docs/IMAGES.md, \"Registry\").")
+    @click.option("--registry-port", type=click.IntRange(0, 65535), default=0, show_default=True,
+                  help="The registry's port (0: a free one, printed at start and kept in <data-dir>/registry/url).")
     def up(data_dir: Path | None, port: int, edges: int, host: str, detach: bool, edge_config: Path | None,
-           network_config: Path | None, node_name: str | None) -> None:
+           network_config: Path | None, node_name: str | None, registry: bool, registry_port: int) -> None:
         """All-in-one on this machine: control plane + edge(s) + SQLite. Ctrl-C stops it cleanly.
 
         Several can run side by side, each with its own --data-dir and --port."""
@@ -187,12 +192,16 @@ def register(main: click.Group) -> None:
         if detach:
             check_data_dir_free(data)
             check_port_free(host, port)  # else the health check below could be answered by another server
-            _detach(data, port, edges, host, edge_config, network_config, node_name)
+            if registry:
+                check_port_free(host, registry_port)
+            _detach(data, port, edges, host, edge_config, network_config, node_name,
+                    registry_args=["--registry", "--registry-port", str(registry_port)] if registry else [])
             return
         from dsec import loop as dsec_loop
 
         dsec_loop.run(run_foreground(data, port=port, edges=edges, host=host, say=lambda m: console.print(m),
-                                     edge_overrides=overrides, node_name=node_name))
+                                     edge_overrides=overrides, node_name=node_name, registry=registry,
+                                     registry_port=registry_port))
 
     @main.command(context_settings={"ignore_unknown_options": True})
     @click.argument("image")
@@ -567,7 +576,8 @@ def register(main: click.Group) -> None:
 
 
 def _detach(data: Path, port: int, edges: int, host: str, edge_config: Path | None = None,
-            network_config: Path | None = None, node_name: str | None = None) -> None:
+            network_config: Path | None = None, node_name: str | None = None,
+            registry_args: list[str] | None = None) -> None:
     import subprocess
 
     import httpx
@@ -578,7 +588,7 @@ def _detach(data: Path, port: int, edges: int, host: str, edge_config: Path | No
         [sys.executable, "-m", "dsec.cli.main", "up", "--data-dir", str(data), "--port", str(port),
          "--edges", str(edges), "--host", host, *(["--edge-config", str(edge_config.absolute())] if edge_config else []),
          *(["--network-config", str(network_config.absolute())] if network_config else []),
-         *(["--node-name", node_name] if node_name else [])],
+         *(["--node-name", node_name] if node_name else []), *(registry_args or [])],
         stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True,
     )
     (data / "up.pid").write_text(f"{proc.pid}\n")

@@ -134,6 +134,8 @@ class Cluster:
     """The data directory's lock (released by :meth:`stop`)."""
     notes: list[str] = field(default_factory=list)
     """What did not start as configured by default (said at start)."""
+    registry: Any = None
+    """The OCI registry started beside it (``--registry``): a RegistryServer, or None."""
 
     async def stop(self) -> None:
         """Stop every edge (destroying its sandboxes), then the control plane. A failure is
@@ -148,6 +150,12 @@ class Cluster:
             await self.control.stop()
         except Exception:
             log.exception("the control plane did not stop cleanly")
+        if self.registry is not None:
+            try:
+                await asyncio.to_thread(self.registry.stop)
+            except Exception:
+                log.exception("the registry (pid %s) did not stop cleanly", self.registry.pid)
+            self.registry = None
         if self.lock is not None:
             self.lock.release()
             self.lock = None
@@ -163,11 +171,16 @@ async def start_cluster(
     pools: list[dict[str, Any]] | None = None,
     edge_overrides: dict[str, Any] | None = None,
     node_name: str | None = None,
+    registry: bool = False,
+    registry_port: int = 0,
 ) -> Cluster:
     """Start a control plane on ``port`` and ``edges`` edges (ports picked freely). Each edge's
     runtime is ``<node_name>-<edge id>`` (default node name: :func:`node_name_default`); an
     edge gets :data:`DEFAULT_NETWORK` unless ``edge_overrides`` has a ``network`` (None: none).
-    HostError when another instance holds the data directory or one of the names."""
+    ``registry`` also starts an OCI registry on ``host:registry_port`` (0: a free port) with
+    its data under ``<data_dir>/registry`` (:func:`dsec.images.registry_server.start_for_data_dir`),
+    stopped with the rest. HostError when another instance holds the data directory or one of
+    the names."""
     from dsec.control.config import ControlConfig
     from dsec.control.server import serve_control
     from dsec.edge.config import EdgeConfig, PoolConfig
@@ -179,6 +192,8 @@ async def start_cluster(
     lock = lock_data_dir(data_dir)  # first: a second instance here must touch nothing
     try:
         check_port_free(host, port)
+        if registry:
+            check_port_free(host, registry_port)
         (data_dir / "control").mkdir(parents=True, exist_ok=True)
         token_file = admin_token_path(data_dir)
         ccfg = ControlConfig(data_dir=data_dir / "control", host=host, port=port, admin_token_file=token_file)
@@ -218,9 +233,23 @@ async def start_cluster(
         await control.stop()
         lock.release()
         raise
+    reg = None
+    if registry:
+        from dsec.images.registry_server import start_for_data_dir
+
+        try:
+            # In this thread: the registry is told to die with the thread that started it.
+            reg = start_for_data_dir(data_dir, host=host, port=registry_port)
+        except BaseException:
+            for e in started:
+                with contextlib.suppress(Exception):
+                    await e.stop(destroy_all=True)
+            await control.stop()
+            lock.release()
+            raise
     token = control.admin_token or (token_file.read_text().strip() if token_file.exists() else "")
     return Cluster(url=control.url, data_dir=data_dir, admin_token=token, control=control, edges=started,
-                   node_name=node, lock=lock, notes=notes)
+                   node_name=node, lock=lock, notes=notes, registry=reg)
 
 
 async def _wait_registered(control: Any, edge_ids: list[str], timeout: float = 15.0) -> None:
@@ -314,9 +343,10 @@ def load_edge_overrides(path: Path) -> dict[str, Any]:
 
 
 async def run_foreground(data_dir: Path, *, port: int, edges: int, host: str, say: Any,
-                         edge_overrides: dict[str, Any] | None = None, node_name: str | None = None) -> None:
+                         edge_overrides: dict[str, Any] | None = None, node_name: str | None = None,
+                         registry: bool = False, registry_port: int = 0) -> None:
     cluster = await start_cluster(data_dir, port=port, edges=edges, host=host, edge_overrides=edge_overrides,
-                                  node_name=node_name)
+                                  node_name=node_name, registry=registry, registry_port=registry_port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -331,6 +361,10 @@ async def run_foreground(data_dir: Path, *, port: int, edges: int, host: str, sa
         f"sandbox networks: {', '.join(nets)}")
     for note in cluster.notes:
         say(f"dsec up: {note}")
+    if cluster.registry is not None:
+        host_port = cluster.registry.url.split("://", 1)[1]
+        say(f"registry {cluster.registry.url} (data in {cluster.registry.data_dir}; e.g. dsec image push "
+            f"NAME --registry {host_port}/REPO)")
     say(f"admin token in {admin_token_path(cluster.data_dir)} (export DSEC_URL={cluster.url} "
         f"DSEC_TOKEN=$(cat {admin_token_path(cluster.data_dir)}))")
     try:

@@ -417,4 +417,24 @@ class RegistryServer:
         self.stop()
 
 
-__all__ = ["RegistryServer", "TokenServer", "bcrypt_hash", "libtrust_key_id", "registry_binary"]
+def start_for_data_dir(data_dir: Path, *, host: str = "127.0.0.1", port: int = 0) -> RegistryServer:
+    """The registry of an all-in-one (``dsec up --registry``): root ``<data_dir>/registry``
+    (kept: pushed layers outlive restarts), anonymous, on ``host:port``. Its URL is also
+    written to ``<data_dir>/registry/url`` for tools that look for it."""
+    reg = RegistryServer(Path(data_dir) / "registry", host=host, port=port).start()
+    try:
+        (reg.root / "url").write_text(reg.url + "\n")
+    except OSError:
+        reg.stop()
+        raise
+    return reg
+
+
+__all__ = [
+    "RegistryServer",
+    "TokenServer",
+    "bcrypt_hash",
+    "libtrust_key_id",
+    "registry_binary",
+    "start_for_data_dir",
+]
