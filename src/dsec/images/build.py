@@ -30,7 +30,7 @@ from typing import IO, Any, cast
 from dsec.errors import DsecError, InvalidSpec
 
 from .busybox import build_busybox_rootfs
-from .debootstrap import Mirror, find_mirror, run_debootstrap, slim_rootfs
+from .debootstrap import Mirror, find_mirror, run_debootstrap, scrub_build_host, slim_rootfs
 from .debootstrap import check_args as _check_debootstrap_args
 from .erofs import make_erofs
 from .errors import LayerBuildError
@@ -374,7 +374,9 @@ def build_debootstrap(
 
     ``mirror`` defaults to the Debian mirror in apt's own sources. The tree
     is slimmed: downloaded .debs, apt lists, docs, man pages and non-C
-    locales are removed.
+    locales are removed; and it carries nothing of the build machine
+    (:func:`~dsec.images.debootstrap.scrub_build_host`: hostname, resolv.conf,
+    machine-id, logs...).
     """
     k, parent_digests = _prepare(store, name, tag, kind, parents)
     pkgs = _check_debootstrap_args(suite, variant, packages)
@@ -395,8 +397,10 @@ def build_debootstrap(
         )
         report("slim", 0, None)
         freed = slim_rootfs(root)
+        scrubbed = scrub_build_host(root)
         report("slim", 1, 1)
-        log.info("slimmed the tree by %d bytes", freed)
+        log.info("slimmed the tree by %d bytes; took out of it what came from the build host: %s",
+                 freed, ", ".join(scrubbed) or "nothing")  # fmt: skip
         return _to_layer(
             store, root, scratch, name=name, tag=tag, kind=k, parents=parent_digests,
             progress=report,
@@ -415,6 +419,7 @@ def build_busybox(
     k, _ = _prepare(store, name, tag, kind, ())
     with store.scratch("build") as scratch:
         root = build_busybox_rootfs(scratch / "rootfs")
+        scrub_build_host(root)  # nothing today; the guarantee holds if the rootfs grows
         return _to_layer(
             store, root, scratch, name=name, tag=tag, kind=k, parents=(),
             progress=progress or _noop,

@@ -192,6 +192,116 @@ def slim_rootfs(root: Path) -> int:
     return freed
 
 
+NEUTRAL_HOSTNAME = "localhost\n"
+NEUTRAL_HOSTS = (
+    "127.0.0.1\tlocalhost\n"
+    "::1\t\tlocalhost ip6-localhost ip6-loopback\n"
+    "ff02::1\t\tip6-allnodes\n"
+    "ff02::2\t\tip6-allrouters\n"
+)
+"""What a built layer's /etc/hostname and /etc/hosts say, when it has them: nothing of the
+build machine (a sandbox gets its own hostname at create)."""
+
+
+def scrub_build_host(root: Path) -> list[str]:
+    """Take out of a built tree what the build copied or wrote from the build machine.
+
+    debootstrap copies the host's ``/etc/hostname`` and ``/etc/resolv.conf`` into
+    its target; package scripts may write a machine-id, ssh host keys or a random
+    seed; apt and dpkg leave their lists, caches and logs. A layer built with them
+    would hand the build machine's name, resolver and identity to every sandbox
+    (and every sandbox the same "unique" ids). So: ``/etc/hostname`` and
+    ``/etc/hosts`` (when present) become :data:`NEUTRAL_HOSTNAME` /
+    :data:`NEUTRAL_HOSTS`; ``/etc/resolv.conf`` goes; ``/etc/machine-id`` (when
+    present) is empty, as Debian images ship it (made at first boot);
+    ``/var/lib/dbus/machine-id`` is a link to it; ssh host keys, random seeds,
+    apt lists and caches, ``/tmp``, ``/var/tmp`` and shell history go; logs under
+    ``/var/log`` go, and its login records (wtmp, btmp, lastlog, faillog) are
+    emptied. Never follows a symlink out of ``root``. Returns the paths it
+    changed, relative to ``root``.
+    """
+    changed: list[str] = []
+    root = Path(os.path.realpath(root))
+
+    def real_dir(rel: str) -> Path | None:
+        """``root/rel`` if it is a directory reached without a symlink, else None."""
+        p = root / rel
+        return p if p.is_dir() and os.path.realpath(p) == str(p) else None
+
+    def remove(rel: str) -> None:
+        p = root / rel
+        if real_dir(os.path.dirname(rel)) is not None and os.path.lexists(p):
+            remove_tree(p)
+            changed.append(rel)
+
+    def replace(rel: str, text: str, mode: int) -> None:
+        p = root / rel
+        if (os.path.lexists(p) and not p.is_symlink() and p.is_file() and p.read_bytes() == text.encode()
+                and p.stat().st_mode & 0o7777 == mode):
+            return
+        remove_tree(p)
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
+        try:
+            os.write(fd, text.encode())
+            os.fchmod(fd, mode)
+        finally:
+            os.close(fd)
+        changed.append(rel)
+
+    def clear_dir(rel: str, keep: tuple[str, ...] = ()) -> None:
+        d = real_dir(rel)
+        if d is None:
+            return
+        for child in sorted(d.iterdir()):
+            if child.name not in keep:
+                remove(f"{rel}/{child.name}")
+
+    if real_dir("etc") is not None:
+        for rel, text in (("etc/hostname", NEUTRAL_HOSTNAME), ("etc/hosts", NEUTRAL_HOSTS)):
+            if os.path.lexists(root / rel):
+                replace(rel, text, 0o644)
+        remove("etc/resolv.conf")
+        if os.path.lexists(root / "etc/machine-id"):
+            replace("etc/machine-id", "", 0o444)
+        ssh = real_dir("etc/ssh")
+        if ssh is not None:
+            for key in sorted(ssh.glob("ssh_host_*")):
+                remove(f"etc/ssh/{key.name}")
+    dbus_id = root / "var/lib/dbus/machine-id"
+    if real_dir("var/lib/dbus") is not None and os.path.lexists(dbus_id) and not dbus_id.is_symlink():
+        remove("var/lib/dbus/machine-id")
+        os.symlink("/etc/machine-id", dbus_id)
+    for seed in ("var/lib/systemd/random-seed", "var/lib/urandom/random-seed"):
+        remove(seed)
+    clear_dir("var/lib/apt/lists", keep=("partial", "lock"))
+    clear_dir("var/lib/apt/lists/partial")
+    clear_dir("var/cache/apt/archives", keep=("partial", "lock"))
+    clear_dir("var/cache/apt/archives/partial")
+    apt_cache = real_dir("var/cache/apt")
+    if apt_cache is not None:
+        for p in sorted(apt_cache.glob("*.bin")):
+            remove(f"var/cache/apt/{p.name}")
+    for rel in ("tmp", "var/tmp"):
+        clear_dir(rel)
+    for rel in ("root/.bash_history", "root/.wget-hsts", "root/.lesshst"):
+        remove(rel)
+    log_dir = real_dir("var/log")
+    if log_dir is not None:
+        for dirpath, _dirs, files in os.walk(log_dir):
+            for f in sorted(files):
+                p = Path(dirpath) / f
+                rel = str(p.relative_to(root))
+                if p.is_symlink() or not p.is_file():
+                    remove(rel)
+                elif f in ("wtmp", "btmp", "lastlog", "faillog"):
+                    if p.stat().st_size:
+                        os.truncate(p, 0)
+                        changed.append(rel)
+                else:
+                    remove(rel)
+    return changed
+
+
 def _du(p: Path) -> int:
     try:
         st = p.lstat()
@@ -339,4 +449,14 @@ def run_debootstrap(
         )
 
 
-__all__ = ["AptSource", "Mirror", "apt_sources", "find_mirror", "run_debootstrap", "slim_rootfs"]
+__all__ = [
+    "NEUTRAL_HOSTNAME",
+    "NEUTRAL_HOSTS",
+    "AptSource",
+    "Mirror",
+    "apt_sources",
+    "find_mirror",
+    "run_debootstrap",
+    "scrub_build_host",
+    "slim_rootfs",
+]
