@@ -6,6 +6,8 @@ same message and fields; in-process callers can catch the finer class.
 
 from __future__ import annotations
 
+from typing import Any
+
 from dsec.errors import ImageError
 
 
@@ -30,6 +32,10 @@ class RegistryError(ImageError):
     ``BLOB_UNKNOWN``, ``MANIFEST_UNKNOWN``, ``DENIED``; "" when it sent none), ``url``.
     (``code`` itself stays ImageError's wire code.) The message says what to fix.
     """
+
+    def __init__(self, message: str, *, status: int = 0, registry_code: str = "", url: str = "",
+                 **fields: Any) -> None:  # fmt: skip
+        super().__init__(message, status=status, registry_code=registry_code, url=url, **fields)
 
 
 class RegistryAuthError(RegistryError, PermissionError):

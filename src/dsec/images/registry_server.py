@@ -298,7 +298,8 @@ class RegistryServer:
         if htpasswd is not None and token is not None:
             raise ValueError("give htpasswd or token auth, not both")
         self._throwaway = root is None
-        self.root = Path(root) if root is not None else Path(tempfile.mkdtemp(prefix="dsec-registry-"))
+        # A throwaway root is made by start(), so an instance never started leaves nothing.
+        self.root = Path(root) if root is not None else Path()
         self.host = host
         self.port = port
         self.htpasswd = htpasswd
@@ -355,6 +356,8 @@ class RegistryServer:
         if self.proc is not None:
             return self
         binary = registry_binary()
+        if self._throwaway:
+            self.root = Path(tempfile.mkdtemp(prefix="dsec-registry-"))
         self.root.mkdir(parents=True, exist_ok=True)
         self.data_dir.mkdir(exist_ok=True)
         config = self.root / "config.yml"
@@ -406,9 +409,10 @@ class RegistryServer:
                     self.proc.kill()
                     self.proc.wait()
             self.proc = None
-        if self._throwaway:
+        if self._throwaway and self.root != Path():
             with contextlib.suppress(OSError):
                 remove_tree(self.root)
+            self.root = Path()
 
     def __enter__(self) -> RegistryServer:
         return self.start()
