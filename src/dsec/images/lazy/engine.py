@@ -1,0 +1,492 @@
+"""The chunk engine: maps reads of attached layers to verified chunks, fetched once.
+
+Everything the FUSE process does with bytes happens here, on one trio event loop:
+
+- A read of ``[off, off+n)`` of a layer is split at chunk boundaries; each chunk
+  comes from the :class:`~.cache.ChunkCache` or is fetched by one Range request.
+- A fetched chunk is hashed and compared with the chunk table before anything is
+  done with it: a mismatch is refused (:class:`ChunkCorrupt`, a counter, a warning
+  naming the layer and chunk) and its bytes are dropped. Nothing unverified is
+  ever returned or cached.
+- Concurrent reads of one chunk share one fetch (in-flight table keyed by the
+  chunk's digest, so equal chunks of different layers share it too). The fetch
+  runs in the engine's own nursery, so a reader giving up does not cancel it
+  for the others.
+- Fetch failures are retried with exponential backoff a bounded number of times;
+  every read has a deadline after which it fails (:class:`ReadFailed`, EIO in the
+  filesystem). A read never waits without end.
+- A streaming reader (consecutive reads past ``readahead_trigger`` bytes) makes the
+  engine fetch the next ``readahead_chunks`` chunks in the background.
+- On attach the EROFS metadata is walked (:mod:`.erofs_meta`) and the chunks that
+  hold it are fetched, so a tree walk of the mounted layer needs no other chunk.
+
+Never blocks the loop on the network or on hashing (worker threads); small cache
+reads (page-cache hits) are done inline, since a thread hop would cost more.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import contextlib
+import hashlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import trio
+
+from .cache import ChunkCache
+from .erofs_meta import ErofsFormatError, covering_chunks, walk_metadata
+from .errors import ChunkCorrupt, LayerBusy, LayerUnavailable, LazyError
+from .fetch import FetchError, RangeFetcher
+from .model import RemoteLayer
+
+log = logging.getLogger("dsec.images.lazy")
+
+LATENCY_BUCKETS_MS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
+
+
+class ReadFailed(Exception):
+    """A read cannot be served (EIO): ``reason`` is corrupt, unavailable or deadline."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    read_deadline_s: float = 30.0
+    """A read fails with EIO after this long, whatever is still being tried."""
+    fetch_attempts: int = 4
+    attempt_timeout_s: float = 10.0
+    backoff_s: float = 0.1
+    """Sleep before retry k is ``backoff_s * 2**k``, capped at ``max_backoff_s``."""
+    max_backoff_s: float = 2.0
+    max_concurrent_fetches: int = 16
+    readahead_chunks: int = 4
+    readahead_trigger: int = 256 * 1024
+    """Bytes of consecutive reads before readahead starts (so 4 KiB metadata reads never trigger it)."""
+
+
+@dataclass
+class LayerCounters:
+    reads: int = 0
+    read_bytes: int = 0
+    hits: int = 0
+    misses: int = 0
+    chunks_fetched: int = 0
+    bytes_fetched: int = 0
+    read_errors: int = 0
+    corrupt_chunks: int = 0
+    registry_errors: int = 0
+    readahead_chunks: int = 0
+    metadata_chunks: int = 0
+    metadata_bytes: int = 0
+    metadata_inodes: int = 0
+    metadata_s: float = 0.0
+
+
+@dataclass
+class Attached:
+    layer: RemoteLayer
+    ino: int
+    attached_at: float
+    counters: LayerCounters = field(default_factory=LayerCounters)
+    open_count: int = 0
+    next_offset: int = -1
+    run_bytes: int = 0
+    metadata_error: str = ""
+
+
+class _Inflight:
+    __slots__ = ("data", "error", "event")
+
+    def __init__(self) -> None:
+        self.event = trio.Event()
+        self.data: bytes | None = None
+        self.error: Exception | None = None
+
+
+class LatencyHistogram:
+    def __init__(self, keep: int = 4096) -> None:
+        self.counts = [0] * (len(LATENCY_BUCKETS_MS) + 1)
+        self.recent: collections.deque[float] = collections.deque(maxlen=keep)
+        self.total = 0
+        self.sum_ms = 0.0
+
+    def observe(self, ms: float) -> None:
+        self.counts[bisect.bisect_left(LATENCY_BUCKETS_MS, ms)] += 1
+        self.recent.append(ms)
+        self.total += 1
+        self.sum_ms += ms
+
+    def snapshot(self) -> dict[str, Any]:
+        r = sorted(self.recent)
+
+        def pct(p: float) -> float | None:
+            return round(r[min(len(r) - 1, int(p * len(r)))], 3) if r else None
+
+        buckets = {str(b): c for b, c in zip(LATENCY_BUCKETS_MS, self.counts, strict=False)}
+        buckets["+Inf"] = self.counts[-1]
+        return {"count": self.total, "sum_ms": round(self.sum_ms, 3), "buckets_le_ms": buckets,
+                "p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99)}
+
+
+def _sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+class Engine:
+    """Serves reads of attached layers. Use from the trio loop only, after :meth:`bind`."""
+
+    def __init__(
+        self,
+        cache: ChunkCache,
+        fetcher: RangeFetcher,
+        config: EngineConfig | None = None,
+        *,
+        on_change: Callable[[], None] | None = None,
+    ) -> None:
+        self.cache = cache
+        self.fetcher = fetcher
+        self.config = config or EngineConfig()
+        self.on_change = on_change
+        self.layers: dict[str, Attached] = {}  # hex -> Attached
+        self.by_ino: dict[int, Attached] = {}
+        self._next_ino = 2
+        self._inflight: dict[str, _Inflight] = {}
+        self._nursery: trio.Nursery | None = None
+        self._limiter = trio.CapacityLimiter(self.config.max_concurrent_fetches)
+        self.latency = LatencyHistogram()
+        self.totals = LayerCounters()
+        self.read_timeouts = 0
+        self.corrupt_events: collections.deque[dict[str, Any]] = collections.deque(maxlen=20)
+        self.started = time.time()
+
+    def bind(self, nursery: trio.Nursery) -> None:
+        """Give the engine the nursery its background fetches run in (lives as long as it)."""
+        self._nursery = nursery
+
+    # ------------------------------------------------------------ attach/detach --
+
+    async def attach(self, layer: RemoteLayer, *, prefetch_metadata: bool = True) -> Attached:
+        """Make ``layer`` readable; with ``prefetch_metadata`` fetch its metadata chunks first.
+        Raises LayerUnavailable / ChunkCorrupt when they cannot be had (the layer is then
+        not attached). Attaching an attached layer refreshes its headers (new tokens)."""
+        al = self.layers.get(layer.hex)
+        if al is not None:
+            if (al.layer.size, al.layer.chunk_size, al.layer.chunks) != (
+                layer.size, layer.chunk_size, layer.chunks,
+            ):
+                raise LazyError(
+                    f"layer {layer.digest} is attached with another chunk table", digest=layer.digest
+                )
+            al.layer = layer
+            return al
+        al = Attached(layer=layer, ino=self._next_ino, attached_at=time.time())
+        self._next_ino += 1
+        if prefetch_metadata:
+            await self._prefetch_metadata(al)
+        self.layers[layer.hex] = al
+        self.by_ino[al.ino] = al
+        self._changed()
+        return al
+
+    def detach(self, hex_digest: str) -> bool:
+        al = self.layers.get(hex_digest)
+        if al is None:
+            return False
+        if al.open_count:
+            raise LayerBusy(
+                f"layer sha256:{hex_digest} is open {al.open_count} time(s) (an EROFS mount holds it); "
+                "unmount it first",
+                digest=f"sha256:{hex_digest}",
+            )
+        del self.layers[hex_digest]
+        del self.by_ino[al.ino]
+        self._changed()
+        return True
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
+
+    async def _prefetch_metadata(self, al: Attached) -> None:
+        layer = al.layer
+        t0 = time.monotonic()
+        before = al.counters.bytes_fetched
+
+        async def read(off: int, n: int) -> bytes:
+            with trio.fail_after(self.config.read_deadline_s):
+                return await self._read_range(al, off, n)
+
+        async def prefetch(ranges: list[tuple[int, int]]) -> None:
+            wanted = [
+                i for i in covering_chunks(ranges, layer.chunk_size, layer.size)
+                if not self.cache.contains(layer.chunks[i][7:])
+            ]
+            errors: list[ReadFailed] = []
+
+            async def one(i: int) -> None:
+                try:
+                    await self._fetch_shared(al, i)
+                except ReadFailed as exc:
+                    errors.append(exc)
+
+            with trio.fail_after(self.config.read_deadline_s):
+                async with trio.open_nursery() as n:
+                    for i in wanted:
+                        n.start_soon(one, i)
+            if errors:
+                raise errors[0]
+
+        try:
+            meta = await walk_metadata(read, prefetch)
+        except ErofsFormatError as exc:
+            al.metadata_error = str(exc)
+            log.warning("layer %s: metadata not prefetched: %s", layer.digest, exc)
+            return
+        except ReadFailed as exc:
+            if isinstance(exc.__cause__, LazyError):
+                raise exc.__cause__ from None
+            raise LayerUnavailable(
+                f"layer {layer.digest}: metadata not fetched: {exc}",
+                digest=layer.digest, registry=layer.registry, status=0,
+            ) from None
+        except trio.TooSlowError:
+            raise LayerUnavailable(
+                f"layer {layer.digest}: metadata not fetched within {self.config.read_deadline_s} s",
+                digest=layer.digest, registry=layer.registry, status=0,
+            ) from None
+        al.counters.metadata_chunks = len(covering_chunks(meta.ranges, layer.chunk_size, layer.size))
+        al.counters.metadata_bytes = al.counters.bytes_fetched - before
+        al.counters.metadata_inodes = meta.inodes
+        al.counters.metadata_s = round(time.monotonic() - t0, 4)
+
+    # -------------------------------------------------------------------- reads --
+
+    def open(self, ino: int) -> Attached | None:
+        al = self.by_ino.get(ino)
+        if al is not None:
+            al.open_count += 1
+        return al
+
+    def release(self, al: Attached) -> None:
+        al.open_count = max(0, al.open_count - 1)
+
+    async def read(self, al: Attached, off: int, size: int) -> bytes:
+        """A read from the filesystem: the bytes, or ReadFailed (EIO) by the deadline."""
+        layer = al.layer
+        if off >= layer.size or size <= 0:
+            return b""
+        end = min(off + size, layer.size)
+        al.run_bytes = al.run_bytes + (end - off) if off == al.next_offset else end - off
+        al.next_offset = end
+        al.counters.reads += 1
+        self.totals.reads += 1
+        try:
+            with trio.fail_after(self.config.read_deadline_s):
+                data = await self._read_range(al, off, end - off)
+        except trio.TooSlowError:
+            self.read_timeouts += 1
+            self._count(al, "read_errors")
+            raise ReadFailed("deadline", f"{layer.digest} [{off}, {end}) not read within "
+                             f"{self.config.read_deadline_s} s") from None
+        except ReadFailed:
+            self._count(al, "read_errors")
+            raise
+        al.counters.read_bytes += len(data)
+        self.totals.read_bytes += len(data)
+        if self.config.readahead_chunks and al.run_bytes >= self.config.readahead_trigger:
+            self._readahead(al, (end - 1) // layer.chunk_size + 1)
+        return data
+
+    async def _read_range(self, al: Attached, off: int, n: int) -> bytes:
+        layer = al.layer
+        cs = layer.chunk_size
+        end = min(off + n, layer.size)
+        if off >= end:
+            return b""
+        first, last = off // cs, (end - 1) // cs
+        if first == last:
+            return await self._slice(al, first, off - first * cs, end - first * cs)
+        parts: list[bytes] = [b""] * (last - first + 1)
+
+        async def one(k: int) -> None:
+            i = first + k
+            lo = max(off, i * cs) - i * cs
+            hi = min(end, (i + 1) * cs) - i * cs
+            parts[k] = await self._slice(al, i, lo, hi)
+
+        try:
+            async with trio.open_nursery() as nursery:
+                for k in range(len(parts)):
+                    nursery.start_soon(one, k)
+        except* ReadFailed as group:
+            raise group.exceptions[0] from None
+        return b"".join(parts)
+
+    async def _slice(self, al: Attached, idx: int, lo: int, hi: int) -> bytes:
+        layer = al.layer
+        hx = layer.chunks[idx][7:]
+        start, end = layer.chunk_range(idx)
+        self.cache.pin(hx)
+        try:
+            if self.cache.contains(hx) and await self._usable(hx, end - start):
+                data = self.cache.read(hx, lo, hi - lo)
+                if data is not None and len(data) == hi - lo:
+                    self._count(al, "hits")
+                    return data
+            self._count(al, "misses")
+            chunk = await self._fetch_shared(al, idx)
+            return chunk[lo:hi]
+        finally:
+            self.cache.unpin(hx)
+
+    async def _usable(self, hx: str, size: int) -> bool:
+        if self.cache.is_verified(hx):
+            return True
+        return await trio.to_thread.run_sync(self.cache.verified, hx, size)
+
+    def _count(self, al: Attached, name: str, n: int = 1) -> None:
+        setattr(al.counters, name, getattr(al.counters, name) + n)
+        setattr(self.totals, name, getattr(self.totals, name) + n)
+
+    # ------------------------------------------------------------------ fetches --
+
+    async def _fetch_shared(self, al: Attached, idx: int) -> bytes:
+        """The verified bytes of chunk ``idx``, fetching it unless a fetch is in flight."""
+        hx = al.layer.chunks[idx][7:]
+        inf = self._inflight.get(hx)
+        if inf is None:
+            if self._nursery is None:
+                raise RuntimeError("Engine.bind() was not called")
+            inf = _Inflight()
+            self._inflight[hx] = inf
+            self._nursery.start_soon(self._fetch_task, al, idx, inf)
+        await inf.event.wait()
+        if inf.error is not None:
+            raise ReadFailed(
+                "corrupt" if isinstance(inf.error, ChunkCorrupt) else "unavailable", str(inf.error)
+            ) from inf.error
+        assert inf.data is not None
+        return inf.data
+
+    async def _fetch_task(self, al: Attached, idx: int, inf: _Inflight) -> None:
+        hx = al.layer.chunks[idx][7:]
+        try:
+            async with self._limiter:
+                inf.data = await self._fetch_verified(al, idx)
+        except (LazyError, OSError) as exc:
+            inf.error = exc
+        finally:
+            del self._inflight[hx]
+            inf.event.set()
+
+    async def _fetch_verified(self, al: Attached, idx: int) -> bytes:
+        layer = al.layer
+        hx = layer.chunks[idx][7:]
+        start, end = layer.chunk_range(idx)
+        cfg = self.config
+        last: Exception | None = None
+        status = 0
+        for attempt in range(max(1, cfg.fetch_attempts)):
+            if attempt:
+                await trio.sleep(min(cfg.backoff_s * 2 ** (attempt - 1), cfg.max_backoff_s))
+            t0 = time.monotonic()
+            try:
+                with trio.fail_after(cfg.attempt_timeout_s):
+                    data = await self.fetcher.fetch_range(
+                        layer.registry, layer.repo, layer.digest, start, end, layer.headers
+                    )
+            except (FetchError, trio.TooSlowError) as exc:
+                self._count(al, "registry_errors")
+                last = exc
+                status = getattr(exc, "status", 0)
+                log.warning("layer %s chunk %d: fetch attempt %d failed: %s",
+                            layer.digest, idx, attempt + 1, exc or "timed out")
+                if isinstance(exc, FetchError) and not exc.retryable:
+                    break
+                continue
+            ms = (time.monotonic() - t0) * 1000
+            got = await trio.to_thread.run_sync(_sha256_hex, data)
+            if got != hx:
+                self._count(al, "corrupt_chunks")
+                event = {"digest": layer.digest, "chunk": idx, "expected": f"sha256:{hx}",
+                         "got": f"sha256:{got}", "registry": layer.registry, "repo": layer.repo,
+                         "at": time.time()}
+                self.corrupt_events.append(event)
+                log.warning("AUDIT corrupt chunk refused: layer %s chunk %d from %s/%s: "
+                            "expected sha256:%s, got sha256:%s", layer.digest, idx,
+                            layer.registry, layer.repo, hx, got)
+                raise ChunkCorrupt(
+                    f"chunk {idx} of layer {layer.digest} does not match its digest",
+                    digest=layer.digest, chunk=idx, expected=f"sha256:{hx}", got=f"sha256:{got}",
+                )
+            self.latency.observe(ms)
+            self._count(al, "chunks_fetched")
+            self._count(al, "bytes_fetched", len(data))
+            await trio.to_thread.run_sync(self.cache.put, hx, data)
+            return data
+        raise LayerUnavailable(
+            f"chunk {idx} of layer {layer.digest} not fetched from {layer.registry} after "
+            f"{cfg.fetch_attempts} attempt(s): {last or 'timed out'}",
+            digest=layer.digest, registry=layer.registry, status=status,
+        )
+
+    def _readahead(self, al: Attached, first: int) -> None:
+        layer = al.layer
+        if self._nursery is None:
+            return
+        for i in range(first, min(first + self.config.readahead_chunks, len(layer.chunks))):
+            hx = layer.chunks[i][7:]
+            if hx in self._inflight or self.cache.contains(hx):
+                continue
+            self._count(al, "readahead_chunks")
+            self._nursery.start_soon(self._background, al, i)
+
+    async def _background(self, al: Attached, idx: int) -> None:
+        # counted where it failed; a reader of this chunk will see it itself
+        with contextlib.suppress(ReadFailed):
+            await self._fetch_shared(al, idx)
+
+    # -------------------------------------------------------------------- state --
+
+    def cached_chunks(self, al: Attached) -> int:
+        return sum(1 for c in set(al.layer.chunks) if self.cache.contains(c[7:]))
+
+    def stats(self) -> dict[str, Any]:
+        layers = {}
+        for hx, al in self.layers.items():
+            cached = self.cached_chunks(al)
+            distinct = len(set(al.layer.chunks))
+            layers[hx] = {
+                "digest": al.layer.digest,
+                "registry": al.layer.registry,
+                "repo": al.layer.repo,
+                "size": al.layer.size,
+                "chunk_size": al.layer.chunk_size,
+                "chunks": len(al.layer.chunks),
+                "cached_chunks": cached,
+                "fully_cached": cached == distinct,
+                "open": al.open_count,
+                "metadata_error": al.metadata_error,
+                **asdict(al.counters),
+            }
+        return {
+            "uptime_s": round(time.time() - self.started, 3),
+            **asdict(self.totals),
+            "read_timeouts": self.read_timeouts,
+            "inflight": len(self._inflight),
+            "fetch_latency_ms": self.latency.snapshot(),
+            "cache": asdict(self.cache.stats()),
+            "corrupt_events": list(self.corrupt_events),
+            "layers": layers,
+        }
+
+
+__all__ = ["Attached", "Engine", "EngineConfig", "LayerCounters", "ReadFailed"]

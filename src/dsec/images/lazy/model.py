@@ -1,0 +1,114 @@
+"""What a lazily loaded layer is: its registry location and chunk table. Pure data, no I/O.
+
+The chunk table is the one of the shared DSec layer format (docs/IMAGES.md): the
+layer's config blob lists ``chunks[i]`` = sha256 of bytes
+``[i*chunk_size, min((i+1)*chunk_size, size))`` of the EROFS file, which is itself
+the manifest's one layer blob, so chunk ``i`` is one HTTP Range request on that blob.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from dsec.errors import InvalidSpec
+
+DEFAULT_CHUNK_SIZE = 1 << 20
+FSNAME = "dsec-lazy"
+"""The FUSE mount's source and subtype: how reconcile and leak checks recognise it."""
+MIN_CHUNK_SIZE = 4096
+MAX_CHUNK_SIZE = 64 << 20
+_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+
+
+def _check_digest(v: str) -> str:
+    if not _DIGEST.match(v):
+        raise ValueError(f"not a sha256 digest: {v!r}")
+    return v
+
+
+class RemoteLayer(BaseModel):
+    """One layer in an OCI registry, as the FUSE process needs it to serve the layer.
+
+    ``headers`` go with every Range request (``Authorization``); they are secrets:
+    kept out of ``repr`` and written only to the service's root-only state file."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    registry: str
+    """Base URL, e.g. ``http://127.0.0.1:5000`` (no trailing ``/v2``)."""
+    repo: str
+    digest: str
+    """``sha256:<hex>`` of the whole EROFS file (the layer blob's digest)."""
+    size: int = Field(gt=0)
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    chunks: tuple[str, ...]
+    headers: dict[str, str] = Field(default_factory=dict, repr=False)
+
+    @field_validator("digest")
+    @classmethod
+    def _digest(cls, v: str) -> str:
+        return _check_digest(v)
+
+    @field_validator("chunks")
+    @classmethod
+    def _chunks(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for d in v:
+            _check_digest(d)
+        return v
+
+    @field_validator("registry")
+    @classmethod
+    def _registry(cls, v: str) -> str:
+        if not v.startswith(("http://", "https://")):
+            raise ValueError(f"registry must be an http(s) URL: {v!r}")
+        return v.rstrip("/")
+
+    @model_validator(mode="after")
+    def _table(self) -> RemoteLayer:
+        if not MIN_CHUNK_SIZE <= self.chunk_size <= MAX_CHUNK_SIZE:
+            raise ValueError(f"chunk_size {self.chunk_size} outside [{MIN_CHUNK_SIZE}, {MAX_CHUNK_SIZE}]")
+        want = -(-self.size // self.chunk_size)
+        if len(self.chunks) != want:
+            raise ValueError(
+                f"chunk table has {len(self.chunks)} entries; size {self.size} at "
+                f"chunk_size {self.chunk_size} needs {want}"
+            )
+        return self
+
+    @property
+    def hex(self) -> str:
+        return self.digest.removeprefix("sha256:")
+
+    @property
+    def filename(self) -> str:
+        """The layer's file name in the FUSE mount: ``<hex>.erofs``."""
+        return f"{self.hex}.erofs"
+
+    def chunk_range(self, index: int) -> tuple[int, int]:
+        """``(start, end)`` bytes of chunk ``index``; ``end`` is exclusive."""
+        start = index * self.chunk_size
+        return start, min(start + self.chunk_size, self.size)
+
+    @classmethod
+    def from_config(
+        cls, config: dict[str, Any], *, registry: str, repo: str, headers: dict[str, str] | None = None
+    ) -> RemoteLayer:
+        """Build from a layer's config blob (``application/vnd.dsec.layer.config.v1+json``)."""
+        try:
+            return cls(
+                registry=registry,
+                repo=repo,
+                digest=config["digest"],
+                size=config["size"],
+                chunk_size=config.get("chunk_size", DEFAULT_CHUNK_SIZE),
+                chunks=tuple(config["chunks"]),
+                headers=dict(headers or {}),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InvalidSpec(f"not a DSec layer config: {exc}", field="config") from exc
+
+
+__all__ = ["DEFAULT_CHUNK_SIZE", "FSNAME", "RemoteLayer"]
