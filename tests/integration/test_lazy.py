@@ -472,3 +472,70 @@ def _wait(pred: Callable[[], bool], timeout: float = 10.0) -> bool:
             return True
         time.sleep(0.02)
     return pred()
+
+
+def test_lazy_fully_cached_layer_materializes_and_a_second_handle_adopts(
+    lazy_factory: Callable[..., LazyLayers], layer: BuiltLayer, dsec_base: Path
+) -> None:
+    lz = lazy_factory("local")
+    path = lz.attach(layer.ref())
+    assert not lz.fully_cached(layer.digest)
+    # the switch to a local file: fetches what is missing, checks the whole digest
+    dest = lz.materialize(layer.digest, lz.cache_dir.parent / "layer.erofs")
+    assert hashlib.sha256(dest.read_bytes()).hexdigest() == layer.digest[7:]
+    assert lz.fully_cached(layer.digest)
+    # another handle (an edge restarted) adopts the running process instead of starting one
+    again = LazyLayers(lz.mountpoint, lz.cache_dir)
+    again.start()
+    assert again.pid == lz.pid
+    assert again.attach(layer.ref()) == path  # idempotent
+    assert again.stats()["layers"][layer.digest[7:]]["fully_cached"]
+
+
+@pytest.mark.slow
+def test_lazy_figures(lazy_factory: Callable[..., LazyLayers], layer: BuiltLayer) -> None:
+    """Figures for docs/IMAGES.md (printed, asserted only loosely): chunk fetch latency,
+    FUSE read throughput cold and warm against the local file, metadata prefetch size."""
+
+    def fadvise_out(p: Path) -> None:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+    def mib_s(p: Path) -> float:
+        fd = os.open(p, os.O_RDONLY)
+        n, t0 = 0, time.monotonic()
+        try:
+            while block := os.read(fd, MiB):
+                n += len(block)
+        finally:
+            os.close(fd)
+        return round(n / MiB / (time.monotonic() - t0), 1)
+
+    lz = lazy_factory("figures")
+    path = lz.attach(layer.ref())
+    meta = layer_stats(lz, layer.digest)
+    m = mount(lazy_factory, path, lz.cache_dir.parent / "erofs")
+    t0 = time.monotonic()
+    walk_metadata_only(m.mp)
+    ls_s = time.monotonic() - t0
+    m.umount()
+    fadvise_out(path)
+    cold = mib_s(path)
+    fadvise_out(path)
+    warm = mib_s(path)
+    fadvise_out(layer.erofs)
+    local = mib_s(layer.erofs)
+    st = lz.stats()
+    figures = {
+        "layer_bytes": len(layer.data), "chunks": len(layer.chunks),
+        "metadata_chunks": meta["metadata_chunks"], "metadata_bytes": meta["metadata_bytes"],
+        "ls_R_ms": round(ls_s * 1000, 1),
+        "chunk_fetch_p50_ms": st["fetch_latency_ms"]["p50"],
+        "fuse_read_mib_s_cold": cold, "fuse_read_mib_s_warm": warm, "local_read_mib_s": local,
+        "load_avg_1m": os.getloadavg()[0],
+    }
+    print("lazy figures:", figures)
+    assert cold > 0 and warm > 0
