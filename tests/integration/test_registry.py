@@ -264,6 +264,12 @@ def test_lineage_travels(work: Path, registry: RegistryServer, client: RegistryC
     assert got.digest == ws.digest and got.parents == (base.digest,)
     parent = b.get(base.digest)
     assert (parent.name, parent.tag, parent.kind) == ("base", "1", LayerKind.BASE)
+    # A parent pulled along does not re-point a local name:tag that names another layer.
+    e = _store(work, "e")
+    mine = build_from_dir(e, _tree(work / "mine", b"mine", big=1000), name="base", tag="1")
+    pull_layer(e, client, parse_registry_ref(f"{registry.url}/lineage:1"))
+    assert e.resolve("base:1").digest == mine.digest
+    assert e.get(base.digest).ref == "base:" + layer_alias_tag(base.digest)[:19]
 
     # A snapshot whose parent the registry does not have cannot be pulled.
     c = _store(work, "c")

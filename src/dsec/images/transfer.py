@@ -231,6 +231,9 @@ def _pull(
                 ) from None  # fmt: skip
             log.warning("%s: parent layer %s is not in %s; its lineage is recorded only", m.where, parent, repo)
     want_name, want_tag = name or cfg.name, tag or cfg.tag
+    if depth > 0 and _names_other(store, want_name, want_tag, cfg.digest):
+        # A parent pulled along must not re-point a local name the user did not ask to change.
+        want_tag = layer_alias_tag(cfg.digest)[:19]
     if _have(store, cfg.digest):
         return _retag(store, cfg, want_name, want_tag)
     with store.scratch("pull") as scratch:
@@ -246,6 +249,13 @@ def _have(store: LayerStore, digest: str) -> bool:
     except LayerNotFound:
         return False
     return True
+
+
+def _names_other(store: LayerStore, name: str, tag: str, digest: str) -> bool:
+    try:
+        return store.resolve(f"{name}:{tag}").digest != digest
+    except LayerNotFound:
+        return False
 
 
 def _retag(store: LayerStore, cfg: DsecLayerConfig, name: str, tag: str) -> Layer:
