@@ -36,7 +36,7 @@ import termios
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Final, Protocol, runtime_checkable
 
 from dsec.errors import DsecError, InvalidSpec, Unsupported
 from dsec.spec import NetworkPolicy, SandboxSpec, SandboxState
@@ -48,6 +48,15 @@ OutputCallback = Callable[[str, bytes], "asyncio.Future[None] | None"]
 """Called with ("stdout"|"stderr", chunk) as output is produced. A consumer that cannot take
 more returns a future: the backend stops reading the command's output until it is done.
 Nothing is dropped."""
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+UNSET: Final = _Unset()
+"""Marks an argument left out (the default applies); ``None`` means "none"."""
 
 
 def command_line(cmd: str | Sequence[str], limit: int = 512) -> str:

@@ -26,7 +26,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from dsec.auth import Claims
-from dsec.backends.container.runtime import UNSET, _Unset
+from dsec.backends.base import UNSET, _Unset
 from dsec.backends.fncall.types import FnCall, outcome_to_wire
 from dsec.errors import Forbidden, Unsupported
 from dsec.fastroute import Answer, FastRequest, Handler

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Final
 
 from dsec.backends.base import (
+    UNSET,
     BackendBase,
     Capabilities,
     Capability,
@@ -45,6 +46,7 @@ from dsec.backends.base import (
     SandboxRecord,
     TtySize,
     Usage,
+    _Unset,
     check_spec,
     command_line,
 )
@@ -98,13 +100,6 @@ DEFAULT_ENV: Final = {
 }
 
 
-class _Unset:
-    def __repr__(self) -> str:
-        return "UNSET"
-
-
-UNSET: Final = _Unset()
-"""Marks an argument left out (the default applies); ``None`` means "none"."""
 
 @dataclass(slots=True, kw_only=True)
 class ContainerRecord(SandboxRecord):

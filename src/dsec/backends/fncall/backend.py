@@ -15,6 +15,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from dsec.backends.base import (
+    UNSET,
     BackendBase,
     Capabilities,
     Capability,
@@ -22,8 +23,8 @@ from dsec.backends.base import (
     HostFinding,
     SandboxRecord,
     Usage,
+    _Unset,
 )
-from dsec.backends.container.runtime import UNSET, _Unset
 from dsec.backends.fncall.config import FnCallConfig
 from dsec.backends.fncall.pool import FnCallPool, WorkerHost
 from dsec.backends.fncall.types import FnCall, FnOutcome, FnResult

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Protocol
 
-from dsec.backends.container.runtime import UNSET, _Unset
+from dsec.backends.base import UNSET, _Unset
 from dsec.backends.fncall.config import FnCallConfig, FnCallImage
 from dsec.backends.fncall.types import (
     FnCall,
