@@ -66,8 +66,22 @@ def _host_problem() -> str | None:
     return None
 
 
+SESSION_TMP = Path(tempfile.gettempdir()) / f"dsec-test-s{SESSION_TOKEN}"
+"""Every temporary directory of this session (TMPDIR points here for it and its children), so
+the leak check tells this session's mounts from those of another test run on the same host."""
+
+
 def pytest_configure(config: pytest.Config) -> None:
     os.environ[ENV_MARK] = SESSION_TOKEN
+    SESSION_TMP.mkdir(mode=0o755, exist_ok=True)
+    os.environ["TMPDIR"] = str(SESSION_TMP)
+    tempfile.tempdir = str(SESSION_TMP)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    # Only remove when nothing is mounted below it (the leak check unmounts what it can).
+    if SESSION_TMP.is_dir() and not any(f" {SESSION_TMP}/" in ln for ln in mountinfo_lines()):
+        shutil.rmtree(SESSION_TMP, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -603,11 +617,12 @@ def _dsec_leak_check(dsec_base: Path) -> Iterator[None]:
         return [ln for ln in mountinfo_lines() if "dsec" in ln and _mount_key(ln) not in before_mounts]
 
     def mounts() -> list[str]:
-        # Ours: under this session's directory, any test directory ("dsec-test-*", the
-        # convention of every test module), or the runtime's default directories.
-        # Other new "dsec" mounts come from tools running concurrently on a shared
-        # machine (benchmarks in /tmp/dsec-bench-*...): reported, not failed.
-        ours = (str(dsec_base), "/dsec-test", "/run/dsec/", "/var/lib/dsec/")
+        # Ours: under this session's temporary directory (every tempdir of the session and
+        # of the processes it starts), or the runtime's default directories. Other new
+        # "dsec" mounts come from another test run or tool on a shared machine (another
+        # session's /tmp/dsec-test-s<token>, benchmarks in /tmp/dsec-bench-*...):
+        # reported, not failed.
+        ours = (f"{SESSION_TMP}/", f"{dsec_base}/", "/run/dsec/", "/var/lib/dsec/")
         return [ln for ln in new_dsec_mounts() if any(o in ln for o in ours)]
 
     def procs() -> dict[int, str]:
