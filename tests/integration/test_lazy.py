@@ -453,7 +453,8 @@ def test_lazy_sigkill_then_reconcile_and_restart(
     with pytest.raises(OSError):
         sha256_file(m.mp / "big/blob1.bin")  # never read: the dead connection answers with an error
     report = lz.reconcile()
-    assert not report.alive and report.unmounted and report.partial_files == 1
+    assert not report.alive and report.unmounted
+    assert report.partial_files >= 1  # ours, and maybe a chunk the kill interrupted
     assert str(m.mp) in report.stale_mounts  # the runtime's EROFS mount of the dead file
     assert not any(mi.mount_point == str(lz.mountpoint) for mi in sysmount.mountinfo())
     assert not partial.exists()

@@ -216,3 +216,23 @@ def test_lazy_metadata_walk_finds_every_inode(tmp_path: Path) -> None:
     assert meta.directories == 1 + 30 * 2
     chunks = covering_chunks(meta.ranges, 1 << 20, len(data))
     assert chunks[0] == 0 and chunks[-1] <= math.ceil(len(data) / (1 << 20)) - 1
+
+
+def test_lazy_engine_concurrent_attaches_of_one_layer_make_one(tmp_path: Path) -> None:
+    data = os.urandom(4 * CS)
+    layer = make_layer(data)
+    fetcher = ScriptedFetcher(data, delay=0.02)
+
+    async def body(engine: Engine, cache: ChunkCache) -> None:
+        got = []
+
+        async def attach() -> None:
+            got.append(await engine.attach(layer))  # not EROFS: the walk gives up, still attached
+
+        async with trio.open_nursery() as n:
+            for _ in range(5):
+                n.start_soon(attach)
+        assert len({a.ino for a in got}) == 1 and len(engine.by_ino) == 1
+        assert got[0].metadata_error
+
+    run_engine(tmp_path, fetcher, body)

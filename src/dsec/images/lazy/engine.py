@@ -159,6 +159,7 @@ class Engine:
         self.by_ino: dict[int, Attached] = {}
         self._next_ino = 2
         self._inflight: dict[str, _Inflight] = {}
+        self._attaching: dict[str, trio.Event] = {}
         self._nursery: trio.Nursery | None = None
         self._limiter = trio.CapacityLimiter(self.config.max_concurrent_fetches)
         self.latency = LatencyHistogram()
@@ -177,6 +178,8 @@ class Engine:
         """Make ``layer`` readable; with ``prefetch_metadata`` fetch its metadata chunks first.
         Raises LayerUnavailable / ChunkCorrupt when they cannot be had (the layer is then
         not attached). Attaching an attached layer refreshes its headers (new tokens)."""
+        while (pending := self._attaching.get(layer.hex)) is not None:
+            await pending.wait()  # another attach of this layer is prefetching: share its outcome
         al = self.layers.get(layer.hex)
         if al is not None:
             if (al.layer.size, al.layer.chunk_size, al.layer.chunks) != (
@@ -190,7 +193,12 @@ class Engine:
         al = Attached(layer=layer, ino=self._next_ino, attached_at=time.time())
         self._next_ino += 1
         if prefetch_metadata:
-            await self._prefetch_metadata(al)
+            done = self._attaching[layer.hex] = trio.Event()
+            try:
+                await self._prefetch_metadata(al)
+            finally:
+                del self._attaching[layer.hex]
+                done.set()
         self.layers[layer.hex] = al
         self.by_ino[al.ino] = al
         self._changed()

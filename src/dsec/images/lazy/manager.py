@@ -140,7 +140,7 @@ class LazyLayers:
         try:
             # Its own session: the node's FUSE process outlives an edge restart.
             self._proc = subprocess.Popen(
-                self.command(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=logf,
+                self.command(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=logf,
                 start_new_session=True, close_fds=True,
             )
         finally:
@@ -156,8 +156,6 @@ class LazyLayers:
             ping = self._ping()
             if ping is not None:
                 self.pid = int(ping["pid"])
-                if self._proc.stdout is not None:
-                    self._proc.stdout.close()
                 return
             time.sleep(0.02)
         self._stop_proc(self._proc.pid)
