@@ -109,6 +109,15 @@ class GVHarness:
         out += [f"process {pid} holds its mounts" for pid in _pids_with_mount(f"/sb/{sid}/")]
         return out
 
+    def job_cgroups(self, sid: str) -> list[str]:
+        """The commands' cgroups inside the sandbox (gVisor's job hierarchy), listed by a
+        privileged exec that mounts the hierarchy in a mount namespace of its own."""
+        script = ("mount --make-rprivate / && mount -t cgroup -o job none /sys/fs/cgroup && "
+                  "find /sys/fs/cgroup/dsec -mindepth 1 -maxdepth 1 -type d")
+        out = self.run(self.b.runsc.call("exec", "--user=0:0", "--cap=CAP_SYS_ADMIN", self.b.container_id(sid),
+                                         "/bin/unshare", "-m", "/bin/sh", "-c", script))
+        return out.decode().split()
+
     def trail(self, sid: str) -> str:
         rec = self.b.sandboxes.get(sid)
         lines = [f"gvisor sandbox {sid} (backend {self.name})"]
@@ -236,6 +245,44 @@ def test_timeout_kills_the_whole_tree_not_the_sandbox(gv: GVHarness, sb: Any) ->
     with pytest.raises(ExecTimeout):
         gv.sh(sb.id, "sleep 1; echo hi; sleep 100", timeout=30, idle_timeout=0.5)
     assert gv.ok(sb.id, "echo alive") == "alive\n"
+
+
+def test_a_timeout_kills_what_left_the_session_and_was_orphaned(gv: GVHarness, sb: Any) -> None:
+    """Every command runs in a cgroup of its own inside the sandbox (gVisor's job hierarchy):
+    what it starts stays there however it detaches. Here setsid and double forks, orphaned to
+    pid 1 and out of the command's session and group, for root as for another user."""
+    tree = ("(setsid sh -c 'sleep {0} & exec sleep {1}' &) ; "
+            "(setsid sh -c '(sleep {2} &) ; (setsid sleep {3} &)' &) ; "
+            "setsid sleep {4} & echo started; sleep 1000")
+    for user, base in (("root", 2100), ("1000:1000", 2200)):
+        sleeps = [f"sleep {base + i}" for i in range(5)]
+        with pytest.raises(ExecTimeout) as ei:
+            gv.sh(sb.id, tree.format(*range(base, base + 5)), user=user, timeout=1.5)
+        assert ei.value.result.stdout == b"started\n" and ei.value.result.signal == signal.SIGKILL, ei.value.result
+        ps = gv.ok(sb.id, "ps -o args")
+        assert not [s for s in sleeps if s in ps], f"{user}: left in the sandbox:\n{ps}"
+    assert gv.job_cgroups(sb.id) == []
+    # The command cannot see, mount or leave its cgroup, root included, and never has CAP_SYS_ADMIN
+    # (the helper drops it): root has the container's set (Docker's default minus NET_RAW and
+    # MKNOD, 0xa00405fb), other users none.
+    probe = ("grep job /proc/self/cgroup; grep -E 'CapEff|CapBnd' /proc/self/status; ls /sys/fs/cgroup | wc -l; "
+             "mount -t cgroup -o job none /tmp >/dev/null 2>&1 && echo mounted || echo refused")
+    out = gv.ok(sb.id, probe, user="root").split()
+    assert out[0].startswith("5:job:/dsec/") and out[1:] == ["CapEff:", "00000000a00405fb", "CapBnd:",
+                                                             "00000000a00405fb", "0", "refused"], out
+    out = gv.ok(sb.id, probe, user="1000").split()
+    assert out[0].startswith("5:job:/dsec/") and out[1:] == ["CapEff:", "0000000000000000", "CapBnd:",
+                                                             "00000000a00405fb", "0", "refused"], out
+    # The helper blocks what a command may send its own group (`kill 0`); the command inherits none of it.
+    for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGPIPE, signal.SIGUSR1, signal.SIGALRM):
+        r = gv.sh(sb.id, f"kill -{sig.name[3:]} $$; sleep 5", user="1000", timeout=10)
+        assert (r.exit_code, r.signal) == (None, sig), (sig, r)
+    # A background job keeps its command's cgroup; once it has ended, the next command removes it.
+    gv.ok(sb.id, "sleep 0.5 >/dev/null 2>&1 &")
+    assert len(gv.job_cgroups(sb.id)) == 1
+    time.sleep(1.0)
+    gv.ok(sb.id, "true")
+    assert gv.job_cgroups(sb.id) == []
 
 
 def test_sessions_keep_state_and_survive_a_timeout(gv: GVHarness, sb: Any) -> None:

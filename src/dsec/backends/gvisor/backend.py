@@ -95,6 +95,10 @@ DEFAULT_ENV: Final = {
 PIDS_SLACK: Final = 2
 _FORK_FAILED: Final = (b"Resource temporarily unavailable", b"can't fork", b"fork: retry", b"Cannot fork")
 """strerror(EAGAIN) in glibc's and musl's words, busybox's and bash's: a fork refused at RLIMIT_NPROC."""
+HELPER_CAPS: Final = ",".join((*bundles.CAPABILITIES, "CAP_SYS_ADMIN"))
+"""``runsc exec --cap`` of the helper's run and kill modes: the container's capabilities (what
+the command gets, as root) and CAP_SYS_ADMIN, which the helper keeps only to mount cgroupfs in a
+mount namespace of its own; the command never has it."""
 ISOLATION: Final = ("gVisor application kernel (runsc, systrap): the sandbox's system calls are served by "
                     "the sentry in user space, not the host kernel; loopback-only network")
 
@@ -701,9 +705,13 @@ class GVisorBackend(BackendBase):
                 raise InvalidSpec(f"bad environment variable {k!r}", field="env")
         if any("\0" in a for a in argv) or "\0" in cwd:
             raise InvalidSpec("command or cwd contains a NUL byte", field="cmd")
-        args = ["exec", "--exec-fd=3", "--pass-fd=4:3", f"--user={uid}:{gid}", "--cwd=/"]
+        # The helper starts as root with CAP_SYS_ADMIN to put the command in a cgroup of its own
+        # (named after the helper's pid and this token), then drops to uid:gid and the
+        # container's capabilities before the command runs (native/dsec-gvexec.c).
+        token = secrets.token_hex(8)
+        args = ["exec", "--exec-fd=3", "--pass-fd=4:3", "--user=0:0", f"--cap={HELPER_CAPS}", "--cwd=/"]
         args += [f"--env={k}={v}" for k, v in merged.items()]
-        args += [rec.container_id, "dsec-gvexec", "run", cwd, *argv]
+        args += [rec.container_id, "dsec-gvexec", "run", str(uid), str(gid), token, cwd, *argv]
         status_r, status_w = os.pipe2(os.O_CLOEXEC)
         try:
             pid = spawn(runsc.argv(*args), {0: stdin, 1: stdout, 2: stderr, 3: self._helper_fd, 4: status_w})
@@ -712,17 +720,21 @@ class GVisorBackend(BackendBase):
             raise
         finally:
             os.close(status_w)
-        proc = Command(sandbox_id, Watched(pid, asyncio.get_running_loop()), status_r, self._kill_command)
+        proc = Command(sandbox_id, Watched(pid, asyncio.get_running_loop()), status_r, self._kill_command,
+                       cgroup_token=token)
         self.last_activity[sandbox_id] = time.monotonic()
         self._event(rec, "exec_started", pid=pid, argv0=argv[0], cmd=command_line(argv))
         return proc
 
-    async def _helper_exec(self, rec: GVisorRecord, *args: str, timeout: float = 30.0) -> bytes:
-        """Run the helper as root in the sandbox (kill, count) and wait for it; its output."""
+    async def _helper_exec(self, rec: GVisorRecord, *args: str, timeout: float = 30.0,
+                           cgroups: bool = False) -> bytes:
+        """Run the helper as root in the sandbox (kill, count) and wait for it; its output.
+        ``cgroups``: with CAP_SYS_ADMIN, to mount the commands' cgroup hierarchy for itself."""
         runsc = self._require_started()
+        caps = [f"--cap={HELPER_CAPS}"] if cgroups else []
         try:
-            return await runsc.call("exec", "--exec-fd=3", "--user=0:0", "--cwd=/", rec.container_id, "dsec-gvexec",
-                                    *args, timeout=timeout, what=f"exec (helper {args[0]})",
+            return await runsc.call("exec", "--exec-fd=3", "--user=0:0", *caps, "--cwd=/", rec.container_id,
+                                    "dsec-gvexec", *args, timeout=timeout, what=f"exec (helper {args[0]})",
                                     extra_fds={3: self._helper_fd})
         except (RunscError, TimeoutError) as exc:
             log.warning("gvisor %s: %s in %s: %s", self.name, args[0], rec.id, exc)
@@ -750,16 +762,16 @@ class GVisorBackend(BackendBase):
                 await self.resume(rec.id)
         if proc.inner_pid <= 0:
             return
-        # Everything of the command's session and process group and their descendants (an
-        # orphan that also left the session escapes: docs/GVISOR.md); the helper itself lives
-        # to report the command's end.
-        await self._helper_exec(rec, "kill", str(proc.inner_pid), str(proc.inner_pid))
+        # Everything in the command's cgroup, however it detached (setsid, orphaned), and of
+        # its session and their descendants; the helper (spared) lives to report its end.
+        await self._helper_exec(rec, "kill", proc.cgroup, str(proc.inner_pid), str(proc.inner_pid), cgroups=True)
 
     async def kill_children(self, proc: Command) -> None:
         """Kill what a session's shell started, not the shell (the session lives on)."""
         rec = self._sandboxes.get(proc.sandbox_id)
         if rec is not None and proc.command_pid > 0 and rec.state is SandboxState.RUNNING:
-            await self._helper_exec(rec, "kill", str(proc.inner_pid), str(proc.inner_pid), str(proc.command_pid))
+            await self._helper_exec(rec, "kill", proc.cgroup, str(proc.inner_pid), str(proc.inner_pid),
+                                    str(proc.command_pid), cgroups=True)
 
     async def exec(self, sandbox_id: str, cmd: str | Sequence[str], *, env: Mapping[str, str] | None = None,
                    cwd: str = "/", user: int | str = 0, stdin: bytes | None = None,
@@ -804,6 +816,10 @@ class GVisorBackend(BackendBase):
             if stage == "cwd":
                 raise ExecError(f"working directory {cwd!r} does not exist in sandbox {sandbox_id} "
                                 f"({os.strerror(err)})", sandbox_id=sandbox_id, stage="cwd", errno=err)
+            if stage in ("cgroup", "creds"):
+                what = "its own cgroup could not be made" if stage == "cgroup" else f"user {user!r} could not be set"
+                raise ExecError(f"cannot run {argv[0]!r} in sandbox {sandbox_id}: {what} ({os.strerror(err)})",
+                                sandbox_id=sandbox_id, stage=stage, errno=err)
             hint = "not found in the sandbox's PATH" if err == 2 else os.strerror(err)
             raise ExecError(f"cannot run {argv[0]!r} in sandbox {sandbox_id}: {hint}", sandbox_id=sandbox_id,
                             stage=stage, errno=err)

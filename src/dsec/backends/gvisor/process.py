@@ -1,14 +1,16 @@
 """Commands in a gVisor sandbox: one ``runsc exec`` of our helper per command, and its output.
 
-A command runs as ``runsc exec --exec-fd=<helper> <container> dsec-gvexec run CWD ARGV...``:
-the helper (native/dsec-gvexec.c) forks the command inside the sandbox and reports on
-fd 3 (a pipe of ours) its own pid, which is the command's session id, then the exact
-wait status (``runsc exec`` alone says 128+n for a signal, like a shell). The command's
-stdio are our pipes, passed through runsc to the sentry as they are.
+A command runs as ``runsc exec --exec-fd=<helper> <container> dsec-gvexec run UID GID TOKEN
+CWD ARGV...``: the helper (native/dsec-gvexec.c) starts the command inside the sandbox in a
+cgroup of its own (``<helper pid>.TOKEN`` of gVisor's job hierarchy), and reports on fd 3 (a
+pipe of ours) its own pid, which is the command's session id, then the exact wait status
+(``runsc exec`` alone says 128+n for a signal, like a shell). The command's stdio are our
+pipes, passed through runsc to the sentry as they are.
 
 Killing the tree (timeouts, cancellation) is a second ``runsc exec`` of the helper as
-root: ``kill <session> <helper>`` stops every process of that session or group and their
-descendants, then kills them, so nothing forks its way out.
+root: ``kill <cgroup> <helper> <helper>`` stops every process of the command's cgroup,
+however it detached (setsid, orphaned), and of its session and their descendants, then
+kills them, so nothing forks its way out.
 
 Owns: :class:`Command` (the process handle), :func:`collect` (bounded output, streaming
 with backpressure, timeouts). Never blocks the loop; never signals a host process of the
@@ -65,8 +67,9 @@ class Command:
     inside the sandbox (the command's session id) once ``started`` is done."""
 
     def __init__(self, sandbox_id: str, runsc_exec: Watched, status_fd: int,
-                 killer: Callable[[Command, bool], Awaitable[None]]) -> None:
+                 killer: Callable[[Command, bool], Awaitable[None]], *, cgroup_token: str = "") -> None:
         self.sandbox_id = sandbox_id
+        self.cgroup_token = cgroup_token
         self.pid = runsc_exec.pid
         self.started_at = time.monotonic()
         self.start_latency_s = 0.0
@@ -154,6 +157,11 @@ class Command:
         if ex.code is not None and ex.code > 128:
             return CommandExit(None, ex.code - 128, lost=True, runsc=ex)
         return CommandExit(ex.code, ex.signal, lost=True, runsc=ex)
+
+    @property
+    def cgroup(self) -> str:
+        """The command's cgroup inside the sandbox, ``<helper pid>.<token>`` ("-": none known)."""
+        return f"{self.inner_pid}.{self.cgroup_token}" if self.inner_pid > 0 and self.cgroup_token else "-"
 
     @property
     def running(self) -> bool:

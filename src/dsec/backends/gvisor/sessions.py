@@ -4,8 +4,8 @@ command started through ``runsc exec``.
 The protocol (one long-lived shell, each command an ``eval`` followed by a marker with
 ``$?``) is the container backend's own, reused as is. What differs is how a timed-out
 command is killed: its processes are not host processes, so the helper stops and kills,
-from inside the sandbox, everything the shell started (its session and descendants), and
-the shell lives on with its state.
+from inside the sandbox, everything the shell started (its cgroup, session and
+descendants), and the shell lives on with its state.
 
 Session talks to "its runtime" through a few members; :class:`_Door` is exactly those,
 backed by the gVisor backend, so Session never reaches into the backend itself.
