@@ -63,6 +63,7 @@ from dsec.backends.gvisor.runsc import (
     RunscError,
     Watched,
     hold_subreaper,
+    reap_orphans,
     release_subreaper,
     spawn,
 )
@@ -84,6 +85,8 @@ log = logging.getLogger("dsec.gvisor")
 DEFAULT_TIMEOUT_S: Final = 600.0
 UID_RANGE: Final = 65536
 MAX_LOWERS: Final = 15
+ORPHAN_SWEEP_S: Final = 1.0
+"""How often zombies of runsc processes reparented to us are reaped."""
 _ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
 DEFAULT_ENV: Final = {
@@ -210,6 +213,7 @@ class GVisorBackend(BackendBase):
         self._uppers_lock = asyncio.Lock()
         self._started = False
         self._subreaper = False
+        self._sweeper: asyncio.Task[None] | None = None
 
     # ----- the protocol's read-only views -----
 
@@ -271,6 +275,7 @@ class GVisorBackend(BackendBase):
         self._helper_fd = os.open(helper, os.O_RDONLY | os.O_CLOEXEC)
         if cfg.subreaper:
             self._subreaper = hold_subreaper()
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_orphans(), name=f"{self.name}-reaper")
         if self._uppers_wanted() and self._uppers_image_exists():
             with contextlib.suppress(HostError):
                 await self._setup_uppers()
@@ -318,10 +323,26 @@ class GVisorBackend(BackendBase):
         if self._helper_fd >= 0:
             os.close(self._helper_fd)
             self._helper_fd = -1
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+            self._sweeper = None
         if self._subreaper:
             release_subreaper()
             self._subreaper = False
         self._started = False
+
+    async def _sweep_orphans(self) -> None:
+        """While this process is a subreaper, runsc's processes that die after being
+        reparented to it (and that no watcher awaits) are reaped here, never left as zombies
+        of the edge."""
+        while True:
+            await asyncio.sleep(ORPHAN_SWEEP_S)
+            try:
+                reap_orphans()
+            except Exception:  # the sweep must outlive one bad pass
+                log.exception("reaping runsc orphans failed")
 
     # ----- records -----
 

@@ -17,6 +17,7 @@ import asyncio
 import builtins
 import contextlib
 import ctypes
+import functools
 import json
 import os
 import shutil
@@ -42,6 +43,10 @@ class Exit:
 
 
 _subreaper_holders = 0
+_awaited: set[int] = set()
+"""Pids a :class:`Watched` reaps itself (its exit status matters): the sweeper leaves them."""
+RUNSC_COMMS: Final = frozenset({"exe", "runsc", "runsc-gofer", "runsc-sandbox", "dsec-gvexec"})
+"""Names of the processes runsc leaves behind (it re-executes itself as /proc/self/exe)."""
 
 
 def hold_subreaper() -> bool:
@@ -59,6 +64,42 @@ def release_subreaper() -> None:
     _subreaper_holders = max(0, _subreaper_holders - 1)
     if _subreaper_holders == 0:
         _prctl_subreaper(0)
+        reap_orphans()  # what was reparented while we held it
+
+
+def _forget_awaited(pid: int, _f: object) -> None:
+    _awaited.discard(pid)
+
+
+def reap_orphans() -> int:
+    """Reap the zombies of runsc processes that were reparented to this process (it is
+    their subreaper while a gVisor backend runs) and that nobody awaits: a sandbox's
+    ``runsc`` and gofer helpers, ``runsc exec`` leftovers. Reads only this process's own
+    children lists (cheap at any node size); returns how many it reaped."""
+    me = os.getpid()
+    n = 0
+    for t in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{t}/children") as f:
+                kids = [int(x) for x in f.read().split()]
+        except OSError:
+            continue
+        for pid in kids:
+            if pid in _awaited:
+                continue
+            try:
+                with open(f"/proc/{pid}/stat", "rb") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            comm = stat[stat.index(b"(") + 1 : stat.rindex(b")")].decode(errors="replace")
+            rest = stat[stat.rindex(b")") + 2 :].split()
+            if rest[0] != b"Z" or int(rest[1]) != me or comm not in RUNSC_COMMS:
+                continue
+            with contextlib.suppress(ChildProcessError, OSError):
+                os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG)
+                n += 1
+    return n
 
 
 def _prctl_subreaper(on: int) -> bool:
@@ -108,6 +149,8 @@ class Watched:
             self._fd = -1
             self.exited.set_result(Exit(None, None))
             return
+        _awaited.add(pid)
+        self.exited.add_done_callback(functools.partial(_forget_awaited, pid))
         loop.add_reader(self._fd, self._ready)
 
     def _ready(self) -> None:
