@@ -324,6 +324,66 @@ def test_isolation_numpy_random_state_differs_between_calls(rtx: RuntimeHarness,
     src = "import numpy as np, random\n[float(np.random.random()), random.random()]"
     a, b = call(rtx, pool, src).value, call(rtx, pool, src).value
     assert a[0] != b[0] and a[1] != b[1]
+    # Reseeded by writing the generator's state (NumpySeed): a full key, a valid generator.
+    src = ("import numpy as np\n"
+           "st = np.random.get_state()\n"
+           "[st[1][:4].tolist(), int(st[2]), int(st[3]), float(np.random.standard_normal()),"
+           " float(np.random.random())]")
+    a, b = call(rtx, pool, src).value, call(rtx, pool, src).value
+    assert a[0] != b[0] and a[1] == b[1] == 624 and a[2] == b[2] == 0  # fresh key, no cached gaussian
+    assert a[3] != b[3] and 0 <= a[4] < 1
+    seeded = "import numpy as np\nnp.random.seed(7)\n[float(np.random.random()), float(np.random.normal())]"
+    assert call(rtx, pool, seeded).value == call(rtx, pool, seeded).value  # a call's own seeding still holds
+
+
+def test_calls_are_forked_without_cpythons_hooks_and_threads_still_work(rtx: RuntimeHarness,
+                                                                        pool: FnCallPool) -> None:
+    """The zygote forks with the C library's fork (docs/FNCALL.md, "Where the CPU goes"): the
+    fast paths are in use, and what os.fork's hooks would have set up still works in a call."""
+    for w in pool.workers():
+        assert w.info["fork"] == "libc" and w.info["numpy_seed"] == "state", w.info
+    src = ("import os, random, threading\n"
+           "def main():\n"
+           "    out = []\n"
+           "    t = threading.Thread(target=lambda: out.append(threading.current_thread().name))\n"
+           "    t.start(); t.join()\n"
+           "    r, w = os.pipe()\n"
+           "    pid = os.fork()\n"
+           "    if pid == 0:\n"
+           "        t = threading.Thread(target=lambda: None); t.start(); t.join()\n"
+           "        os.write(w, repr(random.random()).encode()); os._exit(0)\n"
+           "    os.close(w); child = float(os.read(r, 100)); os.waitpid(pid, 0)\n"
+           "    return [out, threading.current_thread() is threading.main_thread(),\n"
+           "            threading.active_count(), child != random.random()]\n")
+    v = call(rtx, pool, src).value
+    assert v[0] and v[1] is True and v[2] == 1 and v[3] is True
+
+
+def test_an_exit_without_a_result_reports_its_status(rtx: RuntimeHarness, pool: FnCallPool) -> None:
+    """The zygote reaps lazily and reports only failures unasked: a clean exit(0) with no
+    result is asked for ("W") and still comes back as ProcessExit 0."""
+    for code in (0, 0, 5):
+        e = fails(rtx, pool, f"import os, sys\nsys.stdout.flush()\nos._exit({code})")
+        assert isinstance(e, FnCallError) and e.exc_type == "ProcessExit" and e.fields["exit_code"] == code
+    assert call(rtx, pool, "'after'").value == "after"
+
+
+def test_isolation_a_call_that_becomes_a_subreaper_leaves_nothing(rtx: RuntimeHarness, pool: FnCallPool) -> None:
+    """Orphans re-parented to the call's own process (PR_SET_CHILD_SUBREAPER) instead of the
+    zygote are its children until it exits, then the zygote's: the sweep finds them either way."""
+    marker = f"{secrets.randbelow(10**6) + 1000}.{secrets.randbelow(1000)}"
+    src = ("import ctypes, os\n"
+           "def main(m):\n"
+           "    ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)\n"
+           "    if os.fork() == 0:\n"
+           "        if os.fork() == 0:\n"
+           "            os.execvp('sleep', ['sleep', m])\n"
+           "        os._exit(0)\n"
+           "    os.wait()\n"
+           "    return os.getpid()\n")
+    call(rtx, pool, src, marker)
+    assert host_pids_with(f"sleep {marker}") == []  # answered only once it was gone
+    assert call(rtx, pool, "'next'").value == "next"
 
 
 def test_the_bench_isolation_cases_all_pass(rtx: RuntimeHarness, pool: FnCallPool) -> None:

@@ -63,6 +63,8 @@ CALL_ENV: Final = {
     "PYTHONDONTWRITEBYTECODE": "1",
 }
 _U32 = struct.Struct(">I")
+_MAX_FRAME: Final = (1 << 30) + (1 << 20)
+"""A frame from a worker longer than this is a broken worker (its own cap is 1 GiB)."""
 _RESTART_BACKOFF_S: Final = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 
 
@@ -110,6 +112,40 @@ class _Pending:
     started: float
 
 
+class _Frames(asyncio.Protocol):
+    """A worker's stdout: frames parsed as the bytes arrive and handed to the worker (no reader
+    task: one wake-up of the loop per read, not one per ``readexactly``)."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.buf = bytearray()
+        self.why = "its supervisor exited"
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buf
+        buf += data
+        try:
+            while len(buf) >= 8:
+                total = _U32.unpack_from(buf, 0)[0]
+                if total > _MAX_FRAME or total < 4:
+                    raise ValueError(f"a frame of {total} bytes")
+                if len(buf) < 4 + total:
+                    return
+                hlen = _U32.unpack_from(buf, 4)[0]
+                header = json.loads(buf[8 : 8 + hlen])
+                payload = bytes(buf[8 + hlen : 4 + total])
+                del buf[: 4 + total]
+                self.worker._on_frame(header, payload)
+                if header.get("op") == "fatal":
+                    self.why = f"it gave up: {header.get('error')} {header.get('detail') or ''}".strip()
+        except Exception as exc:  # a malformed frame: the worker cannot be trusted any more
+            self.why = f"bad frame from the worker: {exc!r}"
+            self.worker._lost(self.why)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.worker._lost(self.why)
+
+
 class Worker:
     """One worker sandbox: its supervisor process and the calls in flight on it."""
 
@@ -129,7 +165,7 @@ class Worker:
         self.calls = 0
         self._proc: Any = None
         self._writer: asyncio.StreamWriter | None = None
-        self._reader_task: asyncio.Task[None] | None = None
+        self._frames: asyncio.ReadTransport | None = None
         self._stderr_task: asyncio.Task[None] | None = None
         self._stderr: collections.deque[str] = collections.deque(maxlen=200)
         self._ready: asyncio.Future[dict[str, Any]] | None = None
@@ -176,8 +212,7 @@ class Worker:
             for fd in (in_r, out_w, err_w):
                 os.close(fd)
         loop = asyncio.get_running_loop()
-        reader = asyncio.StreamReader(limit=1 << 20)
-        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), open(out_r, "rb", buffering=0))  # noqa: SIM115 - the transport owns and closes it
+        self._frames, _ = await loop.connect_read_pipe(lambda: _Frames(self), open(out_r, "rb", buffering=0))  # noqa: SIM115 - the transport owns and closes it
         err_reader = asyncio.StreamReader(limit=1 << 20)
         await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(err_reader),
                                      open(err_r, "rb", buffering=0))  # noqa: SIM115 - the transport owns and closes it
@@ -185,7 +220,6 @@ class Worker:
                                                             open(in_w, "wb", buffering=0))  # noqa: SIM115 - the transport owns and closes it
         self._writer = asyncio.StreamWriter(transport, protocol, None, loop)
         self._ready = loop.create_future()
-        self._reader_task = asyncio.create_task(self._read_frames(reader))
         self._stderr_task = asyncio.create_task(self._read_stderr(err_reader))
         slots = self.cfg.concurrency + self.cfg.spare
         await self._send({
@@ -207,11 +241,14 @@ class Worker:
     async def stop(self, reason: str) -> None:
         """Fail what is in flight, stop reading, destroy the sandbox. Idempotent."""
         self._die(reason)
-        for task in (self._reader_task, self._stderr_task):
-            if task is not None and task is not asyncio.current_task():
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
+        if self._frames is not None:
+            self._frames.close()
+            self._frames = None
+        task = self._stderr_task
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
         if self._writer is not None:
             self._writer.close()
             self._writer = None
@@ -255,28 +292,14 @@ class Worker:
         self._writer.write(_U32.pack(4 + len(h) + len(payload)) + _U32.pack(len(h)) + h + payload)
         await self._writer.drain()
 
-    async def _read_frames(self, reader: asyncio.StreamReader) -> None:
-        why = "its supervisor exited"
-        try:
-            while True:
-                head = await reader.readexactly(4)
-                total = _U32.unpack(head)[0]
-                body = await reader.readexactly(total)
-                hlen = _U32.unpack_from(body, 0)[0]
-                header = json.loads(body[4 : 4 + hlen])
-                self._on_frame(header, body[4 + hlen :])
-                if header.get("op") == "fatal":
-                    why = f"it gave up: {header.get('error')} {header.get('detail') or ''}".strip()
-        except asyncio.IncompleteReadError:
-            pass
-        except asyncio.CancelledError:
-            why = "stopped"
-            raise
-        except Exception as exc:  # a malformed frame: the worker cannot be trusted any more
-            why = f"bad frame from the worker: {exc!r}"
-        finally:
-            tail = self.stderr_tail()[-1000:]
-            self._die(why + (f"; its log: {tail}" if tail and why != "stopped" else ""))
+    def _lost(self, why: str) -> None:
+        """The channel from the supervisor closed or carried garbage: the worker is gone."""
+        if self.state == "dead":
+            return
+        tail = self.stderr_tail()[-1000:]
+        self._die(why + (f"; its log: {tail}" if tail else ""))
+        if self._frames is not None:
+            self._frames.close()
 
     async def _read_stderr(self, reader: asyncio.StreamReader) -> None:
         with contextlib.suppress(asyncio.CancelledError, ValueError):
@@ -315,13 +338,21 @@ class Worker:
         try:
             await self._send({"op": "call", "id": cid, "timeout": limits.timeout, "memory": limits.memory,
                               "output_cap": limits.output_cap}, payload)
-            guard = None if limits.timeout is None else limits.timeout + self.pool.config.answer_grace_s
-            try:
-                header, body = await asyncio.wait_for(asyncio.shield(fut), guard)
-            except TimeoutError:
-                await self.stop(f"no answer {guard:.1f} s after a call was sent")
-                raise FnCallWorkerLost(f"fncall worker {self.sandbox_id} did not answer a call", reason="unresponsive",
-                                       worker=self.sandbox_id or "") from None
+            if limits.timeout is None:
+                header, body = await fut
+            else:
+                # A timer on the future itself, not wait_for(shield(...)): two futures, a task
+                # and their callbacks fewer per call.
+                guard = limits.timeout + self.pool.config.answer_grace_s
+                timer = asyncio.get_running_loop().call_later(guard, _expire, fut)
+                try:
+                    header, body = await fut
+                except TimeoutError:
+                    await self.stop(f"no answer {guard:.1f} s after a call was sent")
+                    raise FnCallWorkerLost(f"fncall worker {self.sandbox_id} did not answer a call",
+                                           reason="unresponsive", worker=self.sandbox_id or "") from None
+                finally:
+                    timer.cancel()
         except asyncio.CancelledError:
             if self.pending.pop(cid, None) is not None and self.state == "ready":
                 with contextlib.suppress(Exception):  # kill it in the worker: nobody waits for it
@@ -618,6 +649,11 @@ class FnCallPool:
 
     def _count(self, exc: FnCallFailed) -> None:
         self.stats.failures[exc.code] = self.stats.failures.get(exc.code, 0) + 1
+
+
+def _expire(fut: asyncio.Future[Any]) -> None:
+    if not fut.done():
+        fut.set_exception(TimeoutError())
 
 
 def _labels(rec: Any) -> dict[str, str]:

@@ -34,10 +34,19 @@ what the filter leaves (docs/FNCALL.md, "Isolation"):
   and of the supervisor are refused by the kernel; after a call every process
   of its uid is killed before the uid serves another call;
 - SysV IPC and POSIX message queues (which outlive processes): refused to calls
-  by an extra seccomp filter the call process adds (RLIMIT_MSGQUEUE 0 as well).
+  by an extra seccomp filter the zygote loads into itself after its imports, so
+  every call inherits it (RLIMIT_MSGQUEUE 0 as well).
 
 Host <-> supervisor frames: ``>I`` total length, ``>I`` header length, a JSON
 header, then an opaque payload (the call's JSON request; the result's JSON).
+
+Where a call's CPU goes (docs/FNCALL.md, "Where the CPU goes"): the kernel's fork
+and exit of a numpy-sized address space and the pages a call writes (each one
+copied), far more than Python. So the zygote and a call process are written to
+touch few pages after a fork: the zygote forks with the C library's fork
+(:class:`Forker`), builds what a call needs ahead (:class:`Kit`), reaps lazily
+and backs what it can with 2 MiB pages (:func:`collapse_anon`); the supervisor
+finds a call's uid empty from the zygote's children (:meth:`Supervisor.alone`).
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ import array
 import contextlib
 import ctypes
 import errno
+import fcntl
 import heapq
 import json
 import mmap
@@ -109,11 +119,24 @@ def _lib() -> ctypes.CDLL:
 
 
 def prctl(option: int, arg2: int = 0) -> None:
-    rc = _lib().prctl(ctypes.c_int(option), ctypes.c_ulong(arg2), ctypes.c_ulong(0), ctypes.c_ulong(0),
+    Prctl(option, arg2)()
+
+
+class Prctl:
+    """One prctl(2) call with its arguments built ahead: the zygote builds them, so a call
+    process only makes the call (making ctypes objects after a fork copies pages for nothing)."""
+
+    def __init__(self, option: int, arg2: int = 0, arg3: Any = 0) -> None:
+        self.option = option
+        self._fn = _lib().prctl
+        self._args = (ctypes.c_int(option), ctypes.c_ulong(arg2),
+                      arg3 if isinstance(arg3, ctypes.c_void_p) else ctypes.c_ulong(arg3), ctypes.c_ulong(0),
                       ctypes.c_ulong(0))
-    if rc != 0:
-        e = ctypes.get_errno()
-        raise OSError(e, f"prctl({option}): {os.strerror(e)}")
+
+    def __call__(self) -> None:
+        if self._fn(*self._args) != 0:
+            e = ctypes.get_errno()
+            raise OSError(e, f"prctl({self.option}): {os.strerror(e)}")
 
 
 # Syscalls a call may not make: each creates an object that outlives the call's processes
@@ -147,23 +170,135 @@ def ipc_filter() -> bytes:
     return b"".join(struct.pack("=HBBI", *x) for x in ins)
 
 
-class Filter:
-    """A seccomp program ready to load: built once in the zygote, so a call process only
-    makes the prctl (building ctypes objects after a fork would copy pages for nothing)."""
+def load_filter(prog: bytes) -> None:
+    """Load a seccomp program into this process (and so into every process it forks after)."""
 
-    def __init__(self, prog: bytes) -> None:
-        class SockFprog(ctypes.Structure):
-            _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
-        self._buf = ctypes.create_string_buffer(prog, len(prog))
-        self._fprog = SockFprog(len(prog) // 8, ctypes.cast(self._buf, ctypes.c_void_p))
-        self._args = (ctypes.c_int(PR_SET_SECCOMP), ctypes.c_ulong(SECCOMP_MODE_FILTER),
-                      ctypes.c_void_p(ctypes.addressof(self._fprog)), ctypes.c_ulong(0), ctypes.c_ulong(0))
+    buf = ctypes.create_string_buffer(prog, len(prog))
+    fprog = SockFprog(len(prog) // 8, ctypes.cast(buf, ctypes.c_void_p))
+    Prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.c_void_p(ctypes.addressof(fprog)))()
 
-    def load(self) -> None:
-        if _lib().prctl(*self._args) != 0:
+
+class Forker:
+    """fork(2) of the C library, without CPython's after-fork work in the child.
+
+    ``os.fork`` runs every ``os.register_at_fork`` hook in the child; ``threading``'s alone
+    (it rebuilds the module's locks and thread tables) writes ~150 pages of the template
+    that a call then has to copy, ~0.4 ms a call. Those hooks exist for locks that another
+    thread held at the fork; the zygote has one thread (checked after its preloads: with
+    more, calls are forked with ``os.fork``), so there are none. The C library's own
+    ``pthread_atfork`` handlers still run (this is its ``fork``), the interpreter lock stays
+    held across the call (``PyDLL``), and the hooks the preloaded modules registered run in
+    the child all the same (:meth:`child`), ``random``'s reseed among them."""
+
+    def __init__(self) -> None:
+        self.hooks: list[Callable[[], Any]] = []
+        self._fn: Any = None
+        self._real = os.register_at_fork
+
+    def recording(self) -> contextlib.AbstractContextManager[None]:
+        """Note the ``after_in_child`` hooks registered meanwhile (the preloads' imports)."""
+        forker = self
+
+        @contextlib.contextmanager
+        def cm() -> Any:
+            def register_at_fork(**kw: Any) -> None:
+                forker._real(**kw)
+                if kw.get("after_in_child") is not None:
+                    forker.hooks.append(kw["after_in_child"])
+
+            os.register_at_fork = register_at_fork
+            try:
+                yield
+            finally:
+                os.register_at_fork = forker._real
+
+        return cm()
+
+    def arm(self) -> bool:
+        """Use the C library's fork from now on if this process has one thread."""
+        try:
+            if len(os.listdir("/proc/self/task")) != 1:
+                return False
+            fn = ctypes.PyDLL(None, use_errno=True).fork
+            fn.restype, fn.argtypes = ctypes.c_int, ()
+        except (OSError, AttributeError):
+            return False
+        self._fn = fn
+        return True
+
+    def fork(self) -> int:
+        if self._fn is None:
+            return os.fork()
+        pid = int(self._fn())
+        if pid < 0:
             e = ctypes.get_errno()
-            raise OSError(e, f"seccomp: {os.strerror(e)}")
+            raise OSError(e, os.strerror(e))
+        return pid
+
+    @property
+    def armed(self) -> bool:
+        return self._fn is not None
+
+    def child(self) -> None:
+        """In a child forked with the C library's fork: what ``os.fork`` would have run of the
+        preloads' hooks (their errors ignored, as ``os.fork`` does)."""
+        if self._fn is None:
+            return
+        for hook in self.hooks:
+            try:  # noqa: SIM105 - not contextlib.suppress: its objects are pages copied in the call
+                hook()
+            except Exception:
+                pass
+
+
+class NumpySeed:
+    """Reseed numpy's legacy global generator (``np.random.seed()`` and friends) per call.
+
+    ``numpy.random.seed()`` goes through SeedSequence and numpy arrays: in a fresh fork that
+    is ~0.6 ms and ~200 copied pages. The generator's state is 624 words and a position
+    (MT19937's ``mt19937_state``, whose address numpy gives as ``ctypes.state_address``), so
+    the zygote checks once that writing there is what ``get_state`` reads back, and a call
+    process writes 2,496 bytes of ``os.urandom`` and position 624 (the same state
+    ``seed(<array>)`` makes: a full-entropy key, regenerated on the next draw). If the check
+    fails (another numpy, another generator), each call runs ``numpy.random.seed()``."""
+
+    KEY = 624 * 4
+
+    def __init__(self) -> None:
+        self.npr: Any = sys.modules.get("numpy.random")
+        self.view: memoryview | None = None
+        if self.npr is None:
+            return
+        try:
+            rs = self.npr.mtrand._rand
+            if type(rs._bit_generator).__name__ != "MT19937":
+                return
+            if rs.get_state(legacy=True)[3]:
+                self.npr.seed()  # a cached gaussian would be shared by every call: drop it
+            saved = rs.get_state(legacy=True)
+            view = memoryview((ctypes.c_ubyte * (self.KEY + 4)).from_address(
+                int(rs._bit_generator.ctypes.state_address))).cast("B")
+            probe = bytes(range(256)) * (self.KEY // 256) + bytes(range(self.KEY % 256))
+            view[: self.KEY] = probe
+            struct.pack_into("=i", view, self.KEY, 624)
+            st = rs.get_state(legacy=True)
+            ok = st[1].tobytes() == probe and st[2] == 624 and not st[3]
+            rs.set_state(saved)
+            if ok:
+                self.view = view
+        except Exception:
+            self.view = None
+
+    def reseed(self) -> None:
+        if self.view is not None:
+            self.view[: self.KEY] = os.urandom(self.KEY)
+            self.view[3 if sys.byteorder == "little" else 0] |= 0x80  # key[0]'s top bit, as init_by_array
+            struct.pack_into("=i", self.view, self.KEY, 624)
+        elif self.npr is not None:
+            self.npr.seed()
 
 
 def send_msg(sock: socket.socket, text: str, fds: tuple[int, ...] = ()) -> None:
@@ -206,22 +341,28 @@ def proc_uids(uids: set[int], skip: set[int]) -> dict[int, int]:
         if pid in skip:
             continue
         try:
-            with open(f"/proc/{pid}/status", "rb") as f:
-                data = f.read()
+            state, ids = _status(_read(f"/proc/{pid}/status"))
         except OSError:
             continue
-        state: list[bytes] = []
-        ids: set[int] = set()
-        for line in data.split(b"\n"):
-            if line.startswith(b"State:"):
-                state = line.split()[1:2]
-            elif line.startswith(b"Uid:"):
-                ids = {int(x) for x in line.split()[1:]}  # real, effective, saved, filesystem
-                break
         hit = ids & uids
-        if hit and state not in ([b"Z"], [b"X"]):
+        if hit and state not in (b"Z", b"X"):
             out[pid] = min(hit)
     return out
+
+
+def _status(data: bytes) -> tuple[bytes, set[int]]:
+    """A /proc/<pid>/status's state letter and uids (real, effective, saved, filesystem)."""
+    i = data.find(b"\nState:")
+    j = data.find(b"\nUid:")
+    if i < 0 or j < 0:
+        return b"", set()
+    state = data[i + 7 : i + 16].split()[:1]
+    return (state[0] if state else b""), {int(x) for x in data[j + 5 : data.find(b"\n", j + 5)].split()}
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb", buffering=0) as f:
+        return f.read()
 
 
 def read_all(fd: int) -> bytes:
@@ -363,16 +504,49 @@ def _traceback(e: BaseException) -> str:
     return "".join(traceback.format_exception(type(e), e, tb))
 
 
-def call_child(uid: int, scratch: str, fds: list[int], limits: dict[str, int], zygote_pid: int,
-               ipc: Filter) -> None:
-    """The call process: set up as the slot's uid, say ready, run one request, exit."""
+class Kit:
+    """What a call process needs from the zygote, made there once (a call process only uses
+    it: every object made after the fork is pages copied for nothing)."""
+
+    def __init__(self, limits: dict[str, int], forker: Forker, *, signals: bool) -> None:
+        import importlib
+        import resource
+
+        self.zygote = os.getpid()
+        self.forker = forker
+        self.signals = signals  # the zygote set a SIGCHLD handler and a wake-up fd: undo them
+        self.sigchld = (int(signal.SIGCHLD), int(signal.SIG_DFL))
+        # signal.signal's enum conversions cost a call ~60 copied pages; _signal's is the same call
+        self.signal: Callable[..., Any] = getattr(importlib.import_module("_signal"), "signal", signal.signal)
+        self.devnull = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
+        self.rlimits = [(resource.RLIMIT_NPROC, (int(limits["nproc"]),) * 2),
+                        (resource.RLIMIT_FSIZE, (int(limits["fsize"]),) * 2),
+                        (resource.RLIMIT_NOFILE, (int(limits["nofile"]),) * 2)]
+        self.setrlimit = resource.setrlimit
+        self.pdeathsig = Prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        self.undumpable = Prctl(PR_SET_DUMPABLE, 0)
+        self.numpy = NumpySeed()
+        # random reseeds itself in os.fork's hook; forked by the C library, a call runs the
+        # hook only if a preload imported random (recorded), so otherwise it reseeds here.
+        rnd: Any = sys.modules.get("random")
+        seed = getattr(getattr(rnd, "_inst", None), "seed", None)
+        self.random: Any = rnd if forker.armed and rnd is not None and seed not in forker.hooks else None
+        self.tempfile: Any = sys.modules.get("tempfile")
+
+
+def call_child(uid: int, scratch: str, fds: list[int], kit: Kit) -> None:
+    """The call process: set up as the slot's uid, say ready, run one request, exit.
+
+    The zygote already holds what every call shares and a fork inherits: no_new_privs, the
+    IPC seccomp filter, RLIMIT_CORE and RLIMIT_MSGQUEUE 0 (zygote_main)."""
     req_r, res_w, out_w, err_w = fds
     try:
-        signal.set_wakeup_fd(-1)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the only disposition the zygote changed
+        kit.forker.child()
+        if kit.signals:
+            signal.set_wakeup_fd(-1)
+            kit.signal(*kit.sigchld)  # the only disposition the zygote changed
         os.setsid()
-        devnull = os.open("/dev/null", os.O_RDWR)
-        os.dup2(devnull, 0)
+        os.dup2(kit.devnull, 0)
         os.dup2(out_w, 1)
         os.dup2(err_w, 2)
         lo, hi = sorted((req_r, res_w))
@@ -388,34 +562,28 @@ def call_child(uid: int, scratch: str, fds: list[int], limits: dict[str, int], z
             os.write(adj, b"1000")
         finally:
             os.close(adj)
-        import resource
-
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        resource.setrlimit(resource.RLIMIT_MSGQUEUE, (0, 0))
-        resource.setrlimit(resource.RLIMIT_NPROC, (limits["nproc"], limits["nproc"]))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limits["fsize"], limits["fsize"]))
-        resource.setrlimit(resource.RLIMIT_NOFILE, (limits["nofile"], limits["nofile"]))
+        for res, lim in kit.rlimits:
+            kit.setrlimit(res, lim)
         os.setgroups([])
         os.setresgid(uid, uid, uid)
         os.setresuid(uid, uid, uid)
-        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # after the uid change, which clears it
-        if os.getppid() != zygote_pid:
+        kit.pdeathsig()  # after the uid change, which clears it
+        if os.getppid() != kit.zygote:
             os._exit(3)
-        prctl(PR_SET_NO_NEW_PRIVS, 1)
-        prctl(PR_SET_DUMPABLE, 0)
-        ipc.load()
+        kit.undumpable()
         os.chdir(scratch)
         os.umask(0o077)
         # The zygote was started with the calls' environment: only these differ per call.
         name = f"fncall{uid}"  # no passwd entry: getpass.getuser() and friends read these
-        os.environ.update({"HOME": scratch, "TMPDIR": scratch, "PWD": scratch, "USER": name, "LOGNAME": name})
-        tmpmod = sys.modules.get("tempfile")
-        if tmpmod is not None:
-            tmpmod.tempdir = None  # type: ignore[attr-defined]  # a preload may have cached the zygote's
+        env = os.environ  # item by item: update() goes through the Mapping ABCs, ~40 pages more
+        env["HOME"] = env["TMPDIR"] = env["PWD"] = scratch
+        env["USER"] = env["LOGNAME"] = name
+        if kit.tempfile is not None:
+            kit.tempfile.tempdir = None  # a preload may have cached the zygote's
         sys.argv[:] = ["<fncall>"]
-        nprandom = sys.modules.get("numpy.random")
-        if nprandom is not None:
-            nprandom.seed()  # the legacy global generator is not reseeded at fork by numpy
+        if kit.random is not None:
+            kit.random.seed()  # what os.fork's hook would have done (Kit)
+        kit.numpy.reseed()  # the legacy global generator is not reseeded at fork by numpy
         warm()
         os.write(res_w, b"R")
     except BaseException as e:
@@ -523,116 +691,203 @@ def zygote_main(cfg: dict[str, Any]) -> None:
     t0 = time.perf_counter()
     import importlib
 
-    for name in cfg["preload"]:
-        t = time.perf_counter()
-        try:
-            mod = importlib.import_module(name)
-        except BaseException as e:
-            send_msg(ctl, "E" + json.dumps({"module": name, "error": f"{type(e).__name__}: {e}"}))
-            os._exit(2)
-        info["preloaded"][name] = {"s": round(time.perf_counter() - t, 4),
-                                   "version": str(getattr(mod, "__version__", ""))}
+    forker = Forker()
+    with forker.recording():  # the preloads' after-fork hooks, run in each call (Forker)
+        for name in cfg["preload"]:
+            t = time.perf_counter()
+            try:
+                mod = importlib.import_module(name)
+            except BaseException as e:
+                send_msg(ctl, "E" + json.dumps({"module": name, "error": f"{type(e).__name__}: {e}"}))
+                os._exit(2)
+            info["preloaded"][name] = {"s": round(time.perf_counter() - t, 4),
+                                       "version": str(getattr(mod, "__version__", ""))}
     import ast  # noqa: F401 - the call path's own imports, done once here
     import linecache  # noqa: F401
-    import resource  # noqa: F401
+    import resource
     import traceback  # noqa: F401
 
     info["preload_s"] = round(time.perf_counter() - t0, 4)
+    # Exits: the supervisor sees a call process end through its pidfd, so the zygote reaps
+    # its children lazily, whenever a message comes (no wake-up of its own per call: every
+    # page it writes after a fork is a page copied), and reports only failures ("X pid
+    # status") and what it is asked ("W pid"). Without pidfds it reports every exit at once.
+    eager = bool(cfg.get("report_exits", True))
+    wake_r = wake_w = -1
+    if eager:
+        wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        signal.set_wakeup_fd(wake_w)
+    ctl.setblocking(False)
+    try:
+        # What every call gets and the zygote can hold itself (it forks, never execs, never
+        # uses SysV IPC, message queues or core dumps): a fork inherits them, and neither a
+        # filter nor no_new_privs can be undone. Loaded after the preloads, so their imports
+        # were not filtered. Fail closed: no call runs without them.
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        resource.setrlimit(resource.RLIMIT_MSGQUEUE, (0, 0))
+        prctl(PR_SET_NO_NEW_PRIVS, 1)
+        load_filter(ipc_filter())
+        info["fork"] = "libc" if forker.arm() else "os.fork"
+        kit = Kit(dict(cfg["limits"]), forker, signals=eager)
+    except OSError as e:
+        send_msg(ctl, "E" + json.dumps({"module": "(seccomp, limits)", "error": str(e)}))
+        os._exit(2)
+    info["numpy_seed"] = "state" if kit.numpy.view is not None else ("seed()" if kit.numpy.npr else "-")
     import gc
 
     gc.collect()
     gc.freeze()  # calls' collections never walk (and so never copy) the template's objects
-    wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
-    signal.set_wakeup_fd(wake_w)
-    ctl.setblocking(False)
-    limits = dict(cfg["limits"])
-    try:
-        ipc = Filter(ipc_filter())
-    except OSError as e:  # fail closed: no call runs without its IPC filter
-        send_msg(ctl, "E" + json.dumps({"module": "(seccomp)", "error": str(e)}))
-        os._exit(2)
-    me = os.getpid()
+    info["huge_mib"] = collapse_anon() >> 20
     send_msg(ctl, "R" + json.dumps(info))
+    _serve(ctl, forker, kit, wake_r if eager else -1)
+
+
+MADV_COLLAPSE = 25
+HUGE = 2 << 20
+
+
+def collapse_anon() -> int:
+    """Back what can be of the template's writable memory with 2 MiB pages (MADV_COLLAPSE,
+    Linux 6.1; best effort, whatever the THP sysfs mode): each fork then copies one page-table
+    entry for 2 MiB instead of 512, and each call's exit drops one. A call that writes into
+    such a page splits only its own mapping of it and copies 4 KiB, as before. Only whole
+    aligned 2 MiB ranges inside a mapping can be collapsed (~6 of numpy's ~19 MiB).
+    Returns the bytes collapsed."""
+    done = 0
+    try:
+        with open("/proc/self/maps") as fh:
+            maps = fh.read().splitlines()
+        madvise = _lib().madvise
+    except (OSError, AttributeError):
+        return 0
+    for line in maps:
+        f = line.split()
+        if not f[1].startswith("rw") or (len(f) >= 6 and not f[5].startswith("[heap]")):
+            continue  # private anonymous memory (and the brk heap) only
+        lo, hi = (int(x, 16) for x in f[0].split("-"))
+        lo, hi = (lo + HUGE - 1) & ~(HUGE - 1), hi & ~(HUGE - 1)
+        if hi > lo and madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), MADV_COLLAPSE) == 0:
+            done += hi - lo
+    return done
+
+
+def _serve(ctl: socket.socket, forker: Forker, kit: Kit, wake_r: int) -> None:
+    """The zygote's loop: fork on "F", kill a uid on "K", report an exit on "W".
+
+    Every page it writes after a fork is a page the kernel copies (the new call process
+    still shares them all): so it is one function over locals, and a fork's answer goes
+    out with a plain write."""
     import select
 
+    eager = wake_r >= 0
     poller = select.poll()
+    ctl_fd = ctl.fileno()
     poller.register(ctl_fd, select.POLLIN)
-    poller.register(wake_r, select.POLLIN)
+    if eager:
+        poller.register(wake_r, select.POLLIN)
+    poll, recvmsg, fork, close = poller.poll, ctl.recvmsg, forker.fork, os.close
+    space = socket.CMSG_SPACE(16 * 4)
     while True:
-        for fd, _ev in poller.poll():
+        for fd, _ev in poll():
             if fd == wake_r:
                 try:
                     while os.read(wake_r, 512):
                         pass
                 except BlockingIOError:
                     pass
-                _reap(ctl)
+                _reap(ctl, eager)
                 continue
             try:
-                msg, fds = recv_msg(ctl)
+                data, anc, _flags, _addr = recvmsg(4096, space)
             except BlockingIOError:
                 continue
-            if msg is None:
+            fds = _fds(anc)
+            if not data:
                 os._exit(0)  # the supervisor is gone
-            op, _, rest = msg.partition(" ")
-            if op == "F":
-                slot_s, uid_s, scratch = rest.split(" ", 2)
+            reaped = _reap(ctl, eager)
+            op = data[:1]
+            if op == b"F":  # F slot uid scratch, with four fds
+                _op, slot_b, uid_b, scratch = data.split(b" ", 3)
                 try:
-                    pid = os.fork()
+                    pid = fork()
                 except OSError as e:  # EAGAIN (pids cgroup, RLIMIT_NPROC): the supervisor retries
                     for fd_ in fds:
-                        os.close(fd_)
-                    send_msg(ctl, f"P {slot_s} -{e.errno}")
+                        close(fd_)
+                    send_msg(ctl, f"P {slot_b.decode()} -{e.errno}")
                     continue
                 if pid == 0:
-                    ctl.detach()
-                    for fd_ in (ctl_fd, wake_r, wake_w):
-                        os.close(fd_)
-                    call_child(int(uid_s), scratch, fds, limits, me, ipc)
+                    call_child(int(uid_b), scratch.decode(), fds, kit)  # closes every other fd first
                     os._exit(6)  # not reached
                 for fd_ in fds:
-                    os.close(fd_)
-                send_msg(ctl, f"P {slot_s} {pid}")
-            elif op == "K":
-                uid = int(rest)
-                try:
-                    pid = os.fork()
-                except OSError:
-                    send_msg(ctl, f"k {uid}")  # the supervisor sees what is left and asks again
-                    continue
-                if pid == 0:
+                    close(fd_)
+                try:  # a write on a SOCK_SEQPACKET socket is one message: no sendmsg's lists
+                    os.write(ctl_fd, b"P " + slot_b + b" %d" % pid)
+                except BlockingIOError:
+                    send_msg(ctl, f"P {slot_b.decode()} {pid}")  # full: wait as send_msg does
+            elif op == b"W":  # it has exited (its pidfd said so): reaped just now, before, or now
+                pid = int(data[2:])
+                status = reaped.get(pid)
+                if status is None:
                     try:
-                        ctl.detach()
-                        os.setgroups([])
-                        os.setresgid(uid, uid, uid)
-                        os.setresuid(uid, uid, uid)
-                        os.kill(-1, signal.SIGKILL)  # every process of this uid but this one, at once
-                    except BaseException:
-                        pass
-                    os._exit(0)
-                while True:
-                    try:
-                        os.waitpid(pid, 0)
-                        break
+                        status = os.waitpid(pid, 0)[1]
                     except ChildProcessError:
-                        break
-                _reap(ctl)
-                send_msg(ctl, f"k {uid}")
+                        status = 0  # reaped before, and not reported then: it was 0
+                send_msg(ctl, f"X {pid} {status}")
+            elif op == b"K":
+                _kill_uid(ctl, int(data[2:]), eager)
             else:
                 for fd_ in fds:
-                    os.close(fd_)
+                    close(fd_)
 
 
-def _reap(ctl: socket.socket) -> None:
+def _fds(anc: list[tuple[int, int, bytes]]) -> list[int]:
+    fds: list[int] = []
+    for level, kind, data in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            a = array.array("i")
+            a.frombytes(data[: len(data) - (len(data) % a.itemsize)])
+            fds.extend(a)
+    return fds
+
+
+def _kill_uid(ctl: socket.socket, uid: int, eager: bool) -> None:
+    """Kill every process of ``uid`` from a helper that takes the uid (kill(-1) is atomic
+    against fork); answered with "k uid" once the helper is gone."""
+    try:
+        pid = os.fork()
+    except OSError:
+        send_msg(ctl, f"k {uid}")  # the supervisor sees what is left and asks again
+        return
+    if pid == 0:
+        try:
+            ctl.detach()
+            os.setgroups([])
+            os.setresgid(uid, uid, uid)
+            os.setresuid(uid, uid, uid)
+            os.kill(-1, signal.SIGKILL)  # every process of this uid but this one, at once
+        except BaseException:
+            pass
+        os._exit(0)
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, 0)
+    _reap(ctl, eager)
+    send_msg(ctl, f"k {uid}")
+
+
+def _reap(ctl: socket.socket, every: bool) -> dict[int, int]:
+    """Reap the children that have exited; report their status (with ``every``, or when not 0)."""
+    reaped: dict[int, int] = {}
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
-            return
+            return reaped
         if pid == 0:
-            return
-        send_msg(ctl, f"X {pid} {status}")
+            return reaped
+        reaped[pid] = status
+        if every or status:
+            send_msg(ctl, f"X {pid} {status}")
 
 
 # -------------------------------------------------------------- supervisor ---
@@ -647,7 +902,6 @@ class Call:
         "id",
         "killed",
         "limits",
-        "marks",
         "out",
         "payload",
         "res",
@@ -672,7 +926,6 @@ class Call:
         self.cap = int(limits["output_cap"])
         self.done = False
         self.written = 0
-        self.marks: dict[str, float] = {}
 
 
 class Slot:
@@ -680,6 +933,7 @@ class Slot:
         "call",
         "err_r",
         "index",
+        "live",
         "out_r",
         "pid",
         "pidfd",
@@ -690,6 +944,8 @@ class Slot:
         "state",
         "sweeps",
         "uid",
+        "waited",
+        "wreg",
     )
 
     def __init__(self, index: int, uid: int) -> None:
@@ -697,6 +953,9 @@ class Slot:
         self.uid = uid
         self.state = "idle"  # idle -> forking -> ready -> busy -> sweeping -> cleaning -> idle
         self.pid = 0
+        self.live = False  # a process runs (or is unreaped) at pid: it has not been seen to exit
+        self.waited = False  # its exit status was asked of the zygote ("W")
+        self.wreg = False  # req_w is registered for writing (the request did not fit the pipe)
         self.pidfd = -1
         self.req_w = self.res_r = self.out_r = self.err_r = -1
         self.scratch = ""
@@ -727,6 +986,7 @@ class Supervisor:
         self.clean_cv = threading.Condition()
         self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.pidfd_ok = hasattr(os, "pidfd_open")
+        self.children_ok = False  # /proc/<pid>/task/<tid>/children (CONFIG_PROC_CHILDREN)
         self.info: dict[str, Any] = {}
         self.started: dict[str, Any] = {}
         self.dying = False
@@ -818,7 +1078,8 @@ class Supervisor:
         a.set_inheritable(False)
         b.set_inheritable(True)
         zcfg = {"ctl_fd": b.fileno(), "supervisor": os.getpid(), "preload": list(cfg.get("preload") or []),
-                "env": dict(cfg["env"]), "limits": dict(cfg["limits"])}
+                "env": dict(cfg["env"]), "limits": dict(cfg["limits"]), "report_exits": not self.pidfd_ok}
+        self.children_ok = os.path.exists(f"/proc/self/task/{os.getpid()}/children")
         env = dict(cfg["env"])  # the calls' environment: they inherit the zygote's
         pid = os.fork()  # exec right away: the zygote starts from a fresh interpreter, not this one
         if pid == 0:
@@ -919,7 +1180,7 @@ class Supervisor:
                 pid, status = (int(x) for x in rest.split())
                 slot = self.by_pid.get(pid)
                 if slot is not None:
-                    self.statuses[pid] = status
+                    self.statuses.setdefault(pid, status)  # the first word is the true one (W's is 0)
                     self.exited(slot, pid)
                     self.maybe_finish(slot)
             elif op == "k":
@@ -934,8 +1195,8 @@ class Supervisor:
         s.res_r, res_w = os.pipe2(os.O_CLOEXEC)
         s.out_r, out_w = os.pipe2(os.O_CLOEXEC)
         s.err_r, err_w = os.pipe2(os.O_CLOEXEC)
-        for fd in (s.req_w, s.res_r, s.out_r, s.err_r):
-            os.set_blocking(fd, False)
+        for fd in (s.req_w, s.res_r, s.out_r, s.err_r):  # our ends only: the call's stay blocking
+            fcntl.fcntl(fd, fcntl.F_SETFL, os.O_NONBLOCK)  # a new pipe end has no other status flag
         s.scratch = f"{SCRATCH_ROOT}/{s.index}-{os.urandom(8).hex()}"
         s.state = "forking"
         s.ready_buf = b""
@@ -948,6 +1209,8 @@ class Supervisor:
 
     def forked(self, s: Slot, pid: int) -> None:
         s.pid = pid
+        s.live = True
+        s.waited = False
         self.by_pid[pid] = s
         if self.pidfd_ok:
             try:
@@ -959,12 +1222,13 @@ class Supervisor:
 
     def fork_failed(self, s: Slot, err: int) -> None:
         _log(f"fork for slot {s.index} failed: {os.strerror(err)}; retrying")
-        for fd in (s.res_r, s.out_r, s.err_r, s.req_w):
+        self.close_req(s)
+        for fd in (s.res_r, s.out_r, s.err_r):
             if fd >= 0:
                 with contextlib.suppress(KeyError):
                     self.sel.unregister(fd)
                 os.close(fd)
-        s.res_r = s.out_r = s.err_r = s.req_w = -1
+        s.res_r = s.out_r = s.err_r = -1
         s.state = "idle"
         self.timer(0.05, lambda: self.prefork(s) if s.state == "idle" else None)
 
@@ -985,7 +1249,6 @@ class Supervisor:
             call.payload = json.dumps(lim).encode() + b"\n" + call.payload
             self.sel.register(slot.out_r, selectors.EVENT_READ, lambda ev, s=slot: self.on_out(s, s.out_r))
             self.sel.register(slot.err_r, selectors.EVENT_READ, lambda ev, s=slot: self.on_out(s, s.err_r))
-            call.marks["dispatch"] = _now() - call.t0
             self.feed(slot)
 
     def feed(self, s: Slot) -> None:
@@ -999,15 +1262,21 @@ class Supervisor:
                 call.written += n
                 view = view[n:]
         except BlockingIOError:
-            with contextlib.suppress(KeyError):
+            if not s.wreg:
+                s.wreg = True
                 self.sel.register(s.req_w, selectors.EVENT_WRITE, lambda ev, s=s: self.feed(s))
             return
         except BrokenPipeError:
             pass
-        with contextlib.suppress(KeyError):
-            self.sel.unregister(s.req_w)
-        os.close(s.req_w)
+        self.close_req(s)
+
+    def close_req(self, s: Slot) -> None:
+        if s.req_w >= 0:
+            if s.wreg:
+                self.sel.unregister(s.req_w)
+            os.close(s.req_w)
         s.req_w = -1
+        s.wreg = False
 
     def on_res(self, s: Slot) -> None:
         try:
@@ -1038,7 +1307,6 @@ class Supervisor:
             self.kill(s, "output")
             return
         if self.result_complete(call):
-            call.marks.setdefault("result", _now() - call.t0)
             self.answer_early(s)
             self.maybe_finish(s)
 
@@ -1086,6 +1354,7 @@ class Supervisor:
     def exited(self, s: Slot, pid: int) -> None:
         if pid != s.pid:
             return
+        s.live = False
         if s.pidfd >= 0:
             with contextlib.suppress(KeyError):
                 self.sel.unregister(s.pidfd)
@@ -1098,7 +1367,6 @@ class Supervisor:
         call = s.call
         if call is not None and not call.exited:
             call.exited = True
-            call.marks["exit"] = _now() - call.t0
             self.maybe_finish(s)
 
     def maybe_finish(self, s: Slot) -> None:
@@ -1114,15 +1382,65 @@ class Supervisor:
                 break
             call.res += data
         if call.killed is None and not self.result_complete(call) and s.pid not in self.statuses:
-            return  # died without a result: its exit status says how (the zygote reaps it)
+            # Died without a result: its exit status says how. The zygote reaps lazily: ask.
+            if not s.waited and self.ctl is not None:
+                s.waited = True
+                send_msg(self.ctl, f"W {s.pid}")  # answered with "X pid status"
+            return
         s.state = "sweeping"
         s.sweeps = 0
         self.sweep(s)
 
     def known_pids(self, s: Slot) -> set[int]:
         known = {os.getpid(), self.zygote}
-        known.update(x.pid for x in self.slots if x.pid and x is not s)
+        known.update(x.pid for x in self.slots if x.live and x is not s)  # not an exited one's: reusable
         return known
+
+    def alone(self, s: Slot) -> bool:
+        """True only if no process but the slot's own can have its uid, found from a few small
+        /proc files instead of every process's status (:func:`proc_uids`).
+
+        Every process a call starts descends from the call's process, and the zygote is the
+        subreaper of their orphans: so each one is a child of the call's process (while that
+        lives), a child of the zygote, or below one of those. So there are none if the call's
+        process has no children and every other child of the zygote is a live slot's process,
+        a zombie (which runs nothing), or a process none of whose uids is this slot's (the
+        process of a call of another slot, a fork for another slot still root, an orphan of
+        another call: none can have a descendant of this uid). A zombie's children were handed
+        to the zygote when it died, possibly after the zygote's list was read: so while a read
+        shows new zombies, the list is read again and what is new is checked the same way.
+        False whenever anything else is there, or /proc cannot say: the caller then scans
+        every process's uid."""
+        if not self.children_ok:
+            return False
+        try:
+            if s.live:
+                try:
+                    tids = os.listdir(f"/proc/{s.pid}/task")
+                except (FileNotFoundError, ProcessLookupError):
+                    tids = []  # exited and reaped already: its children went to the zygote
+                for tid in tids:  # every thread's children
+                    if _read(f"/proc/{s.pid}/task/{tid}/children").strip():
+                        return False
+            z = f"/proc/{self.zygote}/task/{self.zygote}/children"
+            seen = {x.pid for x in self.slots if x.live}
+            for _ in range(4):
+                zombies = False
+                for pid in {int(x) for x in _read(z).split()} - seen:
+                    seen.add(pid)
+                    try:
+                        state, uids = _status(_read(f"/proc/{pid}/status"))
+                    except (FileNotFoundError, ProcessLookupError):
+                        state, uids = b"X", set()  # gone since: as a zombie, its children may move
+                    if state in (b"Z", b"X"):
+                        zombies = True
+                    elif s.uid in uids or not uids:
+                        return False
+                if not zombies:
+                    return True
+            return False
+        except (OSError, ValueError, IndexError):
+            return False
 
     def answer_early(self, s: Slot) -> None:
         """Answer a call as soon as its result is in, when its process is the only one of its
@@ -1132,7 +1450,7 @@ class Supervisor:
         call = s.call
         if call is None or call.done or call.killed is not None or s.state != "busy":
             return
-        if proc_uids({s.uid}, self.known_pids(s) | {s.pid}):
+        if not self.alone(s) and proc_uids({s.uid}, self.known_pids(s) | {s.pid}):
             return
         self.drain_output(s, call)
         if call.killed is None:
@@ -1161,7 +1479,7 @@ class Supervisor:
 
     def sweep(self, s: Slot) -> None:
         """Kill every process of the slot's uid; then answer the call and clean the slot."""
-        left = proc_uids({s.uid}, self.known_pids(s))
+        left = set() if self.alone(s) else proc_uids({s.uid}, self.known_pids(s))
         if left:
             s.sweeps += 1
             if s.sweeps > 400:
@@ -1176,12 +1494,13 @@ class Supervisor:
         s.call = None
         if call is not None and not call.done:
             self.drain_output(s, call)
-        for fd in (s.res_r, s.out_r, s.err_r, s.req_w):
+        self.close_req(s)
+        for fd in (s.res_r, s.out_r, s.err_r):
             if fd >= 0:
                 with contextlib.suppress(KeyError):
                     self.sel.unregister(fd)
                 os.close(fd)
-        s.res_r = s.out_r = s.err_r = s.req_w = -1
+        s.res_r = s.out_r = s.err_r = -1
         self.by_pid.pop(s.pid, None)
         status = self.statuses.pop(s.pid, None)
         if call is not None:
@@ -1189,16 +1508,21 @@ class Supervisor:
             if not call.done:
                 self.respond(s, call, status)
         s.state = "cleaning"
-        with self.clean_cv:
-            self.cleanups.append((s, s.scratch))
-            self.clean_cv.notify()
+        try:
+            os.rmdir(s.scratch)  # left empty, as most calls leave it: no need for the thread
+        except OSError:
+            with self.clean_cv:
+                self.cleanups.append((s, s.scratch))
+                self.clean_cv.notify()
+            return
+        s.state = "idle"
+        self.prefork(s)
 
     def respond(self, s: Slot | None, call: Call, status: int | None = None) -> None:
         call.done = True
         self.cancel(call.timer)
         h: dict[str, Any] = {"op": "result", "id": call.id, "stdout": call.out.decode("utf-8", "replace"),
-                             "stderr": call.err.decode("utf-8", "replace"), "call_s": round(_now() - call.t0, 6),
-                             "marks": {k: round(v, 6) for k, v in call.marks.items()}}
+                             "stderr": call.err.decode("utf-8", "replace"), "call_s": round(_now() - call.t0, 6)}
         payload = b""
         if call.killed == "timeout":
             h["kind"] = "timeout"
