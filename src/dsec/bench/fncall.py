@@ -14,6 +14,11 @@ same snippet, a numpy reward function::
   20 ms between calls.
 - ``fncall_cpu_ms_per_call``: CPU per call during the concurrent phase, host side and in
   the worker (supervisor, zygote, call processes); ``fncall_per_s_cpu_bound`` = cores / that.
+  Split: ``fncall_cpu_ms_edge`` (this process: the pool), ``_supervisor``, ``_zygote`` (its
+  forks), ``_calls`` (the call processes, exits included); ``fncall_faults_per_call`` and
+  ``fncall_zygote_faults_per_call``: minor page faults (pages copied after a fork, mostly).
+  ``load1``: the host's load average at the end (the figures are CPU time: a loaded host
+  inflates them).
 - ``fncall_per_s``: ``n_conc`` calls at once (``call_many``) on this host's cores.
 - ``sandbox_call_p50_ms``: create a container sandbox of the same image, exec
   ``python3 -c`` with the same snippet (numpy imported by that process), destroy;
@@ -289,17 +294,30 @@ def _proc_cpu_s(pid: int) -> float:
     return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
 
 
-def _cpu_s(supervisors: Sequence[int]) -> float:
-    """CPU seconds used so far by this process and by the workers: each supervisor and its
-    zygote, whose reaped children are every call process (and their orphans: the zygote is
-    their subreaper)."""
-    total = time.process_time()
+def _proc_stat(pid: int) -> tuple[float, float, int, int]:
+    """CPU seconds of ``pid`` itself and of its reaped children; its minor faults, theirs."""
+    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    tck = os.sysconf("SC_CLK_TCK")
+    return (int(f[11]) + int(f[12])) / tck, (int(f[13]) + int(f[14])) / tck, int(f[7]), int(f[8])
+
+
+def _cpu_split(supervisors: Sequence[int]) -> dict[str, float]:
+    """CPU seconds used so far by this process (``edge``) and by the workers: each supervisor,
+    its zygote, and the zygote's reaped children (``calls``: every call process, and their
+    orphans: the zygote is their subreaper); minor faults of the zygote and of the calls."""
+    out = {"edge": time.process_time(), "supervisor": 0.0, "zygote": 0.0, "calls": 0.0,
+           "zygote_faults": 0.0, "call_faults": 0.0}
     for pid in supervisors:
-        total += _proc_cpu_s(pid)
+        out["supervisor"] += _proc_cpu_s(pid)
         for task in os.listdir(f"/proc/{pid}/task"):
             for child in Path(f"/proc/{pid}/task/{task}/children").read_text().split():
-                total += _proc_cpu_s(int(child))
-    return total
+                own, kids, flt, cflt = _proc_stat(int(child))
+                out["zygote"] += own
+                out["calls"] += kids
+                out["zygote_faults"] += flt
+                out["call_faults"] += cflt
+    return out
+
 
 
 async def _timed(n: int, one: Callable[[], Any], *, gap_s: float = 0.0) -> list[float]:
@@ -353,16 +371,22 @@ async def measure(pool: Any, container: Any, image: Any, *, n_seq: int = 300, n_
     from dsec.backends.fncall.types import FnCall, FnResult
 
     sups = [w.supervisor_pid for w in pool.workers() if w.supervisor_pid]
-    cpu0, t = _cpu_s(sups), time.perf_counter()
+    s0, t = _cpu_split(sups), time.perf_counter()
     outs = await pool.call_many(image, [FnCall(SNIPPET, ARGS)] * n_conc)
     dt = time.perf_counter() - t
     await asyncio.sleep(0.5)  # the last call processes exit and are reaped
-    cpu = _cpu_s(sups) - cpu0
+    s1 = _cpu_split(sups)
+    d = {k: s1[k] - s0[k] for k in s0}
+    cpu = d["edge"] + d["supervisor"] + d["zygote"] + d["calls"]
     if cpu > 0:
         # What a call costs in CPU, host side (this process) and in its worker sandbox: on a
         # machine shared with other work, rate = cores / cpu per call is what it would do alone.
         results["fncall_cpu_ms_per_call"] = cpu / n_conc * 1000
         results["fncall_per_s_cpu_bound"] = (os.cpu_count() or 1) / (cpu / n_conc)
+        for k in ("edge", "supervisor", "zygote", "calls"):
+            results[f"fncall_cpu_ms_{k}"] = d[k] / n_conc * 1000
+        results["fncall_faults_per_call"] = d["call_faults"] / n_conc
+        results["fncall_zygote_faults_per_call"] = d["zygote_faults"] / n_conc
     bad = [o for o in outs if not isinstance(o, FnResult)]
     if bad:
         raise RuntimeError(f"{len(bad)} of {n_conc} concurrent calls failed, e.g. {bad[0]!r}")
@@ -390,6 +414,7 @@ async def measure(pool: Any, container: Any, image: Any, *, n_seq: int = 300, n_
 
     say("isolation cases")
     results["fncall_isolation_cases"] = float(await run_isolation_cases(pool_call))
+    results["load1"] = os.getloadavg()[0]
     return results
 
 

@@ -738,7 +738,9 @@ def zygote_main(cfg: dict[str, Any]) -> None:
 
     gc.collect()
     gc.freeze()  # calls' collections never walk (and so never copy) the template's objects
+    t = time.perf_counter()
     info["huge_mib"] = collapse_anon() >> 20
+    info["huge_s"] = round(time.perf_counter() - t, 4)
     send_msg(ctl, "R" + json.dumps(info))
     _serve(ctl, forker, kit, wake_r if eager else -1)
 
@@ -773,7 +775,7 @@ def collapse_anon() -> int:
 
 
 def _serve(ctl: socket.socket, forker: Forker, kit: Kit, wake_r: int) -> None:
-    """The zygote's loop: fork on "F", kill a uid on "K", report an exit on "W".
+    """The zygote's loop: fork on "F", kill a uid on "K", report an exit on "W", reap on "Z".
 
     Every page it writes after a fork is a page the kernel copies (the new call process
     still shares them all): so it is one function over locals, and a fork's answer goes
@@ -836,6 +838,8 @@ def _serve(ctl: socket.socket, forker: Forker, kit: Kit, wake_r: int) -> None:
                 send_msg(ctl, f"X {pid} {status}")
             elif op == b"K":
                 _kill_uid(ctl, int(data[2:]), eager)
+            elif op == b"Z":  # reaped above
+                send_msg(ctl, "z " + data[2:].decode())
             else:
                 for fd_ in fds:
                     close(fd_)
@@ -938,6 +942,7 @@ class Slot:
         "pid",
         "pidfd",
         "ready_buf",
+        "reaped",
         "req_w",
         "res_r",
         "scratch",
@@ -957,6 +962,7 @@ class Slot:
         self.waited = False  # its exit status was asked of the zygote ("W")
         self.wreg = False  # req_w is registered for writing (the request did not fit the pipe)
         self.pidfd = -1
+        self.reaped = False  # the zygote was asked to reap what a sweep killed ("Z")
         self.req_w = self.res_r = self.out_r = self.err_r = -1
         self.scratch = ""
         self.call: Call | None = None
@@ -1183,7 +1189,7 @@ class Supervisor:
                     self.statuses.setdefault(pid, status)  # the first word is the true one (W's is 0)
                     self.exited(slot, pid)
                     self.maybe_finish(slot)
-            elif op == "k":
+            elif op in ("k", "z"):
                 uid = int(rest)
                 for s in self.slots:
                     if s.uid == uid and s.state == "sweeping":
@@ -1389,6 +1395,7 @@ class Supervisor:
             return
         s.state = "sweeping"
         s.sweeps = 0
+        s.reaped = False
         self.sweep(s)
 
     def known_pids(self, s: Slot) -> set[int]:
@@ -1489,6 +1496,12 @@ class Supervisor:
                 send_msg(self.ctl, f"K {s.uid}")  # answered with "k", which sweeps again
             else:
                 self.timer(0.005, lambda: self.sweep(s))
+            return
+        if s.sweeps and not s.reaped and self.ctl is not None:
+            # It left processes, now killed: their zombies go too before the answer (the
+            # zygote reaps lazily), so that nothing of this call is left in /proc.
+            s.reaped = True
+            send_msg(self.ctl, f"Z {s.uid}")  # answered with "z", which sweeps again
             return
         call = s.call
         s.call = None
