@@ -79,6 +79,8 @@ class StubEdge:
     """digest -> SnapshotInfo as JSON (the snapshot layers this edge holds)."""
     snapshot_size: int = 4 * MiB
     """Bytes of every snapshot image this edge makes."""
+    snapshot_delay_s: float = 0.0
+    """How long each snapshot takes (the edge answers after it)."""
     stage_calls: list[tuple[str, str]] = field(default_factory=list)
     fail_stage: set[str] = field(default_factory=set)
     url: str = ""
@@ -286,6 +288,8 @@ class StubEdge:
             if sid not in self.sandboxes:
                 return _missing(sid)
             body = await request.json() if await request.body() else {}
+            if self.snapshot_delay_s:
+                await asyncio.sleep(self.snapshot_delay_s)
             name = body.get("name") or f"snap-{sid}"
             tag = body.get("tag") or "latest"
             digest = "sha256:" + secrets.token_hex(32)

@@ -29,8 +29,9 @@ from sqlalchemy.orm import Session
 
 from dsec import auth
 from dsec.control.db import EDGES, EdgeRow, Store
-from dsec.control.errors import NotFound
+from dsec.control.errors import Conflict, NotFound
 from dsec.control.iam import Amount, bump_statement
+from dsec.control.locking import add_new, lock_one
 from dsec.control.placement import EdgeView, Room, layer_set, room_of_health
 from dsec.errors import Backpressure, DsecError, InvalidSpec, error_from_wire
 from dsec.http1 import Answer, ConnectFailed, EdgeHTTP, NoAnswer
@@ -326,12 +327,17 @@ def record_health_txn(s: Session, health: EdgeHealth, *, now: float | None = Non
     now = time.time() if now is None else now
     e = s.get(EdgeRow, health.edge_id, with_for_update=True)
     if e is None:
-        e = EdgeRow(
+        new = EdgeRow(
             id=health.edge_id, url=health.url.rstrip("/"), registered_at=now, status="alive", misses=0,
             draining=False, committed_sandboxes=0, committed_cpu_m=0, committed_memory=0, committed_disk=0,
         )
-        s.add(e)
-        log.info("edge %s registered at %s", health.edge_id, health.url)
+        if add_new(s, new):
+            e = new
+            log.info("edge %s registered at %s", health.edge_id, health.url)
+        else:  # a concurrent registration of the same edge (a retried call) committed first: update theirs
+            e = lock_one(s, sa.select(EdgeRow).where(EdgeRow.id == health.edge_id), lambda: Conflict(
+                f"edge {health.edge_id} was registered and removed by concurrent calls: register again",
+                edge_id=health.edge_id))
     elif e.status != "alive":
         log.warning("edge %s is alive again", e.id)
     e.url = health.url.rstrip("/")
@@ -347,7 +353,12 @@ def list_edges_txn(s: Session) -> list[EdgeInfo]:
     return [edge_info(e) for e in s.execute(sa.select(EdgeRow).order_by(EdgeRow.id)).scalars()]
 
 
-def get_edge(s: Session, edge_id: str) -> EdgeRow:
+def get_edge(s: Session, edge_id: str, *, lock: bool = False) -> EdgeRow:
+    """``lock``: taken for update by the lookup itself (a write follows: an edge removed
+    concurrently is a 404 then, not an UPDATE that matches nothing)."""
+    if lock:
+        return lock_one(s, sa.select(EdgeRow).where(EdgeRow.id == edge_id),
+                        lambda: NotFound(f"no edge {edge_id!r}", edge_id=edge_id))
     e = s.get(EdgeRow, edge_id)
     if e is None:
         raise NotFound(f"no edge {edge_id!r}", edge_id=edge_id)
@@ -355,7 +366,7 @@ def get_edge(s: Session, edge_id: str) -> EdgeRow:
 
 
 def drain_txn(s: Session, edge_id: str, draining: bool) -> EdgeInfo:
-    e = get_edge(s, edge_id)
+    e = get_edge(s, edge_id, lock=True)
     e.draining = draining
     s.flush()
     return edge_info(e)

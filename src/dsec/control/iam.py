@@ -27,12 +27,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from dsec.auth import hash_api_token
 from dsec.control.db import PROJECTS, TASKS, ApiToken, Project, SandboxRow, SnapshotRow, Task
 from dsec.control.errors import Conflict, NotFound
+from dsec.control.locking import add_new, lock_one
 from dsec.control.wire import TaskDetail
 from dsec.errors import AuthError, Forbidden, InvalidSpec, QuotaExceeded
 from dsec.spec import Resources, Stage
@@ -253,13 +253,13 @@ def _bump_reserved(s: Session, project_id: int, delta: Amount) -> None:
 
 
 def lock_project(s: Session, project_id: int) -> Project:
-    """The project row, locked for this transaction (SQLite: the write lock is already held)."""
-    p = s.execute(
-        sa.select(Project).where(Project.id == project_id).with_for_update().execution_options(populate_existing=True)
-    ).scalar_one_or_none()
-    if p is None:
-        raise NotFound(f"project #{project_id} no longer exists", project_id=project_id)
-    return p
+    """The project row, locked for this transaction (SQLite: the write lock is already held).
+    Callers look a project up by name first and lock after, parents before children (the
+    lock order), so it may be gone by now: 404."""
+    return lock_one(
+        s, sa.select(Project).where(Project.id == project_id),
+        lambda: NotFound(f"project #{project_id} no longer exists", project_id=project_id),
+    )
 
 
 # ---------------------------------------------------------------- callers ----
@@ -432,8 +432,8 @@ def create_project(s: Session, who: Principal, name: str, parent: str | None, qu
         reserved_sandboxes=0, reserved_cpu_m=0, reserved_memory=0,
         quota_storage=storage, used_storage=0, reserved_storage=0,
     )
-    s.add(p)
-    s.flush()
+    if not add_new(s, p):  # the same name, made by a concurrent call since the check above
+        raise Conflict(f"project {name!r} exists already", project=name)
     return project_info(s, p)
 
 
@@ -522,8 +522,8 @@ def create_token(s: Session, who: Principal, project: str | None, name: str) -> 
     p = visible_project(s, who, project or who.project)
     secret = new_token_secret()
     t = ApiToken(id=new_token_id(), project_id=p.id, hash=hash_api_token(secret), name=name, created_at=time.time())
-    s.add(t)
-    s.flush()
+    if not add_new(s, t):  # (id and hash are random: the project was deleted since the lookup)
+        raise NotFound(f"no project {p.name!r} under {who.project!r}", project=p.name)
     return _token_info(t, p.name, secret)
 
 
@@ -532,9 +532,13 @@ def revoke_token(s: Session, who: Principal, token_id: str) -> str:
     row = s.execute(
         sa.select(ApiToken, Project).join(Project, Project.id == ApiToken.project_id).where(ApiToken.id == token_id)
     ).first()
+
+    def gone() -> NotFound:
+        return NotFound(f"no token {token_id!r} visible to project {who.project!r}", token_id=token_id)
+
     if row is None or who.project_id not in ancestors(s, row[1].id):
-        raise NotFound(f"no token {token_id!r} visible to project {who.project!r}", token_id=token_id)
-    t = row[0]
+        raise gone()
+    t = lock_one(s, sa.select(ApiToken).where(ApiToken.id == token_id), gone)  # its project's delete drops it
     if t.revoked_at is None:
         t.revoked_at = time.time()
     return t.hash
@@ -572,21 +576,22 @@ def _set_task_quota(t: Task, q: TaskQuota) -> None:
     t.quota_sandboxes, t.quota_cpu_m, t.quota_memory = lim["sandboxes"], lim["cpu"], lim["memory"]
 
 
+def _task_raced(name: str) -> Conflict:
+    return Conflict(f"task {name!r} could not be made: a concurrent call made it and it is gone again "
+                    f"(or so is its project); retry", task=name)
+
+
 def get_or_create_task(s: Session, project_id: int, name: str, *, lock: bool) -> Task:
     """The task ``name`` of the project, made on first use (no ceiling of its own)."""
     q = sa.select(Task).where(Task.project_id == project_id, Task.name == name)
-    if lock:
-        q = q.with_for_update()
-    t = s.execute(q.execution_options(populate_existing=True)).scalar_one_or_none()
+    t = s.execute((q.with_for_update() if lock else q).execution_options(populate_existing=True)).scalar_one_or_none()
     if t is not None:
         return t
     t = Task(project_id=project_id, name=name, created_at=time.time(), used_sandboxes=0, used_cpu_m=0, used_memory=0)
-    try:
-        with s.begin_nested():
-            s.add(t)
-    except IntegrityError:  # a concurrent first use of the same name (PostgreSQL): take theirs
-        return s.execute(q.execution_options(populate_existing=True)).scalar_one()
-    return t
+    if add_new(s, t):
+        return t
+    # a concurrent first use of the same name (PostgreSQL): take theirs, unless it is gone again
+    return lock_one(s, q, lambda: _task_raced(name))
 
 
 def create_task(
@@ -595,28 +600,38 @@ def create_task(
 ) -> TaskDetail:
     """Make a task, or set the quota (and, when given, the stages) of an existing one."""
     check_name(name, "name")
-    existing = s.execute(
-        sa.select(Task).where(Task.project_id == who.project_id, Task.name == name).with_for_update()
-    ).scalar_one_or_none()
-    if existing is not None:
-        # PUT-like: creating an existing task sets its quota (a retried create is harmless)
-        _set_task_quota(existing, quota)
+    q = sa.select(Task).where(Task.project_id == who.project_id, Task.name == name)
+    existing = s.execute(q.with_for_update()).scalar_one_or_none()
+    if existing is None:
+        t = Task(project_id=who.project_id, name=name, created_at=time.time(), used_sandboxes=0, used_cpu_m=0,
+                 used_memory=0)
+        _set_task_quota(t, quota)
         if stages is not None:
-            existing.stages = stages_doc(stages, stage)
-        return _task_info(existing, who.project)
-    t = Task(project_id=who.project_id, name=name, created_at=time.time(), used_sandboxes=0, used_cpu_m=0, used_memory=0)
-    _set_task_quota(t, quota)
+            t.stages = stages_doc(stages, stage)
+        if add_new(s, t):
+            return _task_info(t, who.project)
+        # a concurrent create of the same name committed first: set theirs, as below
+        existing = lock_one(s, q, lambda: _task_raced(name))
+    # PUT-like: creating an existing task sets its quota (a retried create is harmless)
+    _set_task_quota(existing, quota)
     if stages is not None:
-        t.stages = stages_doc(stages, stage)
-    s.add(t)
-    s.flush()
-    return _task_info(t, who.project)
+        existing.stages = stages_doc(stages, stage)
+    return _task_info(existing, who.project)
 
 
-def find_task(s: Session, who: Principal, name: str) -> Task:
-    t = s.execute(sa.select(Task).where(Task.project_id == who.project_id, Task.name == name)).scalar_one_or_none()
+def find_task(s: Session, who: Principal, name: str, *, lock: bool = False) -> Task:
+    """The caller's task ``name``; ``lock``: taken for update by this very lookup (no gap in
+    which a concurrent delete could take it between finding and locking)."""
+    q = sa.select(Task).where(Task.project_id == who.project_id, Task.name == name)
+
+    def gone() -> NotFound:
+        return NotFound(f"no task {name!r} in project {who.project!r}", task=name)
+
+    if lock:
+        return lock_one(s, q, gone)
+    t = s.execute(q).scalar_one_or_none()
     if t is None:
-        raise NotFound(f"no task {name!r} in project {who.project!r}", task=name)
+        raise gone()
     return t
 
 

@@ -46,6 +46,7 @@ from dsec.control.iam import (
     task_quota_of,
     used_of,
 )
+from dsec.control.locking import lock_one
 from dsec.control.placement import normalize_ref
 from dsec.control.sandboxes import Ledger, Sandboxes, _finish_many, labels_match, move
 from dsec.control.wire import StorageInfo, StoredSnapshot
@@ -219,8 +220,10 @@ class Operations:
     # --------------------------------------------------------------- fork ----
 
     def _fork_reserve_txn(self, s: Session, who: Principal, sandbox_id: str, req: ForkRequest) -> _ForkPlan:
-        """Charge the children to the parent's project and task, or refuse before anything is made."""
-        row, project = self.sb._visible_row(s, who, sandbox_id)
+        """Charge the children to the parent's project and task, or refuse before anything is made.
+        The parent is locked as it is looked up: a concurrent delete either comes first (409, or
+        404 once its row is gone) or waits until the reservation is made."""
+        row, project = self.sb._visible_row(s, who, sandbox_id, lock=True)
         if row.state not in (S.RUNNING.value, S.PAUSED.value):
             raise SandboxStateError(
                 f"sandbox {sandbox_id} is {row.state}: only a running or paused sandbox can be forked",
@@ -229,12 +232,14 @@ class Operations:
         p = lock_project(s, row.project_id)
         want = Amount(req.n, row.cpu_m * req.n, row.memory * req.n)
         check_fits(project=p.name, quota=quota_of(p), used=used_of(p), reserved=reserved_of(p), want=want)
+        task_id: int | None = None
         if row.task_id is not None:
             t = s.execute(
                 sa.select(Task).where(Task.id == row.task_id).with_for_update().execution_options(populate_existing=True)
             ).scalar_one_or_none()
-            if t is not None:
+            if t is not None:  # gone meanwhile: the children get no task (its delete clears the parent's too)
                 check_task_fits(task=t.name, project=p.name, quota=task_quota_of(t), used=used_of(t), want=want)
+                task_id = t.id
         now = time.time()
         life = req.lifecycle.model_dump(mode="json") if req.lifecycle is not None else dict(row.lifecycle or {})
         ttl = float(life.get("ttl_s") or 3600.0)
@@ -244,7 +249,7 @@ class Operations:
         for _ in range(req.n):
             child = SandboxRow(
                 key=uuid.uuid4().hex, id=None, edge_id=row.edge_id, edge_url=row.edge_url,
-                project_id=row.project_id, task_id=row.task_id, task_name=row.task_name, labels=labels,
+                project_id=row.project_id, task_id=task_id, task_name=row.task_name, labels=labels,
                 state=S.CREATING.value, spec=dict(row.spec), lifecycle=life, cpu_m=row.cpu_m,
                 memory=row.memory, disk=row.disk, created_at=now, updated_at=now, expires_at=now + ttl,
                 request_id=None, request_hash="", reason=f"fork of {sandbox_id}",
@@ -323,8 +328,9 @@ class Operations:
 
     def _snap_reserve_txn(self, s: Session, who: Principal, sandbox_id: str) -> _SnapPlan:
         """Hold storage for the snapshot before anything is frozen: the sandbox's disk limit (the
-        upper cannot outgrow it) or what is left, whichever is less; refuse when nothing is left."""
-        row, project = self.sb._visible_row(s, who, sandbox_id)
+        upper cannot outgrow it) or what is left, whichever is less; refuse when nothing is left.
+        The sandbox is locked as it is looked up, as for a fork."""
+        row, project = self.sb._visible_row(s, who, sandbox_id, lock=True)
         if row.state not in (S.RUNNING.value, S.PAUSED.value):
             raise SandboxStateError(
                 f"sandbox {sandbox_id} is {row.state}: only a running or paused sandbox can be snapshotted",
@@ -358,8 +364,9 @@ class Operations:
         """Charge what the snapshot really takes; over the quota: release and say so (the caller
         removes the layer from the edge)."""
         row = s.get(SnapshotRow, key, with_for_update=True)
-        if row is None:
-            return DsecError("the snapshot's reservation was dropped (the control plane restarted?)")
+        if row is None:  # the watcher drops reservations older than an hour (_housekeeping_txn)
+            return Conflict("the snapshot's reservation was dropped before the edge finished it: take it again",
+                            key=key)
         p = lock_project(s, row.project_id)
         dup = s.execute(
             sa.select(SnapshotRow).where(
@@ -439,12 +446,14 @@ class Operations:
         return await self.store.read(txn)
 
     def _find_snapshot(self, s: Session, who: Principal, ref: str) -> SnapshotRow:
+        """The newest ready snapshot called ``ref``, else one being deleted (the caller says 409)."""
         want = normalize_ref(ref)
         rows = s.execute(
             sa.select(SnapshotRow).where(
-                SnapshotRow.project_id.in_(subtree_ids(s, who.project_id)), SnapshotRow.state == "ready",
+                SnapshotRow.project_id.in_(subtree_ids(s, who.project_id)),
+                SnapshotRow.state.in_(("ready", "deleting")),
                 sa.or_(SnapshotRow.digest == ref, SnapshotRow.ref == ref, SnapshotRow.ref == want),
-            ).order_by(SnapshotRow.created_at.desc())
+            ).order_by(sa.case((SnapshotRow.state == "ready", 0), else_=1), SnapshotRow.created_at.desc())
         ).scalars().all()
         if not rows:
             raise NotFound(f"no snapshot {ref!r} in project {who.project!r} (`dsec snapshot ls` lists them)", ref=ref)
@@ -471,7 +480,13 @@ class Operations:
         return users, above
 
     def _delete_check_txn(self, s: Session, who: Principal, ref: str) -> tuple[str, str, str, bool]:
-        snap = self._find_snapshot(s, who, ref)
+        found = self._find_snapshot(s, who, ref)
+        # locked after the lookup (which may match several rows): a concurrent delete of the same
+        # snapshot either finished (404) or is under way (409), and only one of them asks the edge
+        snap = lock_one(s, sa.select(SnapshotRow).where(SnapshotRow.key == found.key),
+                        lambda: NotFound(f"no snapshot {ref!r} in project {who.project!r}", ref=ref))
+        if snap.state != "ready":
+            raise Conflict(f"snapshot {ref} is {snap.state}: another call is deleting it", ref=ref, state=snap.state)
         users, above = self._users(s, snap)
         if users:
             raise Conflict(
@@ -537,10 +552,7 @@ class Operations:
     # ------------------------------------------------------------- stages ----
 
     def _stage_txn(self, s: Session, who: Principal, task: str, stage: str) -> list[tuple[str, str, str]]:
-        t = find_task(s, who, task)
-        t = s.execute(
-            sa.select(Task).where(Task.id == t.id).with_for_update().execution_options(populate_existing=True)
-        ).scalar_one()
+        t = find_task(s, who, task, lock=True)  # a concurrent delete of the task: 404, never a 500
         doc = t.stages or {}
         stages = doc.get("stages") or {}
         if stage not in stages:

@@ -60,6 +60,7 @@ from dsec.control.iam import (
     subtree_ids,
     task_limit,
 )
+from dsec.control.locking import lock_one
 from dsec.control.placement import Demand, EdgeView, Room, normalize_ref, place, why_nothing_fits
 from dsec.control.planner import LaunchPlanner, Plan, Seen
 from dsec.errors import (
@@ -399,7 +400,9 @@ class Sandboxes:
         if req.request_id is not None:
             prev = conn.execute(_Q_PREV, {"pid": who.project_id, "rid": req.request_id}).first()
             if prev is not None:
-                return self._replay(s, prev.key, rhash, who)
+                replayed = self._replay(s, prev.key, rhash, who)
+                if replayed is not None:
+                    return replayed
         t = None
         if req.task:
             t = conn.execute(_Q_TASK, {"pid": who.project_id, "name": req.task}).first()
@@ -464,9 +467,14 @@ class Sandboxes:
             created_at=now, expires_at=expires, stages=inherit, seen=seen,
         )
 
-    def _replay(self, s: Session, key: str, rhash: str, who: Principal) -> Answered | InFlight:
+    def _replay(self, s: Session, key: str, rhash: str, who: Principal) -> Answered | InFlight | None:
+        """The answer to a repeated request_id; None: its row went away since the lookup (a
+        reservation dropped, a stopped sandbox past retention), so the request_id is free again.
+        Read, not locked: nothing here writes it, and locking it after the project would invert
+        the lock order of a delete (sandbox, then its project's counters)."""
         prev = s.get(SandboxRow, key)
-        assert prev is not None
+        if prev is None:
+            return None
         if prev.request_hash and prev.request_hash != rhash:
             raise InvalidSpec(
                 f"request_id {prev.request_id!r} was used before with a different body", field="request_id"
@@ -805,10 +813,20 @@ class Sandboxes:
 
     # ---------------------------------------------------------- get/list ----
 
-    def _visible_row(self, s: Session, who: Principal, sandbox_id: str) -> tuple[SandboxRow, str]:
-        row = s.execute(sa.select(SandboxRow).where(SandboxRow.id == sandbox_id)).scalar_one_or_none()
+    def _visible_row(
+        self, s: Session, who: Principal, sandbox_id: str, *, lock: bool = False
+    ) -> tuple[SandboxRow, str]:
+        """The caller's sandbox ``sandbox_id`` and its project's name. ``lock``: taken for update by
+        this very lookup, so a write that follows sees the state it checks (PostgreSQL: waits for a
+        concurrent delete, then finds the row stopping, or gone: 404)."""
+
+        def gone() -> SandboxNotFound:
+            return SandboxNotFound(f"no sandbox {sandbox_id!r} in project {who.project!r}", sandbox_id=sandbox_id)
+
+        q = sa.select(SandboxRow).where(SandboxRow.id == sandbox_id)
+        row = lock_one(s, q, gone) if lock else s.execute(q).scalar_one_or_none()
         if row is None or (row.project_id != who.project_id and who.project_id not in ancestors(s, row.project_id)):
-            raise SandboxNotFound(f"no sandbox {sandbox_id!r} in project {who.project!r}", sandbox_id=sandbox_id)
+            raise gone()
         proj = s.get(Project, row.project_id)
         return row, proj.name if proj else ""
 
@@ -847,10 +865,7 @@ class Sandboxes:
     # ------------------------------------------------------------ delete ----
 
     def _stop_txn(self, s: Session, who: Principal, sandbox_id: str) -> tuple[str, str] | None:
-        row, _ = self._visible_row(s, who, sandbox_id)
-        row = s.execute(
-            sa.select(SandboxRow).where(SandboxRow.key == row.key).with_for_update().execution_options(populate_existing=True)
-        ).scalar_one()
+        row, _ = self._visible_row(s, who, sandbox_id, lock=True)
         if row.state == S.STOPPED.value:
             return None
         ledger = Ledger()
