@@ -72,8 +72,9 @@ class CreateBatch(_Wire):
     lifecycle: Lifecycle = Lifecycle()
     labels: dict[str, str] = Field(default_factory=dict)
     task: str | None = None
-    request_id: Annotated[str | None, Field(max_length=128)] = None
-    """Item ``i`` is created with the key ``<request_id>/<i>``: a retried batch creates no extra sandbox."""
+    request_id: Annotated[str | None, Field(max_length=123)] = None
+    """Item ``i`` is created with the key ``<request_id>/<i>``: a retried batch creates no extra sandbox.
+    At most 123 characters, so that every item's key fits a create's 128 (``/<i>``, i < 1000)."""
     edge_selector: dict[str, str] = Field(default_factory=dict)
 
     @field_validator("labels")
