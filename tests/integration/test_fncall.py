@@ -438,6 +438,32 @@ def test_a_worker_killed_mid_call_fails_the_call_typed_and_is_replaced(rtx: Runt
         rtx.run(p.close())
 
 
+def test_a_worker_that_stops_answering_is_lost_after_the_grace(rtx: RuntimeHarness, py_image: ImageRef) -> None:
+    """The pool's own clock (a timer on the call's future): a supervisor that is stopped
+    answers nothing; the call fails FnCallWorkerLost("unresponsive") at timeout + grace and
+    the worker is replaced."""
+    cfg = FnCallConfig(images=(FnCallImage(image=py_image, concurrency=1, spare=0),), answer_grace_s=0.5)
+    p = FnCallPool(cfg, rtx.rt, name="tstall")
+    rtx.run(p.start())
+    try:
+        (w,) = p.workers()
+        old, sup = w.sandbox_id, w.supervisor_pid or 0
+        os.kill(sup, signal.SIGSTOP)
+        try:
+            t = time.monotonic()
+            e = fails(rtx, p, "1", timeout=0.5)
+            took = time.monotonic() - t
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(sup, signal.SIGCONT)
+        assert isinstance(e, FnCallWorkerLost) and e.fields["reason"] == "unresponsive", e
+        assert 0.9 < took < 10, took
+        assert rtx.run(p.call(py_image, "'back'")).value == "back"
+        assert p.workers()[0].sandbox_id != old
+    finally:
+        rtx.run(p.close())
+
+
 def test_an_unconfigured_image_gets_a_worker_on_first_use(rtx: RuntimeHarness, py_image: ImageRef) -> None:
     p = FnCallPool(FnCallConfig(), rtx.rt, name="tlazy")
     rtx.run(p.start())

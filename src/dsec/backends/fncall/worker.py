@@ -751,11 +751,11 @@ HUGE = 2 << 20
 
 def collapse_anon() -> int:
     """Back what can be of the template's writable memory with 2 MiB pages (MADV_COLLAPSE,
-    Linux 6.1; best effort, whatever the THP sysfs mode): each fork then copies one page-table
+    Linux 6.1; best effort: a refusal changes nothing): each fork then copies one page-table
     entry for 2 MiB instead of 512, and each call's exit drops one. A call that writes into
     such a page splits only its own mapping of it and copies 4 KiB, as before. Only whole
-    aligned 2 MiB ranges inside a mapping can be collapsed (~6 of numpy's ~19 MiB).
-    Returns the bytes collapsed."""
+    aligned 2 MiB ranges inside a mapping can be collapsed (6-10 MiB of the ~20 of a numpy
+    template). Returns the bytes collapsed."""
     done = 0
     try:
         with open("/proc/self/maps") as fh:
