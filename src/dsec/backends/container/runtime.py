@@ -506,7 +506,24 @@ class ContainerRuntime(BackendBase):
                 # No sandbox left whose pages could be in it (swapoff would pull them back).
                 with contextlib.suppress(HostError):
                     await asyncio.to_thread(self.swap.teardown)
+            if not self.sandboxes:
+                await asyncio.to_thread(self._remove_run_dir)
         self._release_claims()
+
+    def _remove_run_dir(self) -> None:
+        """Nothing mounted below the run directory any more: remove what is left of it (the
+        layer mounts' lock file, empty directories), so a stopped runtime leaves no trace."""
+        prefix = f"{self.run_dir}/"
+        with open("/proc/self/mountinfo") as f:
+            if any(ln.split()[4].startswith(prefix) for ln in f):
+                return
+        with contextlib.suppress(OSError):
+            (self.run_dir / "layers" / ".lock").unlink()
+        for d in sorted((p for p in self.run_dir.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        with contextlib.suppress(OSError):
+            self.run_dir.rmdir()
 
     def _release_claims(self) -> None:
         for c in self._claims:
