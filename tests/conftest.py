@@ -212,6 +212,11 @@ def runtime_cgroups(prefix: str = RT_PREFIX) -> list[Path]:
     return sorted(out)
 
 
+def dsec_cgroup_roots() -> set[Path]:
+    """``dsec`` directories at the top of any cgroup hierarchy (runtimes remove theirs when empty)."""
+    return {p for p in CGROUP_ROOT.glob("*/dsec") if p.is_dir()}
+
+
 def wait_until(pred: Callable[[], bool], timeout: float = 5.0, interval: float = 0.02) -> bool:
     deadline = time.monotonic() + timeout
     while True:
@@ -609,6 +614,7 @@ def _dsec_leak_check(dsec_base: Path) -> Iterator[None]:
     before_netns = netns_names()
     before_tables = nft_tables()
     before_procs = set(dsec_processes()) if IS_ROOT else set()
+    before_roots = dsec_cgroup_roots()
     yield
     if not IS_ROOT:
         return
@@ -644,6 +650,7 @@ def _dsec_leak_check(dsec_base: Path) -> Iterator[None]:
     problems: list[str] = []
     problems += [f"mount: {ln}" for ln in mounts()]
     problems += [f"cgroup: {p}" for p in cgroups()]
+    problems += [f"cgroup: {p} (a dsec root this run made and left)" for p in sorted(dsec_cgroup_roots() - before_roots)]
     problems += [f"process: {d}" for d in procs().values()]
     problems += [f"netns: {n}" for n in sorted(netns_names() - before_netns)]
     problems += [f"nftables table: {t}" for t in sorted(nft_tables() - before_tables)]

@@ -72,7 +72,8 @@ class SandboxCgroups:
                     _write(use_h, "1")
 
     def remove_parents(self) -> list[Path]:
-        """Remove ``dsec/<name>`` where empty; the ones left (still holding sandboxes)."""
+        """Remove ``dsec/<name>`` where empty, and ``dsec`` itself where no other runtime uses
+        it (as the container runtime does); the ones left (still holding sandboxes)."""
         left = []
         for h in self.hier:
             p = self.parent(h)
@@ -82,6 +83,9 @@ class SandboxCgroups:
                 pass
             except OSError:
                 left.append(p)
+                continue
+            with contextlib.suppress(OSError):  # another runtime's: stays
+                p.parent.rmdir()
         return left
 
     def existing(self) -> set[str]:
