@@ -321,9 +321,10 @@ class EdgeService:
 
     def backend(self, sandbox_id: str) -> Backend:
         """The backend holding a sandbox the API may see (the same 404 as :meth:`record` otherwise)."""
-        self.record(sandbox_id)
         found = self.backends.find(sandbox_id)
-        assert found is not None
+        if found is None or sandbox_id in self.pools.pooled_ids or _platform_owned(found[1]):
+            self.record(sandbox_id)  # raises the 404 (with the tombstone's story)
+            raise AssertionError("unreachable")
         return found[0]
 
     def _require(self, sandbox_id: str, op: Capability, what: str | None = None) -> Backend:
