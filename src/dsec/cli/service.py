@@ -582,7 +582,11 @@ def _detach(data: Path, port: int, edges: int, host: str, edge_config: Path | No
 
     import httpx
 
+    from dsec.cli.up import READY_FILE
+
     data.mkdir(parents=True, exist_ok=True)
+    ready = data / READY_FILE
+    ready.unlink(missing_ok=True)
     log = open(data / "up.log", "ab")  # noqa: SIM115 - handed to the child
     proc = subprocess.Popen(
         [sys.executable, "-m", "dsec.cli.main", "up", "--data-dir", str(data), "--port", str(port),
@@ -598,7 +602,9 @@ def _detach(data: Path, port: int, edges: int, host: str, edge_config: Path | No
         if proc.poll() is not None:
             raise click.ClickException(f"dsec up exited with {proc.returncode}; see {data / 'up.log'}")
         try:
-            if httpx.get(url + "/healthz", timeout=1).status_code == 200:
+            # Healthy and every edge registered (the control plane answers before its edges do).
+            if (ready.is_file() and ready.read_text().strip() == str(proc.pid)
+                    and httpx.get(url + "/healthz", timeout=1).status_code == 200):
                 console.print(f"dsec up: running as pid {proc.pid} at {url} (log {data / 'up.log'}; stop: kill {proc.pid})")
                 return
         except httpx.HTTPError:

@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import os
 import re
 import signal
 from dataclasses import dataclass, field
@@ -342,6 +343,10 @@ def load_edge_overrides(path: Path) -> dict[str, Any]:
     return data
 
 
+READY_FILE = "up.ready"
+"""Written (the process's pid) once every edge has registered: the all-in-one takes sandboxes."""
+
+
 async def run_foreground(data_dir: Path, *, port: int, edges: int, host: str, say: Any,
                          edge_overrides: dict[str, Any] | None = None, node_name: str | None = None,
                          registry: bool = False, registry_port: int = 0) -> None:
@@ -367,8 +372,11 @@ async def run_foreground(data_dir: Path, *, port: int, edges: int, host: str, sa
             f"NAME --registry {host_port}/REPO)")
     say(f"admin token in {admin_token_path(cluster.data_dir)} (export DSEC_URL={cluster.url} "
         f"DSEC_TOKEN=$(cat {admin_token_path(cluster.data_dir)}))")
+    ready = cluster.data_dir / READY_FILE
+    ready.write_text(f"{os.getpid()}\n")  # `dsec up --detach` returns once this names its child
     try:
         await stop.wait()
     finally:
+        ready.unlink(missing_ok=True)
         say("dsec up: stopping (destroying sandboxes)")
         await cluster.stop()
