@@ -94,6 +94,16 @@ class LayerInUse(ImageError):
     http_status: ClassVar[int] = 409
 
 
+class LayerUnavailable(ImageError, ConnectionError):
+    """A layer this node does not hold cannot be fetched now: its registry is unreachable,
+    refused, or this node has no registry configured (``digest``, ``registry``, ``status``:
+    0 when nothing answered). A create that needs such a layer is refused with it; another
+    edge that holds the layer can take the sandbox."""
+
+    code = "layer_unavailable"
+    http_status: ClassVar[int] = 503
+
+
 class ExecError(DsecError, RuntimeError):
     """A command could not be started (missing binary, bad cwd, bad user)."""
 
@@ -252,6 +262,7 @@ ERRORS_BY_CODE: dict[str, type[DsecError]] = {
         ImageError,
         LayerNotFound,
         LayerInUse,
+        LayerUnavailable,
         ExecError,
         ExecTimeout,
         SessionClosed,

@@ -9,16 +9,18 @@ class name through :data:`ERRORS_BY_NAME`, its one table.
 from __future__ import annotations
 
 from dsec.errors import ImageError, LayerInUse
+from dsec.errors import LayerUnavailable as _LayerUnavailable
 
 
 class LazyError(ImageError):
     """Something failed in the lazy layer service (the FUSE process or its control channel)."""
 
 
-class LayerUnavailable(LazyError, ConnectionError):
+class LayerUnavailable(_LayerUnavailable, LazyError):
     """A layer's chunks cannot be fetched: the registry is unreachable or refused
     (``digest``, ``registry``, ``status``: 0 when nothing answered). A create that needs
-    an uncached layer from an unreachable registry fails with this."""
+    an uncached layer from an unreachable registry fails with this. On the wire it is
+    :class:`dsec.errors.LayerUnavailable` (``layer_unavailable``, HTTP 503)."""
 
 
 class ChunkCorrupt(LazyError):
