@@ -63,6 +63,7 @@ from dsec.control.iam import (
 from dsec.control.locking import lock_one
 from dsec.control.placement import Demand, EdgeView, Room, normalize_ref, place, why_nothing_fits
 from dsec.control.planner import LaunchPlanner, Plan, Seen
+from dsec.control.stats import CreateStats
 from dsec.errors import (
     Backpressure,
     DsecError,
@@ -272,6 +273,8 @@ class Sandboxes:
         self._confirming: dict[str, asyncio.Future[SandboxInfo | None]] = {}
         """Creates answered but not yet recorded (id -> the commit): lookups by id wait for them."""
         self._background: set[asyncio.Task[Any]] = set()
+        self.stats = CreateStats()
+        """This replica's create outcomes (the dashboard's live figures, /metrics)."""
 
     # -------------------------------------------------------------- info ----
 
@@ -558,6 +561,21 @@ class Sandboxes:
         return self.info(row, who.project, token=True)
 
     async def create(self, who: Principal, req: CreateSandbox) -> SandboxInfo:
+        t0 = time.perf_counter()
+        try:
+            info = await self._create(who, req)
+        except DsecError as exc:
+            self.stats.failed(exc.code, exc.message, project=who.project, status=exc.http_status,
+                              seconds=time.perf_counter() - t0)
+            raise
+        except Exception as exc:
+            self.stats.failed("internal", type(exc).__name__, project=who.project, status=500,
+                              seconds=time.perf_counter() - t0)
+            raise
+        self.stats.ok(time.perf_counter() - t0)
+        return info
+
+    async def _create(self, who: Principal, req: CreateSandbox) -> SandboxInfo:
         if req.task is not None:
             check_name(req.task, "task")
         demand = self._demand(req)
