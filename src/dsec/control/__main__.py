@@ -2,7 +2,11 @@
 
 Settings come from ``--config FILE`` (JSON of ControlConfig), then flags, then
 the environment (DSEC_CLUSTER_KEY / DSEC_CLUSTER_KEY_FILE, DSEC_CONTROL_DATA).
-SIGINT/SIGTERM stop it cleanly.
+The two other secrets may come from the environment too, for what neither the
+file nor a flag set: ``DSEC_DATABASE_URL`` (or ``DSEC_DATABASE_URL_FILE``, a
+file holding it: a mounted Kubernetes Secret) and ``DSEC_BOOTSTRAP_TOKEN`` (or
+``DSEC_BOOTSTRAP_TOKEN_FILE``), so a password never sits in a config file or on
+a command line. SIGINT/SIGTERM stop it cleanly.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -38,7 +43,25 @@ def parse_args(argv: list[str] | None = None) -> ControlConfig:
             data[name] = value
     if a.no_watcher:
         data["watcher"] = False
+    for name, var in (("database_url", "DSEC_DATABASE_URL"), ("bootstrap_token", "DSEC_BOOTSTRAP_TOKEN")):
+        if data.get(name) is None:
+            value = _from_env(var)
+            if value is not None:
+                data[name] = value
     return ControlConfig.model_validate(data)
+
+
+def _from_env(var: str) -> str | None:
+    """``$VAR``, else the contents of the file ``$VAR_FILE`` (stripped); None when neither is set."""
+    if os.environ.get(var):
+        return os.environ[var]
+    path = os.environ.get(f"{var}_FILE")
+    if path:
+        try:
+            return Path(path).read_text().strip()
+        except OSError as exc:
+            raise SystemExit(f"python -m dsec.control: {var}_FILE={path}: {exc.strerror}") from None
+    return None
 
 
 async def run(config: ControlConfig) -> None:
