@@ -32,9 +32,11 @@ from dsec.errors import (
     LayerNotFound,
     QuotaExceeded,
     SandboxFailed,
+    SandboxLost,
     SandboxNotFound,
     SandboxStateError,
     SessionClosed,
+    Unavailable,
     Unsupported,
 )
 
@@ -128,6 +130,7 @@ __all__ = [
     "Resources",
     "Sandbox",
     "SandboxFailed",
+    "SandboxLost",
     "SandboxNotFound",
     "SandboxSpec",
     "SandboxState",
@@ -137,6 +140,7 @@ __all__ = [
     "Stage",
     "Terminal",
     "TerminalExit",
+    "Unavailable",
     "Unsupported",
     "__version__",
 ]

@@ -65,6 +65,16 @@ class SandboxNotFound(DsecError, LookupError):
                    sandbox_id=sandbox_id, state=state, reason=reason)
 
 
+class SandboxLost(SandboxNotFound):
+    """The control plane lost the sandbox's edge (unreachable for longer than its bound) and
+    declared the sandbox lost: its quota was returned, and the edge destroys it when it comes
+    back (its state there is not to be trusted). Fields: ``sandbox_id``, ``edge_id``,
+    ``reason``. Create another sandbox; a ``SandboxNotFound`` handler catches this too."""
+
+    code = "sandbox_lost"
+    http_status: ClassVar[int] = 410
+
+
 class SandboxStateError(DsecError, RuntimeError):
     """The operation is not allowed in the sandbox's current state."""
 
@@ -141,6 +151,14 @@ class Backpressure(DsecError, RuntimeError):
 
     def __init__(self, message: str, *, retry_after: float = 1.0, **fields: Any) -> None:
         super().__init__(message, retry_after=retry_after, **fields)
+
+
+class Unavailable(Backpressure):
+    """The service cannot answer now (its store is unreachable, e.g. a database restart):
+    retry after ``retry_after`` seconds (HTTP 503). A ``Backpressure`` handler retries it too."""
+
+    code = "unavailable"
+    http_status: ClassVar[int] = 503
 
 
 class NotFound(DsecError, LookupError):
@@ -257,6 +275,7 @@ ERRORS_BY_CODE: dict[str, type[DsecError]] = {
         DsecError,
         InvalidSpec,
         SandboxNotFound,
+        SandboxLost,
         SandboxStateError,
         SandboxFailed,
         ImageError,
@@ -269,6 +288,7 @@ ERRORS_BY_CODE: dict[str, type[DsecError]] = {
         FileAccessError,
         QuotaExceeded,
         Backpressure,
+        Unavailable,
         AuthError,
         Forbidden,
         NotFound,
@@ -306,7 +326,7 @@ def encode_error(exc: DsecError, *, default: Callable[[Any], Any] = str,
             body[key] = default(value)
     headers: dict[str, str] = {}
     status = exc.http_status
-    if status == 429:
+    if status in (429, 503):
         retry = float(exc.fields.get("retry_after", 1.0) or 1.0)
         headers["Retry-After"] = str(max(1, math.ceil(retry)))
     elif status == 401 and realm is not None:
@@ -329,7 +349,7 @@ def decode_error(status: int, body: Any, headers: Mapping[str, str] | None = Non
         return DsecError(f"HTTP {status}{f' from {where}' if where else ''}: {text}", status=status)
     payload = dict(body["error"])
     payload.setdefault("status", status)
-    if status == 429 and "retry_after" not in payload:
+    if status in (429, 503) and "retry_after" not in payload:
         payload["retry_after"] = retry
     return error_from_wire(payload)
 

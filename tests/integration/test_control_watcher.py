@@ -280,7 +280,7 @@ async def test_migrations_are_idempotent_and_match_the_models(db_url: str) -> No
     try:
         store.migrate()
         store.migrate()  # a second replica starting: nothing to do
-        assert store.schema_revision() == "0002"
+        assert store.schema_revision() == "0003"
         with store.engine.connect() as conn:
             diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), Base.metadata)
         assert diff == []

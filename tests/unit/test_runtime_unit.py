@@ -102,6 +102,8 @@ LEGAL = {
     ("paused", "running"), ("paused", "stopping"), ("paused", "failed"),
     ("stopping", "stopped"), ("stopping", "failed"),
     ("failed", "stopping"),
+    # the control plane's: an edge it lost (never set by an edge)
+    ("creating", "lost"), ("running", "lost"), ("paused", "lost"), ("failed", "lost"),
 }
 
 
@@ -119,6 +121,7 @@ def test_can_move(src: SandboxState, dst: SandboxState) -> None:
 
 def test_state_graph_shape() -> None:
     assert not TRANSITIONS[SandboxState.STOPPED]  # terminal
+    assert not TRANSITIONS[SandboxState.LOST]  # terminal
     assert not any(can_move(s, s) for s in SandboxState)  # no self-loops
     assert not any(can_move(s, SandboxState.CREATING) for s in SandboxState)  # never re-created
     seen, todo = {SandboxState.CREATING}, [SandboxState.CREATING]
@@ -128,7 +131,7 @@ def test_state_graph_shape() -> None:
                 seen.add(nxt)
                 todo.append(nxt)
     assert seen == set(SandboxState)
-    # Every state can still reach the end (nothing gets stuck).
+    # Every state can still reach an end (nothing gets stuck); lost is the control plane's end.
     for s in SandboxState:
         reach, todo = {s}, [s]
         while todo:
@@ -136,8 +139,9 @@ def test_state_graph_shape() -> None:
                 if nxt not in reach:
                     reach.add(nxt)
                     todo.append(nxt)
-        assert SandboxState.STOPPED in reach, s
-    assert [s.value for s in SandboxState] == ["creating", "running", "stopping", "stopped", "failed", "paused"]
+        assert SandboxState.STOPPED in reach or s is SandboxState.LOST, s
+    assert [s.value for s in SandboxState] == ["creating", "running", "stopping", "stopped", "failed", "paused",
+                                               "lost"]
 
 
 def test_runtime_refuses_illegal_moves(tmp_path) -> None:
@@ -312,6 +316,7 @@ def test_public_surface_is_deliberate() -> None:
         "Resources",
         "Sandbox",
         "SandboxFailed",
+        "SandboxLost",
         "SandboxNotFound",
         "SandboxSpec",
         "SandboxState",
@@ -321,6 +326,7 @@ def test_public_surface_is_deliberate() -> None:
         "Stage",
         "Terminal",
         "TerminalExit",
+        "Unavailable",
         "Unsupported",
         "__version__",
     ]

@@ -133,6 +133,9 @@ class SandboxRow(Base):
     request_id: Mapped[str | None] = mapped_column(sa.String(160))
     request_hash: Mapped[str] = mapped_column(sa.String(64), default="")
     reason: Mapped[str] = mapped_column(sa.Text, default="")
+    launcher: Mapped[str | None] = mapped_column(sa.String(32))
+    """The replica whose create made this reservation: if that replica dies before recording
+    the edge's answer, the watcher finishes the create (watcher.py, "orphaned creates")."""
 
 
 class SnapshotRow(Base):
@@ -172,6 +175,38 @@ class EdgeRow(Base):
     committed_cpu_m: Mapped[int] = mapped_column(sa.BigInteger, default=0)
     committed_memory: Mapped[int] = mapped_column(sa.BigInteger, default=0)
     committed_disk: Mapped[int] = mapped_column(sa.BigInteger, default=0)
+    epoch: Mapped[int] = mapped_column(sa.BigInteger, default=0, server_default="0")
+    """Fencing epoch: raised when the edge's sandboxes are declared lost; the edge destroys
+    what it made before it when it comes back (docs/CONTROL.md, "Fencing")."""
+    lost_at: Mapped[float | None] = mapped_column(sa.Double)
+
+
+class EdgeToken(Base):
+    """Bootstrap tokens that let a new edge join (``dsec edge join URL --token dsb_...``)."""
+
+    __tablename__ = "edge_tokens"
+
+    id: Mapped[str] = mapped_column(sa.String(32), primary_key=True)
+    hash: Mapped[str] = mapped_column(sa.String(64), unique=True)
+    name: Mapped[str] = mapped_column(sa.String(128), default="")
+    created_at: Mapped[float] = mapped_column(sa.Double)
+    expires_at: Mapped[float] = mapped_column(sa.Double)
+    uses: Mapped[int | None] = mapped_column(sa.Integer)
+    """Joins allowed; None: any number until it expires."""
+    used: Mapped[int] = mapped_column(sa.Integer, default=0)
+    revoked_at: Mapped[float | None] = mapped_column(sa.Double)
+
+
+class Replica(Base):
+    """Live control-plane replicas (each beats every second): a create whose replica stopped
+    beating is finished by the watcher instead of waiting for its reservation to expire."""
+
+    __tablename__ = "replicas"
+
+    id: Mapped[str] = mapped_column(sa.String(32), primary_key=True)
+    url: Mapped[str] = mapped_column(sa.String(512), default="")
+    started_at: Mapped[float] = mapped_column(sa.Double)
+    seen_at: Mapped[float] = mapped_column(sa.Double)
 
 
 class Lease(Base):

@@ -240,16 +240,24 @@ class SandboxState(enum.StrEnum):
     FAILED = "failed"
     PAUSED = "paused"
     """Frozen, its memory pushed to swap; any exec, file or session call resumes it."""
+    LOST = "lost"
+    """The control plane lost its edge (unreachable past the configured bound): its quota
+    returned, and the edge destroys it if it ever comes back (fencing). Only the control
+    plane uses this state; an edge never does."""
 
 
 # The only legal moves; the runtime and the reconciler both reason from this table.
 TRANSITIONS: dict[SandboxState, frozenset[SandboxState]] = {
-    SandboxState.CREATING: frozenset({SandboxState.RUNNING, SandboxState.FAILED, SandboxState.STOPPING}),
-    SandboxState.RUNNING: frozenset({SandboxState.PAUSED, SandboxState.STOPPING, SandboxState.FAILED}),
-    SandboxState.PAUSED: frozenset({SandboxState.RUNNING, SandboxState.STOPPING, SandboxState.FAILED}),
+    SandboxState.CREATING: frozenset({SandboxState.RUNNING, SandboxState.FAILED, SandboxState.STOPPING,
+                                      SandboxState.LOST}),
+    SandboxState.RUNNING: frozenset({SandboxState.PAUSED, SandboxState.STOPPING, SandboxState.FAILED,
+                                     SandboxState.LOST}),
+    SandboxState.PAUSED: frozenset({SandboxState.RUNNING, SandboxState.STOPPING, SandboxState.FAILED,
+                                    SandboxState.LOST}),
     SandboxState.STOPPING: frozenset({SandboxState.STOPPED, SandboxState.FAILED}),
-    SandboxState.FAILED: frozenset({SandboxState.STOPPING}),
+    SandboxState.FAILED: frozenset({SandboxState.STOPPING, SandboxState.LOST}),
     SandboxState.STOPPED: frozenset(),
+    SandboxState.LOST: frozenset(),
 }
 
 

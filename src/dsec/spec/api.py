@@ -110,6 +110,12 @@ class SandboxInfo(_Wire):
     """Names of the stages this sandbox can be switched to."""
     backend: str = "container"
     """The execution backend running it (``SandboxSpec.backend``)."""
+    request_id: str | None = None
+    """Edge answers only: the key its create carried (the control plane's reservation key),
+    so the control plane matches a sandbox whose create answer it never recorded exactly."""
+    epoch: int | None = None
+    """Edge answers only: the edge's fencing epoch when the sandbox was made (docs/CONTROL.md,
+    "Fencing"); a fence at a higher epoch destroys it."""
 
 
 class EdgeCreateSandbox(CreateSandbox):
@@ -435,6 +441,9 @@ class EdgeHealth(_Wire):
     backends: dict[str, list[str]] = Field(default_factory=lambda: {"container": list[str]()})
     """The execution backends this edge runs, each with the operations it offers
     (:class:`dsec.backends.base.Capability` values); placement honours ``SandboxSpec.backend``."""
+    epoch: int = 0
+    """The highest fence this edge has applied (docs/CONTROL.md, "Fencing"): a control plane
+    whose record of the edge has a higher epoch fences it before placing anything there."""
 
 
 # Error code -> HTTP status, read off the error classes (each carries its ``http_status``;
@@ -535,7 +544,10 @@ class DrainEdge(_Wire):
 class EdgeInfo(_Wire):
     id: str
     url: str
-    status: Literal["alive", "dead"]
+    status: Literal["alive", "dead", "fencing", "removed"]
+    """``alive``: placement uses it; ``dead``: unreachable (no answer for the detection bound),
+    placement skips it; ``fencing``: back after its sandboxes were declared lost, not used until it
+    has destroyed them; ``removed``: ``dsec edge rm`` (its reports are refused until it joins again)."""
     draining: bool
     last_seen: float | None = None
     registered_at: float
@@ -543,6 +555,66 @@ class EdgeInfo(_Wire):
     """The last report (heartbeat or the watcher's poll)."""
     committed: Quota
     """What the control plane has placed there (creating, running, stopping)."""
+    epoch: int = 0
+    """The control plane's fencing epoch for this edge: raised each time its sandboxes are
+    declared lost (docs/CONTROL.md, "Fencing")."""
+    lost_at: float | None = None
+    """When its sandboxes were last declared lost."""
+
+
+class EdgeJoin(_Wire):
+    """Body of ``POST /v1/edges/join`` (``Authorization: Bearer dsb_...``, an edge bootstrap token)."""
+
+    edge_id: Annotated[str | None, Field(pattern=EDGE_ID_PATTERN)] = None
+    """The id this edge asks for; None: the control plane picks a free one."""
+    url: Annotated[str, Field(max_length=512)]
+    """Where the control plane and SDKs will reach the edge (``http://HOST:PORT``)."""
+    labels: dict[str, str] = Field(default_factory=dict)
+
+
+class EdgeJoined(_Wire):
+    """The answer to a join: everything the edge needs to run in this cluster."""
+
+    edge_id: str
+    cluster_key: str
+    """The cluster's HMAC key (hex): the edge checks sandbox tokens with it and signs its reports."""
+    control_plane_urls: list[str]
+    """Every control-plane address the edge may report to (it fails over among them)."""
+    epoch: int = 0
+    """The edge starts at this fencing epoch."""
+
+
+class CreateEdgeToken(_Wire):
+    """Body of ``POST /v1/edges/tokens``: a bootstrap token that lets new edges join."""
+
+    ttl_s: Annotated[float, Field(gt=0, le=30 * 86400)] = 3600.0
+    uses: Annotated[int | None, Field(ge=1, le=100_000)] = 1
+    """How many joins it allows; None: any number until it expires or is revoked."""
+    name: Annotated[str, Field(max_length=128)] = ""
+
+
+class EdgeTokenInfo(_Wire):
+    id: str
+    name: str = ""
+    created_at: float
+    expires_at: float
+    uses: int | None = None
+    used: int = 0
+    revoked_at: float | None = None
+    token: str | None = None
+    """The secret (``dsb_...``): only in the answer of ``POST /v1/edges/tokens`` (stored hashed)."""
+
+
+class Fence(_Wire):
+    """Body of the edge's ``POST /v1/fence``: destroy every sandbox made before ``epoch``."""
+
+    epoch: Annotated[int, Field(ge=0)]
+
+
+class FenceResult(_Wire):
+    epoch: int
+    """The edge's epoch after the call (a fence below it changes nothing)."""
+    destroyed: list[str] = Field(default_factory=list)
 
 
 class LayerInfo(_Wire):
