@@ -9,6 +9,7 @@ code only when it is configured), starts and stops them together, and answers
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -18,14 +19,22 @@ from typing import Any
 
 from dsec.backends import BackendContext, build
 from dsec.backends.base import Backend, Capability, HostFinding, SandboxRecord
-from dsec.errors import Unsupported
+from dsec.errors import InvalidSpec, Unsupported
+from dsec.images import sysmount
 
 log = logging.getLogger("dsec.edge.backends")
 
 
 class EdgeBackends:
-    def __init__(self, configs: list[Any], *, runtime: str, state_dir: Path, run_dir: Path, edge_id: str) -> None:
+    def __init__(self, configs: list[Any], *, runtime: str, state_dir: Path, run_dir: Path, edge_id: str,
+                 registry: Any = None) -> None:
         self._configs = {c.kind: c for c in configs}
+        self._registry_config = registry
+        self.registry: Any = None
+        """The store's :class:`~dsec.images.remote.RegistryLayers` when a registry is configured."""
+        self.registry_findings: list[HostFinding] = []
+        self.registry_problem = ""
+        self._last_refresh = time.monotonic()
         self._runtime = runtime
         self._state_dir = state_dir
         self._run_dir = run_dir
@@ -44,7 +53,33 @@ class EdgeBackends:
             from dsec.images.store import LocalLayerStore
 
             self._store = LocalLayerStore(self._state_dir / "layers")
+            if self._registry_config is not None:
+                self.registry = self._registry_layers(self._store, self._registry_config)
         return self._store
+
+    def _registry_layers(self, store: Any, cfg: Any) -> Any:
+        from dsec.images.lazy import LazyLayers
+        from dsec.images.registry import Credentials
+        from dsec.images.remote import RegistryLayers
+
+        credentials = None
+        if cfg.username is not None:
+            if cfg.password_file is None:
+                raise InvalidSpec("registry.username needs registry.password_file (the password is never inline)",
+                                  field="registry.password_file")
+            try:
+                password = Path(cfg.password_file).read_text().strip()
+            except OSError as exc:
+                raise InvalidSpec(f"cannot read registry.password_file {cfg.password_file}: {exc.strerror}",
+                                  field="registry.password_file") from exc
+            credentials = Credentials(cfg.username, password)
+        lazy = None
+        if cfg.lazy:
+            lazy = LazyLayers(self._run_dir / f"lazy-{self._runtime}", cfg.cache_dir or self._state_dir / "chunks",
+                              cache_limit_bytes=cfg.cache_limit_bytes, read_deadline_s=cfg.read_deadline_s,
+                              fetch_attempts=cfg.fetch_attempts)
+        return RegistryLayers(store, cfg.url, namespace=cfg.namespace, credentials=credentials, lazy=lazy,
+                              timeout_s=cfg.timeout_s, verify=cfg.verify_tls)
 
     def name_for(self, kind: str) -> str:
         """The host-resource name of a backend: the edge's runtime name for the container
@@ -60,6 +95,8 @@ class EdgeBackends:
 
     async def start(self) -> None:
         self.build_all()
+        if self.registry is not None:
+            await asyncio.to_thread(self.registry.start)
         started: list[Backend] = []
         try:
             # Backends that run on others (FnCall's workers are container sandboxes) start last.
@@ -70,6 +107,7 @@ class EdgeBackends:
             for b in reversed(started):
                 with contextlib.suppress(Exception):
                     await b.close(destroy_all=False)
+            await self._close_registry()
             raise
 
     async def close(self, *, destroy_all: bool) -> None:
@@ -78,6 +116,20 @@ class EdgeBackends:
                 await b.close(destroy_all=destroy_all)
             except Exception:
                 log.exception("closing the %s backend failed", b.capabilities.kind)
+        await self._close_registry()
+
+    async def _close_registry(self) -> None:
+        """Stop the lazy loader once no layer mount uses its files; otherwise leave it running
+        for the sandboxes that survive this edge (the next edge adopts it)."""
+        reg = self.registry
+        if reg is None:
+            return
+        in_use = reg.lazy is not None and any(
+            m.fstype == "erofs" and m.source.startswith(f"{reg.lazy.mountpoint}/") for m in sysmount.mountinfo())
+        try:
+            await asyncio.to_thread(reg.close, stop_loader=not in_use)
+        except Exception:
+            log.exception("closing the registry layers failed")
 
     # ------------------------------------------------------------- lookups --
 
@@ -151,11 +203,40 @@ class EdgeBackends:
         return out
 
     async def heal(self) -> None:
+        if self.registry is not None:
+            await self._heal_registry()
         for b in self.by_kind.values():
             await b.heal()
 
+    async def _heal_registry(self) -> None:
+        """Restart a dead lazy loader (its stale layer mounts are detached first, so the
+        backends' heal below mounts them again) and refresh expiring registry tokens."""
+        reg = self.registry
+        report = await asyncio.to_thread(reg.heal)
+        if report.restarted:
+            self.registry_findings.append(HostFinding(
+                "lazy_loader", f"restarted the lazy layer process (pid {reg.lazy.pid}); detached "
+                f"{len(report.detached_mounts)} stale layer mount(s)", repaired=True))
+            del self.registry_findings[:-50]
+        self.registry_problem = report.problem
+        now = time.monotonic()
+        if now - self._last_refresh >= self._registry_config.refresh_interval_s:
+            self._last_refresh = now
+            await asyncio.to_thread(reg.refresh)
+
+    def registry_problems(self) -> list[str]:
+        """What makes the edge degraded about its registry: the loader down, or the registry
+        failing recently (creates needing uncached layers are refused meanwhile)."""
+        reg = self.registry
+        if reg is None:
+            return []
+        out = [self.registry_problem] if self.registry_problem else []
+        if reg.recently_failed():
+            out.append(f"registry {reg.url} failing: {reg.last_failure}")
+        return out
+
     def host_repairs(self) -> list[HostFinding]:
-        out = [f for b in self.by_kind.values() for f in b.host_repairs]
+        out = [f for b in self.by_kind.values() for f in b.host_repairs] + self.registry_findings
         return sorted(out, key=lambda f: f.at)
 
     def store_space(self) -> tuple[int, int] | None:

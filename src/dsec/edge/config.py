@@ -30,7 +30,7 @@ from dsec.backends.gvisor.config import GVisorConfig
 from dsec.spec import ImageRef, Resources
 
 __all__ = ["BackendConfig", "ContainerConfig", "EdgeConfig", "FnCallConfig", "GVisorConfig", "NetworkConfig",
-           "Permission", "PoolConfig"]
+           "Permission", "PoolConfig", "RegistryConfig"]
 
 EDGE_ID_RE = re.compile(r"^[a-z][a-z0-9]{0,7}$")
 _RUNTIME_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
@@ -76,6 +76,49 @@ class PoolConfig(_Config):
         r = self.resources
         layers = "+".join(self.image.layers_top_first()[::-1])
         return f"{layers}/{r.cpu:g}cpu/{r.memory // (1024 * 1024)}MiB/{r.disk // (1024 * 1024)}MiBdisk"
+
+
+class RegistryConfig(_Config):
+    """The OCI registry an edge loads layers it does not hold from (docs/IMAGES.md,
+    "Registry layers on an edge"). A ``name:tag`` missing from the edge's store is looked
+    up as ``<url>/<namespace>/<name>:<tag>`` (``<url>/<name>:<tag>`` without a namespace)."""
+
+    url: str
+    """``http(s)://host[:port]`` of the registry (no ``/v2``)."""
+    namespace: str = ""
+    """Repository prefix of DSec layers in the registry, e.g. ``dsec/layers``."""
+    username: str | None = None
+    password_file: Path | None = None
+    """File holding the password or token for basic auth / the token server (never inline)."""
+    verify_tls: bool = True
+    lazy: bool = True
+    """Mount registry layers without downloading them (one FUSE process per node, chunks
+    fetched on first read); false: pull the whole layer on first use."""
+    cache_dir: Path | None = None
+    """Chunk cache of the lazy loader; default ``<state_dir>/chunks``."""
+    cache_limit_bytes: Annotated[int, Field(ge=64 << 20)] = 20 << 30
+    read_deadline_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
+    """A read of a chunk the registry does not deliver fails with EIO after this long."""
+    fetch_attempts: Annotated[int, Field(ge=1, le=20)] = 4
+    timeout_s: Annotated[float, Field(gt=0, le=600)] = 30.0
+    """Per-request timeout of manifest/config/token requests."""
+    refresh_interval_s: Annotated[float, Field(gt=0, le=3600)] = 20.0
+    """How often attached layers get fresh auth headers (bearer tokens expire)."""
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if not re.match(r"^https?://[^/\s]+/?$", v):
+            raise ValueError(f"registry url must be http(s)://host[:port], got {v!r}")
+        return v.rstrip("/")
+
+    @field_validator("namespace")
+    @classmethod
+    def _namespace(cls, v: str) -> str:
+        v = v.strip("/")
+        if v and not re.match(r"^[a-z0-9]+(?:[._-][a-z0-9]+)*(?:/[a-z0-9]+(?:[._-][a-z0-9]+)*)*$", v):
+            raise ValueError(f"registry namespace {v!r} is not a valid repository path (lowercase a-z 0-9 . _ - /)")
+        return v
 
 
 class EdgeConfig(_Config):
@@ -148,6 +191,9 @@ class EdgeConfig(_Config):
     audit_interval_s: Annotated[float, Field(gt=0, le=3600)] = 2.0
     """How often denied network attempts, OOM kills, pids-limit hits and full disks are
     collected into event logs and metrics (they are also checked after every exec)."""
+
+    registry: RegistryConfig | None = None
+    """Where layers this edge does not hold come from; None: only the local store."""
 
     control_plane_url: str | None = None
     heartbeat_interval_s: Annotated[float, Field(gt=0, le=3600)] = 5.0

@@ -59,6 +59,7 @@ class SelfCheck(BackgroundLoop):
 
     def problems(self) -> list[str]:
         out = [f.message for b in self.backends.by_kind.values() for f in getattr(b, "host_problems", ())]
+        out += self.backends.registry_problems()
         if self.failure:
             out.append(self.failure)
         return out[:MAX_REPORTED]

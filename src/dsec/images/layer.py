@@ -52,6 +52,9 @@ class Layer(BaseModel):
     """Unix time the layer's content first entered the store."""
     parents: tuple[str, ...] = ()
     """Digests of the layers this one was built on, nearest first."""
+    source: str | None = None
+    """``<registry URL>/<repo>`` when the layer's bytes come from a registry, loaded lazily
+    (the store holds its chunk table, not its file); None for a layer held as a local file."""
 
     @field_validator("digest")
     @classmethod

@@ -180,6 +180,7 @@ class LayerMounts:
                 if self._unmount(mp):
                     del self._mounted[digest]
                     done.append(digest)
+                    self._release(digest)
         return done
 
     def unmount_if_removed(self, digest: str) -> bool:
@@ -202,8 +203,17 @@ class LayerMounts:
             if not self._unmount(mp):
                 return False
             del self._mounted[digest]
+            self._release(digest)
         log.debug("unmounted layer %s: removed from %r", digest, self.store)
         return True
+
+    def _release(self, digest: str) -> None:
+        """Tell the store the layer's file is not mounted here any more (a lazily loaded
+        layer's file can then be detached); a failure there is logged, not raised."""
+        try:
+            self.store.release_local(digest)
+        except Exception as exc:  # the unmount itself succeeded
+            log.warning("layer %s unmounted, but the store could not release its file: %r", digest, exc)
 
     def _known(self, digest: str) -> bool:
         try:

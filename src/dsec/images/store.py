@@ -10,6 +10,12 @@ local disk::
     <root>/blobs/sha256/<hex>.erofs  one file per layer, mode 0444
     <root>/tmp/                      scratch: builds and imports in progress
 
+A layer may also be *remote*: its index rows and its chunk table are here, its bytes
+are in an OCI registry (``remotes`` table, :meth:`LocalLayerStore.add_remote`). Such a
+layer is mounted from a path a :class:`RemoteSource` (the node's lazy loader, set with
+:meth:`LocalLayerStore.set_remote_source`) gives :meth:`~LayerStore.open_local`, and a
+name:tag the store does not know is looked up there before :class:`LayerNotFound`.
+
 Every write that adds or removes a blob happens inside an sqlite write
 transaction, so a concurrent ``add``/``remove``/``pin`` of the same digest in
 another thread or process is serialised. Files are written to ``tmp/`` and
@@ -32,8 +38,9 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
-from dsec.errors import ImageError, InvalidSpec, LayerInUse, LayerNotFound
+from dsec.errors import ImageError, InvalidSpec, LayerInUse, LayerNotFound, LayerUnavailable
 
 from .erofs import is_erofs
 from .fsutil import CHUNK, fsync_dir, remove_tree, sha256_file
@@ -49,7 +56,10 @@ from .layer import (
     parse_ref,
 )
 
-_SCHEMA_VERSION = 1
+if TYPE_CHECKING:
+    from .lazy.model import RemoteLayer
+
+_SCHEMA_VERSION = 2
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS layers (
     digest     TEXT PRIMARY KEY,
@@ -66,6 +76,13 @@ CREATE TABLE IF NOT EXISTS tags (
     PRIMARY KEY (name, tag, digest)
 );
 CREATE INDEX IF NOT EXISTS tags_by_digest ON tags(digest);
+CREATE TABLE IF NOT EXISTS remotes (
+    digest     TEXT PRIMARY KEY REFERENCES layers(digest) ON DELETE CASCADE,
+    registry   TEXT NOT NULL,
+    repo       TEXT NOT NULL,
+    chunk_size INTEGER NOT NULL,
+    chunks     TEXT NOT NULL
+);
 CREATE TABLE IF NOT EXISTS pins (
     digest    TEXT NOT NULL,
     holder    TEXT NOT NULL,
@@ -75,6 +92,26 @@ CREATE TABLE IF NOT EXISTS pins (
 """
 
 _LIST_HINT = "see available layers with `dsec image ls`"
+
+
+class RemoteSource(Protocol):
+    """Where a store's remote layers come from: the node's registry and lazy loader
+    (:class:`dsec.images.remote.RegistryLayers`). Blocking calls."""
+
+    def lookup(self, name: str, tag: str) -> Layer | None:
+        """Find ``name:tag`` in the registry and register it in the store as a remote layer
+        (:meth:`LocalLayerStore.add_remote`); None when the registry does not have it.
+        Raises :class:`LayerUnavailable` when the registry cannot be asked."""
+
+    def describe(self, name: str, tag: str) -> str:
+        """Where ``name:tag`` was looked for, for error messages."""
+
+    def attach(self, remote: RemoteLayer) -> Path:
+        """A local path with the layer's bytes (a lazily loaded file). Raises
+        :class:`LayerUnavailable` when the metadata chunks cannot be fetched."""
+
+    def detach(self, digest: str) -> None:
+        """The layer's path is no longer used (its mount is gone); a no-op if not attached."""
 _SCRATCH_GRACE_S = 60.0
 
 
@@ -153,6 +190,10 @@ class LayerStore(abc.ABC):
         """Snapshot layers whose lineage includes ``digest`` (it cannot be removed before them)."""
         return []
 
+    def release_local(self, digest: str) -> None:  # noqa: B027 - optional hook, no-op by default
+        """The path :meth:`open_local` gave for ``digest`` is no longer mounted: a store that
+        made it on demand (a lazily loaded remote layer) may let it go."""
+
     @abc.abstractmethod
     def scratch(self, purpose: str = "build") -> contextlib.AbstractContextManager[Path]:
         """A private, empty, local directory for a build; deleted (with all content) on exit."""
@@ -167,6 +208,7 @@ class LocalLayerStore(LayerStore):
         self.tmp_dir = self.root / "tmp"
         self.index_path = self.root / "index.db"
         self._local = threading.local()
+        self._source: RemoteSource | None = None
         try:
             self.blob_dir.mkdir(parents=True, exist_ok=True)
             self.tmp_dir.mkdir(mode=0o700, exist_ok=True)
@@ -230,8 +272,8 @@ class LocalLayerStore(LayerStore):
         return self.blob_dir / f"{digest_hex(digest)}.erofs"
 
     @staticmethod
-    def _layer(row: tuple[str, str, str, str, int, float, str]) -> Layer:
-        digest, name, tag, kind, size, created_at, parents = row
+    def _layer(row: tuple[str, str, str, str, int, float, str, str | None, str | None]) -> Layer:
+        digest, name, tag, kind, size, created_at, parents, registry, repo = row
         return Layer(
             digest=digest,
             name=name,
@@ -240,11 +282,12 @@ class LocalLayerStore(LayerStore):
             size=size,
             created_at=created_at,
             parents=tuple(json.loads(parents)),
+            source=f"{registry}/{repo}" if registry is not None else None,
         )
 
     _SELECT = (
-        "SELECT l.digest, t.name, t.tag, l.kind, l.size, l.created_at, l.parents "
-        "FROM layers l JOIN tags t ON t.digest = l.digest "
+        "SELECT l.digest, t.name, t.tag, l.kind, l.size, l.created_at, l.parents, r.registry, r.repo "
+        "FROM layers l JOIN tags t ON t.digest = l.digest LEFT JOIN remotes r ON r.digest = l.digest "
     )
 
     # -- lookups -------------------------------------------------------------
@@ -294,9 +337,16 @@ class LocalLayerStore(LayerStore):
                 ]
         if row is not None:
             return self._layer(row)
+        source = self._source
+        assert parsed.name is not None and parsed.tag is not None  # not a digest: a name and a tag
+        if source is not None:
+            found = source.lookup(parsed.name, parsed.tag)
+            if found is not None:
+                return found
         hint = f" (tags of {parsed.name}: {', '.join(others)})" if others else ""
+        where = f" nor {source.describe(parsed.name, parsed.tag)}" if source is not None else ""
         raise LayerNotFound(
-            f"no layer {parsed.name}:{parsed.tag} in {self.root}{hint}: {_LIST_HINT}", ref=ref
+            f"no layer {parsed.name}:{parsed.tag} in {self.root}{hint}{where}: {_LIST_HINT}", ref=ref
         )
 
     def list(self) -> builtins.list[Layer]:
@@ -307,6 +357,17 @@ class LocalLayerStore(LayerStore):
     def open_local(self, digest: str) -> Path:
         self.get(digest)
         path = self.blob_path(digest)
+        if not path.is_file() and (remote := self.remote(digest)) is not None:
+            source = self._source
+            if source is None:
+                raise LayerUnavailable(
+                    f"layer {digest} is a registry layer ({remote.registry}/{remote.repo}) and this "
+                    "process has no lazy loader: run it on an edge with a registry configured, or "
+                    f"fetch the whole layer with `dsec image pull {_host(remote.registry)}/{remote.repo}:sha256-"
+                    f"{digest_hex(digest)}`",
+                    digest=digest, registry=remote.registry, status=0,
+                )  # fmt: skip
+            return source.attach(remote)
         if not path.is_file():
             raise ImageError(
                 f"layer {digest} is in the index of {self.root} but its file {path} is missing; "
@@ -314,6 +375,77 @@ class LocalLayerStore(LayerStore):
                 digest=digest,
             )
         return path
+
+    # -- remote layers ---------------------------------------------------------
+
+    def set_remote_source(self, source: RemoteSource | None) -> None:
+        """Where remote layers' bytes and unknown names come from (None: nowhere)."""
+        self._source = source
+
+    @property
+    def remote_source(self) -> RemoteSource | None:
+        return self._source
+
+    def remote(self, digest: str) -> RemoteLayer | None:
+        """The registry location and chunk table of a remote layer (no auth headers);
+        None for a layer held as a local file only, or unknown."""
+        from .lazy.model import RemoteLayer
+
+        check_digest(digest)
+        with self._connect() as db:
+            row = db.execute(
+                "SELECT r.registry, r.repo, r.chunk_size, r.chunks, l.size FROM remotes r "
+                "JOIN layers l ON l.digest = r.digest WHERE r.digest = ?", (digest,),
+            ).fetchone()  # fmt: skip
+        if row is None:
+            return None
+        registry, repo, chunk_size, chunks, size = row
+        return RemoteLayer(registry=registry, repo=repo, digest=digest, size=size, chunk_size=chunk_size,
+                           chunks=tuple(json.loads(chunks)))  # fmt: skip
+
+    def add_remote(
+        self, remote: RemoteLayer, *, name: str, tag: str, kind: LayerKind | str, parents: Iterable[str] = ()
+    ) -> Layer:
+        """Register a layer whose bytes stay in a registry (``remote``: where, and its chunk
+        table) under ``name:tag``; idempotent. A layer already held as a file keeps its file
+        (it is then also known to be in the registry)."""
+        check_name(name)
+        check_tag(tag)
+        kind = check_kind(kind)
+        parent_list = [check_digest(p) for p in parents]
+        digest, now = remote.digest, time.time()
+        with self._write() as db:
+            row = db.execute("SELECT kind, created_at, parents, size FROM layers WHERE digest = ?",
+                             (digest,)).fetchone()  # fmt: skip
+            if row is not None and (row[0] != kind.value or row[3] != remote.size):
+                raise ImageError(
+                    f"layer {digest} is stored as a {row[0]} layer of {row[3]} bytes; the registry "
+                    f"{remote.registry}/{remote.repo} describes a {kind.value} layer of {remote.size} bytes",
+                    digest=digest,
+                )  # fmt: skip
+            if row is None:
+                db.execute("INSERT INTO layers(digest, kind, size, created_at, parents) VALUES (?, ?, ?, ?, ?)",
+                           (digest, kind.value, remote.size, now, json.dumps(parent_list)))  # fmt: skip
+                created_at, stored_parents = now, parent_list
+            else:
+                created_at, stored_parents = row[1], json.loads(row[2])
+            db.execute(
+                "INSERT INTO remotes(digest, registry, repo, chunk_size, chunks) VALUES (?, ?, ?, ?, ?) "
+                "ON CONFLICT(digest) DO UPDATE SET registry = excluded.registry, repo = excluded.repo",
+                (digest, remote.registry, remote.repo, remote.chunk_size, json.dumps(list(remote.chunks))),
+            )
+            db.execute(
+                "INSERT INTO tags(name, tag, digest, updated_at) VALUES (?, ?, ?, ?) "
+                "ON CONFLICT(name, tag, digest) DO UPDATE SET updated_at = excluded.updated_at",
+                (name, tag, digest, now),
+            )
+        return Layer(digest=digest, name=name, tag=tag, kind=kind, size=remote.size, created_at=created_at,
+                     parents=tuple(stored_parents), source=f"{remote.registry}/{remote.repo}")  # fmt: skip
+
+    def release_local(self, digest: str) -> None:
+        source = self._source
+        if source is not None and not self.blob_path(digest).is_file():
+            source.detach(digest)
 
     # -- adding ----------------------------------------------------------------
 
@@ -587,4 +719,8 @@ class LocalLayerStore(LayerStore):
         return sum(p.stat().st_size for p in self.blob_dir.iterdir() if p.is_file())
 
 
-__all__ = ["LayerStore", "LocalLayerStore"]
+def _host(url: str) -> str:
+    return url.split("://", 1)[-1]
+
+
+__all__ = ["LayerStore", "LocalLayerStore", "RemoteSource"]

@@ -1,0 +1,221 @@
+"""An edge whose store is empty runs sandboxes from layers in a registry, loaded lazily.
+
+Real pieces: Debian's ``docker-registry`` on loopback, the node's FUSE process
+(``dsec.images.lazy``), EROFS mounted from its files, a real edge over HTTP. The
+layers are built here, pushed with ``push_layer`` to repositories named after
+them, and the edge's store starts with nothing: every name is looked up in the
+registry on first use, every byte comes through the lazy loader.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import random
+import secrets
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from conftest import RT_PREFIX, running_edge, wait_until
+from dsec.edge.config import EdgeConfig, RegistryConfig
+from dsec.edge.testing import EdgeThread
+from dsec.errors import HostError
+from dsec.images import LocalLayerStore, build_busybox, build_from_dir, sysmount
+from dsec.images.registry import RegistryClient, RegistryRef
+from dsec.images.registry_server import RegistryServer
+from dsec.images.transfer import push_layer
+
+pytestmark = pytest.mark.root
+
+KEY = secrets.token_bytes(32)
+MiB = 1 << 20
+
+
+def b64(text: str) -> bytes:
+    return base64.b64decode(text)
+
+
+@pytest.fixture(scope="module")
+def registry(dsec_base: Path) -> Iterator[RegistryServer]:
+    try:
+        r = RegistryServer(dsec_base / f"registry-lazy-edge-{time.monotonic_ns()}").start()
+    except HostError as exc:
+        pytest.skip(str(exc))
+    yield r
+    r.stop()
+
+
+@pytest.fixture(scope="module")
+def pushed(dsec_base: Path, registry: RegistryServer) -> dict[str, Any]:
+    """busybox:test and a workspace layer lzws:v1 (a small tree and 6 MiB of random bytes),
+    built in a store of their own and pushed as ``<registry>/<name>:<tag>``."""
+    src = dsec_base / "lazy-edge-src"
+    store = LocalLayerStore(src / "layers")
+    tree = src / "tree"
+    rnd = random.Random(7)
+    (tree / "work" / "docs").mkdir(parents=True, exist_ok=True)
+    for i in range(40):
+        (tree / "work" / "docs" / f"n{i:02d}.txt").write_text(f"note {i}\n" * (i + 1))
+    big = rnd.randbytes(6 * MiB + 4321)
+    (tree / "work" / "big.bin").write_bytes(big)
+    try:
+        bb = build_busybox(store, name="busybox", tag="test")
+        ws = build_from_dir(store, tree, name="lzws", tag="v1", kind="workspace")
+    except HostError as exc:
+        pytest.skip(f"cannot build the layers: {exc}")
+    with RegistryClient(registry.url) as client:
+        push_layer(store, bb.digest, client, RegistryRef(registry.url, "busybox", tag="test"))
+        push_layer(store, ws.digest, client, RegistryRef(registry.url, "lzws", tag="v1"))
+    store.close()
+    return {"busybox": bb.digest, "ws": ws.digest, "big_sha": hashlib.sha256(big).hexdigest(),
+            "ws_size": ws.size}
+
+
+def lazy_config(dsec_base: Path, suffix: str, edge_id: str, registry_url: str, **kw: Any) -> EdgeConfig:
+    name = f"{RT_PREFIX}-{suffix}"
+    reg = RegistryConfig(url=registry_url, read_deadline_s=3.0, fetch_attempts=2, timeout_s=5.0)
+    return EdgeConfig(edge_id=edge_id, cluster_key=KEY, port=0, state_dir=dsec_base / f"state-{name}",
+                      run_dir=dsec_base / "run", runtime_name=name, destroy_on_shutdown=True,
+                      registry=reg, host_check_interval_s=0.3, **kw)
+
+
+SPEC: dict[str, Any] = {"image": {"base": "busybox:test", "workspace": "lzws:v1"},
+                        "resources": {"cpu": 0.5, "memory": 256 << 20, "disk": 64 << 20}}
+
+
+def create(api: httpx.Client, spec: dict[str, Any] = SPEC) -> httpx.Response:
+    return api.post("/v1/sandboxes", json={"spec": spec})
+
+
+def sh(edge: EdgeThread, sid: str, cmd: str) -> dict[str, Any]:
+    with edge.client() as c:
+        r = c.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": cmd, "timeout": 60})
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+def lazy_mounts(edge: EdgeThread) -> list[sysmount.MountEntry]:
+    reg = edge.service.backends.registry
+    assert reg is not None and reg.lazy is not None
+    mp = str(reg.lazy.mountpoint)
+    return [m for m in sysmount.mountinfo() if m.mount_point == mp or m.source.startswith(mp + "/")]
+
+
+def test_a_sandbox_runs_from_registry_layers_it_never_downloaded(
+        dsec_base: Path, registry: RegistryServer, pushed: dict[str, Any]) -> None:
+    cfg = lazy_config(dsec_base, "lzedge", "lz", registry.url)
+    with running_edge(cfg) as edge, edge.client() as api:
+        store = edge.service.backends.store
+        assert store.list() == []  # nothing local: every byte comes from the registry
+        r = create(api)
+        assert r.status_code == 201, r.text
+        sid = r.json()["id"]
+        # the store now knows both layers as remote ones: index rows, no files
+        layers = {layer.ref: layer for layer in store.list()}
+        assert layers["busybox:test"].digest == pushed["busybox"]
+        assert layers["lzws:v1"].digest == pushed["ws"]
+        assert layers["lzws:v1"].source == f"{registry.url}/lzws"
+        assert not store.blob_path(pushed["ws"]).exists()
+        # EROFS is mounted from the FUSE process's files
+        kinds = {m.fstype for m in lazy_mounts(edge)}
+        assert "erofs" in kinds and any(k.startswith("fuse") for k in kinds), kinds
+        reg = edge.service.backends.registry
+        before = reg.stats()["loader"]["bytes_fetched"]
+        assert before < pushed["ws_size"]  # metadata and busybox, not the 6 MiB file
+
+        # the sandbox sees the layer's exact content
+        res = sh(edge, sid, "ls /work/docs | wc -l; sha256sum /work/big.bin; cat /work/docs/n02.txt")
+        out = b64(res["stdout_b64"]).decode()
+        assert res["exit_code"] == 0, res
+        assert out.split("\n")[0].strip() == "40"
+        assert pushed["big_sha"] in out and "note 2\nnote 2\nnote 2\n" in out
+        after = reg.stats()["loader"]["bytes_fetched"]
+        # the big file's chunks came on first read (some held metadata and came at attach)
+        assert after - before >= 3 * MiB and after >= 6 * MiB
+
+        # a second sandbox reads the same file from the cache, fetching nothing
+        r2 = create(api)
+        assert r2.status_code == 201, r2.text
+        res = sh(edge, r2.json()["id"], "sha256sum /work/big.bin")
+        assert pushed["big_sha"] in b64(res["stdout_b64"]).decode()
+        assert reg.stats()["loader"]["bytes_fetched"] == after
+
+        # a name neither here nor in the registry: 404 naming both places
+        bad = create(api, {**SPEC, "image": {"base": "busybox:test", "workspace": "nosuch:v9"}})
+        assert bad.status_code == 404, bad.text
+        err = bad.json()["error"]
+        assert err["code"] == "layer_not_found" and "registry" in err["message"], err
+        for s in (sid, r2.json()["id"]):
+            assert api.delete(f"/v1/sandboxes/{s}").status_code in (200, 204)
+    # the edge stopped: no FUSE mount, no EROFS mount from it, no loader process left
+    mp = str(cfg.run_dir / f"lazy-{cfg.runtime}")
+    assert not [m for m in sysmount.mountinfo() if m.mount_point == mp or m.source.startswith(mp + "/")]
+    assert not [p for p in os.listdir("/proc") if p.isdigit() and _is_loader(int(p), mp)]
+
+
+def _is_loader(pid: int, mountpoint: str) -> bool:
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"dsec.images.lazy.serve" in cmd and mountpoint.encode() in cmd
+
+
+def test_an_unreachable_registry_refuses_the_create_with_a_typed_error(
+        dsec_base: Path, pushed: dict[str, Any]) -> None:
+    # a registry of its own, stopped after the push: the edge has nothing cached
+    try:
+        reg = RegistryServer(dsec_base / f"registry-lazy-down-{time.monotonic_ns()}").start()
+    except HostError as exc:
+        pytest.skip(str(exc))
+    src = LocalLayerStore(dsec_base / "lazy-edge-src" / "layers")
+    try:
+        with RegistryClient(reg.url) as client:
+            push_layer(src, pushed["busybox"], client, RegistryRef(reg.url, "busybox", tag="test"))
+    finally:
+        src.close()
+    cfg = lazy_config(dsec_base, "lzdown", "ld", reg.url)
+    try:
+        with running_edge(cfg) as edge, edge.client() as api:
+            reg.stop()
+            r = create(api, {**SPEC, "image": {"base": "busybox:test"}})
+            assert r.status_code == 503, r.text
+            err = r.json()["error"]
+            assert err["code"] == "layer_unavailable" and reg.url in err["message"], err
+            # the edge says so in its health, and lists no sandbox
+            assert wait_until(lambda: any("registry" in p for p in api.get("/v1/health").json()["problems"]), 5)
+            assert api.get("/v1/sandboxes").json() == []
+    finally:
+        reg.stop()
+
+
+def test_a_killed_loader_is_restarted_and_new_sandboxes_work(
+        dsec_base: Path, registry: RegistryServer, pushed: dict[str, Any]) -> None:
+    cfg = lazy_config(dsec_base, "lzkill", "lk", registry.url)
+    with running_edge(cfg) as edge, edge.client() as api:
+        r = create(api)
+        assert r.status_code == 201, r.text
+        first = r.json()["id"]
+        reg = edge.service.backends.registry
+        old_pid = reg.lazy.pid
+        assert old_pid is not None
+        os.kill(old_pid, signal.SIGKILL)
+        # the self-check notices, restarts the loader and mounts the layers again
+        assert wait_until(lambda: reg.lazy.pid not in (None, old_pid) and reg.restarts >= 1, 15)
+        health = api.get("/v1/health").json()
+        assert any("restarted the lazy layer process" in x for x in health["repairs"]), health
+        # the sandbox that read from the dead files is destroyed cleanly; new ones work
+        assert api.delete(f"/v1/sandboxes/{first}").status_code in (200, 204)
+        assert wait_until(lambda: create(api).status_code == 201 or False, 20)
+        sids = [s["id"] for s in api.get("/v1/sandboxes").json()]
+        res = sh(edge, sids[0], "sha256sum /work/big.bin")
+        assert pushed["big_sha"] in b64(res["stdout_b64"]).decode()
+        for s in sids:
+            api.delete(f"/v1/sandboxes/{s}")
