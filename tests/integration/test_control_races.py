@@ -139,9 +139,14 @@ def err(r: httpx.Response) -> dict[str, Any]:
     return dict(body["error"])
 
 
-async def make(c: httpx.AsyncClient, **kw: Any) -> dict[str, Any]:
+async def make(cl: Cluster, c: httpx.AsyncClient, **kw: Any) -> dict[str, Any]:
+    """A running sandbox, returned once its id is in the database. A create is answered before
+    its id is recorded (off the reply path; lookups by id in the replica wait for it), so a
+    statement by id on a connection of the test's own could otherwise find no row: the race's
+    change would match nothing, the record would land after it, and the call would succeed."""
     r = await c.post("/v1/sandboxes", json={"spec": kw.pop("spec", SPEC), **kw})
     assert r.status_code == 201, r.text
+    await cl.control.sandboxes.settled(r.json()["id"])
     return dict(r.json())
 
 
@@ -204,7 +209,7 @@ async def test_delete_of_a_sandbox_whose_row_is_dropped_meanwhile_is_404(db_url:
     """DELETE of a stopped sandbox while retention removes its row (it used to be NoResultFound)."""
     async with cluster(db_url, tmp_path) as cl:
         c = cl.client()
-        sb = await make(c)
+        sb = await make(cl, c)
         assert (await c.delete(f"/v1/sandboxes/{sb['id']}")).status_code == 204
         r = await race(db_url, [("DELETE FROM sandboxes WHERE id = :id", {"id": sb["id"]})],
                        lambda: c.delete(f"/v1/sandboxes/{sb['id']}"), waits_in=LOCKS_SANDBOX)
@@ -217,7 +222,7 @@ async def test_fork_or_snapshot_of_a_sandbox_deleted_meanwhile_is_409(db_url: st
     state is checked on the locked row, so nothing is reserved and the edge is not asked."""
     async with cluster(db_url, tmp_path) as cl:
         c = cl.client()
-        sb = await make(c)
+        sb = await make(cl, c)
         body = {"n": 2} if op == "fork" else {"name": "snap"}
         r = await race(db_url, [("UPDATE sandboxes SET state = 'stopping' WHERE id = :id", {"id": sb["id"]})],
                        lambda: c.post(f"/v1/sandboxes/{sb['id']}/{op}", json=body), waits_in=LOCKS_SANDBOX)
@@ -233,7 +238,7 @@ async def test_fork_or_snapshot_of_a_sandbox_deleted_meanwhile_is_409(db_url: st
 async def test_fork_or_snapshot_of_a_sandbox_whose_row_is_gone_is_404(db_url: str, tmp_path: Path, op: str) -> None:
     async with cluster(db_url, tmp_path) as cl:
         c = cl.client()
-        sb = await make(c)
+        sb = await make(cl, c)
         body = {"n": 1} if op == "fork" else {}
         r = await race(db_url, [("DELETE FROM sandboxes WHERE id = :id", {"id": sb["id"]})],
                        lambda: c.post(f"/v1/sandboxes/{sb['id']}/{op}", json=body), waits_in=LOCKS_SANDBOX)
@@ -256,10 +261,10 @@ async def test_replayed_request_id_whose_row_is_dropped_meanwhile_creates_anew(
 
     async with cluster(db_url, tmp_path) as cl:
         c = cl.client()
-        first = await make(c, request_id="once")
+        first = await make(cl, c, request_id="once")
         assert (await c.delete(f"/v1/sandboxes/{first['id']}")).status_code == 204
         monkeypatch.setattr(Sandboxes, "_replay", replay_after_retention)
-        again = await make(c, request_id="once")
+        again = await make(cl, c, request_id="once")
         assert again["id"] != first["id"] and again["state"] == "running"
 
 
@@ -267,7 +272,7 @@ async def test_replayed_request_id_whose_row_is_dropped_meanwhile_creates_anew(
 
 
 async def _snapshot(cl: Cluster, c: httpx.AsyncClient) -> dict[str, Any]:
-    sb = await make(c)
+    sb = await make(cl, c)
     r = await c.post(f"/v1/sandboxes/{sb['id']}/snapshot", json={"name": "snap"})
     assert r.status_code == 201, r.text
     return dict(r.json())
@@ -302,7 +307,7 @@ async def test_snapshot_whose_reservation_is_dropped_while_the_edge_works_is_409
     layer nobody holds is removed from the edge."""
     async with cluster(db_url, tmp_path) as cl:
         c = cl.client()
-        sb = await make(c)
+        sb = await make(cl, c)
         edge = cl.edges[0]
         edge.snapshot_delay_s = 3.0  # time enough to drop the reservation, even on a loaded machine
         call = asyncio.ensure_future(c.post(f"/v1/sandboxes/{sb['id']}/snapshot", json={"name": "snap"}))
