@@ -829,27 +829,29 @@ def remote_host(netns: str, link: str, host_ip: str, remote_ip: str) -> Iterator
 @contextlib.contextmanager
 def dsec_up(data: Path, env: dict[str, str], *extra: str) -> Iterator[dict[str, str]]:
     """``dsec up`` as a subprocess with ``data`` as its data directory; yields ``env`` with
-    DSEC_URL/DSEC_TOKEN once the control plane answers and an edge has registered.
+    DSEC_URL/DSEC_TOKEN once it is ready: ``up.ready`` names the child (written when everything
+    it starts is started, the registry of ``--registry`` included, as ``dsec up --detach``
+    waits for) and an edge has registered. The control plane answers, and lists its edges,
+    before that: a test going on then could miss what starts last.
     Stopped with Ctrl-C (SIGINT), which must exit 0 after destroying the sandboxes."""
     import httpx
+
+    from dsec.cli.up import READY_FILE
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
+    ready = data / READY_FILE
+    ready.unlink(missing_ok=True)
     log = open(data / "up.log", "wb")  # noqa: SIM115 - closed below
     proc = subprocess.Popen([sys.executable, "-m", "dsec.cli.main", "up", "--data-dir", str(data), "--port", str(port),
                              *extra], env=env, stdout=log, stderr=log)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(url + "/healthz", timeout=1).status_code == 200 and (data / "control/admin.token").exists():
-                    break
-            except httpx.HTTPError:
-                pass
+        while not (ready.is_file() and ready.read_text().strip() == str(proc.pid)):
             assert proc.poll() is None, (data / "up.log").read_text()
-            assert time.monotonic() < deadline, "dsec up did not start"
+            assert time.monotonic() < deadline, f"dsec up did not start: {(data / 'up.log').read_text()}"
             time.sleep(0.2)
         token = (data / "control/admin.token").read_text().strip()
         while True:  # the edge registers with the control plane a moment after it is up
