@@ -57,7 +57,8 @@ fi
 stamp=.venv/.dsec-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null
-  .venv/bin/python -m pip install -q -e '.[server,dev]'
+  # compat: the released clients that tests/compat runs against DSec (swe-rex, mini-swe-agent)
+  .venv/bin/python -m pip install -q -e '.[server,dev,compat]'
   touch "$stamp"
 fi
 
