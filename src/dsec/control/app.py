@@ -21,8 +21,8 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from dsec.control import dashboard, iam, validate
 from dsec.control import edges as edges_mod
-from dsec.control import iam, validate
 from dsec.control.config import ControlConfig
 from dsec.control.iam import Principal
 from dsec.control.sandboxes import parse_label_filters
@@ -533,5 +533,6 @@ def create_app(config: ControlConfig, *, control: Control | None = None) -> Fast
         draining = True if body is None else body.draining
         return await ctl.db.write(lambda s: edges_mod.drain_txn(s, edge_id, draining))
 
+    app.include_router(dashboard.router(operator))  # /dashboard/, /v1/admin/*, /metrics (docs/DASHBOARD.md)
     return app
 

@@ -44,6 +44,7 @@ from dsec.spec.api import (
     LayerInfo,
     PauseReport,
     SandboxInfo,
+    SandboxStats,
     SnapshotInfo,
     SnapshotRequest,
 )
@@ -245,6 +246,19 @@ class EdgeClient:
         if resp.status_code == 404:
             return
         self._raise(resp, edge_id)
+
+    async def events(self, edge_id: str, url: str, sandbox_id: str) -> list[dict[str, Any]]:
+        """The sandbox's event log on the edge (docs/EDGE.md has the fields)."""
+        resp = await self._call("GET", url, f"/v1/sandboxes/{quote(sandbox_id, safe='')}/events")
+        self._raise(resp, edge_id)
+        data = resp.json()
+        return [x for x in data if isinstance(x, dict)] if isinstance(data, list) else []
+
+    async def stats(self, edge_id: str, url: str, sandbox_id: str) -> SandboxStats:
+        """What the sandbox uses now, beside its limits."""
+        resp = await self._call("GET", url, f"/v1/sandboxes/{quote(sandbox_id, safe='')}/stats")
+        self._raise(resp, edge_id)
+        return SandboxStats.model_validate_json(resp.content)
 
     async def list(self, edge_id: str, url: str) -> list[SandboxInfo]:
         resp = await self._call("GET", url, "/v1/sandboxes")
