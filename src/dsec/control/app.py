@@ -25,6 +25,7 @@ from dsec.control import dashboard, iam, validate
 from dsec.control import edges as edges_mod
 from dsec.control.config import ControlConfig
 from dsec.control.iam import Principal
+from dsec.control.membership import router as membership_router
 from dsec.control.sandboxes import parse_label_filters
 from dsec.control.service import Control
 from dsec.control.wire import (
@@ -232,6 +233,7 @@ def create_app(config: ControlConfig, *, control: Control | None = None) -> Fast
 
     app.add_middleware(FastRoutes, errors=fast_error, routes={("POST", "/v1/sandboxes"): fast_create})
     app.add_middleware(BodyLimit)  # JSON bodies stop at 16 MiB (dsec/httplimits.py), fast routes too
+    app.include_router(membership_router(operator))  # /v1/edges/join, tokens, GET/DELETE /v1/edges/{id}
 
     # ------------------------------------------------------------ errors ----
 

@@ -86,4 +86,5 @@ async def serve_control(config: ControlConfig) -> ControlHandle:
         raise
     sock = server.servers[0].sockets[0].getsockname()
     url = config.public_url or f"http://{sock[0]}:{sock[1]}"
+    control.url = url.rstrip("/")
     return ControlHandle(control, app, server, task, url.rstrip("/"))

@@ -50,6 +50,8 @@ from dsec.spec.api import (
     EdgeHealth,
     ExecRequest,
     ExecResultWire,
+    Fence,
+    FenceResult,
     FileEntry,
     ForkRequest,
     GroupResult,
@@ -546,6 +548,12 @@ def create_app(config: EdgeConfig, *, service: EdgeService | None = None) -> Fas
     @app.get("/v1/health", response_model=EdgeHealth, tags=["edge"])
     async def health(_c: Admin) -> Response:
         return _json(svc.health())
+
+    @app.post("/v1/fence", response_model=FenceResult, tags=["edge"])
+    async def fence(body: Fence, _c: Admin) -> Response:
+        """Destroy every sandbox made for the control plane before ``epoch`` (it declared them
+        lost while it could not reach this edge). The epoch only goes up: idempotent."""
+        return _json(await svc.fence(body.epoch))
 
     @app.get("/metrics", tags=["edge"], responses={200: {"content": {"text/plain": {}}}})
     async def metrics() -> Response:
