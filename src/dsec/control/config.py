@@ -70,12 +70,25 @@ class ControlConfig(_Config):
 
     watcher: bool = True
     """Run the watcher in this replica (replicas elect one leader through a lease row)."""
-    watcher_interval_s: Annotated[float, Field(gt=0, le=3600)] = 2.0
+    watcher_interval_s: Annotated[float, Field(gt=0, le=3600)] = 1.0
     dead_after_misses: Annotated[int, Field(ge=1, le=1000)] = 3
+    dead_after_s: Annotated[float, Field(gt=0, le=3600)] = 2.5
+    """An edge not heard from (heartbeat or the watcher's poll) for this long is skipped by
+    placement at once (every replica checks the age on every create) and marked dead by the
+    watcher. With 1 s heartbeats and polls, a dead or cut-off edge stops getting creates
+    within 3 s (docs/CONTROL.md, "Detection")."""
+    poll_timeout_s: Annotated[float, Field(gt=0, le=60)] = 0.8
+    """The watcher's health poll of one edge gives up after this long (a miss)."""
     reconcile_interval_s: Annotated[float, Field(gt=0, le=86400)] = 10.0
     """How often each live edge's sandbox list is compared with the store."""
     edge_lost_after_s: Annotated[float, Field(gt=0)] = 300.0
-    """Sandboxes of an edge dead this long are marked failed, and their quota returns."""
+    """Sandboxes of an edge not heard from for this long are declared ``lost`` (their quota and
+    the edge's room return; the SDK raises ``SandboxLost``), and the edge's fencing epoch is
+    raised: if it comes back, it destroys them before it gets new work (docs/CONTROL.md)."""
+    replica_beat_s: Annotated[float, Field(gt=0, le=60)] = 1.0
+    """How often this replica records that it is alive (the ``replicas`` table)."""
+    replica_dead_after_s: Annotated[float, Field(gt=0, le=3600)] = 3.0
+    """A replica silent this long is dead: the watcher finishes the creates it left half done."""
     orphan_grace_s: Annotated[float, Field(ge=0)] = 60.0
     reap_orphans: bool = True
     """Delete sandboxes an edge holds that the store does not know (older than the grace)."""

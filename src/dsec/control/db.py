@@ -35,6 +35,8 @@ from sqlalchemy.engine import URL, Engine, make_url
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
+from dsec.errors import Unavailable
+
 log = logging.getLogger("dsec.control.db")
 
 T = TypeVar("T")
@@ -279,6 +281,27 @@ def _retryable(exc: DBAPIError) -> bool:
     )
 
 
+def _disconnected(exc: BaseException) -> bool:
+    """The database went away (restart, network, too many connections): not the query's fault."""
+    if isinstance(exc, DBAPIError) and exc.connection_invalidated:
+        return True
+    orig = getattr(exc, "orig", None)
+    text = str(orig if orig is not None else exc).lower()
+    return any(s in text for s in (
+        "connection refused", "server closed the connection", "terminating connection", "connection failed",
+        "the database system is starting up", "the database system is shutting down", "no such file or directory",
+        "connection is closed", "consuming input failed", "connection timeout", "could not connect",
+    ))
+
+
+def unavailable(exc: BaseException) -> Unavailable | None:
+    """The typed 503 for a store that cannot be reached now (clients retry it), or None."""
+    if isinstance(exc, DBAPIError) and _disconnected(exc):
+        return Unavailable(f"the control plane's store is unreachable now ({type(exc.orig or exc).__name__}); "
+                           "retry shortly", retry_after=1.0, reason="store unavailable")
+    return None
+
+
 class _Careful(Exception):
     """A savepoint-less call hit a database error: run the group again, each call in a savepoint."""
 
@@ -308,13 +331,24 @@ class Store:
             yield s
 
     def run_sync(self, fn: Callable[[Session], T], *, write: bool) -> T:
-        attempts = 5 if write else 2
+        """One transaction. A write that hits a lock, deadlock or serialization failure is run
+        again; a read is also run again (for up to ~2 s) when the database went away, a write is
+        not (its commit may have happened): it raises :class:`Unavailable` (HTTP 503)."""
+        attempts = 5 if write else 6
         for attempt in range(attempts):
             try:
                 with self.session(write=write) as s:
                     return fn(s)
             except (OperationalError, DBAPIError) as exc:
-                if attempt == attempts - 1 or not _retryable(exc):
+                gone = _disconnected(exc)
+                if gone and not write and attempt < attempts - 1:
+                    log.info("store unreachable, reading again: %s", exc.orig)
+                    time.sleep(0.05 * 2**attempt)
+                    continue
+                if attempt == attempts - 1 or not _retryable(exc) or gone:
+                    u = unavailable(exc)
+                    if u is not None:
+                        raise u from exc
                     raise
                 log.info("retrying a transaction after %s", exc.orig)
                 time.sleep(0.01 * 2**attempt)
@@ -360,7 +394,7 @@ class Store:
                 try:
                     results = await loop.run_in_executor(self._pool, self._run_group, calls)
                 except BaseException as exc:  # the commit itself failed: everyone of the group hears it
-                    results = [(False, exc)] * len(group)
+                    results = [(False, unavailable(exc) or exc)] * len(group)
                 for (_, _, fut), (ok, value) in zip(group, results, strict=True):
                     if fut.done():
                         continue

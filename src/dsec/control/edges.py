@@ -33,12 +33,14 @@ from dsec.control.errors import Conflict, NotFound
 from dsec.control.iam import Amount, bump_statement
 from dsec.control.locking import add_new, lock_one
 from dsec.control.placement import EdgeView, Room, layer_set, room_of_health
-from dsec.errors import Backpressure, DsecError, InvalidSpec, error_from_wire
+from dsec.errors import Backpressure, DsecError, Forbidden, InvalidSpec, error_from_wire
 from dsec.http1 import Answer, ConnectFailed, EdgeHTTP, NoAnswer
 from dsec.spec.api import (
     EDGE_ID_PATTERN,
     EdgeHealth,
     EdgeInfo,
+    Fence,
+    FenceResult,
     ForkRequest,
     GroupResult,
     LayerInfo,
@@ -68,6 +70,10 @@ def check_edge_id(edge_id: str) -> str:
 
 
 # ------------------------------------------------------------------ client ----
+
+
+class EdgeRemoved(Forbidden):
+    """A report from an edge that ``dsec edge rm`` removed (HTTP 403, ``edge_id``): it must join again."""
 
 
 class EdgeUnreachable(DsecError):
@@ -267,6 +273,14 @@ class EdgeClient:
         items = data["items"] if isinstance(data, dict) else data
         return [SandboxInfo.model_validate(x) for x in items]
 
+    async def fence(self, edge_id: str, url: str, epoch: int) -> FenceResult:
+        """Tell the edge to destroy everything it made before ``epoch`` (the control plane
+        declared those sandboxes lost). Idempotent: a fence at or below the edge's epoch is a no-op."""
+        resp = await self._call("POST", url, "/v1/fence", body=Fence(epoch=epoch).model_dump_json().encode(),
+                                timeout=self._long)
+        self._raise(resp, edge_id)
+        return FenceResult.model_validate_json(resp.content)
+
     async def health(self, edge_id: str, url: str, *, timeout: float | None = None) -> EdgeHealth:
         resp = await self._call("GET", url, "/v1/health", timeout=timeout)
         self._raise(resp, edge_id)
@@ -320,21 +334,35 @@ def effective_draining(e: EdgeRow) -> bool:
     return bool(e.draining or (e.health or {}).get("draining", False))
 
 
+EDGE_STATUSES = ("alive", "dead", "fencing", "removed")
+
+
 def edge_info(e: EdgeRow) -> EdgeInfo:
     return EdgeInfo(
         id=e.id,
         url=e.url,
-        status="alive" if e.status == "alive" else "dead",
+        status=e.status if e.status in EDGE_STATUSES else "dead",  # type: ignore[arg-type]
         draining=effective_draining(e),
         last_seen=e.last_seen,
         registered_at=e.registered_at,
         health=EdgeHealth.model_validate(e.health) if e.health is not None else None,
         committed=Amount(e.committed_sandboxes, e.committed_cpu_m, e.committed_memory).to_quota(),
+        epoch=int(e.epoch or 0),
+        lost_at=e.lost_at,
     )
 
 
+def needs_fence(e: EdgeRow, reported_epoch: int) -> bool:
+    """The edge still holds sandboxes the control plane declared lost (it reports an epoch
+    below the one the control plane raised when it declared them)."""
+    return reported_epoch < int(e.epoch or 0)
+
+
 def record_health_txn(s: Session, health: EdgeHealth, *, now: float | None = None) -> EdgeInfo:
-    """Register or heartbeat: upsert the edge with its report; it is alive again."""
+    """Register or heartbeat: upsert the edge with its report; it is alive again, unless it was
+    removed (``dsec edge rm``: refused until it joins again) or still has to be fenced (its
+    reported epoch is below the control plane's: ``fencing``, no placement, until it reports
+    the fence applied)."""
     check_edge_id(health.edge_id)
     if not health.url.startswith(("http://", "https://")):
         raise InvalidSpec(f"edge url {health.url!r} must be http(s)://host:port", field="url")
@@ -348,16 +376,26 @@ def record_health_txn(s: Session, health: EdgeHealth, *, now: float | None = Non
         if add_new(s, new):
             e = new
             log.info("edge %s registered at %s", health.edge_id, health.url)
+            if health.epoch > 0:  # an edge that was fenced before (this store forgot it): keep its epoch
+                e.epoch = health.epoch
         else:  # a concurrent registration of the same edge (a retried call) committed first: update theirs
             e = lock_one(s, sa.select(EdgeRow).where(EdgeRow.id == health.edge_id), lambda: Conflict(
                 f"edge {health.edge_id} was registered and removed by concurrent calls: register again",
                 edge_id=health.edge_id))
-    elif e.status != "alive":
-        log.warning("edge %s is alive again", e.id)
+    if e.status == "removed":
+        raise EdgeRemoved(f"edge {e.id} was removed from the cluster (dsec edge rm): join it again "
+                          "(dsec edge join) to use it", edge_id=e.id)
+    status = "fencing" if needs_fence(e, health.epoch) else "alive"
+    if status != e.status:
+        if status == "fencing":
+            log.warning("edge %s is back at epoch %d; its sandboxes were declared lost at epoch %d: "
+                        "fencing it before it gets work", e.id, health.epoch, e.epoch)
+        elif e.status != "alive":
+            log.warning("edge %s is alive again", e.id)
     e.url = health.url.rstrip("/")
     e.health = health.model_dump(mode="json")
     e.last_seen = now
-    e.status = "alive"
+    e.status = status
     e.misses = 0
     s.flush()
     return edge_info(e)
@@ -408,7 +446,7 @@ def bump_edge(s: Session, edge_id: str, delta: Room) -> None:
 
 
 _Q_VIEWS = sa.select(
-    _ED.c.id, _ED.c.url, _ED.c.status, _ED.c.draining, _ED.c.committed_sandboxes, _ED.c.committed_cpu_m,
+    _ED.c.id, _ED.c.url, _ED.c.status, _ED.c.last_seen, _ED.c.draining, _ED.c.committed_sandboxes, _ED.c.committed_cpu_m,
     _ED.c.committed_memory, _ED.c.committed_disk, sa.cast(_ED.c.health, sa.Text).label("health"),
 )
 
@@ -430,8 +468,11 @@ class HealthCache:
     report's JSON and model every time would cost more than the rest of it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, stale_after_s: float | None = None) -> None:
         self._by_edge: dict[str, tuple[str, _Parsed]] = {}
+        self.stale_after_s = stale_after_s
+        """An edge whose last report is older than this is not alive for placement, whatever
+        the watcher last wrote (``ControlConfig.dead_after_s``; None: the status alone)."""
 
     def parsed(self, edge_id: str, text: str | None) -> _Parsed | None:
         if text is None:
@@ -449,15 +490,20 @@ class HealthCache:
 def load_views(s: Session, cache: HealthCache) -> list[tuple[EdgeView, str]]:
     """Every edge as placement sees it, with its URL (one query, reports parsed once)."""
     out: list[tuple[EdgeView, str]] = []
+    stale = cache.stale_after_s
+    fresh_after = time.time() - stale if stale is not None else None
     for r in s.connection().execute(_Q_VIEWS):
+        if r.status == "removed":
+            continue
         placed = Room(r.committed_sandboxes, r.committed_cpu_m, r.committed_memory, r.committed_disk)
         p = cache.parsed(r.id, r.health)
+        alive = r.status == "alive" and (fresh_after is None or r.last_seen is None or r.last_seen >= fresh_after)
         if p is None:
             view = EdgeView(id=r.id, capacity=Room(), committed=placed, alive=False)
         else:
             view = EdgeView(
                 id=r.id, capacity=p.capacity, committed=p.reported.max_with(placed), layers=p.layers,
-                labels=p.labels, draining=bool(r.draining) or p.draining, alive=r.status == "alive",
+                labels=p.labels, draining=bool(r.draining) or p.draining, alive=alive,
                 backends=p.backends,
             )
         out.append((view, r.url))
