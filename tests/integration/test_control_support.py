@@ -84,6 +84,9 @@ class StubEdge:
     stage_calls: list[tuple[str, str]] = field(default_factory=list)
     fail_stage: set[str] = field(default_factory=set)
     url: str = ""
+    epoch: int = 0
+    """The stub's fencing epoch: sandboxes record the one they were made in; POST /v1/fence drops older ones."""
+    fences: list[int] = field(default_factory=list)
     _served: contextlib.AsyncExitStack | None = None
 
     # -- what the edge holds --
@@ -103,7 +106,7 @@ class StubEdge:
             edge_id=self.edge_id, url=self.url, sandboxes=n, capacity_sandboxes=self.capacity_sandboxes,
             cpu_committed=cpu, cpu_capacity=self.cpu_capacity, memory_committed=mem,
             memory_capacity=self.memory_capacity, disk_committed=disk, disk_capacity=self.disk_capacity,
-            layers=list(self.layers), labels=dict(self.labels),
+            layers=list(self.layers), labels=dict(self.labels), epoch=self.epoch,
         )
 
     def _make(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -114,7 +117,7 @@ class StubEdge:
         info = SandboxInfo(
             id=sid, state="running", edge_id=self.edge_id, edge_url=self.url, labels=body.get("labels", {}),
             task=body.get("task"), project=body.get("project"), created_at=now, expires_at=now + ttl,
-            image=body["spec"]["image"],
+            image=body["spec"]["image"], request_id=body.get("request_id"), epoch=self.epoch,
         ).model_dump(mode="json")
         self.sandboxes[sid] = {"cpu": float(r.get("cpu", 1.0)), "memory": int(r.get("memory", 1024 * MiB)),
                                "disk": int(r.get("disk", 1024 * MiB)), "info": info, "spec": body["spec"]}
@@ -203,6 +206,19 @@ class StubEdge:
             if rid:
                 self.by_request[rid] = sid
             return JSONResponse(info, status_code=201)
+
+        @app.post("/v1/fence")
+        async def fence(request: Request) -> Response:
+            if (bad := self._check(request)) is not None:
+                return bad
+            epoch = int((await request.json())["epoch"])
+            self.fences.append(epoch)
+            self.epoch = max(self.epoch, epoch)
+            doomed = [k for k, v in self.sandboxes.items()
+                      if v["info"].get("project") is not None and (v["info"].get("epoch") or 0) < self.epoch]
+            for k in doomed:
+                self.sandboxes.pop(k)
+            return JSONResponse({"epoch": self.epoch, "destroyed": doomed})
 
         @app.get("/v1/sandboxes")
         async def listing(request: Request) -> Response:

@@ -166,12 +166,21 @@ async def test_a_lost_edge_gives_the_quota_back(db_url: str, tmp_path: Path) -> 
         await cl.tick()
         for s in on_e1:
             got = (await c.get(f"/v1/sandboxes/{s['id']}")).json()
-            assert got["state"] == "stopped" and "edge e1 lost" in got["reason"]
+            assert got["state"] == "lost" and "edge e1 unreachable" in got["reason"], got
+            assert got["token"] is None
         assert await used(c) == 6 - len(on_e1)
-        # when it comes back, what it still holds is deleted there (the store gave it up)
+        edge = (await c.get("/v1/edges/e1")).json()
+        assert "status" in edge, edge
+        assert edge["status"] == "dead" and edge["epoch"] == 1 and edge["lost_at"] is not None
+        # when it comes back, it is fenced (what it still holds is destroyed there) before it gets work
         e1.fail_health = False
         await cl.tick()
-        assert e1.live_ids() == set()
+        assert e1.fences == [1] and e1.live_ids() == set()
+        assert (await c.get("/v1/edges/e1")).json()["status"] == "alive"
+        # deleting a lost sandbox is a no-op, and it stays listed as lost (not silently stopped)
+        assert (await c.delete(f"/v1/sandboxes/{on_e1[0]['id']}")).status_code == 204
+        listed = {s["id"]: s["state"] for s in (await c.get("/v1/sandboxes")).json()}
+        assert all(listed[s["id"]] == "lost" for s in on_e1)
 
 
 async def test_stale_reservations_and_drift_are_repaired(db_url: str, tmp_path: Path) -> None:
@@ -280,7 +289,14 @@ async def test_migrations_are_idempotent_and_match_the_models(db_url: str) -> No
     try:
         store.migrate()
         store.migrate()  # a second replica starting: nothing to do
-        assert store.schema_revision() == "0003"
+        from alembic.config import Config
+        from alembic.script import ScriptDirectory
+
+        from dsec.control.db import MIGRATIONS
+
+        cfg = Config()
+        cfg.set_main_option("script_location", str(MIGRATIONS))
+        assert store.schema_revision() == ScriptDirectory.from_config(cfg).get_current_head()
         with store.engine.connect() as conn:
             diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), Base.metadata)
         assert diff == []

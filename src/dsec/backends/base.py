@@ -152,6 +152,8 @@ class EdgeMeta:
     pool: str | None = None
     pooled_at: float | None = None
     from_pool: str | None = None
+    epoch: int | None = None
+    """The edge's fencing epoch when the sandbox was made (a fence above it destroys it)."""
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -181,6 +183,7 @@ class EdgeMeta:
             created_at=num("created_at"), ttl_s=num("ttl_s"), expires_at=num("expires_at"),
             idle_timeout_s=num("idle_timeout_s"), auto_pause_s=num("auto_pause_s"),
             pool=text("pool"), pooled_at=num("pooled_at"), from_pool=text("from_pool"),
+            epoch=None if d.get("epoch") is None else int(d["epoch"]),
         )
 
     @classmethod

@@ -273,6 +273,9 @@ class Sandboxes:
         self._confirming: dict[str, asyncio.Future[SandboxInfo | None]] = {}
         """Creates answered but not yet recorded (id -> the commit): lookups by id wait for them."""
         self._background: set[asyncio.Task[Any]] = set()
+        self.launcher: str | None = None
+        """This replica's id, recorded on each reservation (the watcher finishes the creates of a
+        replica that died: control/replicas.py)."""
         self.stats = CreateStats()
         """This replica's create outcomes (the dashboard's live figures, /metrics)."""
 
@@ -453,6 +456,7 @@ class Sandboxes:
             "cpu_m": demand.need.cpu_m,
             "memory": demand.need.memory, "disk": demand.need.disk, "created_at": now, "updated_at": now,
             "expires_at": expires, "request_id": req.request_id, "request_hash": rhash, "reason": "",
+            "launcher": self.launcher,
         })
         bump_project(s, who.project_id, want)
         if t is not None:
@@ -884,7 +888,7 @@ class Sandboxes:
 
     def _stop_txn(self, s: Session, who: Principal, sandbox_id: str) -> tuple[str, str] | None:
         row, _ = self._visible_row(s, who, sandbox_id, lock=True)
-        if row.state == S.STOPPED.value:
+        if row.state in (S.STOPPED.value, S.LOST.value):  # lost: the edge destroys it if it comes back
             return None
         ledger = Ledger()
         move(row, S.STOPPING, ledger, reason="deleted")
@@ -918,7 +922,7 @@ class Sandboxes:
             ledger = Ledger()
             out: list[tuple[str, str, str]] = []
             for row in s.execute(q.with_for_update()).scalars():
-                if not labels_match(row.labels or {}, labels) or row.state == S.STOPPED.value:
+                if not labels_match(row.labels or {}, labels) or row.state in (S.STOPPED.value, S.LOST.value):
                     continue
                 move(row, S.STOPPING, ledger, reason="deleted")
                 out.append((row.id or "", row.edge_id or "", row.edge_url))

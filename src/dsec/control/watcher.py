@@ -4,14 +4,23 @@ One replica at a time runs it (a lease row in the store elects the leader;
 another replica takes over when the lease lapses). Each round it:
 
 - polls every edge's ``GET /v1/health``; an edge that misses
-  ``dead_after_misses`` polls in a row is marked dead (placement skips it),
-  and one that answers again is alive again;
+  ``dead_after_misses`` polls in a row, or is not heard from (poll or
+  heartbeat) for ``dead_after_s``, is marked dead (placement skips it, and
+  every replica already skips an edge whose last report is that old), and one
+  that answers again is alive again;
+- fences an edge that comes back after its sandboxes were declared lost:
+  ``POST /v1/fence`` with the edge's epoch makes it destroy everything it made
+  before, and only then does placement use it again (docs/CONTROL.md, "Fencing");
+- finishes the creates of a replica that stopped beating (control/replicas.py):
+  the reservation's edge is asked for the sandbox under the reservation's key
+  (made then, or the one already made) and the answer is recorded;
 - every ``reconcile_interval_s``, compares each live edge's sandbox list with
   the store: sandboxes the edge no longer has are marked stopped (their quota
   returns), deletions that did not reach the edge are retried, and sandboxes
   the edge holds for a project but the store does not know (a create whose
   answer was lost) are deleted after ``orphan_grace_s``;
-- marks the sandboxes of an edge dead for ``edge_lost_after_s`` stopped,
+- declares the sandboxes of an edge not heard from for ``edge_lost_after_s``
+  ``lost`` (quota returned, the edge's epoch raised),
   drops reservations whose create never finished, forgets stopped sandboxes
   after ``retention_s``, and now and then recomputes every counter from the
   sandbox rows (so a drift cannot last).
@@ -34,9 +43,17 @@ import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from dsec.control import replicas
 from dsec.control.config import ControlConfig
 from dsec.control.db import EdgeRow, Lease, Project, SandboxRow, SnapshotRow, Store, Task
-from dsec.control.edges import EdgeClient, EdgeDirectory, record_health_txn
+from dsec.control.edges import (
+    EdgeClient,
+    EdgeDirectory,
+    EdgeRemoved,
+    needs_fence,
+    record_health_txn,
+)
+from dsec.control.membership import declare_lost
 from dsec.control.sandboxes import HOLDS_EDGE, HOLDS_QUOTA, LIVE, Ledger, _finish_many, forget, move
 from dsec.errors import DsecError
 from dsec.spec import SandboxState, can_move
@@ -63,6 +80,8 @@ class Watcher:
         self._reconciled: dict[str, float] = {}
         self._recounted = 0.0
         self.rounds = 0
+        self.fenced: list[tuple[str, int, list[str]]] = []
+        """(edge, epoch, sandboxes destroyed) of the fences this watcher applied (tests, bench)."""
 
     @property
     def lease_ttl(self) -> float:
@@ -94,10 +113,14 @@ class Watcher:
             return False
         self.rounds += 1
         edges = await self.store.read(
-            lambda s: [(e.id, e.url) for e in s.execute(sa.select(EdgeRow).order_by(EdgeRow.id)).scalars()]
+            lambda s: [(e.id, e.url) for e in s.execute(
+                sa.select(EdgeRow).where(EdgeRow.status != "removed").order_by(EdgeRow.id)).scalars()]
         )
         polls = await asyncio.gather(*(self._poll(eid, url) for eid, url in edges))
-        alive = await self.store.write(lambda s: self._record_polls_txn(s, polls))
+        alive, fence = await self.store.write(lambda s: self._record_polls_txn(s, polls))
+        if fence:
+            await asyncio.gather(*(self.fence(eid, url, epoch) for eid, url, epoch in fence))
+        await self.finish_orphaned_creates()
         now = time.time()
         due = [
             (eid, url) for eid, url in alive
@@ -130,7 +153,7 @@ class Watcher:
 
     async def _poll(self, edge_id: str, url: str) -> tuple[str, EdgeHealth | None, str]:
         try:
-            h = await self.edges.health(edge_id, url, timeout=max(1.0, self.config.watcher_interval_s))
+            h = await self.edges.health(edge_id, url, timeout=self.config.poll_timeout_s)
         except DsecError as exc:
             return edge_id, None, str(exc)
         except Exception as exc:  # a garbled answer counts as a miss
@@ -139,26 +162,108 @@ class Watcher:
             return edge_id, None, f"answered as edge {h.edge_id!r}"
         return edge_id, h, ""
 
-    def _record_polls_txn(self, s: Session, polls: Sequence[tuple[str, EdgeHealth | None, str]]) -> list[tuple[str, str]]:
+    def _record_polls_txn(
+        self, s: Session, polls: Sequence[tuple[str, EdgeHealth | None, str]]
+    ) -> tuple[list[tuple[str, str]], list[tuple[str, str, int]]]:
+        """Returns the edges alive (to reconcile) and those to fence (edge, url, epoch)."""
         alive: list[tuple[str, str]] = []
+        fence: list[tuple[str, str, int]] = []
+        now = time.time()
         for edge_id, health, err in polls:
             if health is not None:
                 try:
                     info = record_health_txn(s, health)
+                except EdgeRemoved:
+                    continue
                 except DsecError as exc:
                     log.warning("edge %s sent an unusable health report: %s", edge_id, exc)
                     continue
                 self.directory.put(edge_id, info.url)
-                alive.append((edge_id, info.url))
+                if info.status == "fencing":
+                    fence.append((edge_id, info.url, info.epoch))
+                else:
+                    alive.append((edge_id, info.url))
                 continue
             e = s.get(EdgeRow, edge_id, with_for_update=True)
-            if e is None:
+            if e is None or e.status == "removed":
                 continue
             e.misses += 1
-            if e.status == "alive" and e.misses >= self.config.dead_after_misses:
+            silent = e.last_seen is None or now - e.last_seen > self.config.dead_after_s
+            if e.status != "dead" and (e.misses >= self.config.dead_after_misses or silent):
                 e.status = "dead"
-                log.warning("edge %s is dead after %d missed polls: %s", edge_id, e.misses, err)
-        return alive
+                log.warning("edge %s is dead: %d missed polls, last heard from %s ago: %s", edge_id, e.misses,
+                            "never" if e.last_seen is None else f"{now - e.last_seen:.1f}s", err)
+        return alive, fence
+
+    # -------------------------------------------------------------- fencing ----
+
+    async def fence(self, edge_id: str, url: str, epoch: int) -> bool:
+        """Make the edge destroy what it made before ``epoch`` (sandboxes declared lost), then
+        let placement use it again. The edge refuses nothing here: the control plane's word wins."""
+        try:
+            res = await self.edges.fence(edge_id, url, epoch)
+        except DsecError as exc:
+            log.warning("cannot fence edge %s at epoch %d (next round tries again): %s", edge_id, epoch, exc)
+            return False
+        log.warning("edge %s fenced at epoch %d: %d sandbox(es) it still held destroyed", edge_id, res.epoch,
+                    len(res.destroyed))
+        self.fenced.append((edge_id, res.epoch, list(res.destroyed)))
+
+        def txn(s: Session) -> None:
+            e = s.get(EdgeRow, edge_id, with_for_update=True)
+            if e is not None and e.status == "fencing" and not needs_fence(e, res.epoch):
+                e.status = "alive"
+                if e.health is not None:
+                    e.health = {**e.health, "epoch": res.epoch}
+                e.last_seen = time.time()
+
+        await self.store.write(txn)
+        return True
+
+    # ---------------------------------------------------- orphaned creates ----
+
+    async def finish_orphaned_creates(self, *, limit: int = 256) -> int:
+        """Reservations whose launching replica stopped beating: ask their edge for the sandbox
+        under the reservation's key (the edge de-duplicates by it: the one the dead replica made,
+        or a new one) and record it; a refusal releases the reservation (the client's retry places
+        it again). Returns how many were settled."""
+        dead_after = self.config.replica_dead_after_s
+
+        def find(s: Session) -> list[tuple[SandboxRow, str, str]]:
+            live = replicas.live_replicas(s, dead_after_s=dead_after)
+            q = (sa.select(SandboxRow, Project.name, EdgeRow.url)
+                 .join(Project, Project.id == SandboxRow.project_id)
+                 .join(EdgeRow, EdgeRow.id == SandboxRow.edge_id)
+                 .where(SandboxRow.id.is_(None), SandboxRow.state == S.CREATING.value,
+                        SandboxRow.launcher.is_not(None), SandboxRow.updated_at < time.time() - 1.0,
+                        EdgeRow.status == "alive")
+                 .order_by(SandboxRow.created_at).limit(limit * 4))
+            return [(r, p, u) for r, p, u in s.execute(q) if r.launcher not in live][:limit]
+
+        orphans = await self.store.read(find)
+        if not orphans:
+            return 0
+        sem = asyncio.Semaphore(32)
+
+        async def one(row: SandboxRow, project: str, url: str) -> bool:
+            body = {"spec": row.spec, "lifecycle": row.lifecycle, "labels": dict(row.labels or {}),
+                    "task": row.task_name, "request_id": row.key, "project": project}
+            async with sem:
+                try:
+                    got = await self.edges.create(str(row.edge_id), url, body)
+                except DsecError as exc:
+                    if getattr(exc, "maybe_done", False) or exc.code == "host_error":
+                        return False  # unreachable: the next round (or the edge's loss) settles it
+                    log.warning("finishing create %s of a dead replica on edge %s: refused (%s); released",
+                                row.key, row.edge_id, exc)
+                    await self.store.write(lambda s: _release_txn(s, row.key))
+                    return True
+            await self.store.write(lambda s: _record_txn(s, row.key, got))
+            log.warning("finished create %s of a dead replica: sandbox %s on edge %s", row.key, got.id, row.edge_id)
+            return True
+
+        done = await asyncio.gather(*(one(r, p, u) for r, p, u in orphans))
+        return sum(done)
 
     # ------------------------------------------------------------ reconcile ----
 
@@ -239,6 +344,9 @@ class Watcher:
                 continue
             if sid in stopped:  # the store says stopped or lost, the edge still has it
                 doomed.append(sid)
+            elif sb.request_id and adopt_by_key(pending, sb, ledger):
+                log.warning("edge %s: recorded %s into its reservation %s (its create's answer was never recorded)",
+                            edge_id, sid, sb.request_id)
             elif sb.created_at < now - self.config.orphan_grace_s and adopt_unconfirmed(pending, sb, ledger):
                 log.warning("edge %s: adopted %s into its create's reservation (the answer was never recorded)",
                             edge_id, sid)
@@ -267,17 +375,14 @@ class Watcher:
         now = time.time()
         ledger = Ledger()
         lost_before = now - self.config.edge_lost_after_s
-        lost = s.execute(
-            sa.select(EdgeRow.id).where(EdgeRow.status == "dead", EdgeRow.last_seen < lost_before)
-        ).scalars().all()
-        if lost:
-            for row in s.execute(
-                sa.select(SandboxRow).where(SandboxRow.edge_id.in_(lost), SandboxRow.state.in_(LIVE)).with_for_update()
-            ).scalars():
-                if row.id is None:
-                    forget(s, row, ledger)
-                else:
-                    move(row, S.STOPPED, ledger, reason=f"edge {row.edge_id} lost (no answer for {self.config.edge_lost_after_s:g}s)")
+        for e in s.execute(
+            sa.select(EdgeRow).where(EdgeRow.status == "dead", EdgeRow.last_seen < lost_before).with_for_update()
+        ).scalars():
+            if e.lost_at is not None and e.lost_at >= (e.last_seen or 0.0):
+                continue  # declared already for this outage
+            n = declare_lost(s, e, f"edge {e.id} unreachable for {self.config.edge_lost_after_s:g}s: declared lost "
+                             "(destroyed there if the edge comes back)", now)
+            log.warning("edge %s lost: %d sandbox(es) declared lost, epoch now %d", e.id, n, e.epoch)
         stale = now - 2 * self.create_budget_s
         for row in s.execute(
             sa.select(SandboxRow)
@@ -303,6 +408,45 @@ class Watcher:
             )
 
 
+def adopt_by_key(pending: list[tuple[SandboxRow, str]], sb: SandboxInfo, ledger: Ledger) -> bool:
+    """The edge made ``sb`` for the create whose reservation key its request carried: record
+    it at once (exact, unlike :func:`adopt_unconfirmed`'s resemblance after a grace)."""
+    for i, (row, _project) in enumerate(pending):
+        if row.key != sb.request_id:
+            continue
+        _fill(row, sb, ledger)
+        del pending[i]
+        return True
+    return False
+
+
+def _fill(row: SandboxRow, sb: SandboxInfo, ledger: Ledger) -> None:
+    row.id = sb.id
+    row.edge_url = sb.edge_url or row.edge_url
+    row.created_at = sb.created_at
+    row.expires_at = sb.expires_at if sb.expires_at is not None else row.expires_at
+    if sb.state in (S.RUNNING, S.PAUSED, S.FAILED):
+        move(row, sb.state, ledger)
+
+
+def _record_txn(s: Session, key: str, got: SandboxInfo) -> None:
+    """A finished orphaned create: the reservation gets its sandbox (unless recorded meanwhile)."""
+    row = s.get(SandboxRow, key, with_for_update=True)
+    if row is None or row.id is not None or row.state != S.CREATING.value:
+        return
+    ledger = Ledger()
+    _fill(row, got, ledger)
+    ledger.flush(s)
+
+
+def _release_txn(s: Session, key: str) -> None:
+    row = s.get(SandboxRow, key, with_for_update=True)
+    if row is not None and row.id is None:
+        ledger = Ledger()
+        forget(s, row, ledger)
+        ledger.flush(s)
+
+
 def adopt_unconfirmed(pending: list[tuple[SandboxRow, str]], sb: SandboxInfo, ledger: Ledger) -> bool:
     """A sandbox the edge holds that no row names, older than the orphan grace: if a reservation
     on that edge asked for exactly it (project, task, labels, resources, made after the
@@ -316,12 +460,9 @@ def adopt_unconfirmed(pending: list[tuple[SandboxRow, str]], sb: SandboxInfo, le
             continue
         if sb.created_at < row.created_at - 5.0:
             continue
-        row.id = sb.id
-        row.edge_url = sb.edge_url or row.edge_url
-        row.created_at = sb.created_at
-        row.expires_at = sb.expires_at if sb.expires_at is not None else row.expires_at
-        if sb.state in (S.RUNNING, S.PAUSED, S.FAILED):
-            move(row, sb.state, ledger)
+        if sb.request_id and sb.request_id != row.key:
+            continue  # the edge says which create made it: another reservation's
+        _fill(row, sb, ledger)
         del pending[i]
         return True
     return False

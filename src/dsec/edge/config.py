@@ -196,7 +196,11 @@ class EdgeConfig(_Config):
     """Where layers this edge does not hold come from; None: only the local store."""
 
     control_plane_url: str | None = None
-    heartbeat_interval_s: Annotated[float, Field(gt=0, le=3600)] = 5.0
+    """Where to register and report health: one control-plane URL, or several separated by
+    commas (replicas: the edge fails over among them)."""
+    heartbeat_interval_s: Annotated[float, Field(gt=0, le=3600)] = 1.0
+    """How often health is reported: the control plane stops placing on an edge it has not heard
+    from for ``dead_after_s`` (2.5 s), so this stays well below it."""
     retry_after_s: Annotated[float, Field(gt=0, le=3600)] = 1.0
     """Retry-After of a 429 when admission refuses for lack of room."""
 
@@ -236,6 +240,11 @@ class EdgeConfig(_Config):
         if dup:
             raise ValueError(f"backend {', '.join(dup)} listed twice; one entry per kind")
         return v
+
+    @property
+    def control_plane_urls(self) -> list[str]:
+        """``control_plane_url`` split into its replicas' URLs."""
+        return [u.strip().rstrip("/") for u in (self.control_plane_url or "").split(",") if u.strip()]
 
     @property
     def container(self) -> ContainerConfig | None:

@@ -39,6 +39,7 @@ from dsec.edge.audit import FULL_ERRNOS, Auditor
 from dsec.edge.backends import EdgeBackends
 from dsec.edge.config import EdgeConfig
 from dsec.edge.events import EventLog, Tombstone
+from dsec.edge.fencing import LOST_REASON, FenceEpoch, fenced_out
 from dsec.edge.heartbeat import Heartbeat
 from dsec.edge.host import HostSampler
 from dsec.edge.lifecycle import Watchdog
@@ -53,6 +54,7 @@ from dsec.errors import (
     HostError,
     InvalidSpec,
     QuotaExceeded,
+    SandboxLost,
     SandboxNotFound,
     SandboxStateError,
     SessionClosed,
@@ -65,6 +67,7 @@ from dsec.spec.api import (
     EdgeHealth,
     ExecRequest,
     ExecResultWire,
+    FenceResult,
     ForkRequest,
     GroupResult,
     Lifecycle,
@@ -140,7 +143,7 @@ def platform_blocked(config: EdgeConfig) -> tuple[str, ...]:
 
     assert config.network is not None
     hosts = [config.host]
-    for url in (config.url, config.control_plane_url):
+    for url in (config.url, *config.control_plane_urls):
         if url:
             hosts.append(urlsplit(url).hostname or "")
     out = list(config.network.blocked)
@@ -204,6 +207,7 @@ class EdgeService:
         self.selfcheck = SelfCheck(self.backends, interval=config.host_check_interval_s)
         self.host = HostSampler(config.state_dir)
         self.heartbeat: Heartbeat | None = None
+        self.fencing = FenceEpoch(config.state_dir / f"fence-{config.runtime}.json")
         self.started = False
         self.draining = False
         self._busy: dict[str, int] = {}
@@ -228,13 +232,16 @@ class EdgeService:
             if rec.edge.request_id:
                 self._by_request[rec.edge.request_id] = rec.id
         self.resync_admission()
+        if self.fencing.epoch:  # a fence a crash interrupted finishes before anything else runs
+            await self.fence(self.fencing.epoch)
         await self.pools.start()
         self.watchdog.start()
         self.audit.start()
         self.selfcheck.start()
-        if self.config.control_plane_url:
-            self.heartbeat = Heartbeat(self.health, self.config.control_plane_url, edge_id=self.edge_id,
-                                       cluster_key=self.config.cluster_key, interval=self.config.heartbeat_interval_s)
+        if self.config.control_plane_urls:
+            self.heartbeat = Heartbeat(self.health, self.config.control_plane_urls, edge_id=self.edge_id,
+                                       cluster_key=self.config.cluster_key, interval=self.config.heartbeat_interval_s,
+                                       on_epoch=self.fence)
             self.heartbeat.start()
         self.started = True
         adopted = self.backends.reconciled().get("adopted", [])
@@ -310,6 +317,12 @@ class EdgeService:
         rec = self.backends.record(sandbox_id)
         if rec is None or sandbox_id in self.pools.pooled_ids or _platform_owned(rec):
             tomb = self.events.tombstone(sandbox_id)
+            if tomb is not None and tomb.reason == LOST_REASON:
+                raise SandboxLost(
+                    f"sandbox {sandbox_id} was lost: the control plane lost this edge ({self.edge_id}) for too "
+                    "long, declared the sandbox lost and had it destroyed here when the edge came back; create "
+                    "another", sandbox_id=sandbox_id, edge_id=self.edge_id, reason=LOST_REASON,
+                )
             if tomb is not None:
                 raise SandboxNotFound(
                     f"sandbox {sandbox_id} was destroyed at {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(tomb.destroyed_at))} "
@@ -349,7 +362,7 @@ class EdgeService:
             reason=rec.reason, from_pool=bool(edge.from_pool) if from_pool is None else from_pool,
             image=rec.spec.image, resources=rec.spec.resources,
             stage=rec.current_stage, network=rec.current_policy(), stages=sorted(rec.spec.stages),
-            backend=rec.spec.backend,
+            backend=rec.spec.backend, request_id=edge.request_id, epoch=edge.epoch,
         )
 
     def tomb_info(self, tomb: Tombstone) -> SandboxInfo:
@@ -392,7 +405,7 @@ class EdgeService:
         return EdgeMeta.lifecycle(now, req.lifecycle.ttl_s, req.lifecycle.idle_timeout_s,
                                   req.lifecycle.auto_pause_s or self.config.auto_pause_s,
                                   labels=dict(req.labels), task=req.task, project=req.project,
-                                  request_id=req.request_id)
+                                  request_id=req.request_id, epoch=self.fencing.epoch)
 
     async def _create(self, req: EdgeCreateSandbox) -> SandboxInfo:
         t0 = time.perf_counter()
@@ -507,6 +520,27 @@ class EdgeService:
             self.events.forget(sandbox_id)
         return True
 
+    async def fence(self, epoch: int) -> FenceResult:
+        """Destroy every sandbox made for the control plane before ``epoch`` (it declared them
+        lost while it could not reach this edge); the epoch never goes down. Idempotent."""
+        self.fencing.raise_to(epoch)
+        target = self.fencing.epoch
+        pooled = self.pools.pooled_ids
+        doomed = [r.id for r in self.backends.records()
+                  if fenced_out(r.edge.epoch, r.edge.project, r.id in pooled or r.edge.pool is not None, target)]
+        destroyed: builtins.list[str] = []
+        for sid in doomed:
+            self.events.add(sid, "fenced", epoch=target)
+            try:
+                if await self.destroy(sid, reason=LOST_REASON):
+                    destroyed.append(sid)
+            except DsecError as exc:  # the next fence (or start) tries again
+                log.warning("fence: cannot destroy %s: %s", sid, exc)
+        if doomed:
+            log.warning("fenced at epoch %d: destroyed %d sandbox(es) the control plane declared lost",
+                        target, len(destroyed))
+        return FenceResult(epoch=target, destroyed=destroyed)
+
     async def expire(self, sandbox_id: str, why: str) -> None:
         rec = self.backends.record(sandbox_id)
         if rec is None:
@@ -594,6 +628,7 @@ class EdgeService:
                   "store_total": float(self._store_space()[1])},
             paused=sum(1 for r in self.backends.records() if r.state is SandboxState.PAUSED),
             healthy=not problems, problems=problems, repairs=self.selfcheck.repairs(), runtime=self.config.runtime,
+            epoch=self.fencing.epoch,
             backends=self.backends.capabilities(),
         )
 
