@@ -140,6 +140,12 @@ def test_a_sandbox_runs_from_registry_layers_it_never_downloaded(
         # the big file's chunks came on first read (some held metadata and came at attach)
         assert after - before >= 3 * MiB and after >= 6 * MiB
 
+        # metadata came whole at attach (the lazy form's metadata image): a walk of the tree
+        # and a stat of every file fetch nothing
+        res = sh(edge, sid, "ls -lR /work > /dev/null && find /work -type f -exec stat -c %s {} + | wc -l")
+        assert res["exit_code"] == 0 and b64(res["stdout_b64"]).decode().strip() == "41", res
+        assert reg.stats()["loader"]["bytes_fetched"] == after
+
         # a second sandbox reads the same file from the cache, fetching nothing
         r2 = create(api)
         assert r2.status_code == 201, r2.text
@@ -209,8 +215,8 @@ def test_a_killed_loader_is_restarted_and_new_sandboxes_work(
         os.kill(old_pid, signal.SIGKILL)
         # the self-check notices, restarts the loader and mounts the layers again
         assert wait_until(lambda: reg.lazy.pid not in (None, old_pid) and reg.restarts >= 1, 15)
-        health = api.get("/v1/health").json()
-        assert any("restarted the lazy layer process" in x for x in health["repairs"]), health
+        assert wait_until(lambda: any("restarted the lazy layer process" in x
+                                      for x in api.get("/v1/health").json()["repairs"]), 5)
         # the sandbox that read from the dead files is destroyed cleanly; new ones work
         assert api.delete(f"/v1/sandboxes/{first}").status_code in (200, 204)
         assert wait_until(lambda: create(api).status_code == 201 or False, 20)

@@ -16,6 +16,7 @@ import io
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tarfile
@@ -28,7 +29,7 @@ import httpx
 import pytest
 
 from dsec.errors import InvalidSpec
-from dsec.images import LocalLayerStore, build_from_dir
+from dsec.images import LocalLayerStore, build_from_dir, sysmount
 from dsec.images.errors import (
     DigestMismatch,
     LayerBuildError,
@@ -46,7 +47,9 @@ from dsec.images.registry import (
     DOCKER_MANIFEST,
     DSEC_LAYER_ARTIFACT,
     DSEC_LAYER_CONFIG,
+    DSEC_LAYER_DATA,
     DSEC_LAYER_EROFS,
+    DSEC_LAYER_META,
     OCI_INDEX,
     OCI_MANIFEST,
     TITLE_ANNOTATION,
@@ -183,7 +186,7 @@ def test_layer_config_chunk_table(work: Path) -> None:
     with pytest.raises(IndexError):
         cfg.chunk_range(3)
     doc = json.loads(cfg.to_json())
-    assert list(doc) == ["kind", "name", "tag", "parents", "size", "digest", "chunk_size", "chunks"]
+    assert list(doc) == ["kind", "name", "tag", "parents", "size", "digest", "chunk_size", "chunks", "lazy"]
     assert doc["kind"] == "base" and doc["chunk_size"] == 1048576 and doc["parents"] == []
     assert DsecLayerConfig.parse(cfg.to_json()) == cfg
     doc["chunks"] = doc["chunks"][:2]
@@ -225,9 +228,17 @@ def test_push_pull_round_trip(work: Path, registry: RegistryServer, client: Regi
     assert m.doc["artifactType"] == DSEC_LAYER_ARTIFACT and m.doc["schemaVersion"] == 2
     assert m.doc["annotations"] == {TITLE_ANNOTATION: "rt:v1"}
     assert m.config.media_type == DSEC_LAYER_CONFIG
-    assert [(d.media_type, d.digest, d.size) for d in m.layers] == [(DSEC_LAYER_EROFS, layer.digest, layer.size)]
     cfg = json.loads(client.get_blob("dsec/rt", m.config.digest))
-    assert set(cfg) == {"kind", "name", "tag", "parents", "size", "digest", "chunk_size", "chunks"}
+    lazy = cfg["lazy"]
+    assert [(d.media_type, d.digest, d.size) for d in m.layers] == [
+        (DSEC_LAYER_EROFS, layer.digest, layer.size),
+        (DSEC_LAYER_META, lazy["meta"]["digest"], lazy["meta"]["size"]),
+        (DSEC_LAYER_DATA, lazy["data"]["digest"], lazy["data"]["size"]),
+    ]
+    assert set(cfg) == {"kind", "name", "tag", "parents", "size", "digest", "chunk_size", "chunks", "lazy"}
+    # the lazy form: a small metadata image, the file data in its data device
+    assert lazy["format"] == "erofs-blobdev-v1" and lazy["meta"]["size"] < layer.size // 10
+    assert lazy["data"]["size"] >= 3 * CHUNK_SIZE
     assert (cfg["kind"], cfg["name"], cfg["tag"], cfg["parents"]) == ("toolkit", "rt", "v1", [])
     assert (cfg["size"], cfg["digest"], cfg["chunk_size"]) == (layer.size, layer.digest, 1048576)
     raw = a.blob_path(layer.digest).read_bytes()
@@ -246,8 +257,61 @@ def test_push_pull_round_trip(work: Path, registry: RegistryServer, client: Regi
     assert again.digest == layer.digest and again.ref == "copy:1"
     assert sorted(x.ref for x in b.list()) == ["copy:1", "rt:v1"]
     assert os.listdir(b.tmp_dir) == []
-    # A second push sends metadata only.
-    assert not push_layer(a, "rt:v1", client, dest).uploaded
+    # A second push sends metadata only, and reuses the lazy form: the same manifest.
+    again_pushed = push_layer(a, "rt:v1", client, dest)
+    assert not again_pushed.uploaded and again_pushed.manifest_digest == m.digest
+
+
+@pytest.mark.root
+def test_lazy_form_mounts_as_the_same_tree(work: Path, registry: RegistryServer, client: RegistryClient) -> None:
+    """The lazy form (metadata image + data device), mounted from files as an edge does,
+    shows exactly the layer's tree: owners, modes, times, links, devices, xattrs, data."""
+    a = _store(work, "a")
+    src = _tree(work / "odd")
+    (src / "etc/link").symlink_to("os-release")
+    os.link(src / "etc/os-release", src / "etc/hard")
+    os.mknod(src / "etc/wh", 0o600 | stat.S_IFCHR, os.makedev(0, 0))  # an overlay whiteout
+    os.setxattr(src / "data", "trusted.overlay.opaque", b"y")
+    (src / "suid").write_bytes(b"x" * 5000)
+    os.chmod(src / "suid", 0o4755)
+    os.chown(src / "suid", 1234, 5678)
+    (src / "empty").write_bytes(b"")
+    layer = build_from_dir(a, src, name="odd", tag="1", kind="workspace")
+    push_layer(a, "odd:1", client, parse_registry_ref(f"{registry.url}/odd", default_tag=None))
+    cfg = json.loads(client.get_blob("odd", client.get_manifest("odd", "1").config.digest))
+    meta, data = work / "meta", work / "data"
+    meta.write_bytes(client.get_blob("odd", cfg["lazy"]["meta"]["digest"], max_bytes=1 << 30))
+    data.write_bytes(client.get_blob("odd", cfg["lazy"]["data"]["digest"], max_bytes=1 << 30))
+    whole, split = work / "mnt-whole", work / "mnt-split"
+    whole.mkdir()
+    split.mkdir()
+    sysmount.mount(str(a.blob_path(layer.digest)), str(whole), "erofs", sysmount.MS_RDONLY)
+    try:
+        sysmount.mount(str(meta), str(split), "erofs", sysmount.MS_RDONLY, f"device={data}")
+        try:
+            assert _walk(split) == _walk(whole)
+            assert len(_walk(whole)) >= 9
+        finally:
+            sysmount.umount(str(split))
+    finally:
+        sysmount.umount(str(whole))
+
+
+def _walk(root: Path) -> dict[str, tuple[Any, ...]]:
+    out: dict[str, tuple[Any, ...]] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            st = p.lstat()
+            xattrs = {k: os.getxattr(p, k, follow_symlinks=False) for k in os.listxattr(p, follow_symlinks=False)}
+            body: Any = None
+            if stat.S_ISREG(st.st_mode):
+                body = hashlib.sha256(p.read_bytes()).hexdigest()
+            elif stat.S_ISLNK(st.st_mode):
+                body = os.readlink(p)
+            out[str(p.relative_to(root))] = (st.st_mode, st.st_uid, st.st_gid, st.st_size, st.st_mtime_ns,
+                                             st.st_nlink, st.st_rdev, sorted(xattrs.items()), body)
+    return out
 
 
 def test_lineage_travels(work: Path, registry: RegistryServer, client: RegistryClient) -> None:

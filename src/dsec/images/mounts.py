@@ -128,9 +128,10 @@ class LayerMounts:
         mp.mkdir(mode=0o755, exist_ok=True)
         if self._mounts_at(mp):
             return mp  # mounted by an earlier process; take it over
-        source = self.store.open_local(digest)
+        found = self.store.mount_source(digest)
+        source = found.path
         try:
-            sysmount.mount(os.fspath(source), os.fspath(mp), "erofs", MOUNT_FLAGS)
+            sysmount.mount(os.fspath(source), os.fspath(mp), "erofs", MOUNT_FLAGS, found.options)
         except OSError as e:
             with contextlib.suppress(OSError):
                 mp.rmdir()

@@ -15,8 +15,12 @@ Owns three things, nothing more:
 
   The config blob is :class:`DsecLayerConfig` (kind, name, tag, lineage and a
   chunk table: the sha256 of every :data:`CHUNK_SIZE` slice of the EROFS file).
-  The one layer blob *is* the EROFS file, so a chunk is an HTTP Range of it and
-  can be verified on its own (:meth:`DsecLayerConfig.verify_chunk`).
+  The first layer blob *is* the EROFS file, so a chunk is an HTTP Range of it and
+  can be verified on its own (:meth:`DsecLayerConfig.verify_chunk`). A push also
+  adds the layer's *lazy form* (:class:`LazyForm`, in the config's ``lazy``): two
+  more blobs, a metadata-only EROFS image (:data:`DSEC_LAYER_META`) and its data
+  device (:data:`DSEC_LAYER_DATA`), each with its own chunk table, so an edge can
+  fetch all metadata in one small blob and file data only where it is read.
 * **References**: ``[http[s]://]HOST[:PORT]/REPO[:TAG|@sha256:HEX]``
   (:func:`parse_registry_ref`). Without a scheme, loopback hosts are spoken to
   over plain HTTP and every other host over HTTPS.
@@ -77,7 +81,15 @@ DSEC_LAYER_ARTIFACT = "application/vnd.dsec.layer.v1"
 DSEC_LAYER_CONFIG = "application/vnd.dsec.layer.config.v1+json"
 """Media type of the config blob: :class:`DsecLayerConfig` as JSON."""
 DSEC_LAYER_EROFS = "application/vnd.dsec.layer.erofs.v1"
-"""Media type of the one layer blob: the EROFS file itself."""
+"""Media type of the first layer blob: the EROFS file itself."""
+DSEC_LAYER_META = "application/vnd.dsec.layer.erofs-meta.v1"
+"""Media type of the lazy form's metadata image (:class:`LazyForm`)."""
+DSEC_LAYER_DATA = "application/vnd.dsec.layer.erofs-data.v1"
+"""Media type of the lazy form's data device (:class:`LazyForm`)."""
+LAZY_CHUNK_SIZE = 64 << 10
+"""Bytes per chunk of the lazy form's tables: a read of a small file fetches at most this
+much beyond it (the kernel reads a FUSE file in windows of about twice this anyway)."""
+LAZY_FORMAT = "erofs-blobdev-v1"
 TITLE_ANNOTATION = "org.opencontainers.image.title"
 CHUNK_SIZE = 1 << 20
 """Bytes per chunk of the chunk table (1 MiB); the last chunk may be shorter."""
@@ -107,6 +119,63 @@ def layer_alias_tag(digest: str) -> str:
 # -- the DSec layer config -------------------------------------------------------------
 
 
+class BlobTable(BaseModel):
+    """One blob and its chunk table: ``chunks[i]`` is the sha256 of bytes
+    ``[i * chunk_size, min((i + 1) * chunk_size, size))``."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    digest: str
+    size: int = Field(gt=0)
+    chunk_size: int = Field(default=LAZY_CHUNK_SIZE, ge=4096, le=64 << 20)
+    chunks: tuple[str, ...]
+
+    @field_validator("digest")
+    @classmethod
+    def _digest(cls, v: str) -> str:
+        return check_digest(v)
+
+    @field_validator("chunks")
+    @classmethod
+    def _digests(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(check_digest(d) for d in v)
+
+    @model_validator(mode="after")
+    def _count(self) -> BlobTable:
+        want = math.ceil(self.size / self.chunk_size)
+        if len(self.chunks) != want:
+            raise ValueError(f"chunk table has {len(self.chunks)} entries; a {self.size}-byte blob in "
+                             f"{self.chunk_size}-byte chunks has {want}")  # fmt: skip
+        return self
+
+    @classmethod
+    def of_file(cls, path: Path, *, chunk_size: int = LAZY_CHUNK_SIZE) -> BlobTable:
+        whole = hashlib.sha256()
+        chunks: list[str] = []
+        size = 0
+        with open(path, "rb") as f:
+            while buf := f.read(chunk_size):
+                whole.update(buf)
+                chunks.append(sha256_digest(buf))
+                size += len(buf)
+        return cls(digest=DIGEST_PREFIX + whole.hexdigest(), size=size, chunk_size=chunk_size, chunks=tuple(chunks))
+
+
+class LazyForm(BaseModel):
+    """The same tree as the layer's EROFS file, laid out for lazy loading: ``meta`` is an
+    EROFS image that holds every inode, directory and chunk index and no file data
+    (``mkfs.erofs --blobdev --chunksize 4096``), ``data`` its extra device with the file
+    contents. An edge fetches ``meta`` whole when it attaches the layer (``ls -R`` and
+    ``stat`` need nothing else) and ``data`` chunk by chunk on first read; EROFS mounts
+    ``meta`` with ``device=<data>``. Built at push time (docs/IMAGES.md)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    format: str = LAZY_FORMAT
+    meta: BlobTable
+    data: BlobTable
+
+
 class DsecLayerConfig(BaseModel):
     """The config blob of a DSec layer in a registry: what the layer is, and its chunk table.
 
@@ -129,6 +198,8 @@ class DsecLayerConfig(BaseModel):
     """``sha256:<hex>`` of the EROFS file: the layer's digest, and its blob's."""
     chunk_size: int = Field(default=CHUNK_SIZE, ge=4096, le=64 << 20)
     chunks: tuple[str, ...]
+    lazy: LazyForm | None = None
+    """The layer's lazy form (two more blobs of the manifest), when the push made one."""
 
     @field_validator("digest")
     @classmethod
@@ -307,14 +378,16 @@ class Manifest:
         )
 
 
-def dsec_layer_manifest(config: Descriptor, blob: Descriptor, *, title: str) -> bytes:
-    """The manifest bytes of a DSec layer (the format in the module docstring)."""
+def dsec_layer_manifest(config: Descriptor, blob: Descriptor, *, title: str,
+                        lazy: tuple[Descriptor, Descriptor] | None = None) -> bytes:
+    """The manifest bytes of a DSec layer (the format in the module docstring): the EROFS
+    file, then the lazy form's metadata image and data device if there is one."""
     doc = {
         "schemaVersion": 2,
         "mediaType": OCI_MANIFEST,
         "artifactType": DSEC_LAYER_ARTIFACT,
         "config": config.to_json(),
-        "layers": [blob.to_json()],
+        "layers": [blob.to_json(), *(d.to_json() for d in lazy or ())],
         "annotations": {TITLE_ANNOTATION: title},
     }
     return json.dumps(doc, separators=(",", ":")).encode()
@@ -959,16 +1032,22 @@ __all__ = [
     "DOCKER_MANIFEST",
     "DSEC_LAYER_ARTIFACT",
     "DSEC_LAYER_CONFIG",
+    "DSEC_LAYER_DATA",
     "DSEC_LAYER_EROFS",
+    "DSEC_LAYER_META",
     "INDEX_TYPES",
+    "LAZY_CHUNK_SIZE",
+    "LAZY_FORMAT",
     "MANIFEST_TYPES",
     "OCI_INDEX",
     "OCI_MANIFEST",
     "TITLE_ANNOTATION",
     "BlobReader",
+    "BlobTable",
     "Credentials",
     "Descriptor",
     "DsecLayerConfig",
+    "LazyForm",
     "Manifest",
     "RegistryClient",
     "RegistryRef",

@@ -33,7 +33,6 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from dsec.errors import LayerUnavailable
@@ -43,7 +42,7 @@ from .errors import RegistryAuthError, RegistryError, RegistryNotFound, Registry
 from .layer import Layer, check_name, check_tag
 from .lazy import LayerBusy, LazyLayers, RemoteLayer, ServiceDown
 from .registry import Credentials, RegistryClient, RegistryRef
-from .store import LocalLayerStore
+from .store import LocalLayerStore, MountSource, RemoteRecord
 from .transfer import pull_layer, read_dsec_layer
 
 log = logging.getLogger("dsec.images.remote")
@@ -57,6 +56,12 @@ class HealReport:
     """EROFS mounts made from the dead process's files, detached so they are mounted again."""
     problem: str = ""
     """What could not be repaired ("" when all is well)."""
+
+
+@dataclass(frozen=True)
+class _Attached:
+    parts: list[RemoteLayer]
+    """The files of one layer in the FUSE process: [EROFS file] or [metadata image, data device]."""
 
 
 class RegistryLayers:
@@ -80,8 +85,8 @@ class RegistryLayers:
         """None: registry layers are pulled whole on first use (``lazy: false``)."""
         self.client = RegistryClient(self.url, credentials=credentials, timeout=timeout_s, verify=verify)
         self._lock = threading.Lock()
-        self._attached: dict[str, RemoteLayer] = {}
-        """Digest -> the layer (with the headers last sent) attached to the FUSE process."""
+        self._attached: dict[str, _Attached] = {}
+        """Layer digest -> its files (with the headers last sent) attached to the FUSE process."""
         self.lookups = 0
         self.lookup_misses = 0
         self.registry_failures = 0
@@ -134,14 +139,21 @@ class RegistryLayers:
         except RegistryError as exc:
             raise self._unavailable(exc, f"looking up {repo}:{tag}") from exc
         remote = RemoteLayer.from_config(cfg.model_dump(mode="json"), registry=self.url, repo=repo)
-        layer = self.store.add_remote(remote, name=name, tag=tag, kind=cfg.kind, parents=cfg.parents)
+        lazy = None
+        if cfg.lazy is not None:
+            lazy = (RemoteLayer(registry=self.url, repo=repo, **cfg.lazy.meta.model_dump()),
+                    RemoteLayer(registry=self.url, repo=repo, **cfg.lazy.data.model_dump()))  # fmt: skip
+        layer = self.store.add_remote(remote, name=name, tag=tag, kind=cfg.kind, parents=cfg.parents, lazy=lazy)
         log.info("registry layer %s:%s is %s (%d bytes, %d chunks) from %s/%s", name, tag, cfg.digest,
                  cfg.size, len(cfg.chunks), self.url, repo)  # fmt: skip
         return layer
 
     # --------------------------------------------------------------- bytes --
 
-    def attach(self, remote: RemoteLayer) -> Path:
+    def attach(self, rec: RemoteRecord) -> MountSource:
+        """Attach the layer's lazy form (metadata image fetched whole, data device on demand)
+        or, for a layer pushed without one, its EROFS file (metadata chunks first)."""
+        remote = rec.layer
         if self.lazy is None:
             raise LayerUnavailable(
                 f"layer {remote.digest} is a registry layer ({remote.registry}/{remote.repo}) and this "
@@ -149,30 +161,40 @@ class RegistryLayers:
                 digest=remote.digest, registry=remote.registry, status=0,
             )  # fmt: skip
         headers = self._headers(remote)
-        ref = remote.model_copy(update={"headers": headers})
-        try:
-            path = self.lazy.attach(ref)
-        except ServiceDown:
-            self.heal()  # the process died: start a new one and try once more
-            path = self.lazy.attach(ref)
-        except LayerUnavailable as exc:
-            self._failed(str(exc))
-            raise
+        parts = ([remote] if rec.meta is None or rec.data is None else [rec.meta, rec.data])
+        refs = [p.model_copy(update={"headers": headers}) for p in parts]
+        paths = []
+        for i, ref in enumerate(refs):
+            # a lazy form: its metadata image whole, its data device nothing ahead
+            kw = ({} if len(refs) == 1 else {"prefetch_all": True} if i == 0 else {"prefetch_metadata": False})
+            try:
+                try:
+                    paths.append(self.lazy.attach(ref, **kw))
+                except ServiceDown:
+                    self.heal()  # the process died: start a new one and try once more
+                    paths.append(self.lazy.attach(ref, **kw))
+            except LayerUnavailable as exc:
+                self._failed(str(exc))
+                raise
         with self._lock:
-            self._attached[remote.digest] = ref
-        return path
+            self._attached[remote.digest] = _Attached(refs)
+        if len(paths) == 1:
+            return MountSource(paths[0])
+        return MountSource(paths[0], f"device={paths[1]}")
 
     def detach(self, digest: str) -> None:
         with self._lock:
             known = self._attached.pop(digest, None)
         if self.lazy is None or known is None:
             return
-        try:
-            self.lazy.detach(digest)
-        except LayerBusy:
-            log.info("layer %s: its lazy file is still open (a mount elsewhere); left attached", digest)
-        except ServiceDown:
-            pass  # nothing to detach from; heal() starts a new process without it
+        for part in known.parts:
+            try:
+                self.lazy.detach(part.digest)
+            except LayerBusy:
+                log.info("layer %s: its lazy file %s is still open (a mount elsewhere); left attached",
+                         digest, part.digest)  # fmt: skip
+            except ServiceDown:
+                pass  # nothing to detach from; heal() starts a new process without it
 
     def attached(self) -> list[str]:
         with self._lock:
@@ -196,21 +218,23 @@ class RegistryLayers:
         if self.lazy is None:
             return 0
         with self._lock:
-            layers = list(self._attached.values())
+            attached = list(self._attached.items())
         done = 0
-        for ref in layers:
+        for digest, att in attached:
+            repo = att.parts[0].repo
             try:
-                headers = self.client.auth_headers(ref.repo)
-                if headers == ref.headers:
+                headers = self.client.auth_headers(repo)
+                if headers == att.parts[0].headers:
                     continue
-                fresh = ref.model_copy(update={"headers": headers})
-                self.lazy.attach(fresh, prefetch_metadata=False)
+                fresh = [p.model_copy(update={"headers": headers}) for p in att.parts]
+                for p in fresh:
+                    self.lazy.attach(p, prefetch_metadata=False)
                 with self._lock:
-                    if ref.digest in self._attached:
-                        self._attached[ref.digest] = fresh
+                    if digest in self._attached:
+                        self._attached[digest] = _Attached(fresh)
                 done += 1
             except (RegistryError, LayerUnavailable, ServiceDown) as exc:
-                self._failed(f"refreshing the token of {ref.repo}: {exc}")
+                self._failed(f"refreshing the token of {repo}: {exc}")
         return done
 
     # -------------------------------------------------------------- health --

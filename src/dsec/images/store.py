@@ -28,6 +28,7 @@ from __future__ import annotations
 import abc
 import builtins
 import contextlib
+import dataclasses
 import fcntl
 import json
 import os
@@ -81,7 +82,8 @@ CREATE TABLE IF NOT EXISTS remotes (
     registry   TEXT NOT NULL,
     repo       TEXT NOT NULL,
     chunk_size INTEGER NOT NULL,
-    chunks     TEXT NOT NULL
+    chunks     TEXT NOT NULL,
+    lazy       TEXT
 );
 CREATE TABLE IF NOT EXISTS pins (
     digest    TEXT NOT NULL,
@@ -92,6 +94,26 @@ CREATE TABLE IF NOT EXISTS pins (
 """
 
 _LIST_HINT = "see available layers with `dsec image ls`"
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoteRecord:
+    """What the store knows of a remote layer: the EROFS file in the registry (``layer``,
+    digest = the layer's) and, when the push made one, its lazy form: the metadata image
+    (``meta``) and data device (``data``), each a blob with its own chunk table."""
+
+    layer: RemoteLayer
+    meta: RemoteLayer | None = None
+    data: RemoteLayer | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class MountSource:
+    """How to mount a layer: EROFS from ``path``, with mount ``options`` (``device=...``
+    for a lazy form's data device) or none."""
+
+    path: Path
+    options: str | None = None
 
 
 class RemoteSource(Protocol):
@@ -106,9 +128,9 @@ class RemoteSource(Protocol):
     def describe(self, name: str, tag: str) -> str:
         """Where ``name:tag`` was looked for, for error messages."""
 
-    def attach(self, remote: RemoteLayer) -> Path:
-        """A local path with the layer's bytes (a lazily loaded file). Raises
-        :class:`LayerUnavailable` when the metadata chunks cannot be fetched."""
+    def attach(self, remote: RemoteRecord) -> MountSource:
+        """Local files to mount the layer from (lazily loaded). Raises
+        :class:`LayerUnavailable` when its metadata cannot be fetched."""
 
     def detach(self, digest: str) -> None:
         """The layer's path is no longer used (its mount is gone); a no-op if not attached."""
@@ -163,6 +185,12 @@ class LayerStore(abc.ABC):
     @abc.abstractmethod
     def open_local(self, digest: str) -> Path:
         """A local path whose bytes are the layer's EROFS image, for mounting."""
+
+    def mount_source(self, digest: str) -> MountSource:
+        """What to mount the layer from: :meth:`open_local`'s file unless the store loads
+        the layer another way (a remote layer's lazy form: a metadata image and its data
+        device)."""
+        return MountSource(self.open_local(digest))
 
     @abc.abstractmethod
     def pin(self, digest: str, holder: str) -> bool:
@@ -357,17 +385,12 @@ class LocalLayerStore(LayerStore):
     def open_local(self, digest: str) -> Path:
         self.get(digest)
         path = self.blob_path(digest)
-        if not path.is_file() and (remote := self.remote(digest)) is not None:
+        if not path.is_file() and (rec := self.remote(digest)) is not None:
             source = self._source
             if source is None:
-                raise LayerUnavailable(
-                    f"layer {digest} is a registry layer ({remote.registry}/{remote.repo}) and this "
-                    "process has no lazy loader: run it on an edge with a registry configured, or "
-                    f"fetch the whole layer with `dsec image pull {_host(remote.registry)}/{remote.repo}:sha256-"
-                    f"{digest_hex(digest)}`",
-                    digest=digest, registry=remote.registry, status=0,
-                )  # fmt: skip
-            return source.attach(remote)
+                raise self._no_loader(rec)
+            found = source.attach(dataclasses.replace(rec, meta=None, data=None))
+            return found.path
         if not path.is_file():
             raise ImageError(
                 f"layer {digest} is in the index of {self.root} but its file {path} is missing; "
@@ -375,6 +398,23 @@ class LocalLayerStore(LayerStore):
                 digest=digest,
             )
         return path
+
+    def mount_source(self, digest: str) -> MountSource:
+        self.get(digest)
+        if not self.blob_path(digest).is_file() and (rec := self.remote(digest)) is not None:
+            if self._source is None:
+                raise self._no_loader(rec)
+            return self._source.attach(rec)
+        return MountSource(self.open_local(digest))
+
+    def _no_loader(self, rec: RemoteRecord) -> LayerUnavailable:
+        r = rec.layer
+        return LayerUnavailable(
+            f"layer {r.digest} is a registry layer ({r.registry}/{r.repo}) and this process has no lazy "
+            "loader: run it on an edge with a registry configured, or fetch the whole layer with "
+            f"`dsec image pull {_host(r.registry)}/{r.repo}:sha256-{digest_hex(r.digest)}`",
+            digest=r.digest, registry=r.registry, status=0,
+        )  # fmt: skip
 
     # -- remote layers ---------------------------------------------------------
 
@@ -386,29 +426,35 @@ class LocalLayerStore(LayerStore):
     def remote_source(self) -> RemoteSource | None:
         return self._source
 
-    def remote(self, digest: str) -> RemoteLayer | None:
-        """The registry location and chunk table of a remote layer (no auth headers);
+    def remote(self, digest: str) -> RemoteRecord | None:
+        """The registry location and chunk tables of a remote layer (no auth headers);
         None for a layer held as a local file only, or unknown."""
         from .lazy.model import RemoteLayer
 
         check_digest(digest)
         with self._connect() as db:
             row = db.execute(
-                "SELECT r.registry, r.repo, r.chunk_size, r.chunks, l.size FROM remotes r "
+                "SELECT r.registry, r.repo, r.chunk_size, r.chunks, l.size, r.lazy FROM remotes r "
                 "JOIN layers l ON l.digest = r.digest WHERE r.digest = ?", (digest,),
             ).fetchone()  # fmt: skip
         if row is None:
             return None
-        registry, repo, chunk_size, chunks, size = row
-        return RemoteLayer(registry=registry, repo=repo, digest=digest, size=size, chunk_size=chunk_size,
-                           chunks=tuple(json.loads(chunks)))  # fmt: skip
+        registry, repo, chunk_size, chunks, size, lazy = row
+        layer = RemoteLayer(registry=registry, repo=repo, digest=digest, size=size, chunk_size=chunk_size,
+                            chunks=tuple(json.loads(chunks)))  # fmt: skip
+        if not lazy:
+            return RemoteRecord(layer)
+        meta, data = (RemoteLayer(registry=registry, repo=repo, **part) for part in json.loads(lazy))
+        return RemoteRecord(layer, meta, data)
 
     def add_remote(
-        self, remote: RemoteLayer, *, name: str, tag: str, kind: LayerKind | str, parents: Iterable[str] = ()
+        self, remote: RemoteLayer, *, name: str, tag: str, kind: LayerKind | str, parents: Iterable[str] = (),
+        lazy: tuple[RemoteLayer, RemoteLayer] | None = None,
     ) -> Layer:
         """Register a layer whose bytes stay in a registry (``remote``: where, and its chunk
         table) under ``name:tag``; idempotent. A layer already held as a file keeps its file
-        (it is then also known to be in the registry)."""
+        (it is then also known to be in the registry). ``lazy``: the layer's lazy form in the
+        same repository, (metadata image, data device)."""
         check_name(name)
         check_tag(tag)
         kind = check_kind(kind)
@@ -429,10 +475,14 @@ class LocalLayerStore(LayerStore):
                 created_at, stored_parents = now, parent_list
             else:
                 created_at, stored_parents = row[1], json.loads(row[2])
+            lazy_json = None if lazy is None else json.dumps([
+                {"digest": p.digest, "size": p.size, "chunk_size": p.chunk_size, "chunks": list(p.chunks)}
+                for p in lazy])  # fmt: skip
             db.execute(
-                "INSERT INTO remotes(digest, registry, repo, chunk_size, chunks) VALUES (?, ?, ?, ?, ?) "
-                "ON CONFLICT(digest) DO UPDATE SET registry = excluded.registry, repo = excluded.repo",
-                (digest, remote.registry, remote.repo, remote.chunk_size, json.dumps(list(remote.chunks))),
+                "INSERT INTO remotes(digest, registry, repo, chunk_size, chunks, lazy) VALUES (?, ?, ?, ?, ?, ?) "
+                "ON CONFLICT(digest) DO UPDATE SET registry = excluded.registry, repo = excluded.repo, "
+                "lazy = excluded.lazy",
+                (digest, remote.registry, remote.repo, remote.chunk_size, json.dumps(list(remote.chunks)), lazy_json),
             )
             db.execute(
                 "INSERT INTO tags(name, tag, digest, updated_at) VALUES (?, ?, ?, ?) "
@@ -723,4 +773,4 @@ def _host(url: str) -> str:
     return url.split("://", 1)[-1]
 
 
-__all__ = ["LayerStore", "LocalLayerStore", "RemoteSource"]
+__all__ = ["LayerStore", "LocalLayerStore", "MountSource", "RemoteRecord", "RemoteSource"]

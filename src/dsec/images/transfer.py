@@ -30,10 +30,14 @@ from .errors import DigestMismatch, RegistryNotFound, UnsupportedManifest
 from .layer import Layer, LayerKind, check_name, check_tag
 from .registry import (
     DSEC_LAYER_CONFIG,
+    DSEC_LAYER_DATA,
     DSEC_LAYER_EROFS,
+    DSEC_LAYER_META,
     OCI_MANIFEST,
+    BlobTable,
     Descriptor,
     DsecLayerConfig,
+    LazyForm,
     Manifest,
     RegistryClient,
     RegistryRef,
@@ -74,22 +78,26 @@ def push_layer(
     dest: RegistryRef,
     *,
     progress: Progress | None = None,
+    lazy_form: bool = True,
 ) -> Pushed:
     """Push the layer ``ref`` (``NAME[:TAG]`` or digest) of ``store`` to ``dest``.
 
     The registry tag is ``dest.tag`` if given, else the layer's own tag. Parents that
     are in the store are pushed first; parents that are not are named in a warning.
+    ``lazy_form`` also pushes the layer's lazy form (:mod:`.lazyform`; reused when the
+    registry has it already), which edges need to load the layer lazily; without
+    CAP_SYS_ADMIN it is left out with a warning.
     """
     layer = store.resolve(ref)
     report = progress or _noop
     pushed_parents: list[str] = []
     for parent in _lineage(store, layer):
         _push_one(store, store.get(parent), client, dest.repo, tags=[layer_alias_tag(parent)],
-                  report=_noop)  # fmt: skip
+                  report=_noop, lazy_form=lazy_form)  # fmt: skip
         pushed_parents.append(parent)
     tag = dest.tag or layer.tag
-    digest, uploaded = _push_one(store, layer, client, dest.repo,
-                                 tags=[tag, layer_alias_tag(layer.digest)], report=report)  # fmt: skip
+    digest, uploaded = _push_one(store, layer, client, dest.repo, tags=[tag, layer_alias_tag(layer.digest)],
+                                 report=report, lazy_form=lazy_form)  # fmt: skip
     host = dest.base_url.split("://", 1)[1]
     return Pushed(f"{host}/{dest.repo}:{tag}", digest, layer, uploaded, pushed_parents)
 
@@ -123,7 +131,8 @@ def _lineage(store: LayerStore, layer: Layer) -> list[str]:
 
 
 def _push_one(
-    store: LayerStore, layer: Layer, client: RegistryClient, repo: str, *, tags: list[str], report: Progress
+    store: LayerStore, layer: Layer, client: RegistryClient, repo: str, *, tags: list[str], report: Progress,
+    lazy_form: bool = True,
 ) -> tuple[str, bool]:
     path = store.open_local(layer.digest)
     report("push", 0, layer.size)
@@ -139,12 +148,46 @@ def _push_one(
         repo, path, digest=layer.digest, media_type=DSEC_LAYER_EROFS,
         on_progress=lambda done, total: report("push", done, total),
     )  # fmt: skip
+    lazy = _push_lazy_form(store, layer, path, client, repo) if lazy_form else None
+    if lazy is not None:
+        config = config.model_copy(update={"lazy": lazy})
     cfg = client.push_blob(repo, config.to_json(), media_type=DSEC_LAYER_CONFIG)
-    raw = dsec_layer_manifest(cfg, Descriptor(DSEC_LAYER_EROFS, blob.digest, blob.size), title=layer.ref)
+    extra = None if lazy is None else (Descriptor(DSEC_LAYER_META, lazy.meta.digest, lazy.meta.size),
+                                       Descriptor(DSEC_LAYER_DATA, lazy.data.digest, lazy.data.size))  # fmt: skip
+    raw = dsec_layer_manifest(cfg, Descriptor(DSEC_LAYER_EROFS, blob.digest, blob.size), title=layer.ref,
+                              lazy=extra)  # fmt: skip
     digest = ""
     for tag in tags:
         digest = client.put_manifest(repo, tag, raw, OCI_MANIFEST)
     return digest, uploaded
+
+
+def _push_lazy_form(store: LayerStore, layer: Layer, path: Path, client: RegistryClient, repo: str) -> LazyForm | None:
+    """The layer's lazy form in ``repo``: the one pushed before (found by the layer's alias
+    tag, its blobs still there) or a new one built and uploaded now; None when it cannot
+    be built here (a warning says why) or the layer has no file data."""
+    from .lazyform import LazyFormUnavailable, build_lazy_form
+
+    try:
+        _, old = read_dsec_layer(client, repo, layer_alias_tag(layer.digest))
+        if old.digest == layer.digest and old.lazy is not None and all(
+                client.blob_size(repo, t.digest) == t.size for t in (old.lazy.meta, old.lazy.data)):
+            return old.lazy
+    except (RegistryNotFound, UnsupportedManifest):
+        pass
+    with store.scratch("lazyform") as work:
+        try:
+            meta, data = build_lazy_form(path, work)
+        except LazyFormUnavailable as exc:
+            log.warning("%s: pushed without a lazy form (edges will fetch metadata chunk by chunk): %s",
+                        layer.ref, exc)  # fmt: skip
+            return None
+        if data.stat().st_size == 0:
+            return None
+        form = LazyForm(meta=BlobTable.of_file(meta), data=BlobTable.of_file(data))
+        client.push_blob_file(repo, meta, digest=form.meta.digest, media_type=DSEC_LAYER_META)
+        client.push_blob_file(repo, data, digest=form.data.digest, media_type=DSEC_LAYER_DATA)
+    return form
 
 
 # -- pull -----------------------------------------------------------------------------------
@@ -167,16 +210,23 @@ def read_dsec_layer(client: RegistryClient, repo: str, reference: str) -> tuple[
     if cfg_desc.media_type != DSEC_LAYER_CONFIG:
         raise UnsupportedManifest(f"{m.where}: config media type {cfg_desc.media_type!r}, expected "
                                   f"{DSEC_LAYER_CONFIG}", media_type=cfg_desc.media_type)  # fmt: skip
-    if len(layers) != 1 or layers[0].media_type != DSEC_LAYER_EROFS:
-        kinds = ", ".join(d.media_type for d in layers) or "none"
-        raise UnsupportedManifest(f"{m.where}: a DSec layer has exactly one {DSEC_LAYER_EROFS} blob "
-                                  f"(found: {kinds})", media_type=m.media_type)  # fmt: skip
+    kinds = [d.media_type for d in layers]
+    if kinds not in ([DSEC_LAYER_EROFS], [DSEC_LAYER_EROFS, DSEC_LAYER_META, DSEC_LAYER_DATA]):
+        raise UnsupportedManifest(f"{m.where}: a DSec layer has one {DSEC_LAYER_EROFS} blob, then optionally its "
+                                  f"lazy form's {DSEC_LAYER_META} and {DSEC_LAYER_DATA} (found: "
+                                  f"{', '.join(kinds) or 'none'})", media_type=m.media_type)  # fmt: skip
     cfg = DsecLayerConfig.parse(client.get_blob(repo, cfg_desc.digest), where=m.where)
     if cfg.digest != layers[0].digest or cfg.size != layers[0].size:
         raise UnsupportedManifest(
             f"{m.where}: the config describes {cfg.digest} ({cfg.size} bytes) but the manifest's blob is "
             f"{layers[0].digest} ({layers[0].size} bytes); push the layer again", media_type=m.media_type,
         )  # fmt: skip
+    lazy = cfg.lazy
+    if (lazy is None) != (len(layers) == 1) or (lazy is not None and (
+            (lazy.meta.digest, lazy.meta.size) != (layers[1].digest, layers[1].size)
+            or (lazy.data.digest, lazy.data.size) != (layers[2].digest, layers[2].size))):
+        raise UnsupportedManifest(f"{m.where}: the config's lazy form and the manifest's blobs disagree; push the "
+                                  "layer again", media_type=m.media_type)  # fmt: skip
     return m, cfg
 
 

@@ -174,8 +174,10 @@ class Engine:
 
     # ------------------------------------------------------------ attach/detach --
 
-    async def attach(self, layer: RemoteLayer, *, prefetch_metadata: bool = True) -> Attached:
-        """Make ``layer`` readable; with ``prefetch_metadata`` fetch its metadata chunks first.
+    async def attach(self, layer: RemoteLayer, *, prefetch_metadata: bool = True,
+                     prefetch_all: bool = False) -> Attached:
+        """Make ``layer`` readable; with ``prefetch_metadata`` fetch its metadata chunks first,
+        with ``prefetch_all`` every chunk (a lazy form's metadata image, which is all metadata).
         Raises LayerUnavailable / ChunkCorrupt when they cannot be had (the layer is then
         not attached). Attaching an attached layer refreshes its headers (new tokens)."""
         while (pending := self._attaching.get(layer.hex)) is not None:
@@ -192,10 +194,10 @@ class Engine:
             return al
         al = Attached(layer=layer, ino=self._next_ino, attached_at=time.time())
         self._next_ino += 1
-        if prefetch_metadata:
+        if prefetch_metadata or prefetch_all:
             done = self._attaching[layer.hex] = trio.Event()
             try:
-                await self._prefetch_metadata(al)
+                await (self._prefetch_all(al) if prefetch_all else self._prefetch_metadata(al))
             finally:
                 del self._attaching[layer.hex]
                 done.set()
@@ -222,6 +224,39 @@ class Engine:
     def _changed(self) -> None:
         if self.on_change is not None:
             self.on_change()
+
+    async def _prefetch_all(self, al: Attached) -> None:
+        layer = al.layer
+        t0 = time.monotonic()
+        before = al.counters.bytes_fetched
+        wanted = [i for i, d in enumerate(layer.chunks) if not self.cache.contains(d[7:])]
+        errors: list[ReadFailed] = []
+
+        async def one(i: int) -> None:
+            try:
+                await self._fetch_shared(al, i)
+            except ReadFailed as exc:
+                errors.append(exc)
+
+        try:
+            with trio.fail_after(self.config.read_deadline_s):
+                async with trio.open_nursery() as n:
+                    for i in wanted:
+                        n.start_soon(one, i)
+        except trio.TooSlowError:
+            raise LayerUnavailable(
+                f"layer file {layer.digest}: not fetched within {self.config.read_deadline_s} s",
+                digest=layer.digest, registry=layer.registry, status=0,
+            ) from None
+        if errors:
+            exc = errors[0]
+            if isinstance(exc.__cause__, LazyError):
+                raise exc.__cause__ from None
+            raise LayerUnavailable(f"layer file {layer.digest}: not fetched: {exc}", digest=layer.digest,
+                                   registry=layer.registry, status=0) from None  # fmt: skip
+        al.counters.metadata_chunks = len(layer.chunks)
+        al.counters.metadata_bytes = al.counters.bytes_fetched - before
+        al.counters.metadata_s = round(time.monotonic() - t0, 4)
 
     async def _prefetch_metadata(self, al: Attached) -> None:
         layer = al.layer

@@ -205,13 +205,15 @@ class LazyLayers:
 
     # --------------------------------------------------------------- layers --
 
-    def attach(self, ref: RemoteLayer, *, prefetch_metadata: bool = True) -> Path:
+    def attach(self, ref: RemoteLayer, *, prefetch_metadata: bool = True, prefetch_all: bool = False) -> Path:
         """Expose ``ref`` as ``<mountpoint>/<hex>.erofs`` and return that path: the file to
         mount EROFS from. With ``prefetch_metadata`` (default) returns once the chunks
         holding the image's metadata are cached. Raises LayerUnavailable (registry
-        unreachable, nothing cached) or ChunkCorrupt; idempotent (refreshes headers)."""
+        unreachable, nothing cached) or ChunkCorrupt; idempotent (refreshes headers).
+        ``prefetch_all`` fetches every chunk first (a lazy form's small metadata image);
+        ``prefetch_metadata=False`` none (a lazy form's data device)."""
         answer = self._call({"op": "attach", "layer": ref.model_dump(mode="json"),
-                             "prefetch_metadata": prefetch_metadata})
+                             "prefetch_metadata": prefetch_metadata, "prefetch_all": prefetch_all})
         return Path(answer["path"])
 
     def detach(self, digest: str) -> bool:

@@ -129,7 +129,8 @@ class Service:
                     "root": str(self.args.root)}
         if op == "attach":
             layer = RemoteLayer.model_validate(req["layer"])
-            al = await self.engine.attach(layer, prefetch_metadata=bool(req.get("prefetch_metadata", True)))
+            al = await self.engine.attach(layer, prefetch_metadata=bool(req.get("prefetch_metadata", True)),
+                                          prefetch_all=bool(req.get("prefetch_all", False)))
             return {"ok": True, "path": str(self.args.root / layer.filename),
                     "layer": self.engine.stats()["layers"][al.layer.hex]}
         if op == "detach":
