@@ -6,13 +6,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 APT_PACKAGES=(gcc libc6-dev libseccomp-dev pkg-config erofs-utils crun bubblewrap btrfs-progs musl-tools
-              debootstrap busybox-static iproute2 nftables tar gzip util-linux python3-venv
+              debootstrap busybox-static iproute2 nftables tar gzip util-linux python3-venv python3-dev
               postgresql podman runc docker-registry openssl fuse3 libfuse3-dev chromium fonts-dejavu-core)
               # postgresql: the control-plane tests run on a throwaway cluster too;
               # podman + runc: `dsec bench cli`'s baseline (podman run --rm);
               # docker-registry (CNCF distribution 2.8) + openssl: the registry layer store, its
               # tests' registries and token server (dsec/images/registry_server.py), `dsec up --registry`
               # fuse3 + libfuse3-dev: pyfuse3 (the lazy layer FUSE process, dsec/images/lazy) builds against it
+              # python3-dev: ...and against Python.h, which Debian's python3 lacks (deploy/Containerfile's build found it)
               # chromium + fonts-dejavu-core: the control plane's dashboard is tested in headless Chromium
               # (driven over the DevTools protocol, tests/integration/chromium.py; docs/DASHBOARD.md)
 missing=()

@@ -449,16 +449,21 @@ def _name_tag(text: str | None) -> tuple[str | None, str | None]:
 @click.option("--registry", "registry", required=True, metavar="[http[s]://]HOST[:PORT]/REPO[:TAG]",
               help="Where to push; the tag defaults to the layer's own.")  # fmt: skip
 @_registry_options
+@click.option("--no-lazy-form", "no_lazy_form", is_flag=True,
+              help="Do not add the lazy form (metadata image + data device) edges load lazily.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress display.")
 @click.pass_context
 def push_cmd(ctx: click.Context, ref: str, registry: str, username: str | None, password_stdin: bool,
-             as_json: bool, quiet: bool) -> None:  # fmt: skip
+             no_lazy_form: bool, as_json: bool, quiet: bool) -> None:  # fmt: skip
     """Push a layer (and the parents the store has) to an OCI registry.
 
     The layer's EROFS file goes up once as a blob (skipped when the registry
     has it), with a config holding its kind, name:tag, lineage and chunk table,
-    under a manifest tagged TAG and sha256-<layer hex>. Prints the manifest digest.
+    under a manifest tagged TAG and sha256-<layer hex>; and, unless --no-lazy-form,
+    the layer's lazy form (a metadata-only EROFS image and its data device: needs
+    root to build), which lets edges mount it without downloading it. An edge
+    finds NAME:TAG in its registry at HOST/<namespace>/NAME. Prints the manifest digest.
     """
     from dsec.images.transfer import push_layer
 
@@ -469,7 +474,7 @@ def push_cmd(ctx: click.Context, ref: str, registry: str, username: str | None, 
         store = _store(ctx)
         with _client(dest.base_url, username, password_stdin) as client, \
                 _progress_display(enabled=not quiet) as progress:  # fmt: skip
-            result = push_layer(store, ref, client, dest, progress=progress)
+            result = push_layer(store, ref, client, dest, progress=progress, lazy_form=not no_lazy_form)
     if not quiet:
         sent = "uploaded" if result.uploaded else "already there, metadata only"
         click.echo(f"pushed {result.layer.ref} to {result.ref} ({_human(result.layer.size)}, {sent})", err=True)

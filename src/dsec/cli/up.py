@@ -205,6 +205,19 @@ async def start_cluster(
     started: list[Any] = []
     notes: list[str] = []
     overrides = {"network": DEFAULT_NETWORK, **(edge_overrides or {})}
+    reg = None
+    if registry:
+        from dsec.images.registry_server import start_for_data_dir
+
+        try:
+            # First, so the edges load layers they lack from it (lazily); in this thread:
+            # the registry is told to die with the thread that started it.
+            reg = start_for_data_dir(data_dir, host=host, port=registry_port)
+        except BaseException:
+            await control.stop()
+            lock.release()
+            raise
+        overrides.setdefault("registry", {"url": reg.url})
     try:
         key = ccfg.resolve_cluster_key() if hasattr(ccfg, "resolve_cluster_key") else control.control.key
         for i in range(edges):
@@ -232,22 +245,10 @@ async def start_cluster(
             with contextlib.suppress(Exception):
                 await e.stop(destroy_all=True)
         await control.stop()
+        if reg is not None:
+            await asyncio.to_thread(reg.stop)
         lock.release()
         raise
-    reg = None
-    if registry:
-        from dsec.images.registry_server import start_for_data_dir
-
-        try:
-            # In this thread: the registry is told to die with the thread that started it.
-            reg = start_for_data_dir(data_dir, host=host, port=registry_port)
-        except BaseException:
-            for e in started:
-                with contextlib.suppress(Exception):
-                    await e.stop(destroy_all=True)
-            await control.stop()
-            lock.release()
-            raise
     token = control.admin_token or (token_file.read_text().strip() if token_file.exists() else "")
     return Cluster(url=control.url, data_dir=data_dir, admin_token=token, control=control, edges=started,
                    node_name=node, lock=lock, notes=notes, registry=reg)
@@ -368,8 +369,8 @@ async def run_foreground(data_dir: Path, *, port: int, edges: int, host: str, sa
         say(f"dsec up: {note}")
     if cluster.registry is not None:
         host_port = cluster.registry.url.split("://", 1)[1]
-        say(f"registry {cluster.registry.url} (data in {cluster.registry.data_dir}; e.g. dsec image push "
-            f"NAME --registry {host_port}/REPO)")
+        say(f"registry {cluster.registry.url} (data in {cluster.registry.data_dir}); edges load layers they "
+            f"lack from it lazily: dsec image push NAME:TAG --registry {host_port}/NAME")
     say(f"admin token in {admin_token_path(cluster.data_dir)} (export DSEC_URL={cluster.url} "
         f"DSEC_TOKEN=$(cat {admin_token_path(cluster.data_dir)}))")
     ready = cluster.data_dir / READY_FILE
