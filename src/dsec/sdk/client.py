@@ -33,6 +33,7 @@ from dsec.errors import (
 )
 from dsec.sdk._http import UNSET as UNSET  # defined beside the HTTP plumbing, which needs it too
 from dsec.sdk._http import Endpoint, Response, _Unset, raise_for_error, result_from_wire
+from dsec.sdk.failover import Replicas, split_urls
 from dsec.sdk.fncall import FnCalls
 from dsec.spec import NetworkPolicy, SandboxSpec, SandboxState
 
@@ -142,12 +143,20 @@ class AsyncClient(FnCalls):  # fncall / fncall_many: dsec/sdk/fncall.py
         token = token or os.environ.get("DSEC_TOKEN")
         if not token:
             raise AuthError("no API token: pass token=... or set DSEC_TOKEN (`dsec token create` makes one)")
-        self.url = url.rstrip("/")
+        urls = split_urls(url)
+        self.url = urls[0]
+        """The (first) control-plane URL; ``url`` may name several replicas, comma-separated
+        (sdk/failover.py: calls a replica cannot answer go to the next)."""
         self._token = token
         self._timeout = timeout
         self._transport = transport
-        self._http = Endpoint(self.url, timeout=timeout, transport=transport,
-                              headers={"authorization": f"Bearer {token}"})
+        self._http: Endpoint | Replicas
+        if len(urls) > 1:
+            self._http = Replicas(urls, timeout=timeout, transport=transport,
+                                  headers={"authorization": f"Bearer {token}"})
+        else:
+            self._http = Endpoint(self.url, timeout=timeout, transport=transport,
+                                  headers={"authorization": f"Bearer {token}"})
         self._edges: dict[str, Endpoint] = {}
         self._closed = False
 
@@ -290,6 +299,11 @@ class AsyncClient(FnCalls):  # fncall / fncall_many: dsec/sdk/fncall.py
         """Re-attach to a sandbox from any process (fresh data-path token). One that was
         deleted (or has ended otherwise) raises :class:`SandboxNotFound` saying why."""
         info = await self.info(sandbox_id)
+        if info.state is SandboxState.LOST:
+            from dsec.errors import SandboxLost
+
+            raise SandboxLost(f"sandbox {sandbox_id} was lost with its edge {info.edge_id} ({info.reason})",
+                              sandbox_id=sandbox_id, edge_id=info.edge_id, reason=info.reason)
         if info.state is SandboxState.STOPPED or info.token is None:
             raise SandboxNotFound.ended(sandbox_id, info.state.value, info.reason)
         return AsyncSandbox(self, info)
@@ -454,12 +468,30 @@ class AsyncSandbox:
         http = self._client._edge(self.info.edge_url)
         extra = {k: v for k, v in kw.items() if k != "headers"}
         headers = {"authorization": f"Bearer {self.info.token}", **kw.get("headers", {})}
-        resp = await http.request(method, f"/v1/sandboxes/{self.id}{path}", key=self.id, headers=headers, **extra)
+        try:
+            resp = await http.request(method, f"/v1/sandboxes/{self.id}{path}", key=self.id, headers=headers, **extra)
+        except httpx.TransportError:
+            await self._raise_if_lost()  # its edge is gone: the control plane may have declared it lost
+            raise
         if resp.status_code == 401 and retry_auth:
             await self._client._refresh(self)  # expired data-path token: get a fresh one
             return await self._request(method, path, retry_auth=False, **kw)
         raise_for_error(resp)
         return resp
+
+    async def _raise_if_lost(self) -> None:
+        """The edge did not answer: if the control plane declared this sandbox lost, say so
+        (``SandboxLost``) rather than leave the caller with a connection error."""
+        try:
+            info = await self._client.info(self.id)
+        except Exception:
+            return
+        if info.state is SandboxState.LOST:
+            from dsec.errors import SandboxLost
+
+            self.info = info
+            raise SandboxLost(f"sandbox {self.id} was lost with its edge {info.edge_id} ({info.reason})",
+                              sandbox_id=self.id, edge_id=info.edge_id, reason=info.reason)
 
     async def exec(
         self,

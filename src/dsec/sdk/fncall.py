@@ -26,6 +26,7 @@ from dsec.sdk._http import UNSET, _Unset, raise_for_error
 
 if TYPE_CHECKING:
     from dsec.sdk._http import Endpoint, Response
+    from dsec.sdk.failover import Replicas
     from dsec.spec import ImageRef
 
 LEASE_MARGIN_S: Final = 60.0
@@ -67,7 +68,7 @@ def _encode(body: dict[str, Any]) -> bytes:
 class FnCalls:
     """The function-call methods of :class:`dsec.sdk.client.AsyncClient`."""
 
-    _http: Endpoint
+    _http: Endpoint | Replicas
 
     def _edge(self, url: str) -> Endpoint:
         raise NotImplementedError  # AsyncClient's: pooled connections to an edge
