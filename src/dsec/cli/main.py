@@ -197,6 +197,18 @@ def bench_fncall(quick: bool, json_path: Path | None) -> None:
     _report("dsec bench fncall", results, json_path)
 
 
+@bench.command("images")
+@click.option("--quick", is_flag=True, help="The python image only (no ~1 GB toolchain image), fewer warm samples.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the flat JSON here.")
+def bench_images(quick: bool, json_path: Path | None) -> None:
+    """Registry layers on a shaped link: bytes read lazily, first exec lazy vs full pull, a burst
+    of 32, warm exec vs a local layer, chunk fetch latency, FUSE read rate, a corrupt chunk."""
+    from dsec.bench.images import run
+
+    results = run(quick=quick, say=lambda m: console.print(f"[dim]{m}[/dim]", highlight=False))
+    _report("dsec bench images", results, json_path)
+
+
 @bench.command("abuse")
 @click.option("--quick", is_flag=True, help="Shorter floods and spins, 2 neighbours, fewer network/stage samples (< ~3 min).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the flat JSON here.")

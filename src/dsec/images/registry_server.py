@@ -294,6 +294,7 @@ class RegistryServer:
         token: TokenServer | None = None,
         die_with_parent: bool = True,
         start_timeout: float = 20.0,
+        netns: str | None = None,
     ) -> None:
         if htpasswd is not None and token is not None:
             raise ValueError("give htpasswd or token auth, not both")
@@ -307,6 +308,8 @@ class RegistryServer:
         self.die_with_parent = die_with_parent
         self.start_timeout = start_timeout
         self.proc: subprocess.Popen[bytes] | None = None
+        self.netns = netns
+        """Run inside this named network namespace (``ip netns exec``): a registry on another "host"."""
         self.url = ""
 
     @property
@@ -368,7 +371,8 @@ class RegistryServer:
         start_at = self.log_path.stat().st_size
         try:
             self.proc = subprocess.Popen(
-                [binary, "serve", str(config)], stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                [*(["ip", "netns", "exec", self.netns] if self.netns else []), binary, "serve", str(config)],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                 preexec_fn=_die_with_parent if self.die_with_parent else None,
                 cwd=self.root,
             )  # fmt: skip
