@@ -29,6 +29,8 @@ from dsec.errors import (
     DsecError,
     ExecTimeout,
     InvalidSpec,
+    NotFound,
+    QuotaExceeded,
     SandboxNotFound,
 )
 from dsec.sdk._http import UNSET as UNSET  # defined beside the HTTP plumbing, which needs it too
@@ -38,10 +40,12 @@ from dsec.sdk.fncall import FnCalls
 from dsec.spec import NetworkPolicy, SandboxSpec, SandboxState
 
 if TYPE_CHECKING:
+    from dsec.sdk.leases import AsyncLease
     from dsec.sdk.terminal import AsyncTerminal
 from dsec.spec.api import (
     BatchResult,
     CreateBatch,
+    CreateLease,
     CreateProject,
     CreateSandbox,
     CreateToken,
@@ -228,18 +232,93 @@ class AsyncClient(FnCalls):  # fncall / fncall_many: dsec/sdk/fncall.py
         idle_timeout_s: float | None = None,
         max_wait_s: float = 600.0,
         auto_pause_s: float | None = None,
+        lease: bool = True,
     ) -> AsyncIterator[CreateOutcome]:
         """Create ``n`` sandboxes, yielding each as it becomes ready (not in order).
 
-        Backpressure (429) is honoured with jittered retries until ``max_wait_s``;
-        other failures are reported per item and never fail the batch.
+        ``lease`` (default): one create lease for the burst (:meth:`lease`): the control plane
+        is asked once, the edges make the sandboxes directly; what a lease cannot make (an edge
+        full or gone) is created through the control plane. ``lease=False``: one control-plane
+        create per sandbox. Either way, backpressure (429) is honoured with jittered retries
+        until ``max_wait_s``; other failures are reported per item and never fail the batch.
         """
         if n < 0 or concurrency < 1:
             raise InvalidSpec("n must be >= 0 and concurrency >= 1", field="n")
+        batch_id = uuid.uuid4().hex[:12]
+        rest: builtins.list[int] = list(range(n))
+        if lease and n > 1:
+            from dsec.sdk.leases import retry_elsewhere
+
+            got: AsyncLease | None = None
+            try:
+                got = await self.lease(spec, n, labels=labels, task=task, ttl_s=ttl_s, idle_timeout_s=idle_timeout_s,
+                                       auto_pause_s=auto_pause_s, request_id=f"{batch_id}-lease")
+            except (Backpressure, httpx.HTTPError):
+                pass  # no room now, or no answer: one create at a time (with retries)
+            except DsecError as exc:
+                if not (isinstance(exc, NotFound) or exc.fields.get("status") == 404):
+                    for i in range(n):  # quota, a bad spec...: every item hears it
+                        yield CreateOutcome(i, None, exc)
+                    return
+                # a control plane without leases (or an unknown layer): one create at a time
+            if got is not None:
+                rest = []
+                try:
+                    async for o in got.create(got.slots, concurrency=concurrency):
+                        if o.ok or not retry_elsewhere(o.error):
+                            yield o
+                        else:
+                            rest.append(o.index)
+                finally:
+                    with contextlib.suppress(DsecError, httpx.HTTPError):
+                        await got.release()  # before the rest: the unused quota returns first
+                err = got.error
+                if got.short and isinstance(err, QuotaExceeded):
+                    for i in range(got.slots, n):
+                        yield CreateOutcome(i, None, err)
+                else:
+                    rest.extend(range(got.slots, n))
+        async for o in self._create_each(spec, rest, batch_id, concurrency=concurrency, labels=labels, task=task,
+                                         ttl_s=ttl_s, idle_timeout_s=idle_timeout_s, max_wait_s=max_wait_s,
+                                         auto_pause_s=auto_pause_s):
+            yield o
+
+    async def lease(
+        self,
+        spec: SandboxSpec,
+        count: int,
+        *,
+        labels: Mapping[str, str] | None = None,
+        task: str | None = None,
+        ttl_s: float = 3600.0,
+        idle_timeout_s: float | None = None,
+        auto_pause_s: float | None = None,
+        lease_ttl_s: float = 30.0,
+        request_id: str | None = None,
+        edge_selector: Mapping[str, str] | None = None,
+    ) -> AsyncLease:
+        """The right to create ``count`` sandboxes of ``spec`` directly on edges for
+        ``lease_ttl_s`` (one control-plane call; docs/CONTROL.md, "Create leases"). The quota
+        is charged now; ``await lease.create()`` makes them, ``await lease.release()`` (or
+        ``async with``) returns what was not used. The grant may be smaller than ``count``:
+        ``lease.short`` and ``lease.error`` say why."""
+        from dsec.sdk.leases import grant
+
+        body = _wire(CreateLease, spec=spec, count=count, labels=dict(labels or {}), task=task,
+                     lifecycle=Lifecycle(ttl_s=ttl_s, idle_timeout_s=idle_timeout_s, auto_pause_s=auto_pause_s),
+                     request_id=request_id or uuid.uuid4().hex, lease_ttl_s=lease_ttl_s,
+                     edge_selector=dict(edge_selector or {}))
+        return await grant(self, body.model_dump_json())
+
+    async def _create_each(
+        self, spec: SandboxSpec, indices: Sequence[int], batch_id: str, *, concurrency: int,
+        labels: Mapping[str, str] | None, task: str | None, ttl_s: float, idle_timeout_s: float | None,
+        max_wait_s: float, auto_pause_s: float | None,
+    ) -> AsyncIterator[CreateOutcome]:
+        """One control-plane create per index (request id ``<batch_id>-<i>``), 429s retried."""
         sem = asyncio.Semaphore(concurrency)
         queue: asyncio.Queue[CreateOutcome] = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        batch_id = uuid.uuid4().hex[:12]
 
         async def one(i: int) -> None:
             deadline = loop.time() + max_wait_s
@@ -270,9 +349,9 @@ class AsyncClient(FnCalls):  # fncall / fncall_many: dsec/sdk/fncall.py
                             return
                         await asyncio.sleep(random.uniform(0.1, 0.5) * attempt)
 
-        tasks = [asyncio.ensure_future(one(i)) for i in range(n)]
+        tasks = [asyncio.ensure_future(one(i)) for i in indices]
         try:
-            for _ in range(n):
+            for _ in indices:
                 yield await queue.get()
         finally:
             for t in tasks:
@@ -766,9 +845,11 @@ class AsyncFiles:
     async def read_text(self, path: str, encoding: str = "utf-8") -> str:
         return (await self.read(path)).decode(encoding)
 
-    async def write(self, path: str, data: bytes | str, *, mode: int = 0o644) -> None:
+    async def write(self, path: str, data: bytes | str, *, mode: int = 0o644, parents: bool = False) -> None:
+        """Replace ``path`` atomically; ``parents``: make missing directories on the way."""
         content = data.encode() if isinstance(data, str) else data
-        await self._sb._request("PUT", "/files", params={"path": path, "mode": oct(mode)[2:]}, content=content)
+        params = {"path": path, "mode": oct(mode)[2:], **({"parents": "1"} if parents else {})}
+        await self._sb._request("PUT", "/files", params=params, content=content)
 
     async def append(self, path: str, data: bytes | str) -> None:
         content = data.encode() if isinstance(data, str) else data
