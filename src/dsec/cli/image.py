@@ -205,6 +205,23 @@ _KINDS = ("base", "workspace", "toolkit")
 )
 @click.option("--busybox", is_flag=True, help="Build the minimal busybox-static rootfs.")
 @click.option(
+    "--toolchains",
+    metavar="A,B",
+    help="Build language toolchains: tc-base:SUITE (debootstrap) and a toolkit layer "
+    "tc-NAME:SUITE per toolchain (python, pytest, c, cpp, go, java, nodejs, typescript, rust, "
+    "bash, jupyter, or all); existing current ones are kept. docs/COMPAT.md.",
+)
+@click.option("--suite", "suite_tc", default="bookworm", show_default=True,
+              help="With --toolchains: Debian suite (the tag).")
+@click.option("--rebuild", is_flag=True, help="With --toolchains: build again even what exists.")
+@click.option(
+    "--apt-option",
+    "apt_options",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="With --toolchains: an apt-get -o option, e.g. Acquire::http::Proxy=http://proxy:3128 (repeatable).",
+)
+@click.option(
     "--ref",
     "oci_ref",
     metavar="NAME",
@@ -227,7 +244,7 @@ _KINDS = ("base", "workspace", "toolkit")
     metavar="URL",
     help="With --debootstrap: Debian mirror [default: the one in apt's sources].",
 )
-@click.option("--name", required=True, help="Layer name (lowercase a-z 0-9 . _ -).")
+@click.option("--name", help="Layer name (lowercase a-z 0-9 . _ -); required except with --toolchains.")
 @click.option("--tag", default="latest", show_default=True, help="Layer tag.")
 @click.option("--kind", type=click.Choice(_KINDS), default="base", show_default=True)
 @click.option(
@@ -247,11 +264,15 @@ def build_cmd(
     from_oci: Path | None,
     suite: str | None,
     busybox: bool,
+    toolchains: str | None,
+    suite_tc: str,
+    rebuild: bool,
+    apt_options: tuple[str, ...],
     oci_ref: str | None,
     packages: str,
     variant: str,
     mirror: str | None,
-    name: str,
+    name: str | None,
     tag: str,
     kind: str,
     parents: tuple[str, ...],
@@ -261,10 +282,22 @@ def build_cmd(
     """Build a layer and print its digest.
 
     Exactly one source: --from-dir DIR, --from-tar FILE, --from-oci PATH,
-    --debootstrap SUITE or --busybox. Building the same content again gives
-    the same digest.
+    --debootstrap SUITE, --busybox, or --toolchains A,B (several layers: one
+    line per layer). Building the same content again gives the same digest.
     """
     from dsec.images import build as b
+
+    if toolchains is not None:
+        if any(v is not None for v in (from_dir, from_tar, from_oci, suite, oci_ref, name)) or busybox or packages \
+                or parents or kind != "base" or tag != "latest" or variant != "minbase":
+            raise click.UsageError("--toolchains takes no other source, --name, --tag, --kind, --parent, "
+                                   "--packages or --variant (the names are tc-base:SUITE and tc-NAME:SUITE)")
+        _build_toolchains(ctx, toolchains, suite_tc, mirror, rebuild, apt_options, as_json, quiet)
+        return
+    if suite_tc != "bookworm" or rebuild or apt_options:
+        raise click.UsageError("--suite, --rebuild and --apt-option only apply to --toolchains")
+    if name is None:
+        raise click.UsageError("--name is required")
 
     chosen = [
         opt
@@ -279,7 +312,7 @@ def build_cmd(
     ]
     if len(chosen) != 1:
         raise click.UsageError(
-            "give exactly one source: --from-dir, --from-tar, --from-oci, --debootstrap or --busybox"
+            "give exactly one source: --from-dir, --from-tar, --from-oci, --debootstrap, --busybox or --toolchains"
             + (f" (got {', '.join(chosen)})" if chosen else "")
         )
     if oci_ref is not None and from_oci is None:
@@ -325,6 +358,30 @@ def build_cmd(
         click.echo(layer.model_dump_json())
     else:
         click.echo(layer.digest)
+
+
+def _build_toolchains(ctx: click.Context, spec: str, suite: str, mirror: str | None, rebuild: bool,
+                      apt_options: tuple[str, ...], as_json: bool, quiet: bool) -> None:
+    """``build --toolchains``: one line per layer on stderr (built or kept), its digest on stdout."""
+    from dsec.images.toolchains import build_toolchains
+
+    stages = _Stages()
+    with _errors():
+        store = _store(ctx)
+        with _progress_display(enabled=not quiet, stages=stages) as progress:
+            done = build_toolchains(store, spec.split(","), suite=suite, mirror=mirror, rebuild=rebuild,
+                                    apt_options=apt_options, progress=progress)
+    for item in done:
+        if item.layer is None:
+            if not quiet:
+                click.echo(f"{item.toolchain}: runs on the base alone (no toolkit layer)", err=True)
+            continue
+        if not quiet:
+            what = "built" if item.built else "kept"
+            click.echo(f"{what} {item.layer.ref} ({item.layer.kind.value}, {_human(item.layer.size)})", err=True)
+        click.echo(item.layer.model_dump_json() if as_json else item.layer.digest)
+    if not quiet:
+        click.echo(f"toolchains {', '.join(i.toolchain for i in done[1:])} ready {stages.summary()}", err=True)
 
 
 @image_group.command("ls")
