@@ -149,6 +149,8 @@ def register(main: click.Group) -> None:
     @click.option("--detach", is_flag=True, help="Run in the background; log to <data-dir>/up.log.")
     @click.option("--edge-config", type=click.Path(dir_okay=False, exists=True, path_type=Path), default=None,
                   help="JSON or TOML of EdgeConfig fields for every edge (docs/EDGE.md).")
+    @click.option("--control-config", type=click.Path(dir_okay=False, exists=True, path_type=Path), default=None,
+                  help="JSON or TOML of ControlConfig fields, e.g. a [sandboxfusion] section (docs/COMPAT.md).")
     @click.option("--network-config", type=click.Path(dir_okay=False, exists=True, path_type=Path), default=None,
                   help="JSON or TOML of the edges' `network` section: named permissions, blocked ranges, subnet "
                        "(docs/EDGE.md, \"Network\"). Default: a network with an automatic subnet and no names.")
@@ -161,7 +163,8 @@ def register(main: click.Group) -> None:
     @click.option("--registry-port", type=click.IntRange(0, 65535), default=0, show_default=True,
                   help="The registry's port (0: a free one, printed at start and kept in <data-dir>/registry/url).")
     def up(data_dir: Path | None, port: int, edges: int, host: str, detach: bool, edge_config: Path | None,
-           network_config: Path | None, node_name: str | None, registry: bool, registry_port: int) -> None:
+           control_config: Path | None, network_config: Path | None, node_name: str | None, registry: bool,
+           registry_port: int) -> None:
         """All-in-one on this machine: control plane + edge(s) + SQLite. Ctrl-C stops it cleanly.
 
         Several can run side by side, each with its own --data-dir and --port."""
@@ -171,6 +174,7 @@ def register(main: click.Group) -> None:
             check_node_name,
             check_port_free,
             data_dir_default,
+            load_control_overrides,
             load_edge_overrides,
             load_network_config,
             run_foreground,
@@ -184,6 +188,7 @@ def register(main: click.Group) -> None:
                 raise click.BadParameter(str(exc), param_hint="--node-name") from None
         # Bad files fail before detaching.
         overrides = load_edge_overrides(edge_config) if edge_config else None
+        control_overrides = load_control_overrides(control_config) if control_config else None
         if network_config is not None:
             if overrides is not None and "network" in overrides:
                 raise click.BadParameter(f"{edge_config} has a `network` section too: give it in one place",
@@ -195,13 +200,14 @@ def register(main: click.Group) -> None:
             if registry:
                 check_port_free(host, registry_port)
             _detach(data, port, edges, host, edge_config, network_config, node_name,
-                    registry_args=["--registry", "--registry-port", str(registry_port)] if registry else [])
+                    registry_args=["--registry", "--registry-port", str(registry_port)] if registry else [],
+                    control_config=control_config)
             return
         from dsec import loop as dsec_loop
 
         dsec_loop.run(run_foreground(data, port=port, edges=edges, host=host, say=lambda m: console.print(m),
                                      edge_overrides=overrides, node_name=node_name, registry=registry,
-                                     registry_port=registry_port))
+                                     registry_port=registry_port, control_overrides=control_overrides))
 
     @main.command(context_settings={"ignore_unknown_options": True})
     @click.argument("image")
@@ -577,7 +583,7 @@ def register(main: click.Group) -> None:
 
 def _detach(data: Path, port: int, edges: int, host: str, edge_config: Path | None = None,
             network_config: Path | None = None, node_name: str | None = None,
-            registry_args: list[str] | None = None) -> None:
+            registry_args: list[str] | None = None, control_config: Path | None = None) -> None:
     import subprocess
 
     import httpx
@@ -592,6 +598,7 @@ def _detach(data: Path, port: int, edges: int, host: str, edge_config: Path | No
         [sys.executable, "-m", "dsec.cli.main", "up", "--data-dir", str(data), "--port", str(port),
          "--edges", str(edges), "--host", host, *(["--edge-config", str(edge_config.absolute())] if edge_config else []),
          *(["--network-config", str(network_config.absolute())] if network_config else []),
+         *(["--control-config", str(control_config.absolute())] if control_config else []),
          *(["--node-name", node_name] if node_name else []), *(registry_args or [])],
         stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True,
     )

@@ -141,6 +141,13 @@ class Cluster:
     async def stop(self) -> None:
         """Stop every edge (destroying its sandboxes), then the control plane. A failure is
         logged, not raised: the rest still stops (and says what it left behind)."""
+        compat = getattr(getattr(self.control, "app", None), "state", None)
+        service = getattr(compat, "sandboxfusion", None)
+        if service is not None:
+            try:  # its last deletes reach the edges while they still answer
+                await service.aclose()
+            except Exception:
+                log.exception("the SandboxFusion API did not stop cleanly")
         for e in self.edges:
             try:
                 await e.stop(destroy_all=True)
@@ -174,14 +181,16 @@ async def start_cluster(
     node_name: str | None = None,
     registry: bool = False,
     registry_port: int = 0,
+    control_overrides: dict[str, Any] | None = None,
 ) -> Cluster:
     """Start a control plane on ``port`` and ``edges`` edges (ports picked freely). Each edge's
     runtime is ``<node_name>-<edge id>`` (default node name: :func:`node_name_default`); an
     edge gets :data:`DEFAULT_NETWORK` unless ``edge_overrides`` has a ``network`` (None: none).
     ``registry`` also starts an OCI registry on ``host:registry_port`` (0: a free port) with
     its data under ``<data_dir>/registry`` (:func:`dsec.images.registry_server.start_for_data_dir`),
-    stopped with the rest. HostError when another instance holds the data directory or one of
-    the names."""
+    stopped with the rest. ``control_overrides``: more ControlConfig fields (e.g. a
+    ``sandboxfusion`` section). HostError when another instance holds the data directory or one
+    of the names."""
     from dsec.control.config import ControlConfig
     from dsec.control.server import serve_control
     from dsec.edge.config import EdgeConfig, PoolConfig
@@ -197,7 +206,8 @@ async def start_cluster(
             check_port_free(host, registry_port)
         (data_dir / "control").mkdir(parents=True, exist_ok=True)
         token_file = admin_token_path(data_dir)
-        ccfg = ControlConfig(data_dir=data_dir / "control", host=host, port=port, admin_token_file=token_file)
+        ccfg = ControlConfig(data_dir=data_dir / "control", host=host, port=port, admin_token_file=token_file,
+                             **(control_overrides or {}))
         control = await serve_control(ccfg)
     except BaseException:
         lock.release()
@@ -320,6 +330,34 @@ def load_network_config(path: Path) -> dict[str, Any]:
     return dict(data)
 
 
+CONTROL_IDENTITY = ("data_dir", "host", "port", "admin_token_file")
+"""ControlConfig fields `dsec up` sets itself (a --control-config file may not)."""
+
+
+def load_control_overrides(path: Path) -> dict[str, Any]:
+    """ControlConfig fields from a JSON or TOML file (optionally under ``control``), checked
+    now, e.g. ``[sandboxfusion]`` settings (docs/COMPAT.md)."""
+    import click
+    from pydantic import ValidationError
+
+    from dsec.control.config import ControlConfig
+
+    data = _read_config(path, "--control-config")
+    data = dict(data.get("control", data)) if isinstance(data, dict) else data
+    if not isinstance(data, dict):
+        raise click.BadParameter(f"{path}: expected an object of ControlConfig fields", param_hint="--control-config")
+    fixed = sorted(set(data) & set(CONTROL_IDENTITY))
+    if fixed:
+        raise click.BadParameter(f"{path}: `dsec up` sets {', '.join(fixed)} itself", param_hint="--control-config")
+    try:
+        ControlConfig.model_validate({"data_dir": "/nonexistent", **data})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(x) for x in first.get("loc", ()))
+        raise click.BadParameter(f"{path}: {where}: {first['msg']}", param_hint="--control-config") from None
+    return data
+
+
 def load_edge_overrides(path: Path) -> dict[str, Any]:
     """EdgeConfig fields from a JSON or TOML file (optionally under ``edge``) for every edge
     of the all-in-one, checked now (a typo fails before anything starts)."""
@@ -350,9 +388,11 @@ READY_FILE = "up.ready"
 
 async def run_foreground(data_dir: Path, *, port: int, edges: int, host: str, say: Any,
                          edge_overrides: dict[str, Any] | None = None, node_name: str | None = None,
-                         registry: bool = False, registry_port: int = 0) -> None:
+                         registry: bool = False, registry_port: int = 0,
+                         control_overrides: dict[str, Any] | None = None) -> None:
     cluster = await start_cluster(data_dir, port=port, edges=edges, host=host, edge_overrides=edge_overrides,
-                                  node_name=node_name, registry=registry, registry_port=registry_port)
+                                  node_name=node_name, registry=registry, registry_port=registry_port,
+                                  control_overrides=control_overrides)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -373,6 +413,10 @@ async def run_foreground(data_dir: Path, *, port: int, edges: int, host: str, sa
             f"lack from it lazily: dsec image push NAME:TAG --registry {host_port}/NAME")
     say(f"admin token in {admin_token_path(cluster.data_dir)} (export DSEC_URL={cluster.url} "
         f"DSEC_TOKEN=$(cat {admin_token_path(cluster.data_dir)}))")
+    sf = getattr(cluster.control.app.state, "sandboxfusion", None)
+    if sf is not None:
+        say(f"SandboxFusion API: export SANDBOX_FUSION_ENDPOINT={cluster.url}{sf.config.prefix}/"
+            f"$(cat {admin_token_path(cluster.data_dir)}) (any project token; docs/COMPAT.md)")
     ready = cluster.data_dir / READY_FILE
     ready.write_text(f"{os.getpid()}\n")  # `dsec up --detach` returns once this names its child
     try:

@@ -21,6 +21,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from dsec.compat.sandboxfusion import routes as sandboxfusion_routes
 from dsec.control import dashboard, iam, validate
 from dsec.control import edges as edges_mod
 from dsec.control.config import ControlConfig
@@ -192,6 +193,12 @@ def _check_health(body: EdgeHealth) -> None:
     validate.text(body.url, "url", max_len=512)
 
 
+async def _close_compat(app: FastAPI) -> None:
+    service = getattr(app.state, "sandboxfusion", None)
+    if service is not None:
+        await service.aclose()
+
+
 def create_app(config: ControlConfig, *, control: Control | None = None) -> FastAPI:
     """The ASGI app. Without ``control`` its lifespan starts (and stops) one from ``config``."""
 
@@ -199,7 +206,10 @@ def create_app(config: ControlConfig, *, control: Control | None = None) -> Fast
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if control is not None:
             app.state.ctl = control
-            yield
+            try:
+                yield
+            finally:
+                await _close_compat(app)
             return
         ctl = Control(config)
         await ctl.start()
@@ -207,6 +217,7 @@ def create_app(config: ControlConfig, *, control: Control | None = None) -> Fast
         try:
             yield
         finally:
+            await _close_compat(app)
             await ctl.stop()
 
     app = FastAPI(
@@ -232,6 +243,8 @@ def create_app(config: ControlConfig, *, control: Control | None = None) -> Fast
         return None
 
     app.add_middleware(FastRoutes, errors=fast_error, routes={("POST", "/v1/sandboxes"): fast_create})
+    # SandboxFusion's HTTP API under /sandboxfusion (dsec/compat/sandboxfusion, docs/COMPAT.md)
+    app.state.sandboxfusion = sandboxfusion_routes.install(app, config.sandboxfusion)
     app.add_middleware(BodyLimit)  # JSON bodies stop at 16 MiB (dsec/httplimits.py), fast routes too
     app.include_router(membership_router(operator))  # /v1/edges/join, tokens, GET/DELETE /v1/edges/{id}
 

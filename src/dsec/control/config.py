@@ -17,6 +17,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_serializer, field_validator
 
 from dsec.auth import parse_key
+from dsec.compat.sandboxfusion.config import SandboxFusionConfig
 from dsec.spec.api import NAME_PATTERN, Quota
 
 GiB = 1024**3
@@ -112,6 +113,8 @@ class ControlConfig(_Config):
     admin_token_file: Path | None = None
     """Where the generated admin token is written (0600); default ``<data_dir>/admin.token``."""
     log_level: str = "warning"
+    sandboxfusion: SandboxFusionConfig = SandboxFusionConfig()
+    """SandboxFusion's HTTP API under ``/sandboxfusion`` (docs/COMPAT.md)."""
 
     @field_validator("cluster_key", mode="before")
     @classmethod

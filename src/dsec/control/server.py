@@ -86,5 +86,8 @@ async def serve_control(config: ControlConfig) -> ControlHandle:
         raise
     sock = server.servers[0].sockets[0].getsockname()
     url = config.public_url or f"http://{sock[0]}:{sock[1]}"
+    # This replica itself, for what it calls on itself (the SandboxFusion API's creates)
+    local = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(sock[0], sock[0])
+    app.state.local_url = f"http://[{local}]:{sock[1]}" if ":" in local else f"http://{local}:{sock[1]}"
     control.url = url.rstrip("/")
     return ControlHandle(control, app, server, task, url.rstrip("/"))
