@@ -225,3 +225,34 @@ def test_a_killed_loader_is_restarted_and_new_sandboxes_work(
         assert pushed["big_sha"] in b64(res["stdout_b64"]).decode()
         for s in sids:
             api.delete(f"/v1/sandboxes/{s}")
+
+
+def test_a_damaged_chunk_is_refused_with_eio_an_audit_line_and_a_metric(
+        dsec_base: Path, registry: RegistryServer, pushed: dict[str, Any]) -> None:
+    from dsec.images.transfer import read_dsec_layer
+
+    with RegistryClient(registry.url) as client:
+        _, cfg = read_dsec_layer(client, "lzws", "v1")
+    assert cfg.lazy is not None
+    blob = registry.blob_file(cfg.lazy.data.digest)
+    good = blob.read_bytes()
+    bad = bytearray(good)
+    bad[(len(cfg.lazy.data.chunks) // 2) * cfg.lazy.data.chunk_size + 100] ^= 0xFF
+    blob.write_bytes(bytes(bad))
+    cfg_edge = lazy_config(dsec_base, "lzbad", "lb", registry.url)
+    try:
+        with running_edge(cfg_edge) as edge, edge.client() as api:
+            r = create(api)
+            assert r.status_code == 201, r.text
+            sid = r.json()["id"]
+            res = sh(edge, sid, "cat /work/big.bin > /dev/null; echo rc=$?")
+            out, err = b64(res["stdout_b64"]).decode(), b64(res["stderr_b64"]).decode()
+            assert "rc=1" in out and "Input/output error" in err, (out, err)  # EIO: no bad byte reached the sandbox
+            assert wait_until(lambda: any("refused" in p for p in api.get("/v1/health").json()["problems"]), 5)
+            metrics = api.get("/metrics").text
+            line = next(x for x in metrics.splitlines() if x.startswith("dsec_edge_lazy_corrupt_chunks_total"))
+            assert float(line.split()[-1]) >= 1, line
+            assert "dsec_edge_registry_up 1.0" in metrics
+            api.delete(f"/v1/sandboxes/{sid}")
+    finally:
+        blob.write_bytes(good)

@@ -35,6 +35,10 @@ class EdgeBackends:
         self.registry_findings: list[HostFinding] = []
         self.registry_problem = ""
         self._last_refresh = time.monotonic()
+        self.registry_stats: dict[str, Any] = {}
+        """The registry layers' counters as of the last self-check pass (metrics read them)."""
+        self.corrupt_refused: list[dict[str, Any]] = []
+        self._corrupt_seen: set[tuple[Any, Any, Any]] = set()
         self._runtime = runtime
         self._state_dir = state_dir
         self._run_dir = run_dir
@@ -219,10 +223,24 @@ class EdgeBackends:
                 f"{len(report.detached_mounts)} stale layer mount(s)", repaired=True))
             del self.registry_findings[:-50]
         self.registry_problem = report.problem
+        await asyncio.to_thread(self._audit_registry)
         now = time.monotonic()
         if now - self._last_refresh >= self._registry_config.refresh_interval_s:
             self._last_refresh = now
             await asyncio.to_thread(reg.refresh)
+
+    def _audit_registry(self) -> None:
+        """Keep the loader's counters for metrics; say each new refused chunk in the edge's log."""
+        stats = self.registry.stats()
+        self.registry_stats = stats
+        for ev in stats.get("corrupt_events", []):
+            key = (ev.get("layer"), ev.get("chunk"), ev.get("at"))
+            if key in self._corrupt_seen:
+                continue
+            self._corrupt_seen.add(key)
+            self.corrupt_refused.append(ev)
+            del self.corrupt_refused[:-20]
+            log.warning("AUDIT registry chunk refused (digest mismatch): %s", ev)
 
     def registry_problems(self) -> list[str]:
         """What makes the edge degraded about its registry: the loader down, or the registry
@@ -233,6 +251,12 @@ class EdgeBackends:
         out = [self.registry_problem] if self.registry_problem else []
         if reg.recently_failed():
             out.append(f"registry {reg.url} failing: {reg.last_failure}")
+        if self.registry_stats.get("up") is False:
+            out.append(f"lazy layer process down: {self.registry_stats.get('down_reason', '')}")
+        recent = [ev for ev in self.corrupt_refused if time.time() - float(ev.get("at") or 0) < 600]
+        if recent:
+            out.append(f"{len(recent)} chunk(s) from {reg.url} refused in the last 10 min (digest mismatch): "
+                       f"latest {recent[-1]}")
         return out
 
     def host_repairs(self) -> list[HostFinding]:

@@ -32,6 +32,10 @@ scrape time from the service, so they can never drift from the truth.
 | dsec_edge_healthy | | 1, or 0 while host state is broken beyond the edge's own repair (health ``problems``) |
 | dsec_edge_host_problems | kind | unrepaired host-state problems now: cgroup, layer_mount, skeleton, uppers, spawner, network, directory, claim |
 | dsec_edge_host_repairs_total | kind | host state the edge found vanished and made again |
+| dsec_edge_registry_up | | with a registry configured: 1 while the lazy loader answers and the registry has not failed in the last minute |
+| dsec_edge_lazy_bytes_fetched_total, _chunks_fetched_total, _corrupt_chunks_total, _read_errors_total, _registry_errors_total | | the lazy loader's counters (as of the last self-check pass) |
+| dsec_edge_lazy_cache_bytes | | bytes in the node's chunk cache |
+| dsec_edge_registry_failures_total, dsec_edge_lazy_restarts_total | | registry lookups that failed; loader restarts |
 """
 
 from __future__ import annotations
@@ -203,3 +207,30 @@ class _StateCollector:
             repairs.add_metric([kind], counted.get(kind, 0))
         yield by_kind
         yield repairs
+        yield from _registry_metrics(svc.backends)
+
+
+def _registry_metrics(backends: EdgeBackends) -> Iterable[Metric]:
+    """The registry layers' counters as of the last self-check pass (no call at scrape time)."""
+    if backends.registry is None:
+        return
+    stats = backends.registry_stats
+    up = 0 if stats.get("up") is False or backends.registry.recently_failed() else 1
+    yield GaugeMetricFamily("dsec_edge_registry_up", "1 while the lazy loader answers and the registry has not failed "
+                            "in the last minute", value=up)
+    loader = stats.get("loader", {})
+    for name, key, doc in (
+        ("dsec_edge_lazy_bytes_fetched", "bytes_fetched", "Bytes of registry layers fetched by the lazy loader"),
+        ("dsec_edge_lazy_chunks_fetched", "chunks_fetched", "Chunks fetched by the lazy loader"),
+        ("dsec_edge_lazy_corrupt_chunks", "corrupt_chunks", "Chunks refused: their bytes did not match the table"),
+        ("dsec_edge_lazy_read_errors", "read_errors", "Reads of lazily loaded layers that failed (EIO)"),
+        ("dsec_edge_lazy_registry_errors", "registry_errors", "Failed fetch attempts against the registry"),
+    ):
+        yield CounterMetricFamily(name, doc, value=float(loader.get(key) or 0))
+    cache = loader.get("cache", {})
+    yield GaugeMetricFamily("dsec_edge_lazy_cache_bytes", "Bytes in the node's chunk cache",
+                            value=float(cache.get("bytes") or 0))
+    yield CounterMetricFamily("dsec_edge_registry_failures", "Registry lookups/auth that failed",
+                              value=float(stats.get("registry_failures") or 0))
+    yield CounterMetricFamily("dsec_edge_lazy_restarts", "Lazy loader processes restarted by the self-check",
+                              value=float(stats.get("restarts") or 0))
