@@ -6,7 +6,9 @@ configuration, never their code:
 
 - :mod:`dsec.compat.sandboxfusion`: SandboxFusion's HTTP API (``/run_code``,
   ``/run_jupyter``, ``/v1/ping``), served by the control plane under ``/sandboxfusion``
-  (docs/COMPAT.md).
+  (docs/COMPAT.md);
+- :mod:`dsec.compat.swerex`: SWE-ReX's ``AbstractDeployment`` / ``AbstractRuntime``
+  (``DSecDeployment``, ``DSecRuntime``) over DSec terminals, exec, sessions and files.
 
 Adapters never run a caller's code outside a sandbox, and never bypass DSec's quotas or
 admission: they are clients of the same API a user's SDK calls.
