@@ -7,7 +7,8 @@ cd "$(dirname "$0")/.."
 
 APT_PACKAGES=(gcc libc6-dev libseccomp-dev pkg-config erofs-utils crun bubblewrap btrfs-progs musl-tools
               debootstrap busybox-static iproute2 nftables tar gzip util-linux python3-venv python3-dev
-              postgresql podman runc docker-registry openssl fuse3 libfuse3-dev chromium fonts-dejavu-core)
+              postgresql podman runc docker-registry openssl fuse3 libfuse3-dev chromium fonts-dejavu-core
+              libfaketime)
               # postgresql: the control-plane tests run on a throwaway cluster too;
               # podman + runc: `dsec bench cli`'s baseline (podman run --rm);
               # docker-registry (CNCF distribution 2.8) + openssl: the registry layer store, its
@@ -16,6 +17,7 @@ APT_PACKAGES=(gcc libc6-dev libseccomp-dev pkg-config erofs-utils crun bubblewra
               # python3-dev: ...and against Python.h, which Debian's python3 lacks (deploy/Containerfile's build found it)
               # chromium + fonts-dejavu-core: the control plane's dashboard is tested in headless Chromium
               # (driven over the DevTools protocol, tests/integration/chromium.py; docs/DASHBOARD.md)
+              # libfaketime: the cluster suite's clock-skew test runs an edge 2 s ahead / behind (tests/cluster)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
