@@ -64,6 +64,9 @@ log = logging.getLogger("dsec.control.watcher")
 S = SandboxState
 LEASE = "watcher"
 RECOUNT_EVERY_S = 60.0
+CLOCK_SKEW_S = 5.0
+"""How far an edge's clock may be off the control plane's without misreading what its times mean
+(a TTL expiry reported as "gone"); tests/cluster/test_faults.py runs edges 2 s ahead and behind."""
 
 
 class Watcher:
@@ -153,7 +156,11 @@ class Watcher:
 
     async def _poll(self, edge_id: str, url: str) -> tuple[str, EdgeHealth | None, str]:
         try:
-            h = await self.edges.health(edge_id, url, timeout=self.config.poll_timeout_s)
+            # the whole call, connecting included: a host cut off answers nothing, not even a refusal
+            h = await asyncio.wait_for(self.edges.health(edge_id, url, timeout=self.config.poll_timeout_s),
+                                       self.config.poll_timeout_s)
+        except TimeoutError:
+            return edge_id, None, f"no answer in {self.config.poll_timeout_s:g}s"
         except DsecError as exc:
             return edge_id, None, str(exc)
         except Exception as exc:  # a garbled answer counts as a miss
@@ -322,7 +329,8 @@ class Watcher:
             elif there is None and listed_at is not None and row.updated_at >= listed_at:
                 continue  # too new for this listing: the next round judges it
             elif there is None or there.state == S.STOPPED:
-                expired = row.expires_at is not None and now >= row.expires_at - 1.0
+                # the edge's clock set expires_at: allow for a few seconds of skew between the two
+                expired = row.expires_at is not None and now >= row.expires_at - CLOCK_SKEW_S
                 why = "expired (ttl)" if expired else f"gone from edge {edge_id} (idle timeout or destroyed there)"
                 move(row, S.STOPPED, ledger, reason=there.reason if there is not None and there.reason else why)
             elif there.state == S.FAILED and row.state != S.FAILED.value:
