@@ -62,7 +62,7 @@ def nothing_lost_or_duplicated(lab: Any, ok: list[Any], errors: list[Any], n: in
             listed = {s.id for s in await c.list()}
             assert {s.id for s in ok} <= listed
             for s in ok[:: max(1, n // 10)]:  # and they work
-                assert (await s.exec("echo ok")).stdout == b"ok\n"
+                assert (await (await c.connect(s.id)).exec("echo ok")).stdout == b"ok\n"
 
     asyncio.run(all_there())
 

@@ -280,7 +280,8 @@ class Lab:
         self.base.mkdir(parents=True, exist_ok=True)
         self._bridge()
         if postgres:
-            self.pg = Postgres(self.base / "pg").start()
+            # its own directory: the postgres user cannot traverse a test's 0700 temporary directories
+            self.pg = Postgres(Path(tempfile.mkdtemp(prefix=f"dsec-pg-{self.tag}-"))).start()
         self._registry()
         for i in range(replicas):
             self.start_control(i)
