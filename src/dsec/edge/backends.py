@@ -234,7 +234,7 @@ class EdgeBackends:
         stats = self.registry.stats()
         self.registry_stats = stats
         for ev in stats.get("corrupt_events", []):
-            key = (ev.get("layer"), ev.get("chunk"), ev.get("at"))
+            key = (ev.get("digest"), ev.get("chunk"), ev.get("at"))
             if key in self._corrupt_seen:
                 continue
             self._corrupt_seen.add(key)
