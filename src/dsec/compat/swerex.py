@@ -95,9 +95,8 @@ MiB = 1 << 20
 
 
 def _logger(name: str) -> logging.Logger:
-    from swerex.utils.log import get_logger
-
-    return get_logger(name)
+    """Ours, under ``dsec.compat.swerex``: SWE-ReX's own loggers print to the terminal."""
+    return logging.getLogger(f"dsec.compat.swerex.{name}")
 
 
 # ---------------------------------------------------------------- the pty ----
@@ -449,7 +448,8 @@ class DSecRuntime(AbstractRuntime):
         """SWE-ReX's ``_check_bash_command``, by the sandbox's bash: BashIncorrectSyntaxError
         with ``extra_info`` ``bash_stdout`` / ``bash_stderr``."""
         unique = "SOUNIQUEEOF"
-        cmd = f"/usr/bin/env bash -n << '{unique}'\n{command}\n{unique}"
+        # SWE-ReX runs `/usr/bin/env bash -n << ...`: the same bash and messages, one exec fewer
+        cmd = f"bash -n << '{unique}'\n{command}\n{unique}"
         async with self._checker_lock:
             for attempt in range(2):
                 if self._checker is None:
