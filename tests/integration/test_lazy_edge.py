@@ -114,6 +114,7 @@ def test_a_sandbox_runs_from_registry_layers_it_never_downloaded(
     with running_edge(cfg) as edge, edge.client() as api:
         store = edge.service.backends.store
         assert store.list() == []  # nothing local: every byte comes from the registry
+        assert api.get("/v1/health").json()["registry"] == registry.url  # placement may send it any image
         r = create(api)
         assert r.status_code == 201, r.text
         sid = r.json()["id"]

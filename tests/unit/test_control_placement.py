@@ -60,6 +60,24 @@ def test_selector_and_layer_tiers() -> None:
     assert feasible([full_gpu, plain], d, require_layers=True) == []
 
 
+def test_edges_with_a_registry_come_before_edges_that_cannot_fetch() -> None:
+    d = Demand(need=ONE.need, layers=("py:3.12",))
+    holder = edge("h", Room(100, 0, 0, 0), layers=layer_set(["py:3.12"]))  # full
+    fetcher = edge("f", fetches=True)
+    plain = edge("p")
+    # nobody fitting holds the layers: the edge with a registry, not the one that would 404
+    assert feasible([holder, fetcher, plain], d) == [fetcher]
+    # a holder that fits still wins over fetching
+    assert feasible([edge("h2", layers=layer_set(["py:3.12"])), fetcher], d)[0].id == "h2"
+    # no registry anywhere: as before, any edge that fits (its answer says what is missing)
+    assert feasible([holder, plain], d) == [plain]
+    # the health report's registry sets it
+    h = EdgeHealth(edge_id="x", url="http://x", sandboxes=0, capacity_sandboxes=1, cpu_committed=0,
+                   cpu_capacity=1, memory_committed=0, memory_capacity=1, disk_committed=0, disk_capacity=1,
+                   registry="http://reg:5000")
+    assert h.registry == "http://reg:5000"
+
+
 def test_layer_refs_normalize_like_the_store() -> None:
     assert normalize_ref("busybox") == "busybox:latest"
     assert normalize_ref("busybox:test") == "busybox:test"

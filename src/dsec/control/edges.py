@@ -459,6 +459,7 @@ class _Parsed:
     labels: dict[str, str]
     draining: bool
     backends: frozenset[str]
+    fetches: bool = False
 
 
 class HealthCache:
@@ -482,7 +483,8 @@ class HealthCache:
             return hit[1]
         h = EdgeHealth.model_validate_json(text)
         cap, reported = room_of_health(h)
-        p = _Parsed(cap, reported, layer_set(h.layers), dict(h.labels), h.draining, frozenset(h.backends))
+        p = _Parsed(cap, reported, layer_set(h.layers), dict(h.labels), h.draining, frozenset(h.backends),
+                    bool(h.registry))
         self._by_edge[edge_id] = (text, p)
         return p
 
@@ -504,7 +506,7 @@ def load_views(s: Session, cache: HealthCache) -> list[tuple[EdgeView, str]]:
             view = EdgeView(
                 id=r.id, capacity=p.capacity, committed=p.reported.max_with(placed), layers=p.layers,
                 labels=p.labels, draining=bool(r.draining) or p.draining, alive=alive,
-                backends=p.backends,
+                backends=p.backends, fetches=p.fetches,
             )
         out.append((view, r.url))
     return out

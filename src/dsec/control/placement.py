@@ -7,8 +7,9 @@ Two steps (docs/CONTROL.md has the measurements behind the choice):
    "Committed" is the larger of what the edge last reported and what the
    control plane itself has placed there since (so a burst does not overfill
    an edge between two health reports). Edges that already hold every layer
-   of the image form the first tier; the others (which would fetch the layers
-   lazily) are used only when no edge of the first tier fits.
+   of the image form the first tier; then edges with a registry (which load
+   the layers lazily); the others only when no edge has a registry at all
+   (their answer, ``layer_not_found``, then says what is missing).
 2. Choose with power-of-k choices: sample k feasible edges at random and take
    the one whose dominant committed fraction after placement is lowest.
 
@@ -65,6 +66,8 @@ class EdgeView:
     alive: bool = True
     backends: frozenset[str] = frozenset({"container"})
     """The execution backends the edge runs (its health report's ``backends``)."""
+    fetches: bool = False
+    """The edge loads layers it lacks from a registry (its health report's ``registry``)."""
 
     def free(self) -> Room:
         return self.capacity - self.committed
@@ -134,14 +137,16 @@ def load_after(edge: EdgeView, demand: Demand) -> float:
 
 
 def feasible(edges: Iterable[EdgeView], demand: Demand, *, require_layers: bool = False) -> list[EdgeView]:
-    """Edges that can hold the demand; those holding its layers first (the only tier if any fits)."""
+    """Edges that can hold the demand: those holding its layers if any fits, else those that
+    can fetch them from a registry, else (no registry anywhere) all that fit."""
     fit = [e for e in edges if fits(e, demand)]
     if not demand.layers:
         return fit
     local = [e for e in fit if has_layers(e, demand.layers)]
     if local or require_layers:
         return local
-    return fit
+    fetching = [e for e in fit if e.fetches]
+    return fetching or fit
 
 
 def choose_power_of_k(cands: Sequence[EdgeView], demand: Demand, k: int, rng: random.Random) -> EdgeView:

@@ -630,6 +630,7 @@ class EdgeService:
             healthy=not problems, problems=problems, repairs=self.selfcheck.repairs(), runtime=self.config.runtime,
             epoch=self.fencing.epoch,
             backends=self.backends.capabilities(),
+            registry=self.backends.registry.url if self.backends.registry is not None else "",
         )
 
     def _layers(self) -> builtins.list[str]:

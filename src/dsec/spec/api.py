@@ -444,6 +444,9 @@ class EdgeHealth(_Wire):
     epoch: int = 0
     """The highest fence this edge has applied (docs/CONTROL.md, "Fencing"): a control plane
     whose record of the edge has a higher epoch fences it before placing anything there."""
+    registry: str = ""
+    """The registry this edge loads layers it does not hold from ("" : none): placement may send
+    it sandboxes whose layers it lacks (docs/IMAGES.md, "Registry layers on an edge")."""
 
 
 # Error code -> HTTP status, read off the error classes (each carries its ``http_status``;
