@@ -257,3 +257,45 @@ def test_a_damaged_chunk_is_refused_with_eio_an_audit_line_and_a_metric(
             api.delete(f"/v1/sandboxes/{sid}")
     finally:
         blob.write_bytes(good)
+
+
+def test_the_control_plane_places_a_registry_image_no_edge_holds_yet(
+        dsec_base: Path, registry: RegistryServer, pushed: dict[str, Any], tmp_path: Path) -> None:
+    """Through the control plane: a name no edge holds is not refused when an edge can fetch
+    it; that edge looks it up in its registry and runs the sandbox."""
+    import asyncio
+
+    from dsec.control import ControlConfig, serve_control
+
+    async def scenario() -> None:
+        ctl = await serve_control(ControlConfig(data_dir=tmp_path / "control", cluster_key=KEY, port=0,
+                                                watcher=False, auth_cache_s=0.0))
+        cfg = lazy_config(dsec_base, "lzctl", "lc", registry.url, control_plane_url=ctl.url,
+                          heartbeat_interval_s=0.2)
+        edge = await asyncio.to_thread(lambda: EdgeThread(cfg).start())
+        try:
+            async with httpx.AsyncClient(base_url=ctl.url, timeout=60,
+                                         headers={"authorization": f"Bearer {ctl.admin_token}"}) as c:
+                for _ in range(100):
+                    edges = (await c.get("/v1/edges")).json()
+                    if edges and edges[0]["health"]:
+                        break
+                    await asyncio.sleep(0.05)
+                assert edges[0]["health"]["registry"] == registry.url and edges[0]["health"]["layers"] == []
+                r = await c.post("/v1/sandboxes", json={"spec": SPEC})
+                assert r.status_code == 201, r.text
+                sb = r.json()
+                async with httpx.AsyncClient(base_url=sb["edge_url"], timeout=60,
+                                             headers={"authorization": f"Bearer {sb['token']}"}) as data:
+                    res = (await data.post(f"/v1/sandboxes/{sb['id']}/exec",
+                                           json={"cmd": "sha256sum /work/big.bin"})).json()
+                assert pushed["big_sha"] in b64(res["stdout_b64"]).decode()
+                # a name the registry does not have either: the edge's 404 comes back through
+                bad = await c.post("/v1/sandboxes", json={"spec": {**SPEC, "image": {"base": "nosuch:1"}}})
+                assert bad.status_code == 404 and bad.json()["error"]["code"] == "layer_not_found", bad.text
+                assert (await c.delete(f"/v1/sandboxes/{sb['id']}")).status_code == 204
+        finally:
+            await asyncio.to_thread(edge.stop)
+            await ctl.stop()
+
+    asyncio.run(scenario())

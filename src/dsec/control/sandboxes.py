@@ -355,7 +355,10 @@ class Sandboxes:
 
     @staticmethod
     def _unknown_layer(views: Sequence[EdgeView], demand: Demand) -> LayerNotFound | None:
-        """No live edge holds a layer of the image (and edges do report layers): 404 with a hint."""
+        """No live edge holds a layer of the image (and edges do report layers), nor can fetch it
+        from a registry: 404 with a hint. With a registry the edge looks the name up itself."""
+        if any(v.alive and v.fetches for v in views):
+            return None
         known = {ref for v in views if v.alive for ref in v.layers}
         missing = [r for r in demand.layers if normalize_ref(r) not in known]
         if not known or not missing:
