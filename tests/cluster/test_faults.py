@@ -32,13 +32,15 @@ async def burst(lab: Any, n: int, *, at: int, fault: Any, concurrency: int = 8) 
     """``n`` creates; ``fault()`` runs (in a thread) once ``at`` of them were answered."""
     ok: list[Any] = []
     errors: list[Any] = []
-    fired = threading.Event()
+    threads: list[threading.Thread] = []
     async with lab.client() as c:
         async for o in c.create_many(SPEC, n, concurrency=concurrency, max_wait_s=120):
             (ok if o.ok else errors).append(o.sandbox if o.ok else o.error)
-            if len(ok) + len(errors) >= at and not fired.is_set():
-                fired.set()
-                threading.Thread(target=fault, daemon=True).start()
+            if len(ok) + len(errors) >= at and not threads:
+                threads.append(threading.Thread(target=fault, daemon=True))
+                threads[0].start()
+    for t in threads:  # the fault has played out (a restart may outlast the burst)
+        t.join(60)
     return ok, errors
 
 
