@@ -175,9 +175,9 @@ def _is_loader(pid: int, mountpoint: str) -> bool:
     return b"dsec.images.lazy.serve" in cmd and mountpoint.encode() in cmd
 
 
-def test_an_unreachable_registry_refuses_the_create_with_a_typed_error(
+def test_a_registry_that_goes_down_gives_eio_on_uncached_reads_and_a_typed_refusal(
         dsec_base: Path, pushed: dict[str, Any]) -> None:
-    # a registry of its own, stopped after the push: the edge has nothing cached
+    # a registry of its own, stopped mid-run
     try:
         reg = RegistryServer(dsec_base / f"registry-lazy-down-{time.monotonic_ns()}").start()
     except HostError as exc:
@@ -186,19 +186,33 @@ def test_an_unreachable_registry_refuses_the_create_with_a_typed_error(
     try:
         with RegistryClient(reg.url) as client:
             push_layer(src, pushed["busybox"], client, RegistryRef(reg.url, "busybox", tag="test"))
+            push_layer(src, pushed["ws"], client, RegistryRef(reg.url, "lzws", tag="v1"))
     finally:
         src.close()
     cfg = lazy_config(dsec_base, "lzdown", "ld", reg.url)
     try:
         with running_edge(cfg) as edge, edge.client() as api:
+            r = create(api, {**SPEC, "image": {"base": "busybox:test", "workspace": "lzws:v1"}})
+            assert r.status_code == 201, r.text
+            sid = r.json()["id"]
+            sh(edge, sid, "ls /work/docs | wc -l; cat /work/docs/n01.txt > /dev/null; echo rc=$?")  # busybox cached
             reg.stop()
-            r = create(api, {**SPEC, "image": {"base": "busybox:test"}})
+            # cached chunks still serve; an uncached read fails with EIO, bounded by the deadline
+            t0 = time.monotonic()
+            res = sh(edge, sid, "ls /work/docs | wc -l; cat /work/big.bin > /dev/null; echo rc=$?")
+            out, err = b64(res["stdout_b64"]).decode(), b64(res["stderr_b64"]).decode()
+            assert out.split()[0] == "40" and "rc=1" in out and "Input/output error" in err, (out, err)
+            assert time.monotonic() - t0 < 30
+            # a create needing a layer the edge has never seen: 503 layer_unavailable
+            r = create(api, {**SPEC, "image": {"base": "other:1"}})
             assert r.status_code == 503, r.text
-            err = r.json()["error"]
-            assert err["code"] == "layer_unavailable" and reg.url in err["message"], err
-            # the edge says so in its health, and lists no sandbox
+            err_body = r.json()["error"]
+            assert err_body["code"] == "layer_unavailable" and reg.url in err_body["message"], err_body
+            # the edge says so in its health and its metrics
             assert wait_until(lambda: any("registry" in p for p in api.get("/v1/health").json()["problems"]), 5)
-            assert api.get("/v1/sandboxes").json() == []
+            assert wait_until(lambda: "dsec_edge_registry_up 0.0" in api.get("/metrics").text, 5)
+            assert [s["id"] for s in api.get("/v1/sandboxes").json()] == [sid]
+            api.delete(f"/v1/sandboxes/{sid}")
     finally:
         reg.stop()
 

@@ -232,6 +232,10 @@ class EdgeBackends:
     def _audit_registry(self) -> None:
         """Keep the loader's counters for metrics; say each new refused chunk in the edge's log."""
         stats = self.registry.stats()
+        errors = int(stats.get("loader", {}).get("registry_errors") or 0)
+        before = int(self.registry_stats.get("loader", {}).get("registry_errors") or 0)
+        if self.registry_stats and errors > before:
+            self.registry.note_failure(f"{errors - before} chunk fetch attempt(s) failed since the last check")
         self.registry_stats = stats
         for ev in stats.get("corrupt_events", []):
             key = (ev.get("digest"), ev.get("chunk"), ev.get("at"))

@@ -174,7 +174,7 @@ class RegistryLayers:
                     self.heal()  # the process died: start a new one and try once more
                     paths.append(self.lazy.attach(ref, **kw))
             except LayerUnavailable as exc:
-                self._failed(str(exc))
+                self.note_failure(str(exc))
                 raise
         with self._lock:
             self._attached[remote.digest] = _Attached(refs)
@@ -234,7 +234,7 @@ class RegistryLayers:
                         self._attached[digest] = _Attached(fresh)
                 done += 1
             except (RegistryError, LayerUnavailable, ServiceDown) as exc:
-                self._failed(f"refreshing the token of {repo}: {exc}")
+                self.note_failure(f"refreshing the token of {repo}: {exc}")
         return done
 
     # -------------------------------------------------------------- health --
@@ -294,13 +294,14 @@ class RegistryLayers:
 
     # ----------------------------------------------------------- internals --
 
-    def _failed(self, message: str) -> None:
+    def note_failure(self, message: str) -> None:
+        """Count a failure of the registry and remember it (health says so for a minute)."""
         self.registry_failures += 1
         self.last_failure, self.last_failure_at = message, time.time()
 
     def _unavailable(self, exc: RegistryError, what: str, *, digest: str = "") -> LayerUnavailable:
         status = int(getattr(exc, "status", 0) or 0)
-        self._failed(f"{what}: {exc}")
+        self.note_failure(f"{what}: {exc}")
         kind = ("cannot reach" if isinstance(exc, RegistryUnreachable) else
                 "was refused by" if isinstance(exc, RegistryAuthError) else "failed at")  # fmt: skip
         return LayerUnavailable(
