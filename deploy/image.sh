@@ -33,7 +33,8 @@ packages() {
   apt-get install -y -qq --no-install-recommends -t bookworm-backports runsc
   rm -rf /var/lib/apt/lists/*
   # the control plane and the registry run as this uid (their manifests say so)
-  useradd --system --uid 10001 --user-group --no-create-home --home-dir /nonexistent dsec
+  groupadd --system --gid 10001 dsec
+  useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent dsec
 }
 
 python() {
