@@ -13,11 +13,12 @@ import base64
 import hashlib
 import hmac
 import json
+import math
 import secrets
 import time
 from dataclasses import dataclass
 
-from dsec.errors import AuthError, Forbidden
+from dsec.errors import AuthError, Forbidden, LeaseInvalid
 
 PREFIX = "dsec1"
 
@@ -84,6 +85,58 @@ def verify(key: bytes, token: str, *, now: float | None = None) -> Claims:
     if float(data.get("exp", 0)) < (time.time() if now is None else now):
         raise AuthError("token expired: ask the control plane for a fresh one (GET /v1/sandboxes/{id})")
     return Claims(str(data["sid"]), str(data["prj"]), float(data["exp"]), str(data.get("scp", "sandbox")))
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseClaims:
+    """What a create lease lets its holder do (docs/CONTROL.md, "Create leases")."""
+
+    lease_id: str
+    project: str
+    edge_id: str
+    slots: int
+    """How many sandboxes it may create, at most."""
+    body_hash: str
+    """SHA-256 of the canonical JSON of the create body every sandbox of the lease is made from."""
+    issued_at: float
+    expires_at: float
+    boot_id: str
+    """The run of the edge it was granted for (``EdgeHealth.boot_id``)."""
+
+
+def body_hash(body: dict[str, object]) -> str:
+    """The hash a lease binds its create body by (canonical JSON: sorted keys, no spaces)."""
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def mint_lease(key: bytes, *, lease_id: str, project: str, edge_id: str, boot_id: str, slots: int,
+               body_digest: str, ttl_s: float) -> tuple[str, float]:
+    """A ``lease``-scoped dsec1 token: up to ``slots`` creates of one body on one edge until it expires."""
+    now = time.time()
+    exp = now + ttl_s
+    payload = _b64(json.dumps({"sid": f"lease:{lease_id}", "prj": project, "exp": round(exp, 3), "scp": "lease",
+                               "edge": edge_id, "boot": boot_id, "n": slots, "h": body_digest, "iat": round(now, 3)},
+                              separators=(",", ":")).encode())
+    body = f"{PREFIX}.{payload}"
+    return f"{body}.{_b64(hmac.new(key, body.encode(), hashlib.sha256).digest())}", exp
+
+
+def verify_lease(key: bytes, token: str, *, now: float | None = None) -> LeaseClaims:
+    """Check a lease token's signature and scope (AuthError / Forbidden), then its expiry
+    (:class:`LeaseInvalid` ``expired``: the holder asks for a fresh lease, not a fresh login)."""
+    claims = verify(key, token, now=-math.inf)  # the signature here; the expiry below, as a lease error
+    if claims.scope != "lease" or not claims.sandbox_id.startswith("lease:"):
+        raise Forbidden("this call needs a create-lease token (POST /v1/leases on the control plane)")
+    data = json.loads(_unb64(token.split(".")[1]))
+    try:
+        lease = LeaseClaims(claims.sandbox_id[len("lease:"):], claims.project, str(data["edge"]), int(data["n"]),
+                            str(data["h"]), float(data["iat"]), claims.expires_at, str(data["boot"]))
+    except (KeyError, TypeError, ValueError):
+        raise AuthError("malformed lease token") from None
+    if lease.expires_at < (time.time() if now is None else now):
+        raise LeaseInvalid(f"lease {lease.lease_id} expired: ask the control plane for a new one (POST /v1/leases)",
+                           lease_id=lease.lease_id, reason="expired")
+    return lease
 
 
 def check_sandbox(claims: Claims, sandbox_id: str) -> None:

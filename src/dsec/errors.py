@@ -175,6 +175,16 @@ class Conflict(DsecError, RuntimeError):
     http_status: ClassVar[int] = 409
 
 
+class LeaseInvalid(DsecError, RuntimeError):
+    """A create lease the edge will not honour (any more): ``reason`` is ``expired``,
+    ``revoked``, ``used up``, ``unknown`` (granted for an earlier run of the edge), ``wrong
+    body`` or ``ended`` (a grant replayed after it was released). Ask the control plane for a
+    fresh lease (the SDK does)."""
+
+    code = "lease_invalid"
+    http_status: ClassVar[int] = 409
+
+
 class AuthError(DsecError, PermissionError):
     """Missing, malformed, expired or revoked credentials (HTTP 401)."""
 
@@ -293,6 +303,7 @@ ERRORS_BY_CODE: dict[str, type[DsecError]] = {
         Forbidden,
         NotFound,
         Conflict,
+        LeaseInvalid,
         PayloadTooLarge,
         Unsupported,
         HostError,

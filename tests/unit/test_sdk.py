@@ -21,7 +21,8 @@ import dsec
 from dsec import AsyncClient, Client
 from dsec.errors import AuthError, Backpressure, ExecTimeout, QuotaExceeded, SandboxNotFound
 from dsec.sdk.client import AsyncFiles, AsyncSandbox, AsyncSession
-from dsec.sdk.sync import Files, Sandbox, Session
+from dsec.sdk.leases import AsyncLease
+from dsec.sdk.sync import Files, Lease, Sandbox, Session
 from dsec.spec import ImageRef, SandboxSpec
 
 SPEC = SandboxSpec(image=ImageRef(base="busybox:latest"))
@@ -104,7 +105,8 @@ def test_public_api_is_explicit() -> None:
 
 
 @pytest.mark.parametrize(("sync_cls", "async_cls"), [(Client, AsyncClient), (Sandbox, AsyncSandbox),
-                                                       (Session, AsyncSession), (Files, AsyncFiles)])
+                                                       (Session, AsyncSession), (Files, AsyncFiles),
+                                                       (Lease, AsyncLease)])
 def test_sync_mirrors_async(sync_cls: type, async_cls: type) -> None:
     for name, fn in inspect.getmembers(async_cls, predicate=inspect.isfunction):
         if name.startswith("_") or not (inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn)):

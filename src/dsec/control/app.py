@@ -291,6 +291,10 @@ def create_app(config: ControlConfig, *, control: Control | None = None) -> Fast
     async def create_sandbox(ctl: Ctl, who: Who, body: CreateBody) -> Response:
         return Response(await _create(ctl, who, body), status_code=201, media_type="application/json")
 
+    from dsec.control.leases import router as leases_router  # here: it imports the edge's slot keys
+
+    app.include_router(leases_router(caller, edge_admin))  # /v1/leases, lease reports (docs/CONTROL.md)
+
     @app.post("/v1/fncall/lease", response_model=FnCallLease, tags=["fncall"])
     async def fncall_lease(ctl: Ctl, who: Who, body: FnCallLeaseRequest) -> FnCallLease:
         """An edge that runs function calls and a token for it (the SDK's ``fncall`` asks once
@@ -506,6 +510,7 @@ def create_app(config: ControlConfig, *, control: Control | None = None) -> Fast
         validate.token_id(token_id)
         h = await ctl.db.write(lambda s: iam.revoke_token(s, who, token_id))
         ctl.auth.forget(h)
+        await ctl.leases.revoke_for_token(token_id)  # its create leases end with it
         return Response(status_code=204)
 
     # ------------------------------------------------------------ images ----

@@ -221,6 +221,34 @@ class Lease(Base):
     expires_at: Mapped[float] = mapped_column(sa.Double)
 
 
+class CreateLeaseRow(Base):
+    """One edge's part of a create lease (docs/CONTROL.md, "Create leases"): the right to make up
+    to ``granted`` sandboxes of one body on ``edge_id`` until ``expires_at``. Its unused slots are
+    reservations (sandbox rows ``creating`` keyed ``<id><slot:08x>``) that hold the quota; a slot
+    the edge used becomes that sandbox's row when the edge reports it."""
+
+    __tablename__ = "create_leases"
+    __table_args__ = (sa.Index("ix_create_leases_project_grant", "project_id", "grant_id"),)
+
+    id: Mapped[str] = mapped_column(sa.String(24), primary_key=True)
+    grant_id: Mapped[str] = mapped_column(sa.String(32))
+    """The grant it is part of (one per ``POST /v1/leases``; releasing it releases every part)."""
+    project_id: Mapped[int] = mapped_column(sa.ForeignKey("projects.id", ondelete="CASCADE"))
+    token_id: Mapped[str | None] = mapped_column(sa.String(32), index=True)
+    """The API token that asked for it: revoking the token revokes the lease."""
+    request_id: Mapped[str | None] = mapped_column(sa.String(160))
+    edge_id: Mapped[str] = mapped_column(sa.String(16))
+    granted: Mapped[int] = mapped_column(sa.Integer)
+    body: Mapped[dict[str, Any]] = mapped_column(sa.JSON)
+    """The create body every sandbox of the lease is made from (as the edge gets it)."""
+    state: Mapped[str] = mapped_column(sa.String(8), default="active", index=True)
+    """``active``, then ``closed`` (expired, released or revoked: its unused slots returned)."""
+    created_at: Mapped[float] = mapped_column(sa.Double)
+    expires_at: Mapped[float] = mapped_column(sa.Double)
+    closed_at: Mapped[float | None] = mapped_column(sa.Double)
+    reason: Mapped[str] = mapped_column(sa.Text, default="")
+
+
 # Core tables (the hot paths build statements once and bind parameters).
 PROJECTS = Base.metadata.tables["projects"]
 TASKS = Base.metadata.tables["tasks"]

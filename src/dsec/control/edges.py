@@ -44,6 +44,8 @@ from dsec.spec.api import (
     ForkRequest,
     GroupResult,
     LayerInfo,
+    LeaseReleased,
+    LeaseReportItem,
     PauseReport,
     SandboxInfo,
     SandboxStats,
@@ -285,6 +287,12 @@ class EdgeClient:
         resp = await self._call("GET", url, "/v1/health", timeout=timeout)
         self._raise(resp, edge_id)
         return EdgeHealth.model_validate_json(resp.content)
+
+    async def revoke_lease(self, edge_id: str, url: str, lease_id: str) -> list[LeaseReportItem]:
+        """The edge stops honouring a create lease; answers what it made under it (idempotent)."""
+        resp = await self._call("DELETE", url, f"/v1/leases/{lease_id}")
+        self._raise(resp, edge_id)
+        return LeaseReleased.model_validate_json(resp.content).sandboxes
 
 
 def _retry_after(resp: Answer | httpx.Response) -> float:

@@ -24,6 +24,7 @@ from dsec.control.config import ControlConfig, write_secret
 from dsec.control.db import Store
 from dsec.control.edges import EdgeClient, EdgeDirectory
 from dsec.control.iam import Principal, bootstrap, principal_for_token
+from dsec.control.leases import Leases
 from dsec.control.ops import Operations
 from dsec.control.sandboxes import Sandboxes
 from dsec.control.watcher import Watcher
@@ -118,6 +119,8 @@ class Control:
         self.sandboxes.health.stale_after_s = cfg.dead_after_s  # a silent edge gets no creates (membership)
         self.sandboxes.launcher = self.replica_id
         self.ops = Operations(self.sandboxes)
+        self.leases = Leases(self.sandboxes)
+        self.leases.start()
         self.watcher = Watcher(
             cfg, store, self.edge_client, self.directory,
             create_budget_s=cfg.edge_timeout_s * cfg.placement.max_attempts + 5.0,
@@ -131,6 +134,8 @@ class Control:
             self._watch_task = asyncio.create_task(self.watcher.run(), name="dsec-control-watcher")
 
     async def stop(self) -> None:
+        if getattr(self, "leases", None) is not None:
+            await self.leases.stop()
         if getattr(self, "sandboxes", None) is not None:
             await self.sandboxes.drain()  # creates answered but not yet recorded
         if self._beat_task is not None:

@@ -252,6 +252,19 @@ def create_app(config: EdgeConfig, *, service: EdgeService | None = None) -> Fas
             return Answer(499, b"")  # client closed the request (nginx's code)
         return Answer(200, result_to_wire(result).model_dump_json().encode())
 
+    from dsec.spec.api import BatchItem, BatchResult, LeaseCreate, LeaseReleased
+
+    async def lease_create(lease_id: str, token: str | None, body: LeaseCreate) -> Answer:
+        made = await svc.leases.create(lease_id, token, body.body, body.count, body.request_id)
+        items = [BatchItem(error=error_body(m)["error"]) if isinstance(m, DsecError) else BatchItem(sandbox=m)
+                 for m in made]
+        return Answer(200, BatchResult(items=items).model_dump_json().encode())
+
+    async def fast_lease_create(req: FastRequest) -> Answer:
+        # the lease token is checked (signature, scope, edge, expiry) before the body is read
+        svc.leases.authenticate(req.params[0], req.bearer())
+        return await lease_create(req.params[0], req.bearer(), req.model(LeaseCreate))
+
     def fast_error(exc: Exception) -> Answer | None:
         # the exception handlers below, for what a fast route raises; the rest goes to _unexpected
         if isinstance(exc, DsecError):
@@ -265,6 +278,7 @@ def create_app(config: EdgeConfig, *, service: EdgeService | None = None) -> Fas
     app.add_middleware(FastRoutes, errors=fast_error, routes={
         ("POST", "/v1/sandboxes"): fast_create,
         ("POST", "/v1/sandboxes/{}/exec"): fast_exec,
+        ("POST", "/v1/leases/{}/sandboxes"): fast_lease_create,
         **fncall_routes.install(app, svc, auth),
     })
     # JSON bodies stop at 16 MiB; file bodies are capped by the sandbox's quota (read_body).
@@ -544,6 +558,24 @@ def create_app(config: EdgeConfig, *, service: EdgeService | None = None) -> Fas
         return Response(data, media_type="application/x-tar")
 
     # ---------------------------------------------------- health, metrics --
+
+    @app.post("/v1/leases/{lease_id}/sandboxes", response_model=BatchResult, tags=["leases"])
+    async def create_under_lease(lease_id: str, body: LeaseCreate, request: Request) -> Response:
+        """Sandboxes under a create lease (its token, scope ``lease``, from the control plane's
+        ``POST /v1/leases``): ``count`` of the lease's body, item ``i`` keyed ``<request_id>/<i>``;
+        per item the sandbox (with its token) or the error (docs/CONTROL.md, "Create leases")."""
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        tok = token.strip() if scheme.lower() == "bearer" else None
+        svc.leases.authenticate(lease_id, tok)
+        answer = await lease_create(lease_id, tok, body)
+        return Response(answer.body, status_code=answer.status, media_type=JSON)
+
+    @app.delete("/v1/leases/{lease_id}", response_model=LeaseReleased, tags=["leases"])
+    async def revoke_lease(lease_id: str, _c: Admin) -> Response:
+        """No more creates under this lease (control plane only); answers what it made, once the
+        creates in flight are done. Idempotent."""
+        made = await svc.leases.revoke(lease_id)
+        return _json(LeaseReleased(made=len(made), sandboxes=made))
 
     @app.get("/v1/health", response_model=EdgeHealth, tags=["edge"])
     async def health(_c: Admin) -> Response:

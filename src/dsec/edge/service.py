@@ -42,6 +42,7 @@ from dsec.edge.events import EventLog, Tombstone
 from dsec.edge.fencing import LOST_REASON, FenceEpoch, fenced_out
 from dsec.edge.heartbeat import Heartbeat
 from dsec.edge.host import HostSampler
+from dsec.edge.leases import LeaseBook, LeaseReporter
 from dsec.edge.lifecycle import Watchdog
 from dsec.edge.metrics import EdgeMetrics
 from dsec.edge.pools import PoolManager
@@ -207,6 +208,9 @@ class EdgeService:
         self.selfcheck = SelfCheck(self.backends, interval=config.host_check_interval_s)
         self.host = HostSampler(config.state_dir)
         self.heartbeat: Heartbeat | None = None
+        self.lease_reports: LeaseReporter | None = None
+        self.leases = LeaseBook(self.edge_id, config.cluster_key, make=self.create, report=None)
+        """Create leases (docs/CONTROL.md): sandboxes made at an SDK's request under the control plane's say-so."""
         self.fencing = FenceEpoch(config.state_dir / f"fence-{config.runtime}.json")
         self.started = False
         self.draining = False
@@ -243,6 +247,11 @@ class EdgeService:
                                        cluster_key=self.config.cluster_key, interval=self.config.heartbeat_interval_s,
                                        on_epoch=self.fence)
             self.heartbeat.start()
+        urls = [u.strip() for u in (self.config.control_plane_url or "").split(",") if u.strip()]
+        if urls:  # sandboxes made under leases are recorded by the control plane at once
+            self.lease_reports = LeaseReporter(urls, edge_id=self.edge_id, cluster_key=self.config.cluster_key)
+            self.leases.report = self.lease_reports.add
+            self.lease_reports.start()
         self.started = True
         adopted = self.backends.reconciled().get("adopted", [])
         log.info("edge %s up at %s: %d sandboxes re-adopted, budgets %s", self.edge_id, self.url, len(adopted), self.budgets)
@@ -257,6 +266,8 @@ class EdgeService:
         destroy = self.config.destroy_on_shutdown if destroy_all is None else destroy_all
         if self.heartbeat is not None:
             await self.heartbeat.stop()
+        if self.lease_reports is not None:
+            await self.lease_reports.stop()
         await self.watchdog.stop()
         await self.audit.stop()
         await self.selfcheck.stop()
@@ -630,6 +641,7 @@ class EdgeService:
             healthy=not problems, problems=problems, repairs=self.selfcheck.repairs(), runtime=self.config.runtime,
             epoch=self.fencing.epoch,
             backends=self.backends.capabilities(),
+            boot_id=self.leases.boot_id,
             registry=self.backends.registry.url if self.backends.registry is not None else "",
         )
 

@@ -9,19 +9,22 @@ from dsec.sdk.client import (
     CreateOutcome,
     OutputChunk,
 )
-from dsec.sdk.sync import Client, Files, Sandbox, Session, Terminal
+from dsec.sdk.leases import AsyncLease
+from dsec.sdk.sync import Client, Files, Lease, Sandbox, Session, Terminal
 from dsec.sdk.terminal import AsyncTerminal, TerminalExit
 
 __all__ = [
     "UNSET",
     "AsyncClient",
     "AsyncFiles",
+    "AsyncLease",
     "AsyncSandbox",
     "AsyncSession",
     "AsyncTerminal",
     "Client",
     "CreateOutcome",
     "Files",
+    "Lease",
     "OutputChunk",
     "Sandbox",
     "Session",

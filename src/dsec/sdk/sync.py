@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 from dsec.sdk.client import AsyncClient, AsyncFiles, AsyncSandbox, AsyncSession
+from dsec.sdk.leases import AsyncLease
 from dsec.sdk.terminal import AsyncTerminal
 
 T = TypeVar("T")
@@ -173,6 +174,17 @@ class Sandbox(_SyncBase):
 
     def __repr__(self) -> str:
         return f"<Sandbox {self._async.id}>"
+
+
+@_derive(AsyncLease)
+class Lease(_SyncBase):
+    """Blocking twin of :class:`dsec.sdk.leases.AsyncLease` (``with`` releases it)."""
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
 
 @_derive(AsyncClient)

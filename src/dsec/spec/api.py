@@ -130,6 +130,91 @@ class EdgeCreateSandbox(CreateSandbox):
     project: Annotated[str | None, Field(max_length=253)] = None
 
 
+class CreateLease(_Wire):
+    """Body of ``POST /v1/leases``: the right to create ``count`` sandboxes of one spec directly
+    on edges, for ``lease_ttl_s`` (docs/CONTROL.md, "Create leases"). The quota is charged when
+    granted; what is not used is returned when the lease is released or expires."""
+
+    spec: SandboxSpec
+    count: Annotated[int, Field(ge=1, le=100_000)]
+    lifecycle: Lifecycle = Lifecycle()
+    labels: dict[str, str] = Field(default_factory=dict)
+    task: str | None = None
+    request_id: Annotated[str | None, Field(max_length=128)] = None
+    """A retried grant with the same key answers the same leases (no second charge)."""
+    edge_selector: dict[str, str] = Field(default_factory=dict)
+    lease_ttl_s: Annotated[float, Field(gt=0, le=300)] = 30.0
+    """How long the edges honour the leases."""
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, v: dict[str, str]) -> dict[str, str]:
+        return _check_labels(v)
+
+
+class EdgeLease(_Wire):
+    """One edge's part of a grant: ``slots`` creates there with ``token`` (scope ``lease``)."""
+
+    lease_id: str
+    edge_id: str
+    edge_url: str
+    slots: int
+    token: str
+
+
+class LeaseGrant(_Wire):
+    """Answer of ``POST /v1/leases``. ``body`` is what every sandbox is made from: send it as is
+    (the token binds its hash). ``short`` sandboxes were not granted; ``error`` says why (the
+    wire form of a ``quota_exceeded`` or ``backpressure``)."""
+
+    id: str
+    expires_at: float
+    body: dict[str, Any]
+    leases: list[EdgeLease]
+    short: int = 0
+    error: dict[str, Any] | None = None
+
+
+class LeaseCreate(_Wire):
+    """Body of the edge's ``POST /v1/leases/{lease_id}/sandboxes`` (lease token): ``count``
+    sandboxes of ``body``, item ``i`` keyed ``<request_id>/<i>`` (a retried call makes none twice)."""
+
+    body: dict[str, Any]
+    count: Annotated[int, Field(ge=1, le=1000)]
+    request_id: Annotated[str, Field(min_length=1, max_length=120)]
+
+
+class LeaseReportItem(_Wire):
+    """One sandbox made under a lease, as the control plane records it."""
+
+    key: str
+    """The lease slot it used (the control plane's reservation key)."""
+    id: str
+    state: SandboxState
+    created_at: float
+    expires_at: float | None = None
+    reason: str = ""
+
+
+class LeaseReport(_Wire):
+    """Edge -> control plane (``POST /v1/edges/{id}/leases/report``, edge-admin): sandboxes made
+    under leases, so the control plane records them at once (the watcher's reconcile would
+    find them too, later)."""
+
+    items: list[LeaseReportItem]
+
+
+class LeaseReleased(_Wire):
+    """Answer of ``DELETE /v1/leases/{grant_id}`` (control plane) and of the edge's
+    ``DELETE /v1/leases/{lease_id}``: sandboxes made under it, and what was returned."""
+
+    made: int = 0
+    returned: int = 0
+    pending: list[str] = Field(default_factory=list)
+    """Parts whose edge could not be told (they close when they expire)."""
+    sandboxes: list[LeaseReportItem] = Field(default_factory=list)
+
+
 class BatchItem(_Wire):
     sandbox: SandboxInfo | None = None
     error: dict[str, Any] | None = None
@@ -444,6 +529,9 @@ class EdgeHealth(_Wire):
     epoch: int = 0
     """The highest fence this edge has applied (docs/CONTROL.md, "Fencing"): a control plane
     whose record of the edge has a higher epoch fences it before placing anything there."""
+    boot_id: str = ""
+    """Changes every time the edge process starts: create leases name the run of the edge they
+    were granted for, and an edge refuses those of an earlier run (it forgot their books)."""
     registry: str = ""
     """The registry this edge loads layers it does not hold from ("" : none): placement may send
     it sandboxes whose layers it lacks (docs/IMAGES.md, "Registry layers on an edge")."""

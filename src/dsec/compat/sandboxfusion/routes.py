@@ -32,6 +32,8 @@ from dsec.compat.sandboxfusion.service import Busy, SandboxFusion
 from dsec.errors import AuthError
 
 TAG = "sandboxfusion"
+Auth = Annotated[str | None, Header(include_in_schema=False)]
+"""``Authorization: Bearer dsk_...`` (module level: FastAPI resolves annotations from here)."""
 
 
 def install(app: FastAPI, config: SandboxFusionConfig) -> SandboxFusion | None:
@@ -81,8 +83,6 @@ def install(app: FastAPI, config: SandboxFusionConfig) -> SandboxFusion | None:
             return await service.run_jupyter(control_url(request), tok, body)
         except Busy as exc:
             return busy(exc)
-
-    Auth = Annotated[str | None, Header(include_in_schema=False)]
 
     @app.post(f"{p}/run_code", tags=[TAG], response_model=RunCodeResponse,
               summary="SandboxFusion: run code in a fresh sandbox (token in Authorization)")

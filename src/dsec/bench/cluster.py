@@ -1,0 +1,304 @@
+"""``dsec bench cluster``: the create path at cluster rates, on PostgreSQL.
+
+What it measures: how many sandbox creates per second the control plane answers, with one
+replica and with two replicas sharing one PostgreSQL (a throwaway cluster the bench makes:
+:mod:`dsec.bench.postgres`, with the distribution's durability defaults). The edges are
+**in-process stand-ins** (:mod:`dsec.bench.standin`) that answer at once and make nothing,
+so the figure is the control plane's, not the runtime's; every result carries
+``edge_kind`` saying so. Replicas run as their own processes (``python -m dsec.control``),
+as deployed; the load comes from SDK clients (``dsec.AsyncClient``) in worker processes.
+
+Two ways to create, each measured:
+
+- ``single``: one ``POST /v1/sandboxes`` per sandbox (``client.create``), many in flight:
+  what independent rollouts each creating their own sandbox cost;
+- ``lease``: ``client.create_many``, which asks the control plane for signed, quota-backed
+  create leases (one call per burst) and creates on the edges directly (docs/CONTROL.md,
+  "Create leases").
+
+Every phase reports CPU seconds per 1,000 creates of each process (replicas, PostgreSQL,
+stand-in edges, clients), read from /proc: on a 2-core machine everything competes, and
+the split says what bounds the rate and what a bigger machine would give.
+
+Hook for the fault suite: :data:`EXTRA_PHASES`. A module that measures faults (edge loss,
+replica failover, partitions) registers ``name -> run(quick, say) -> dict`` there (or is
+listed in :data:`PHASE_MODULES`, imported lazily); its keys are merged into the results.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import json
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dsec.bench.stats import percentile
+
+Say = Callable[[str], None]
+Phase = Callable[..., dict[str, Any]]
+
+EDGE_KIND = "in-process stand-in (answers at once, makes nothing)"
+LAYER = "busybox:latest"
+EXTRA_PHASES: dict[str, Phase] = {}
+"""More phases of ``dsec bench cluster`` (name -> ``run(*, quick, say) -> dict``)."""
+PHASE_MODULES: tuple[str, ...] = ()
+"""Modules imported before the run; each may add to :data:`EXTRA_PHASES` (e.g. the fault suite)."""
+
+
+def _ticks() -> int:
+    return os.sysconf("SC_CLK_TCK")
+
+
+def cpu_s(pid: int, *, children: bool = False) -> float:
+    """User + system CPU seconds of a process (all its threads), 0 if it is gone.
+    ``children``: plus its children's, the live ones and those it has reaped (a
+    PostgreSQL server forks a backend per connection)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    total = (int(fields[11]) + int(fields[12])) / _ticks()
+    if children:
+        total += (int(fields[13]) + int(fields[14])) / _ticks()
+        with contextlib.suppress(OSError):
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with contextlib.suppress(OSError):
+                    for child in Path(f"/proc/{pid}/task/{task}/children").read_text().split():
+                        total += cpu_s(int(child), children=True)
+    return total
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class _Replicas:
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    urls: list[str] = field(default_factory=list)
+
+    async def start(self, work: Path, n: int, db_url: str, key: bytes, token: str) -> None:
+        work.mkdir(parents=True, exist_ok=True)
+        for i in range(n):
+            port = _free_port()
+            cfg = {"data_dir": str(work / f"control{i}"), "database_url": db_url, "cluster_key": key.hex(),
+                   "port": port, "bootstrap_token": token, "watcher": i == 0}
+            path = work / f"control{i}.json"
+            path.write_text(json.dumps(cfg))
+            log = open(work / f"control{i}.log", "ab")  # noqa: SIM115 - owned by the child
+            self.procs.append(subprocess.Popen([sys.executable, "-m", "dsec.control", "--config", str(path)],
+                                               stdout=log, stderr=log, stdin=subprocess.DEVNULL))
+            url = f"http://127.0.0.1:{port}"
+            await _healthy(url + "/healthz", self.procs)
+            self.urls.append(url)
+
+    async def stop(self) -> None:
+        import signal
+
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                await asyncio.to_thread(p.wait, 30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+async def _healthy(url: str, procs: list[subprocess.Popen[bytes]]) -> None:
+    import httpx
+
+    for _ in range(600):
+        if any(p.poll() is not None for p in procs):
+            raise RuntimeError(f"a control-plane replica exited while starting (its log is beside {url})")
+        with contextlib.suppress(httpx.HTTPError):
+            async with httpx.AsyncClient() as h:
+                if (await h.get(url, timeout=1)).status_code < 500:
+                    return
+        await asyncio.sleep(0.1)
+    raise RuntimeError(f"{url} did not come up")
+
+
+# ------------------------------------------------------------------ load ----
+
+
+def _spec_doc() -> dict[str, Any]:
+    return {"image": {"base": LAYER}, "resources": {"cpu": 0.25, "memory": 64 << 20, "disk": 64 << 20}}
+
+
+async def _worker(args: dict[str, Any]) -> dict[str, Any]:
+    """One load process: ``n`` creates through the SDK once the parent says go (a line on stdin)."""
+    from dsec.sdk import AsyncClient
+    from dsec.spec import SandboxSpec
+
+    spec = SandboxSpec.model_validate(_spec_doc())
+    mode, n, conc = args["mode"], int(args["n"]), int(args["concurrency"])
+    lat: list[float] = []
+    errors: dict[str, int] = {}
+    async with AsyncClient(args["url"], args["token"], timeout=120) as c:
+        for _ in range(3):  # connections and caches warm
+            await c.create(spec, labels={"bench": "warm"})
+        loop = asyncio.get_running_loop()
+        print("ready", flush=True)
+        await loop.run_in_executor(None, sys.stdin.readline)
+        t0 = time.perf_counter()
+        cpu0 = time.process_time()
+        if mode == "single":
+            sem = asyncio.Semaphore(conc)
+
+            async def one() -> None:
+                async with sem:
+                    s = time.perf_counter()
+                    try:
+                        await c.create(spec, labels={"bench": "single"})
+                        lat.append((time.perf_counter() - s) * 1000)
+                    except Exception as exc:
+                        k = type(exc).__name__
+                        errors[k] = errors.get(k, 0) + 1
+
+            await asyncio.gather(*(one() for _ in range(n)))
+        else:
+            async for o in c.create_many(spec, n, concurrency=conc, labels={"bench": "lease"}):
+                if not o.ok:
+                    k = type(o.error).__name__
+                    errors[k] = errors.get(k, 0) + 1
+        wall = time.perf_counter() - t0
+        cpu = time.process_time() - cpu0
+    return {"made": n - sum(errors.values()), "errors": errors, "wall_s": wall, "cpu_s": cpu,
+            "p50_ms": percentile(lat, 50) if lat else None}
+
+
+async def _run_phase(mode: str, urls: list[str], token: str, *, n: int, workers: int, concurrency: int,
+                     pids: dict[str, list[int]], say: Say) -> dict[str, Any]:
+    """``workers`` load processes spread over the replicas; returns the rate and the CPU split."""
+    per = n // workers
+    procs = []
+    for i in range(workers):
+        args = {"mode": mode, "n": per, "concurrency": concurrency, "url": urls[i % len(urls)], "token": token}
+        p = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "dsec.bench.cluster", "--worker", json.dumps(args),
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+        procs.append(p)
+    for p in procs:
+        assert p.stdout is not None
+        line = await p.stdout.readline()
+        if line.strip() != b"ready":
+            raise RuntimeError(f"a load worker failed to start: {line!r}")
+    groups = dict(pids)
+    def sample() -> dict[str, float]:
+        return {k: sum(cpu_s(x, children=k == "postgres") for x in v) for k, v in groups.items()}
+
+    before = sample()
+    t0 = time.perf_counter()
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write(b"go\n")
+        await p.stdin.drain()
+    outs = []
+    for p in procs:
+        assert p.stdout is not None
+        outs.append(json.loads((await p.stdout.readline()).decode()))
+    wall = time.perf_counter() - t0
+    after = sample()
+    for p in procs:
+        await p.wait()
+    made = sum(o["made"] for o in outs)
+    errors: dict[str, int] = {}
+    for o in outs:
+        for k, v in o["errors"].items():
+            errors[k] = errors.get(k, 0) + v
+    res: dict[str, Any] = {"rate": made / wall, "made": made, "wall_s": wall, "errors": sum(errors.values())}
+    if errors:
+        res["error_kinds"] = "; ".join(f"{k} x{v}" for k, v in sorted(errors.items()))
+    p50s = [o["p50_ms"] for o in outs if o["p50_ms"] is not None]
+    if p50s:
+        res["p50_ms"] = sum(p50s) / len(p50s)
+    used = {k: after[k] - before[k] for k in groups}
+    used["clients"] = sum(o["cpu_s"] for o in outs)
+    for k, v in used.items():
+        res[f"cpu_ms_per_create_{k}"] = v * 1000 / max(made, 1)
+    res["cpu_busy_frac"] = sum(used.values()) / wall / (os.cpu_count() or 1)
+    say(f"  {mode}: {made} creates in {wall:.2f} s = {made / wall:,.0f}/s, errors {sum(errors.values())}; "
+        f"CPU ms per create: " + ", ".join(f"{k} {res[f'cpu_ms_per_create_{k}']:.3f}" for k in used))
+    return res
+
+
+async def _cluster(pg: Any, work: Path, *, replicas: int, edges: int, modes: list[str], n: int, workers: int,
+                   concurrency: int, say: Say) -> dict[str, Any]:
+    from dsec import auth
+    from dsec.bench.standin import StandInEdge
+
+    key = auth.new_key()
+    token = "dsk_" + secrets.token_urlsafe(32)
+    db = pg.create_database(f"bench_{replicas}r_{secrets.token_hex(3)}")
+    ctl = _Replicas()
+    stand = [StandInEdge(f"s{i + 1}", key, layers=[LAYER]) for i in range(edges)]
+    out: dict[str, Any] = {}
+    try:
+        await ctl.start(work / f"r{replicas}", replicas, db, key, token)
+        for e in stand:
+            await e.start()
+            await e.register(ctl.urls[0])
+        pids = {"replicas": [p.pid for p in ctl.procs], "postgres": pg.server_pids()[:1], "edges": [os.getpid()]}
+        for mode in modes:
+            say(f"cluster: {replicas} replica(s), {edges} stand-in edges, {n} creates ({mode}), "
+                f"{workers} client processes x {concurrency} in flight")
+            out[mode] = await _run_phase(mode, ctl.urls, token, n=n, workers=workers, concurrency=concurrency,
+                                         pids=pids, say=say)
+    finally:
+        await ctl.stop()
+        for e in stand:
+            await e.stop()
+    return out
+
+
+def run(*, quick: bool = False, say: Say = print, modes: tuple[str, ...] = ("single",),
+        replicas: tuple[int, ...] = (1, 2)) -> dict[str, Any]:
+    from dsec.bench.postgres import temp_postgres, unavailable
+
+    why = unavailable()
+    if why is not None:
+        raise RuntimeError(f"dsec bench cluster needs PostgreSQL: {why}")
+    for m in PHASE_MODULES:
+        importlib.import_module(m)
+    n = 3000 if quick else 20000
+    results: dict[str, Any] = {"quick": quick, "edge_kind": EDGE_KIND, "store": "postgresql (local socket, fsync on)",
+                               "cores": os.cpu_count()}
+
+    async def main() -> None:
+        with tempfile.TemporaryDirectory(prefix="dsec-bench-cluster-") as tmp, temp_postgres() as pg:
+            for r in replicas:
+                got = await _cluster(pg, Path(tmp), replicas=r, edges=4, modes=list(modes), n=n,
+                                     workers=2 * r, concurrency=64, say=say)
+                for mode, figures in got.items():
+                    for k, v in figures.items():
+                        results[f"{mode}_{k}_{r}replica{'s' if r > 1 else ''}"] = v
+
+    from dsec import loop as dsec_loop
+
+    dsec_loop.run(main())
+    for name, phase in EXTRA_PHASES.items():
+        say(f"cluster: phase {name}")
+        results.update(phase(quick=quick, say=say))
+    return results
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        from dsec import loop as dsec_loop
+
+        print(json.dumps(dsec_loop.run(_worker(json.loads(sys.argv[2])))), flush=True)

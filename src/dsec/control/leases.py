@@ -1,0 +1,581 @@
+"""Create leases: one control-plane call grants the right to create N sandboxes directly on edges.
+
+A create through the control plane costs it a request, two store transactions and an edge
+call per sandbox (sandboxes.py): ~2-4 ms of its CPU, so a replica on a small machine
+answers a few hundred creates a second. A burst (an RL job asking for thousands of
+sandboxes of one spec) needs the same decisions once, not N times: is it within quota,
+which edges have room. A grant (``POST /v1/leases``) makes them in one transaction:
+
+1. lock the project (and task) as a create does, replay a repeated ``request_id``;
+2. count how many of the ``count`` fit the project's and the task's quota, and split them
+   over edges with room (power-of-k on chunks, placement.py), at most what fits;
+3. per edge part: a ``create_leases`` row, and one **reservation per slot**: a sandbox row in
+   state ``creating`` keyed ``<lease id><slot:08x>``, charged to the project, the task and
+   the edge exactly like a create's reservation;
+4. answer one signed token per part (``dsec.auth.mint_lease``: lease, project, edge, slots,
+   the hash of the create body, expiry). The SDK sends the body and the token straight to
+   the edge (edge/leases.py), which makes each sandbox under a slot's key.
+
+Afterwards, per sandbox, the control plane does no work on the create path: the edge reports
+what it made (``POST /v1/edges/{id}/leases/report``, batched), and each report fills its
+slot's reservation (creating -> running, no counter moves: the reservation held the quota
+already). If reports are lost, the watcher's reconcile finds the sandboxes on the edge and
+fills the reservations by their keys (``adopt_by_key``). Counters therefore never need lease
+arithmetic: every unused slot is a reservation row, and the recount sees it.
+
+A lease ends by release (``DELETE /v1/leases/{grant}``: the SDK when its burst is done), by
+revocation (its API token revoked), or by expiry (``expires_at`` + :data:`EXPIRY_GRACE_S`,
+swept by every replica). Release and revocation first tell each edge (``DELETE
+/v1/leases/{id}``, which answers what the lease made once the creates in flight finish and
+refuses any more), record what it made, then drop the unused reservations: their quota
+returns at once. An edge that cannot be told keeps its part until expiry (the edge refuses
+an expired lease by its own clock; the grace covers clock skew and reports in flight). A
+report that comes after its reservation was dropped (it was made just before the expiry, and
+reported late) is recorded as a sandbox of its own, charged then: the quota may then be
+overdrawn by that many for as long as they live, which is logged.
+
+Edge failure: an edge that dies holds its unused slots until the lease expires (or the
+watcher declares the edge lost and stops its sandboxes); the SDK creates the rest through the
+control plane's own path, which places them elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hashlib
+import logging
+import math
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+
+import sqlalchemy as sa
+from fastapi import APIRouter, Depends, Request, Response
+from sqlalchemy.orm import Session
+
+from dsec import auth
+from dsec.control.db import SANDBOXES, CreateLeaseRow, EdgeRow, SandboxRow
+from dsec.control.edges import EdgeUnreachable, bump_edge, load_views
+from dsec.control.iam import (
+    Amount,
+    Principal,
+    bump_project,
+    bump_task,
+    check_fits,
+    check_name,
+    check_task_fits,
+    get_or_create_task,
+    task_limit,
+)
+from dsec.control.placement import Demand, EdgeView, Room, feasible, place
+from dsec.control.sandboxes import (
+    _Q_PROJECT,
+    _Q_TASK,
+    Ledger,
+    Sandboxes,
+    inherited_stages,
+    move,
+)
+from dsec.edge.leases import SLOT_HEX, slot_key
+from dsec.errors import Backpressure, DsecError, InvalidSpec, LeaseInvalid, NotFound, QuotaExceeded
+from dsec.spec import Resources, SandboxState
+from dsec.spec.api import (
+    CreateLease,
+    EdgeLease,
+    LeaseGrant,
+    LeaseReleased,
+    LeaseReport,
+    LeaseReportItem,
+    TaskQuota,
+)
+
+log = logging.getLogger("dsec.control.leases")
+
+S = SandboxState
+EXPIRY_GRACE_S = 10.0
+"""A lease is closed this long after it expires (edges' clock skew, reports in flight)."""
+SWEEP_EVERY_S = 2.0
+_UNLIMITED = 1 << 62
+MAX_PARTS = 64
+"""Edges one grant is spread over, at most."""
+
+_SB = SANDBOXES
+_INSERT = sa.insert(_SB)
+_FILL = (
+    sa.update(_SB)
+    .where(_SB.c.key == sa.bindparam("k"), _SB.c.id.is_(None), _SB.c.state == S.CREATING.value)
+    .values(id=sa.bindparam("c_id"), created_at=sa.bindparam("c_created"),
+            expires_at=sa.bindparam("c_expires"), state=sa.bindparam("c_state"), updated_at=sa.bindparam("c_now"),
+            reason="")
+)
+
+
+def grant_id_of(request_id: str | None) -> str:
+    """A grant's id: derived from its request_id (so a retry finds it), else random."""
+    if request_id is None:
+        return uuid.uuid4().hex
+    return hashlib.sha256(request_id.encode()).hexdigest()[:32]
+
+
+def _times(room: Room, n: int) -> Room:
+    return Room(room.sandboxes * n, room.cpu_m * n, room.memory * n, room.disk * n)
+
+
+def how_many_fit(free: Amount, want: Amount, limit: int) -> int:
+    """The most copies of ``want`` that ``free`` holds (at most ``limit``)."""
+    n = limit
+    for have, need in ((free.sandboxes, want.sandboxes), (free.cpu_m, want.cpu_m), (free.memory, want.memory)):
+        if need > 0:
+            n = min(n, max(0, have // need))
+    return n
+
+
+def split(views: Sequence[EdgeView], demand: Demand, n: int, *, k: int, rng: Any, require_layers: bool,
+          max_parts: int = MAX_PARTS) -> dict[str, int]:
+    """How many of ``n`` sandboxes go to which edge: power-of-k choices on chunks (the view of
+    each chosen edge takes its chunk before the next choice), chunks halving when nothing
+    holds one. At most ``max_parts`` edges; less than ``n`` when room runs out. Pure."""
+    by_id = {v.id: v for v in views}
+    cands = feasible(views, demand, require_layers=require_layers)
+    chunk = max(1, math.ceil(n / max(1, 2 * len(cands))))
+    out: dict[str, int] = {}
+    left = n
+    while left > 0:
+        c = min(chunk, left)
+        pool = [v for v in by_id.values() if v.id in out] if len(out) >= max_parts else list(by_id.values())
+        chosen = place(pool, dataclasses.replace(demand, need=_times(demand.need, c)), k=k, rng=rng,
+                       require_layers=require_layers)
+        if chosen is None:
+            if c == 1:
+                break
+            chunk = max(1, c // 2)
+            continue
+        out[chosen.id] = out.get(chosen.id, 0) + c
+        by_id[chosen.id] = dataclasses.replace(chosen, committed=chosen.committed + _times(demand.need, c))
+        left -= c
+    return out
+
+
+def _boot_ids(s: Session, edge_ids: Sequence[str]) -> dict[str, str]:
+    """The run of each edge, from its last health report (a lease names it: edge/leases.py)."""
+    q = sa.select(EdgeRow.id, EdgeRow.health["boot_id"].as_string()).where(EdgeRow.id.in_(list(edge_ids)))
+    return {eid: boot or "" for eid, boot in s.execute(q)}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Part:
+    lease_id: str
+    edge_id: str
+    edge_url: str
+    slots: int
+    boot_id: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Granted:
+    grant_id: str
+    expires_at: float
+    body: dict[str, Any]
+    parts: list[_Part]
+    short: int
+    error: dict[str, Any] | None
+
+
+class Leases:
+    """The lease operations of one replica (all state is in the store)."""
+
+    def __init__(self, sandboxes: Sandboxes) -> None:
+        self.sb = sandboxes
+        self.config = sandboxes.config
+        self.store = sandboxes.store
+        self.key = sandboxes.key
+        self.edges = sandboxes.edges
+        self._sweeper: asyncio.Task[None] | None = None
+        self.granted = 0
+        self.reported = 0
+        self.returned = 0
+
+    # ------------------------------------------------------------- grant --
+
+    async def grant(self, who: Principal, req: CreateLease) -> LeaseGrant:
+        if req.task is not None:
+            check_name(req.task, "task")
+        r = req.spec.resources
+        demand = Demand(need=Room(1, Amount.of_resources(r).cpu_m, r.memory, r.disk),
+                        layers=tuple(req.spec.image.layers_top_first()), selector=dict(req.edge_selector),
+                        backend=req.spec.backend)
+        got = await self.store.write(partial(self._grant_txn, who=who, req=req, demand=demand))
+        self.granted += sum(p.slots for p in got.parts)
+        digest = auth.body_hash(got.body)
+        ttl = max(1.0, got.expires_at - time.time())
+        leases = []
+        for p in got.parts:
+            tok, _ = auth.mint_lease(self.key, lease_id=p.lease_id, project=who.project, edge_id=p.edge_id,
+                                     boot_id=p.boot_id, slots=p.slots, body_digest=digest, ttl_s=ttl)
+            leases.append(EdgeLease(lease_id=p.lease_id, edge_id=p.edge_id, edge_url=p.edge_url, slots=p.slots,
+                                    token=tok))
+        return LeaseGrant(id=got.grant_id, expires_at=got.expires_at, body=got.body, leases=leases, short=got.short,
+                          error=got.error)
+
+    def _grant_txn(self, s: Session, who: Principal, req: CreateLease, demand: Demand) -> _Granted:
+        conn = s.connection()
+        now = time.time()
+        p = conn.execute(_Q_PROJECT, {"pid": who.project_id}).first()  # locked first, as a create
+        if p is None:
+            raise NotFound(f"project {who.project!r} no longer exists", project=who.project)
+        gid = grant_id_of(req.request_id)
+        t = None
+        if req.task:
+            t = conn.execute(_Q_TASK, {"pid": who.project_id, "name": req.task}).first()
+            if t is None:
+                get_or_create_task(s, who.project_id, req.task, lock=True)
+                t = conn.execute(_Q_TASK, {"pid": who.project_id, "name": req.task}).one()
+        dumped = req.model_dump(mode="json")
+        spec = dict(dumped["spec"])
+        inherit = inherited_stages(t.stages if t is not None else None, req)  # type: ignore[arg-type]
+        if inherit is not None:
+            spec.update(inherit)
+        body = {"spec": spec, "lifecycle": dumped["lifecycle"], "labels": dumped["labels"], "task": req.task,
+                "project": who.project}
+        if req.request_id is not None:
+            prev = s.execute(sa.select(CreateLeaseRow).where(
+                CreateLeaseRow.project_id == who.project_id, CreateLeaseRow.grant_id == gid)).scalars().all()
+            if prev:
+                return self._replayed(s, prev, body, req)
+        want = Amount(1, demand.need.cpu_m, demand.need.memory)
+        quota = Amount(p.quota_sandboxes, p.quota_cpu_m, p.quota_memory)
+        used = Amount(p.used_sandboxes, p.used_cpu_m, p.used_memory)
+        reserved = Amount(p.reserved_sandboxes, p.reserved_cpu_m, p.reserved_memory)
+        n = how_many_fit(quota - used - reserved, want, req.count)
+        t_used = None
+        tq = None
+        if t is not None:
+            tq = TaskQuota(sandboxes=t.quota_sandboxes, memory=t.quota_memory,
+                           cpu=None if t.quota_cpu_m is None else t.quota_cpu_m / 1000)
+            t_used = Amount(t.used_sandboxes, t.used_cpu_m, t.used_memory)
+            limits = task_limit(tq)
+            t_free = Amount(*(_UNLIMITED if v is None else v - t_used.get(d) for d, v in limits.items()))
+            n = min(n, how_many_fit(t_free, want, req.count))
+        error: DsecError | None = None
+        if n < req.count:  # the quota's own words for what was not granted
+            try:
+                check_fits(project=p.name, quota=quota, used=used, reserved=reserved, want=want * req.count)
+                if t is not None and tq is not None and t_used is not None:
+                    check_task_fits(task=str(req.task), project=p.name, quota=tq, used=t_used, want=want * req.count)
+            except QuotaExceeded as exc:
+                error = exc
+            if n == 0:
+                assert error is not None
+                raise error
+        loaded = load_views(s, self.sb.health)
+        views = [v for v, _ in loaded]
+        urls = {v.id: u for v, u in loaded}
+        alloc = split(views, demand, n, k=self.config.placement.k, rng=self.sb.rng,
+                      require_layers=self.config.placement.require_layers)
+        placed = sum(alloc.values())
+        if placed == 0:
+            unknown = self.sb._unknown_layer(views, demand)
+            raise unknown if unknown is not None else self.sb._nothing_fits(views, demand, frozenset())
+        if placed < n:
+            retry = self.config.placement.retry_after_s
+            error = Backpressure(f"edges have room for {placed} of the {n} sandboxes asked for now; retry the rest "
+                                 f"after {retry:g}s", retry_after=retry, reason="no room for all")
+        expires = now + req.lease_ttl_s
+        labels = {**req.spec.labels, **req.labels}
+        parts: list[_Part] = []
+        rows: list[dict[str, Any]] = []
+        boots = _boot_ids(s, list(alloc))
+        for edge_id, slots in sorted(alloc.items()):
+            lid = uuid.uuid4().hex[:24]
+            s.add(CreateLeaseRow(id=lid, grant_id=gid, project_id=who.project_id, token_id=who.token_id,
+                                 request_id=req.request_id, edge_id=edge_id, granted=slots, body=body, state="active",
+                                 created_at=now, expires_at=expires, closed_at=None, reason=""))
+            parts.append(_Part(lid, edge_id, urls[edge_id], slots, boots.get(edge_id, "")))
+            for i in range(slots):
+                rows.append({
+                    "key": slot_key(lid, i), "id": None, "edge_id": edge_id, "edge_url": urls[edge_id],
+                    "project_id": who.project_id, "task_id": t.id if t is not None else None, "task_name": req.task,
+                    "labels": labels, "state": S.CREATING.value, "spec": spec, "lifecycle": dumped["lifecycle"],
+                    "cpu_m": demand.need.cpu_m, "memory": demand.need.memory, "disk": demand.need.disk,
+                    "created_at": now, "updated_at": now, "expires_at": now + req.lifecycle.ttl_s,
+                    "request_id": None, "request_hash": "", "reason": f"lease {lid}", "launcher": None,
+                })
+            bump_edge(s, edge_id, _times(demand.need, slots))
+        conn.execute(_INSERT, rows)
+        bump_project(s, who.project_id, want * placed)
+        if t is not None:
+            bump_task(s, t.id, want * placed)
+        s.flush()
+        return _Granted(gid, expires, body, parts, req.count - placed, error.to_wire() if error else None)
+
+    @staticmethod
+    def _replayed(s: Session, prev: Sequence[CreateLeaseRow], body: dict[str, Any], req: CreateLease) -> _Granted:
+        if any(auth.body_hash(r.body) != auth.body_hash(body) for r in prev):
+            raise InvalidSpec(f"request_id {req.request_id!r} was used before for a lease of another body",
+                              field="request_id")
+        if any(r.state != "active" for r in prev):
+            raise LeaseInvalid(f"the lease granted for request_id {req.request_id!r} has ended "
+                               f"({prev[0].reason or 'closed'}): ask with a new request_id",
+                               lease_id=prev[0].grant_id, reason="ended")
+        urls = dict(s.execute(sa.select(EdgeRow.id, EdgeRow.url).where(
+            EdgeRow.id.in_([r.edge_id for r in prev]))).all())
+        boots = _boot_ids(s, [r.edge_id for r in prev])
+        parts = [_Part(r.id, r.edge_id, urls.get(r.edge_id, ""), r.granted, boots.get(r.edge_id, ""))
+                 for r in sorted(prev, key=lambda r: r.id)]
+        return _Granted(prev[0].grant_id, prev[0].expires_at, prev[0].body, parts,
+                        max(0, req.count - sum(r.granted for r in prev)), None)
+
+    # ------------------------------------------------------------ report --
+
+    async def report(self, edge_id: str, report: LeaseReport) -> int:
+        """Record sandboxes an edge made under leases (idempotent); returns how many were new."""
+        if not report.items:
+            return 0
+        n = await self.store.write(partial(self._report_txn, edge_id=edge_id, items=report.items))
+        self.reported += n
+        return n
+
+    def _report_txn(self, s: Session, edge_id: str, items: Sequence[LeaseReportItem]) -> int:
+        now = time.time()
+        keys = [it.key for it in items]
+        rows: dict[str, tuple[str | None, str]] = {}
+        for i in range(0, len(keys), 500):
+            for k, sid, state in s.execute(
+                sa.select(SandboxRow.key, SandboxRow.id, SandboxRow.state)
+                .where(SandboxRow.key.in_(keys[i:i + 500])).with_for_update()
+            ):
+                rows[k] = (sid, state)
+        fills: list[dict[str, Any]] = []
+        odd: list[LeaseReportItem] = []
+        for it in items:
+            sb = it
+            if not sb.id.startswith(f"{edge_id}-"):
+                log.warning("edge %s reported sandbox %s of another edge: ignored", edge_id, sb.id)
+                continue
+            have = rows.get(it.key)
+            if have is not None and have[0] == sb.id:
+                continue  # recorded already (a repeated report, or the reconcile was first)
+            if have is not None and have[0] is None and have[1] == S.CREATING.value and sb.state in (
+                    S.RUNNING, S.CREATING, S.PAUSED):
+                fills.append({"k": it.key, "c_id": sb.id, "c_created": sb.created_at, "c_expires": sb.expires_at,
+                              "c_state": sb.state.value, "c_now": now})
+            else:
+                odd.append(it)
+        if fills:
+            s.connection().execute(_FILL, fills)
+        for it in odd:
+            self._record_odd(s, edge_id, it, rows.get(it.key), now)
+        return len(fills) + len(odd)
+
+    def _record_odd(self, s: Session, edge_id: str, it: LeaseReportItem, have: tuple[str | None, str] | None,
+                    now: float) -> None:
+        """A report that does not simply fill its reservation: the reservation was dropped
+        (the lease ended first), deleted meanwhile, or the sandbox already failed."""
+        sb = it
+        ledger = Ledger()
+        if have is not None and have[0] is None:
+            row = s.get(SandboxRow, it.key)
+            assert row is not None
+            row.id = sb.id
+            row.created_at = sb.created_at
+            if row.state == S.CREATING.value and sb.state in (S.FAILED, S.STOPPED):
+                move(row, sb.state, ledger, reason=sb.reason or "failed on the edge")
+            # a reservation deleted meanwhile (stopping) keeps the id: the reconcile deletes it there
+            ledger.flush(s)
+            return
+        if s.execute(sa.select(SandboxRow.key).where(SandboxRow.id == sb.id)).first() is not None:
+            return
+        lease = s.get(CreateLeaseRow, it.key[: -SLOT_HEX])
+        if lease is None or lease.edge_id != edge_id:
+            log.warning("edge %s reported sandbox %s under unknown lease slot %s: left to the reconcile",
+                        edge_id, sb.id, it.key)
+            return
+        res = Resources.model_validate(lease.body["spec"]["resources"])
+        amount = Amount.of_resources(res)
+        task_id = None
+        if lease.body.get("task"):
+            task_id = get_or_create_task(s, lease.project_id, lease.body["task"], lock=False).id
+        url = s.execute(sa.select(EdgeRow.url).where(EdgeRow.id == edge_id)).scalar_one_or_none() or ""
+        row = SandboxRow(
+            key=uuid.uuid4().hex, id=sb.id, edge_id=edge_id, edge_url=url, project_id=lease.project_id,
+            task_id=task_id, task_name=lease.body.get("task"),
+            labels={**(lease.body["spec"].get("labels") or {}), **(lease.body.get("labels") or {})},
+            state=S.CREATING.value, spec=lease.body["spec"], lifecycle=lease.body["lifecycle"], cpu_m=amount.cpu_m,
+            memory=res.memory, disk=res.disk, created_at=sb.created_at, updated_at=now, expires_at=sb.expires_at,
+            request_id=None, request_hash="", reason=f"lease {lease.id} (reported after it ended)", launcher=None,
+        )
+        s.add(row)
+        ledger.charge(row, None, S.CREATING.value)
+        if sb.state is not S.CREATING:
+            move(row, sb.state if sb.state is not S.STOPPED else S.STOPPED, ledger)
+        ledger.flush(s)
+        log.warning("edge %s reported %s after lease %s ended: recorded and charged to project #%d (its quota "
+                    "may be overdrawn by it while it lives)", edge_id, sb.id, lease.id, lease.project_id)
+
+    # ----------------------------------------------------- release/close --
+
+    async def release(self, who: Principal, grant_id: str) -> LeaseReleased:
+        """The SDK is done with a grant: tell its edges, record what they made, return the rest."""
+        parts = await self.store.read(lambda s: [
+            (r.id, r.edge_id) for r in s.execute(sa.select(CreateLeaseRow).where(
+                CreateLeaseRow.grant_id == grant_id, CreateLeaseRow.project_id == who.project_id)).scalars()
+            if r.state == "active"] or self._known(s, who, grant_id))
+        return await self._revoke(parts, reason="released")
+
+    @staticmethod
+    def _known(s: Session, who: Principal, grant_id: str) -> list[tuple[str, str]]:
+        if s.execute(sa.select(CreateLeaseRow.id).where(
+                CreateLeaseRow.grant_id == grant_id, CreateLeaseRow.project_id == who.project_id)).first() is None:
+            raise NotFound(f"no lease {grant_id!r} in project {who.project!r}", lease_id=grant_id)
+        return []
+
+    async def revoke_for_token(self, token_id: str) -> None:
+        """A revoked API token's leases end with it."""
+        parts = await self.store.read(lambda s: [(r.id, r.edge_id) for r in s.execute(
+            sa.select(CreateLeaseRow).where(CreateLeaseRow.token_id == token_id, CreateLeaseRow.state == "active")
+        ).scalars()])
+        if parts:
+            await self._revoke(parts, reason="revoked (its API token was revoked)")
+
+    async def _revoke(self, parts: Sequence[tuple[str, str]], *, reason: str) -> LeaseReleased:
+        out = LeaseReleased()
+        if not parts:
+            return out
+
+        async def one(lease_id: str, edge_id: str) -> tuple[str, list[LeaseReportItem] | None]:
+            url = await self.sb.directory.url(edge_id)
+            if url is None:
+                return lease_id, None
+            try:
+                return lease_id, await self.edges.revoke_lease(edge_id, url, lease_id)
+            except (EdgeUnreachable, DsecError) as exc:
+                log.warning("revoking lease %s on edge %s failed (it ends when it expires): %s", lease_id, edge_id, exc)
+                return lease_id, None
+
+        told = await asyncio.gather(*(one(lid, eid) for lid, eid in parts))
+        by_edge = dict(parts)
+        closable: list[str] = []
+        for lease_id, made in told:
+            if made is None:
+                out.pending.append(lease_id)
+                continue
+            if made:
+                await self.report(by_edge[lease_id], LeaseReport(items=made))
+            out.made += len(made)
+            out.sandboxes.extend(made)
+            closable.append(lease_id)
+        if closable:
+            out.returned = await self.store.write(partial(self._close_txn, lease_ids=closable, reason=reason))
+            self.returned += out.returned
+        return out
+
+    def _close_txn(self, s: Session, lease_ids: Sequence[str], reason: str) -> int:
+        """Close these leases: drop their unused slots' reservations (the quota returns)."""
+        now = time.time()
+        returned = 0
+        leases = s.execute(sa.select(CreateLeaseRow).where(CreateLeaseRow.id.in_(list(lease_ids)),
+                                                           CreateLeaseRow.state == "active")
+                           .order_by(CreateLeaseRow.id).with_for_update()).scalars().all()
+        for lease in leases:
+            lo, hi = slot_key(lease.id, 0), lease.id + "f" * SLOT_HEX
+            gone = s.execute(
+                sa.delete(SandboxRow).where(SandboxRow.key >= lo, SandboxRow.key <= hi, SandboxRow.id.is_(None),
+                                            SandboxRow.state == S.CREATING.value)
+                .returning(SandboxRow.task_id, SandboxRow.cpu_m, SandboxRow.memory, SandboxRow.disk)
+            ).all()
+            if gone:
+                n = len(gone)
+                cpu, mem, disk = sum(g[1] for g in gone), sum(g[2] for g in gone), sum(g[3] for g in gone)
+                bump_project(s, lease.project_id, Amount(-n, -cpu, -mem))
+                by_task: dict[int, Amount] = {}
+                for task_id, c, m, _ in gone:
+                    if task_id is not None:
+                        by_task[task_id] = by_task.get(task_id, Amount()) + Amount(1, c, m)
+                for task_id, a in sorted(by_task.items()):
+                    bump_task(s, task_id, Amount() - a)
+                bump_edge(s, lease.edge_id, Room(-n, -cpu, -mem, -disk))
+                returned += n
+            lease.state, lease.closed_at, lease.reason = "closed", now, reason
+        return returned
+
+    # ------------------------------------------------------------ expiry --
+
+    async def sweep(self) -> int:
+        """Close the leases past their expiry and grace (any replica may; row locks make it once)."""
+        cutoff = time.time() - EXPIRY_GRACE_S
+        ids = await self.store.read(lambda s: list(s.execute(
+            sa.select(CreateLeaseRow.id).where(CreateLeaseRow.state == "active", CreateLeaseRow.expires_at < cutoff)
+            .limit(1000)).scalars()))
+        if not ids:
+            return 0
+        n = await self.store.write(partial(self._close_txn, lease_ids=ids, reason="expired"))
+        self.returned += n
+        return n
+
+    def start(self) -> None:
+        async def loop() -> None:
+            while True:
+                await asyncio.sleep(SWEEP_EVERY_S)
+                try:
+                    await self.sweep()
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    log.warning("lease sweep failed (will retry): %s", exc)
+
+        self._sweeper = asyncio.create_task(loop(), name="dsec-control-lease-sweep")
+
+    async def stop(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+            self._sweeper = None
+
+
+# ---------------------------------------------------------------- routes ----
+
+
+def router(caller: Callable[..., Any], edge_admin: Callable[..., Any]) -> APIRouter:
+    """``POST /v1/leases``, ``DELETE /v1/leases/{grant_id}`` (project tokens) and
+    ``POST /v1/edges/{edge_id}/leases/report`` (edge-admin)."""
+    r = APIRouter(tags=["leases"])
+    project = Depends(caller)  # defaults, not annotations: annotations here are strings (PEP 563)
+    edge = Depends(edge_admin)
+
+    def leases_of(request: Request) -> Leases:
+        got: Leases = request.app.state.ctl.leases
+        return got
+
+    @r.post("/v1/leases", status_code=201, response_model=LeaseGrant)
+    async def create_lease(request: Request, body: CreateLease, who: Principal = project) -> Response:
+        """Grant the right to create ``count`` sandboxes of one spec directly on edges (one signed
+        token per edge part; docs/CONTROL.md, "Create leases"). Quota is charged now; the unused
+        part returns on release or expiry. Grants what fits: ``short`` and ``error`` say what not."""
+        from dsec.control import validate
+
+        validate.finite(body.model_dump(mode="python"))
+        validate.text(body.request_id, "request_id", max_len=128)
+        grant = await leases_of(request).grant(who, body)
+        return Response(grant.model_dump_json(), status_code=201, media_type="application/json")
+
+    @r.delete("/v1/leases/{grant_id}", response_model=LeaseReleased)
+    async def release_lease(request: Request, grant_id: str, who: Principal = project) -> LeaseReleased:
+        """Done with a grant: its edges stop honouring it, what it made is recorded, the rest of
+        its quota returns. Idempotent."""
+        from dsec.control import validate
+
+        validate.text(grant_id, "grant_id", max_len=64)
+        return await leases_of(request).release(who, grant_id)
+
+    @r.post("/v1/edges/{edge_id}/leases/report")
+    async def lease_report(request: Request, edge_id: str, body: LeaseReport,
+                           _: Any = edge) -> dict[str, int]:
+        """An edge's sandboxes made under leases (batched): each fills its slot's reservation."""
+        return {"recorded": await leases_of(request).report(edge_id, body)}
+
+    return r

@@ -1,0 +1,175 @@
+"""Create leases in the SDK: one control-plane call for a burst, then the edges directly.
+
+``await client.lease(spec, n)`` asks the control plane for the right to create ``n``
+sandboxes of ``spec`` (``POST /v1/leases``): it charges the quota once, splits the burst
+over edges with room and answers one signed token per edge. :meth:`AsyncLease.create` then
+sends the creates straight to those edges, a chunk of sandboxes per request, and
+:meth:`AsyncLease.release` hands back what was not used. :meth:`AsyncClient.create_many`
+does all of that by itself (docs/CONTROL.md, "Create leases"): a burst of N costs the
+control plane two calls instead of N.
+
+What an edge cannot make (its admission is full, it is unreachable, the lease ended) is
+reported per item as the error that stopped it; ``create_many`` creates those through the
+control plane instead, which places them elsewhere. A chunk whose answer was lost is sent
+again with the same request id: the edge makes each item once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from dsec.errors import Backpressure, DsecError, LeaseInvalid, error_from_wire
+from dsec.sdk._http import raise_for_error
+from dsec.spec.api import BatchResult, LeaseGrant, LeaseReleased
+
+if TYPE_CHECKING:
+    from dsec.sdk.client import AsyncClient, CreateOutcome
+
+CHUNK = 16
+"""Sandboxes per request to an edge (the edge makes a chunk's sandboxes concurrently)."""
+RESEND = 3
+"""Times a chunk whose answer was lost is sent again (same request id: nothing made twice)."""
+
+
+class EdgeGone(DsecError):
+    """Not on the wire: an edge did not take a chunk (nothing was sent, or the answer never came
+    after :data:`RESEND` tries). ``maybe_made``: the edge may have made them."""
+
+
+class AsyncLease:
+    """A grant of create leases: up to :attr:`slots` sandboxes of one spec, made directly on
+    edges until :attr:`expires_at`. ``async with`` releases it; releasing twice is fine."""
+
+    def __init__(self, client: AsyncClient, grant: LeaseGrant) -> None:
+        self._client = client
+        self.grant = grant
+        self._left = {p.lease_id: p.slots for p in grant.leases}
+        self._released: LeaseReleased | None = None
+        self._calls = 0
+
+    @property
+    def id(self) -> str:
+        return self.grant.id
+
+    @property
+    def slots(self) -> int:
+        """Sandboxes granted (``short`` more were asked for; ``error`` says why not)."""
+        return sum(p.slots for p in self.grant.leases)
+
+    @property
+    def short(self) -> int:
+        return self.grant.short
+
+    @property
+    def error(self) -> DsecError | None:
+        return None if self.grant.error is None else error_from_wire(dict(self.grant.error))
+
+    @property
+    def expires_at(self) -> float:
+        return self.grant.expires_at
+
+    def __repr__(self) -> str:
+        return f"<AsyncLease {self.id}: {self.slots} slots on {len(self.grant.leases)} edge(s)>"
+
+    async def __aenter__(self) -> AsyncLease:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.release()
+
+    async def create(self, n: int | None = None, *, concurrency: int = 64, first_index: int = 0,
+                     labels: dict[str, str] | None = None) -> AsyncIterator[CreateOutcome]:
+        """Make ``n`` sandboxes (default: every slot left), yielding each outcome as its chunk
+        answers (indices from ``first_index``). ``concurrency``: sandboxes in flight at once.
+        ``labels`` must be None: a lease's labels are fixed when it is granted."""
+        from dsec.sdk.client import CreateOutcome
+
+        if labels is not None:
+            raise DsecError("a lease's labels are fixed at the grant: pass them to client.lease()")
+        want = sum(self._left.values()) if n is None else n
+        plan: list[tuple[Any, int, int]] = []  # (part, index of the first item, count)
+        idx = first_index
+        for part in self.grant.leases:
+            while want > 0 and self._left[part.lease_id] > 0:
+                c = min(CHUNK, want, self._left[part.lease_id])
+                self._left[part.lease_id] -= c
+                plan.append((part, idx, c))
+                idx += c
+                want -= c
+        sem = asyncio.Semaphore(max(1, concurrency // CHUNK))
+        queue: asyncio.Queue[list[CreateOutcome]] = asyncio.Queue()
+
+        async def chunk(part: Any, first: int, count: int) -> None:
+            async with sem:
+                await queue.put(await self._chunk(part, first, count))
+
+        tasks = [asyncio.ensure_future(chunk(*p)) for p in plan]
+        try:
+            for _ in plan:
+                for o in await queue.get():
+                    yield o
+            if want > 0:  # asked for more than the grant holds
+                for i in range(idx, idx + want):
+                    yield CreateOutcome(i, None, LeaseInvalid(f"lease {self.id} has no slot left", reason="used up",
+                                                              lease_id=self.id))
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _chunk(self, part: Any, first: int, count: int) -> list[CreateOutcome]:
+        from dsec.sdk.client import AsyncSandbox, CreateOutcome
+
+        self._calls += 1
+        rid = f"{self.id[:32]}-{part.lease_id}-{first}"
+        body = {"body": self.grant.body, "count": count, "request_id": rid}
+        http = self._client._edge(part.edge_url)
+        last: Exception | None = None
+        maybe = False
+        for _ in range(RESEND):
+            try:
+                resp = await http.request("POST", f"/v1/leases/{part.lease_id}/sandboxes", key=rid, json=body,
+                                          headers={"authorization": f"Bearer {part.token}"}, idempotent=True)
+                raise_for_error(resp)
+                items = BatchResult.model_validate_json(resp.content).items
+                return [CreateOutcome(first + i, AsyncSandbox(self._client, it.sandbox), None)
+                        if it.sandbox is not None else
+                        CreateOutcome(first + i, None, error_from_wire(dict(it.error or {})))
+                        for i, it in enumerate(items)]
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                last = exc
+                break  # nothing was sent: the edge made nothing
+            except httpx.HTTPError as exc:
+                last, maybe = exc, True
+                await asyncio.sleep(0.1)
+            except DsecError as exc:  # the whole chunk refused (lease ended, token...)
+                return [CreateOutcome(first + i, None, exc) for i in range(count)]
+        err = EdgeGone(f"edge {part.edge_id} did not take {count} creates of lease {part.lease_id}: {last!r}",
+                       edge_id=part.edge_id, maybe_made=maybe)
+        return [CreateOutcome(first + i, None, err) for i in range(count)]
+
+    async def release(self) -> LeaseReleased:
+        """Hand back what was not used (its quota returns at once). Idempotent."""
+        if self._released is None:
+            resp = await self._client._call("DELETE", f"/v1/leases/{self.id}")
+            self._released = LeaseReleased.model_validate_json(resp.content)
+        return self._released
+
+
+def retry_elsewhere(err: DsecError | None) -> bool:
+    """An item a lease could not make that the control plane's own path may still make:
+    the edge was full or gone (nothing made), or the lease ended."""
+    if isinstance(err, EdgeGone):
+        return not err.fields.get("maybe_made", False)
+    return isinstance(err, Backpressure | LeaseInvalid)
+
+
+async def grant(client: AsyncClient, body: str) -> AsyncLease:
+    """``POST /v1/leases`` with this JSON body."""
+    resp = await client._call("POST", "/v1/leases", content=body, headers={"content-type": "application/json"})
+    return AsyncLease(client, LeaseGrant.model_validate_json(resp.content))
+

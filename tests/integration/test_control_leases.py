@@ -1,0 +1,238 @@
+"""Create leases end to end: the SDK, a control plane (SQLite and PostgreSQL) and a real edge agent.
+
+A grant charges the quota once and answers one signed token per edge part; the SDK sends
+creates straight to the edge, which makes each sandbox under its slot's key and reports it;
+the control plane records it into the slot's reservation. Checked here on the real services:
+counters at every step (grant, report, release, expiry), what the edge refuses (another body,
+used-up slots, revoked and expired leases, a lease token on a sandbox route), idempotent
+resends, reports lost (the watcher's reconcile records the sandboxes by their keys), and an
+API token's revocation ending its leases. docs/CONTROL.md, "Create leases".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import test_control_support as support
+
+from conftest import RT_PREFIX
+from dsec.errors import HostError, LeaseInvalid, QuotaExceeded
+
+pytestmark = [pytest.mark.root, pytest.mark.anyio]
+
+anyio_backend = support.anyio_backend
+db_url = support.db_url
+pg_cluster = support.pg_cluster
+KEY = secrets.token_bytes(32)
+SPEC: dict[str, Any] = {"image": {"base": "busybox:test"}, "resources": {"cpu": 0.1, "memory": 32 << 20, "disk": 16 << 20}}
+
+
+@pytest.fixture(scope="module")
+def edge_state(dsec_base: Path) -> Iterator[tuple[Path, str]]:
+    from dsec.edge.testing import prepare_busybox
+
+    name = f"{RT_PREFIX}-lease"
+    state = dsec_base / f"state-{name}"
+    try:
+        prepare_busybox(state)
+    except HostError as exc:
+        pytest.skip(f"cannot build the busybox layer: {exc}")
+    yield state, name
+
+
+class Stack:
+    def __init__(self, ctl: Any, edge: Any) -> None:
+        self.ctl = ctl
+        self.edge = edge
+
+    @property
+    def control(self) -> Any:
+        return self.ctl.control
+
+    async def used(self, c: httpx.AsyncClient, project: str = "root") -> int:
+        return int((await c.get(f"/v1/projects/{project}")).json()["used"]["sandboxes"])
+
+    async def committed(self, c: httpx.AsyncClient) -> int:
+        return int((await c.get("/v1/edges")).json()[0]["committed"]["sandboxes"])
+
+    async def recorded(self, c: httpx.AsyncClient, n: int, **params: Any) -> list[dict[str, Any]]:
+        """The sandboxes listed once ``n`` are (reports arrive off the create path)."""
+        for _ in range(200):
+            got = (await c.get("/v1/sandboxes", params=params)).json()
+            if len(got) >= n:
+                return list(got)
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"{n} sandboxes never recorded: {got}")
+
+
+@contextlib.asynccontextmanager
+async def stack(edge_state: tuple[Path, str], dsec_base: Path, tmp_path: Path, db: str) -> AsyncIterator[Stack]:
+    from dsec.control import ControlConfig, serve_control
+    from dsec.edge.config import EdgeConfig
+    from dsec.edge.testing import EdgeThread
+
+    state, name = edge_state
+    ctl = await serve_control(ControlConfig(
+        data_dir=tmp_path / "control", database_url=db, cluster_key=KEY, port=0, watcher=False, auth_cache_s=0.0,
+    ))
+    cfg = EdgeConfig(
+        edge_id="lx", cluster_key=KEY, port=0, state_dir=state, run_dir=dsec_base / "run", runtime_name=name,
+        destroy_on_shutdown=True, max_sandboxes=20, control_plane_url=ctl.url, heartbeat_interval_s=0.2,
+    )
+    edge = await asyncio.to_thread(lambda: EdgeThread(cfg).start())
+    try:
+        async with httpx.AsyncClient(base_url=ctl.url, headers={"authorization": f"Bearer {ctl.admin_token}"}) as c:
+            for _ in range(200):  # registered, with the run id leases are granted for
+                edges = (await c.get("/v1/edges")).json()
+                if edges and (edges[0].get("health") or {}).get("boot_id"):
+                    break
+                await asyncio.sleep(0.05)
+        yield Stack(ctl, edge)
+    finally:
+        await asyncio.to_thread(edge.stop)
+        await ctl.stop()
+
+
+async def test_create_many_goes_through_one_lease_and_every_sandbox_is_recorded(
+    edge_state: tuple[Path, str], dsec_base: Path, tmp_path: Path, db_url: str
+) -> None:
+    from dsec.sdk import AsyncClient
+    from dsec.spec import SandboxSpec
+
+    async with stack(edge_state, dsec_base, tmp_path, db_url) as st, \
+            httpx.AsyncClient(base_url=st.ctl.url, headers={"authorization": f"Bearer {st.ctl.admin_token}"}) as c, \
+            AsyncClient(st.ctl.url, st.ctl.admin_token) as sdk:
+        spec = SandboxSpec.model_validate(SPEC)
+        outs = [o async for o in sdk.create_many(spec, 6, labels={"job": "lease"}, task="t")]
+        assert all(o.ok for o in outs), [str(o.error) for o in outs]
+        boxes = [o.sandbox for o in outs if o.sandbox is not None]
+        assert sorted(o.index for o in outs) == list(range(6))
+        assert all(b.id.startswith("lx-") and b.info.project == "root" for b in boxes)
+        assert st.control.leases.granted == 6  # one grant; no control-plane create per sandbox
+        res = await boxes[0].exec(["echo", "hi"])  # the edge's own token works on the data path
+        assert res.stdout == b"hi\n"
+        rows = await st.recorded(c, 6, label="job=lease")
+        assert {r["id"] for r in rows} == {b.id for b in boxes}
+        assert {r["state"] for r in rows} == {"running"} and {r["task"] for r in rows} == {"t"}
+        assert await st.used(c) == 6 and await st.committed(c) == 6  # the released rest returned
+        await boxes[1].close()  # through the control plane, which knows it now
+        assert (await c.get(f"/v1/sandboxes/{boxes[1].id}")).json()["state"] == "stopped"
+        assert await st.used(c) == 5
+        assert await sdk.delete_where(labels={"job": "lease"}) == 5
+        assert await st.used(c) == 0
+
+
+async def test_lease_charges_at_grant_returns_on_release_and_resends_make_nothing_twice(
+    edge_state: tuple[Path, str], dsec_base: Path, tmp_path: Path, db_url: str
+) -> None:
+    from dsec.sdk import AsyncClient
+    from dsec.spec import SandboxSpec
+
+    async with stack(edge_state, dsec_base, tmp_path, db_url) as st, \
+            httpx.AsyncClient(base_url=st.ctl.url, headers={"authorization": f"Bearer {st.ctl.admin_token}"}) as c:
+        r = await c.post("/v1/projects", json={"name": "small", "quota": {"sandboxes": 5, "cpu": 10, "memory": 1 << 32}})
+        assert r.status_code == 201, r.text
+        tok = (await c.post("/v1/tokens", json={"project": "small"})).json()["token"]
+        async with AsyncClient(st.ctl.url, tok) as sdk:
+            spec = SandboxSpec.model_validate(SPEC)
+            lease = await sdk.lease(spec, 8, request_id="burst-1")
+            assert (lease.slots, lease.short) == (5, 3) and isinstance(lease.error, QuotaExceeded)
+            assert await st.used(c, "small") == 5 and await st.committed(c) == 5  # charged at the grant
+            again = await sdk.lease(spec, 8, request_id="burst-1")  # a retried grant: the same, no second charge
+            assert [p.lease_id for p in again.grant.leases] == [p.lease_id for p in lease.grant.leases]
+            assert await st.used(c, "small") == 5
+            with pytest.raises(QuotaExceeded):
+                await sdk.lease(spec, 1)
+            part = lease.grant.leases[0]
+            body = {"body": lease.grant.body, "count": 2, "request_id": "chunk-a"}
+            hdr = {"authorization": f"Bearer {part.token}"}
+            async with httpx.AsyncClient(base_url=part.edge_url, headers=hdr) as e:
+                first = (await e.post(f"/v1/leases/{part.lease_id}/sandboxes", json=body)).json()["items"]
+                resent = (await e.post(f"/v1/leases/{part.lease_id}/sandboxes", json=body)).json()["items"]
+                assert [i["sandbox"]["id"] for i in first] == [i["sandbox"]["id"] for i in resent]
+                r = await e.get(f"/v1/sandboxes/{first[0]['sandbox']['id']}")  # a lease token opens no sandbox
+                assert r.status_code == 403
+            made = [o async for o in lease.create(1)]
+            assert made[0].ok
+            rel = await lease.release()
+            assert (rel.made, rel.returned, rel.pending) == (3, 2, [])
+            assert await st.used(c, "small") == 3 and await st.committed(c) == 3
+            assert len(await st.recorded(c, 3)) == 3
+            async with httpx.AsyncClient(base_url=part.edge_url, headers=hdr) as e:  # released: revoked there
+                r = await e.post(f"/v1/leases/{part.lease_id}/sandboxes", json={**body, "request_id": "chunk-b"})
+                assert r.status_code == 409 and r.json()["error"]["reason"] == "revoked"
+            with pytest.raises(LeaseInvalid):  # a released grant is not answered again
+                await sdk.lease(spec, 8, request_id="burst-1")
+            assert (await lease.release()).made == 3  # idempotent
+
+
+async def test_edge_refuses_other_bodies_and_expired_leases_and_the_sweep_returns_their_quota(
+    edge_state: tuple[Path, str], dsec_base: Path, tmp_path: Path, db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dsec.control import leases as leases_mod
+
+    monkeypatch.setattr(leases_mod, "EXPIRY_GRACE_S", 0.0)
+    async with stack(edge_state, dsec_base, tmp_path, db_url) as st, \
+            httpx.AsyncClient(base_url=st.ctl.url, headers={"authorization": f"Bearer {st.ctl.admin_token}"}) as c:
+        g = (await c.post("/v1/leases", json={"spec": SPEC, "count": 3, "lease_ttl_s": 1.5})).json()
+        part = g["leases"][0]
+        hdr = {"authorization": f"Bearer {part['token']}"}
+        async with httpx.AsyncClient(base_url=part["edge_url"], headers=hdr) as e:
+            other = {**g["body"], "labels": {"sneaky": "1"}}
+            r = await e.post(f"/v1/leases/{part['lease_id']}/sandboxes", json={"body": other, "count": 1, "request_id": "x"})
+            assert r.status_code == 409 and r.json()["error"]["reason"] == "wrong body"
+            r = await e.post(f"/v1/leases/{part['lease_id']}/sandboxes",
+                             json={"body": g["body"], "count": 4, "request_id": "y"})
+            items = r.json()["items"]
+            assert [i["sandbox"] is not None for i in items] == [True, True, True, False]
+            assert items[3]["error"]["reason"] == "used up"
+            assert await st.used(c) == 3
+            await asyncio.sleep(1.6)
+            r = await e.post(f"/v1/leases/{part['lease_id']}/sandboxes", json={"body": g["body"], "count": 1, "request_id": "z"})
+            assert r.status_code == 409 and r.json()["error"]["reason"] == "expired"
+        await st.recorded(c, 3)
+        assert await st.control.leases.sweep() == 0  # every slot was used: nothing to return
+        g2 = (await c.post("/v1/leases", json={"spec": SPEC, "count": 4, "lease_ttl_s": 0.5})).json()
+        assert await st.used(c) == 7
+        await asyncio.sleep(0.6)
+        assert await st.control.leases.sweep() == 4  # never used: all of it returns
+        assert await st.used(c) == 3 and await st.committed(c) == 3
+        assert g2["leases"]
+
+
+async def test_lost_reports_are_recorded_by_the_reconcile_and_a_revoked_token_ends_its_leases(
+    edge_state: tuple[Path, str], dsec_base: Path, tmp_path: Path, db_url: str
+) -> None:
+    async with stack(edge_state, dsec_base, tmp_path, db_url) as st, \
+            httpx.AsyncClient(base_url=st.ctl.url, headers={"authorization": f"Bearer {st.ctl.admin_token}"}) as c:
+        st.edge.service.leases.report = None  # the edge's reports never arrive
+        g = (await c.post("/v1/leases", json={"spec": SPEC, "count": 2})).json()
+        part = g["leases"][0]
+        async with httpx.AsyncClient(base_url=part["edge_url"], headers={"authorization": f"Bearer {part['token']}"}) as e:
+            items = (await e.post(f"/v1/leases/{part['lease_id']}/sandboxes",
+                                  json={"body": g["body"], "count": 2, "request_id": "r"})).json()["items"]
+        ids = {i["sandbox"]["id"] for i in items}
+        assert (await c.get("/v1/sandboxes")).json() == []  # not recorded yet
+        await st.control.watcher.tick(reconcile=True)
+        rows = (await c.get("/v1/sandboxes")).json()
+        assert {r["id"] for r in rows} == ids and {r["state"] for r in rows} == {"running"}
+        assert await st.used(c) == 2
+
+        r = await c.post("/v1/tokens", json={"project": "root", "name": "job"})
+        job = r.json()
+        g = (await c.post("/v1/leases", json={"spec": SPEC, "count": 3},
+                          headers={"authorization": f"Bearer {job['token']}"})).json()
+        assert await st.used(c) == 5
+        assert (await c.delete(f"/v1/tokens/{job['id']}")).status_code == 204
+        assert await st.used(c) == 2  # its unused lease returned with it
+        part = g["leases"][0]
+        async with httpx.AsyncClient(base_url=part["edge_url"], headers={"authorization": f"Bearer {part['token']}"}) as e:
+            r = await e.post(f"/v1/leases/{part['lease_id']}/sandboxes", json={"body": g["body"], "count": 1, "request_id": "q"})
+            assert r.status_code == 409 and r.json()["error"]["reason"] == "revoked"
