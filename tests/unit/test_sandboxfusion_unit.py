@@ -1,0 +1,246 @@
+"""SandboxFusion compatibility, the parts with no service: the wire models against the released
+client's (``sandbox-fusion`` 0.3.7), the status rules, the language table, the window that
+absorbs backpressure, the toolchain names, the control plane's routes and config.
+
+Everything that runs code is in tests/e2e/test_sandboxfusion_e2e.py (a real ``dsec up``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+import sandbox_fusion as sf  # the released client: its own models and helpers
+from pydantic import ValidationError
+
+from dsec.compat.sandboxfusion import languages
+from dsec.compat.sandboxfusion.config import SandboxFusionConfig
+from dsec.compat.sandboxfusion.models import (
+    CellRunResult,
+    CommandRunResult,
+    CommandRunStatus,
+    RunCodeRequest,
+    RunCodeResponse,
+    RunJupyterRequest,
+    RunJupyterResponse,
+    RunStatus,
+    run_status,
+)
+from dsec.compat.window import Window, WindowTimeout
+from dsec.images.toolchains import TOOLCHAINS, image_for, parse_toolchains, toolkit_name
+
+# ----------------------------------------------------------- wire models ----
+
+
+@pytest.mark.parametrize(("ours", "theirs"), [(RunCodeRequest, sf.RunCodeRequest),
+                                              (RunJupyterRequest, sf.RunJupyterRequest)])
+def test_every_field_the_client_sends_is_read_with_its_default(ours: Any, theirs: Any) -> None:
+    for name, field in theirs.__fields__.items():  # pydantic v1 API of the client's models
+        assert name in ours.model_fields, name
+        if not field.required:
+            assert ours.model_fields[name].get_default(call_default_factory=True) == field.default, name
+
+
+def test_requests_the_client_builds_parse_as_ours() -> None:
+    req = sf.RunCodeRequest(code="print(1)", language="python", stdin="x", files={"a.txt": "aGk="},
+                            fetch_files=["a.txt"], compile_timeout=3, run_timeout=4)
+    ours = RunCodeRequest.model_validate(req.dict())
+    assert (ours.code, ours.language, ours.stdin, ours.compile_timeout, ours.run_timeout) == ("print(1)", "python",
+                                                                                             "x", 3, 4)
+    assert ours.memory_limit_MB == -1  # the released client has no such field: the server's default
+    verl = {"compile_timeout": 10, "run_timeout": 10, "code": "x", "stdin": "", "memory_limit_MB": 256,
+            "language": "cpp", "files": {}, "fetch_files": []}  # what verl's reward code posts
+    assert RunCodeRequest.model_validate(verl).memory_limit_MB == 256
+    jup = RunJupyterRequest.model_validate(sf.RunJupyterRequest(cells=["a = 1", "a"]).dict())
+    assert (jup.cells, jup.total_timeout, jup.cell_timeout, jup.kernel) == (["a = 1", "a"], 45, 0, "python3")
+
+
+def test_answers_parse_as_the_clients() -> None:
+    stage = CommandRunResult(status=CommandRunStatus.Finished, execution_time=0.1, return_code=0, stdout="1\n",
+                             stderr="", cpu_time=0.01)
+    resp = RunCodeResponse(status=RunStatus.Success, message="", run_result=stage, executor_pod_name="e1-x",
+                           files={"a": "aGk="})
+    theirs = sf.RunCodeResponse(**json.loads(resp.model_dump_json()))
+    assert theirs.status == sf.RunStatus.Success and theirs.run_result.stdout == "1\n"
+    assert theirs.run_result.cpu_time == 0.01 and theirs.compile_result is None and theirs.files == {"a": "aGk="}
+    assert sf.summary_run_code_result(theirs, sf.SummaryMapping()) == "Success"
+    tle = RunCodeResponse(status=RunStatus.Failed, message="",
+                          run_result=CommandRunResult(status=CommandRunStatus.TimeLimitExceeded, execution_time=1))
+    mapping = sf.SummaryMapping(RunTimeout="timeout", CompileFailed="ce")
+    assert sf.summary_run_code_result(sf.RunCodeResponse(**json.loads(tle.model_dump_json())), mapping) == "timeout"
+    ce = RunCodeResponse(status=RunStatus.Failed, message="",
+                         compile_result=CommandRunResult(status=CommandRunStatus.Finished, return_code=1))
+    assert sf.summary_run_code_result(sf.RunCodeResponse(**json.loads(ce.model_dump_json())), mapping) == "ce"
+    cell = CellRunResult(stdout="x\n", stderr="", display=[{"text/plain": "1"}], error=[])
+    jup = RunJupyterResponse(status=RunStatus.Success, message="", driver=stage, cells=[cell])
+    parsed = sf.RunJupyterResponse(**json.loads(jup.model_dump_json()))
+    assert parsed.cells[0].display == [{"text/plain": "1"}]
+    assert {s.value for s in RunStatus} == {s.value for s in sf.RunStatus}
+    assert {s.value for s in CommandRunStatus} == {s.value for s in sf.CommandRunStatus}
+
+
+def test_a_body_sandboxfusion_would_refuse_is_refused() -> None:
+    with pytest.raises(ValidationError):
+        RunCodeRequest.model_validate({"code": "x", "language": "cobol"})
+    with pytest.raises(ValidationError):
+        RunCodeRequest.model_validate({"language": "python"})
+    with pytest.raises(ValidationError):
+        RunCodeRequest.model_validate({"code": "x", "language": "python", "run_timeout": 0})
+    # unknown fields are ignored, as SandboxFusion's server does
+    assert RunCodeRequest.model_validate({"code": "x", "language": "python", "new_field": 1}).code == "x"
+
+
+def _stage(status: CommandRunStatus, rc: int | None = None, err: str = "") -> CommandRunResult:
+    return CommandRunResult(status=status, return_code=rc, stderr=err)
+
+
+def test_the_overall_status_follows_sandboxfusions_rules() -> None:
+    ok, fail, tle = CommandRunStatus.Finished, CommandRunStatus.Finished, CommandRunStatus.TimeLimitExceeded
+    assert run_status(None, _stage(ok, 0)) == (RunStatus.Success, "")
+    assert run_status(_stage(ok, 0), _stage(ok, 0)) == (RunStatus.Success, "")
+    assert run_status(_stage(fail, 1), None) == (RunStatus.Failed, "")
+    assert run_status(_stage(ok, 0), _stage(fail, -9)) == (RunStatus.Failed, "")
+    assert run_status(_stage(tle), None) == (RunStatus.Failed, "")
+    assert run_status(_stage(CommandRunStatus.Error, err="boom"), None) == (RunStatus.SandboxError, "boom")
+
+
+# -------------------------------------------------------------- languages ----
+
+
+def test_every_language_runs_on_a_known_toolchain_and_the_issues_list_is_served() -> None:
+    for name, recipe in languages.RECIPES.items():
+        assert recipe.toolchain in TOOLCHAINS, name
+        assert name in RunCodeRequest.model_fields["language"].annotation.__args__, name  # type: ignore[union-attr]
+    assert {"python", "pytest", "cpp", "c", "go", "java", "nodejs", "typescript", "rust", "bash"} <= set(
+        languages.RECIPES)
+    assert languages.JUPYTER.toolchain in TOOLCHAINS
+
+
+def test_java_puts_the_requests_jars_on_the_class_path_quoted() -> None:
+    compile_, run = languages.commands(languages.RECIPES["java"], ["Main.java", "lib/a b.jar", "x.txt"])
+    assert compile_ == "javac -cp .:/usr/share/java/javatuples.jar:'lib/a b.jar' Main.java"
+    assert run == "java -cp .:/usr/share/java/javatuples.jar:'lib/a b.jar' -ea Main"
+    assert languages.commands(languages.RECIPES["python"], ["a.jar"]) == (None, "python3 main.py")
+
+
+def test_toolchain_names_and_images() -> None:
+    assert parse_toolchains("cpp, python") == ["python", "cpp"]  # table order
+    assert parse_toolchains("all") == list(TOOLCHAINS)
+    with pytest.raises(ValueError, match="unknown toolchain 'cobol'"):
+        parse_toolchains("python,cobol")
+    assert image_for("cpp") == ("tc-base:bookworm", ("tc-cpp:bookworm",))
+    assert image_for("bash", "trixie") == ("tc-base:trixie", ())
+    assert toolkit_name("go") == "tc-go"
+
+
+def test_config_bounds() -> None:
+    assert SandboxFusionConfig().prefix == "/sandboxfusion"
+    assert SandboxFusionConfig(prefix="/api/sf").prefix == "/api/sf"
+    for bad in ("sandboxfusion", "/", "/a/", "/A"):
+        with pytest.raises(ValidationError):
+            SandboxFusionConfig(prefix=bad)
+
+
+# ----------------------------------------------------------------- window ----
+
+
+def test_the_window_serves_waiters_in_order_and_learns_from_refusals() -> None:
+    async def go() -> None:
+        loop = asyncio.get_running_loop()
+        w = Window(4, probe_s=10)
+        for _ in range(4):
+            await w.acquire(loop.time() + 1)
+        order: list[int] = []
+
+        async def waiter(i: int) -> None:
+            await w.acquire(loop.time() + 5)
+            order.append(i)
+
+        tasks = [asyncio.create_task(waiter(i)) for i in range(3)]
+        await asyncio.sleep(0.01)
+        assert w.waiting == 3 and not order
+        w.release()
+        await asyncio.sleep(0.01)
+        assert order == [0]
+        # a refusal (made holding a slot): the window shrinks to what else runs
+        w.refused()
+        assert int(w.cap) == 3 and w.refusals == 1
+        w.release()  # the refused one gives its slot back: 3 in flight, cap 3 -> nobody goes
+        await asyncio.sleep(0.01)
+        assert order == [0]
+        w.admitted()  # a create got through: the window grows (by 1/cap)...
+        w.release()
+        await asyncio.sleep(0.01)
+        assert order == [0, 1]
+        w.release()
+        await asyncio.sleep(0.01)
+        assert order == [0, 1, 2]
+        await asyncio.gather(*tasks)
+        assert w.stats()["waits"] == 3
+
+    asyncio.run(go())
+
+
+def test_a_refused_request_goes_back_to_the_head_and_waiting_has_a_deadline() -> None:
+    async def go() -> None:
+        loop = asyncio.get_running_loop()
+        w = Window(1, probe_s=10)
+        await w.acquire(loop.time() + 1)
+        got: list[str] = []
+
+        async def waiter(name: str, again: bool) -> None:
+            await w.acquire(loop.time() + 5, again=again)
+            got.append(name)
+            w.release()
+
+        first = asyncio.create_task(waiter("queued", False))
+        await asyncio.sleep(0.01)
+        second = asyncio.create_task(waiter("refused", True))
+        await asyncio.sleep(0.01)
+        w.release()
+        await asyncio.gather(first, second)
+        assert got == ["refused", "queued"]
+        await w.acquire(loop.time() + 1)
+        with pytest.raises(WindowTimeout):
+            await w.acquire(loop.time() + 0.05)
+        assert w.timeouts == 1 and w.waiting == 0
+        full = Window(1, max_waiting=0)
+        await full.acquire(loop.time() + 1)
+        with pytest.raises(WindowTimeout, match="waiting already"):
+            await full.acquire(loop.time() + 1)
+
+    asyncio.run(go())
+
+
+def test_the_head_probes_for_room_freed_elsewhere() -> None:
+    async def go() -> None:
+        loop = asyncio.get_running_loop()
+        w = Window(8, probe_s=0.02)
+        await w.acquire(loop.time() + 1)
+        await w.acquire(loop.time() + 1)
+        w.refused()  # cap 1 with 2 in flight
+        w.release()  # 1 in flight, cap 1
+        t0 = loop.time()
+        await w.acquire(loop.time() + 1)  # nothing ends: after probe_s the head widens the window
+        assert 0.015 < loop.time() - t0 < 0.5 and w.inflight == 2
+
+    asyncio.run(go())
+
+
+# ------------------------------------------------------------------ routes ----
+
+
+def test_the_control_plane_serves_the_routes_and_can_leave_them_out(tmp_path: Any) -> None:
+    from dsec.control.app import create_app
+    from dsec.control.config import ControlConfig
+
+    app = create_app(ControlConfig(data_dir=tmp_path))
+    paths = {getattr(r, "path", "") for r in app.routes}
+    for p in ("/sandboxfusion/v1/ping", "/sandboxfusion/{token}/v1/ping", "/sandboxfusion/run_code",
+              "/sandboxfusion/{token}/run_code", "/sandboxfusion/run_jupyter", "/sandboxfusion/{token}/run_jupyter"):
+        assert p in paths, p
+    off = create_app(ControlConfig(data_dir=tmp_path, sandboxfusion=SandboxFusionConfig(enabled=False)))
+    assert not any("sandboxfusion" in getattr(r, "path", "") for r in off.routes)
+    assert off.state.sandboxfusion is None
