@@ -266,8 +266,13 @@ async def _cluster(pg: Any, work: Path, *, replicas: int, edges: int, modes: lis
     return out
 
 
-def run(*, quick: bool = False, say: Say = print, modes: tuple[str, ...] = ("single",),
-        replicas: tuple[int, ...] = (1, 2)) -> dict[str, Any]:
+KEY_OF_MODE = {"lease": "control_creates", "single": "control_single_creates"}
+"""Result key prefix per mode: the issue's ``control_creates_per_s_<n>replica(s)`` is the SDK's
+bulk path (``create_many``: a lease); the per-sandbox path has its own keys beside it."""
+
+
+def run(*, quick: bool = False, say: Say = print, modes: tuple[str, ...] = ("lease", "single"),
+        replicas: tuple[int, ...] = (1, 2), edges: int = 4) -> dict[str, Any]:
     from dsec.bench.postgres import temp_postgres, unavailable
 
     why = unavailable()
@@ -276,21 +281,26 @@ def run(*, quick: bool = False, say: Say = print, modes: tuple[str, ...] = ("sin
     for m in PHASE_MODULES:
         importlib.import_module(m)
     n = 3000 if quick else 20000
-    results: dict[str, Any] = {"quick": quick, "edge_kind": EDGE_KIND, "store": "postgresql (local socket, fsync on)",
-                               "cores": os.cpu_count()}
+    results: dict[str, Any] = {"quick": quick, "edge_kind": EDGE_KIND, "edges": edges, "creates_per_phase": n,
+                               "store": "postgresql (throwaway, local socket, fsync on)", "cores": os.cpu_count(),
+                               "load1_before": os.getloadavg()[0]}
 
     async def main() -> None:
         with tempfile.TemporaryDirectory(prefix="dsec-bench-cluster-") as tmp, temp_postgres() as pg:
             for r in replicas:
-                got = await _cluster(pg, Path(tmp), replicas=r, edges=4, modes=list(modes), n=n,
+                got = await _cluster(pg, Path(tmp), replicas=r, edges=edges, modes=list(modes), n=n,
                                      workers=2 * r, concurrency=64, say=say)
+                tag = f"{r}replica{'s' if r > 1 else ''}"
                 for mode, figures in got.items():
+                    pre = KEY_OF_MODE[mode]
+                    results[f"{pre}_per_s_{tag}"] = figures.pop("rate")
                     for k, v in figures.items():
-                        results[f"{mode}_{k}_{r}replica{'s' if r > 1 else ''}"] = v
+                        results[f"{pre}_{k}_{tag}"] = v
 
     from dsec import loop as dsec_loop
 
     dsec_loop.run(main())
+    results["load1_after"] = os.getloadavg()[0]
     for name, phase in EXTRA_PHASES.items():
         say(f"cluster: phase {name}")
         results.update(phase(quick=quick, say=say))

@@ -224,6 +224,19 @@ def bench_compat(quick: bool, json_path: Path | None, phases: tuple[str, ...]) -
     _report("dsec bench compat", results, json_path)
 
 
+@bench.command("cluster")
+@click.option("--quick", is_flag=True, help="3,000 creates per phase instead of 20,000.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the flat JSON here.")
+def bench_cluster(quick: bool, json_path: Path | None) -> None:
+    """The create path at cluster rates: creates/s of one and two control-plane replicas on a
+    throwaway PostgreSQL, per-sandbox creates and create leases, edges that are in-process
+    stand-ins answering at once (not real edges: stated in the results)."""
+    from dsec.bench.cluster import run
+
+    results = run(quick=quick, say=lambda m: console.print(f"[dim]{m}[/dim]"))
+    _report("dsec bench cluster", results, json_path)
+
+
 @bench.command("abuse")
 @click.option("--quick", is_flag=True, help="Shorter floods and spins, 2 neighbours, fewer network/stage samples (< ~3 min).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the flat JSON here.")
