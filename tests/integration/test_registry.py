@@ -10,6 +10,7 @@ At the end of the module no registry process of this session may be left.
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import hashlib
 import io
@@ -40,6 +41,7 @@ from dsec.images.errors import (
     UnsupportedManifest,
 )
 from dsec.images.layer import LayerKind
+from dsec.images.lazy.erofs_meta import walk_metadata
 from dsec.images.oci_import import import_image
 from dsec.images.registry import (
     CHUNK_SIZE,
@@ -291,6 +293,18 @@ def test_lazy_form_mounts_as_the_same_tree(work: Path, registry: RegistryServer,
         try:
             assert _walk(split) == _walk(whole)
             assert len(_walk(whole)) >= 9
+            # the metadata image says where each file's data lies in the data device
+            raw, dev = meta.read_bytes(), data.read_bytes()
+
+            async def read(off: int, n: int) -> bytes:
+                return raw[off : off + n]
+
+            found = asyncio.run(walk_metadata(read, extents=True))
+            assert found.data_extents is not None
+            contents = sorted(p.read_bytes() for p in whole.rglob("*") if p.is_file() and not p.is_symlink()
+                              and p.stat().st_size)
+            pieces = sorted(dev[a:b] for a, b in found.data_extents)
+            assert sorted(set(pieces)) == sorted(set(contents))  # hard links share their extent
         finally:
             sysmount.umount(str(split))
     finally:

@@ -166,7 +166,8 @@ class RegistryLayers:
         paths = []
         for i, ref in enumerate(refs):
             # a lazy form: its metadata image whole, its data device nothing ahead
-            kw = ({} if len(refs) == 1 else {"prefetch_all": True} if i == 0 else {"prefetch_metadata": False})
+            kw: dict[str, Any] = ({} if len(refs) == 1 else {"prefetch_all": True} if i == 0 else
+                                  {"prefetch_metadata": False, "extents_of": refs[0].digest})  # fmt: skip
             try:
                 try:
                     paths.append(self.lazy.attach(ref, **kw))

@@ -4,7 +4,7 @@ One request per connection: the client writes one JSON object and a newline, the
 server answers one JSON object and a newline, and closes. Requests::
 
     {"op": "ping"}                                   -> {"ok": true, "pid": N, "layers": K}
-    {"op": "attach", "layer": {RemoteLayer}, "prefetch_metadata": true, "prefetch_all": false}
+    {"op": "attach", "layer": {RemoteLayer}, "prefetch_metadata": true, "prefetch_all": false, "extents_of": ""}
                                                      -> {"ok": true, "path": ".../<hex>.erofs", "layer": {...stats}}
     {"op": "detach", "digest": "sha256:..."}         -> {"ok": true, "detached": bool}
     {"op": "stats"}                                  -> {"ok": true, "stats": {...}}

@@ -99,6 +99,11 @@ class Attached:
     next_offset: int = -1
     run_bytes: int = 0
     metadata_error: str = ""
+    extents_of: str = ""
+    """Hex digest of the metadata image whose files' data this layer holds (a lazy form's
+    data device): a miss then fetches the rest of the file's extent with it."""
+    extents: tuple[list[int], list[int]] | None = None
+    """Sorted starts and their ends of the files' extents in this layer (once worked out)."""
 
 
 class _Inflight:
@@ -135,6 +140,10 @@ class LatencyHistogram:
                 "p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99)}
 
 
+MAX_READAHEAD_BYTES = 8 << 20
+"""A sequential reader's readahead window grows to at most this."""
+FILE_FETCH_BYTES = 4 << 20
+"""A miss in a lazy form's data device fetches this much of the file it falls in, at most."""
 MAX_RUN_BYTES = 2 << 20
 """Most bytes one Range request asks for: consecutive missing chunks go together up to this."""
 
@@ -146,6 +155,10 @@ def _hash_pieces(data: bytes, start: int, run: list[int], layer: RemoteLayer) ->
         piece = data[lo - start : hi - start]
         out.append((piece, hashlib.sha256(piece).hexdigest()))
     return out
+
+
+def _hex(digest: str) -> str:
+    return digest.removeprefix("sha256:")
 
 
 def _sha256_hex(data: bytes) -> str:
@@ -187,7 +200,7 @@ class Engine:
     # ------------------------------------------------------------ attach/detach --
 
     async def attach(self, layer: RemoteLayer, *, prefetch_metadata: bool = True,
-                     prefetch_all: bool = False) -> Attached:
+                     prefetch_all: bool = False, extents_of: str = "") -> Attached:
         """Make ``layer`` readable; with ``prefetch_metadata`` fetch its metadata chunks first,
         with ``prefetch_all`` every chunk (a lazy form's metadata image, which is all metadata).
         Raises LayerUnavailable / ChunkCorrupt when they cannot be had (the layer is then
@@ -204,7 +217,7 @@ class Engine:
                 )
             al.layer = layer
             return al
-        al = Attached(layer=layer, ino=self._next_ino, attached_at=time.time())
+        al = Attached(layer=layer, ino=self._next_ino, attached_at=time.time(), extents_of=_hex(extents_of))
         self._next_ino += 1
         if prefetch_metadata or prefetch_all:
             done = self._attaching[layer.hex] = trio.Event()
@@ -216,7 +229,30 @@ class Engine:
         self.layers[layer.hex] = al
         self.by_ino[al.ino] = al
         self._changed()
+        if al.extents_of and self._nursery is not None:
+            self._nursery.start_soon(self._work_out_extents, al)
         return al
+
+    async def _work_out_extents(self, al: Attached) -> None:
+        """Read the files' extents from the metadata image (cached: it was fetched whole)."""
+        meta = self.layers.get(al.extents_of)
+        if meta is None:
+            log.warning("layer %s: its metadata image sha256:%s is not attached; no file-sized fetches",
+                        al.layer.digest, al.extents_of)  # fmt: skip
+            return
+
+        async def read(off: int, n: int) -> bytes:
+            return await self._read_range(meta, off, n)
+
+        t0 = time.monotonic()
+        try:
+            found = await walk_metadata(read, extents=True)
+        except (ErofsFormatError, ReadFailed) as exc:
+            log.warning("layer %s: file extents not worked out: %s", al.layer.digest, exc)
+            return
+        ext = found.data_extents or []
+        al.extents = ([a for a, _ in ext], [b for _, b in ext])
+        log.info("layer %s: %d file extents in %.2f s", al.layer.digest, len(ext), time.monotonic() - t0)
 
     def detach(self, hex_digest: str) -> bool:
         al = self.layers.get(hex_digest)
@@ -344,6 +380,8 @@ class Engine:
         al.next_offset = end
         al.counters.reads += 1
         self.totals.reads += 1
+        if al.extents is not None:
+            self._fetch_file_around(al, off, end)
         try:
             with trio.fail_after(self.config.read_deadline_s):
                 data = await self._read_range(al, off, end - off)
@@ -358,8 +396,30 @@ class Engine:
         al.counters.read_bytes += len(data)
         self.totals.read_bytes += len(data)
         if self.config.readahead_chunks and al.run_bytes >= self.config.readahead_trigger:
-            self._readahead(al, (end - 1) // layer.chunk_size + 1)
+            # the window grows with the stream (as much as it has read), up to MAX_READAHEAD_BYTES
+            window = min(MAX_READAHEAD_BYTES, max(self.config.readahead_chunks * layer.chunk_size, al.run_bytes))
+            self._readahead(al, (end - 1) // layer.chunk_size + 1, max(1, window // layer.chunk_size))
         return data
+
+    def _fetch_file_around(self, al: Attached, off: int, end: int) -> None:
+        """A read that misses: fetch with it the rest of its file's extent (up to
+        FILE_FETCH_BYTES), in as few requests as the runs allow."""
+        assert al.extents is not None
+        starts, ends = al.extents
+        k = bisect.bisect_right(starts, off) - 1
+        if k < 0 or ends[k] <= off:
+            return
+        layer = al.layer
+        cs = layer.chunk_size
+        stop = min(ends[k], off + FILE_FETCH_BYTES, layer.size)
+        if stop <= end:
+            return
+        first, last = off // cs, (stop - 1) // cs
+        want = [i for i in range(first, last + 1)
+                if layer.chunks[i][7:] not in self._inflight and not self.cache.contains(layer.chunks[i][7:])]
+        if want and want[0] == first:  # only on a miss: a cached read stays a cached read
+            self._count(al, "readahead_chunks", len(want))
+            self._start_fetches(al, want)
 
     async def _read_range(self, al: Attached, off: int, n: int) -> bytes:
         layer = al.layer
@@ -549,11 +609,11 @@ class Engine:
         return ChunkCorrupt(f"chunk {idx} of layer {layer.digest} does not match its digest",
                             digest=layer.digest, chunk=idx, expected=f"sha256:{hx}", got=f"sha256:{got}")
 
-    def _readahead(self, al: Attached, first: int) -> None:
+    def _readahead(self, al: Attached, first: int, count: int) -> None:
         layer = al.layer
         if self._nursery is None:
             return
-        want = [i for i in range(first, min(first + self.config.readahead_chunks, len(layer.chunks)))
+        want = [i for i in range(first, min(first + count, len(layer.chunks)))
                 if layer.chunks[i][7:] not in self._inflight and not self.cache.contains(layer.chunks[i][7:])]
         if want:
             self._count(al, "readahead_chunks", len(want))

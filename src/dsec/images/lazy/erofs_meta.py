@@ -157,22 +157,27 @@ class MetadataMap:
     ranges: list[tuple[int, int]]
     inodes: int = 0
     directories: int = 0
+    data_extents: list[tuple[int, int]] | None = None
+    """With ``extents=True``: ``[start, end)`` byte ranges, in the image's extra data device,
+    of each chunk-based file's runs of consecutive blocks, sorted by start (the lazy form's
+    metadata image says where every file's data lies in its data device)."""
 
 
-async def walk_metadata(read: Reader, prefetch: Prefetch | None = None) -> MetadataMap:
+async def walk_metadata(read: Reader, prefetch: Prefetch | None = None, *, extents: bool = False) -> MetadataMap:
     """Walk the whole tree breadth-first and return every byte range it read.
 
     Ranges: the superblock, each inode (with its inline xattrs and inline
     tail), each directory's blocks, each symlink's target, and one block of the
     shared xattr area when there is one. ``prefetch`` (if given) is told each
     level's ranges before they are read, so a lazy reader can fetch them all
-    concurrently instead of one round trip per inode."""
+    concurrently instead of one round trip per inode. ``extents`` also reads every
+    chunk-based file's chunk index into ``data_extents``."""
     sb = parse_superblock(await read(SUPER_OFFSET, SUPER_SIZE))
     bs = sb.block_size
     ranges: list[tuple[int, int]] = [(0, SUPER_OFFSET + SUPER_SIZE)]
     if sb.xattr_blkaddr:
         ranges.append((sb.xattr_blkaddr * bs, bs))
-    result = MetadataMap(sb, ranges)
+    result = MetadataMap(sb, ranges, data_extents=[] if extents else None)
     seen: set[int] = {sb.root_nid}
     level = [sb.root_nid]
     while level:
@@ -190,6 +195,8 @@ async def walk_metadata(read: Reader, prefetch: Prefetch | None = None) -> Metad
             fmt = stat.S_IFMT(ino.mode)
             if fmt in (stat.S_IFDIR, stat.S_IFLNK):
                 content.append((ino, _flat_ranges(sb, ino)))
+            elif ino.layout == LAYOUT_CHUNK_BASED and result.data_extents is not None and fmt == stat.S_IFREG:
+                result.data_extents.extend(await _chunk_extents(sb, ino, read))
             elif ino.layout in (LAYOUT_COMPRESSED_FULL, LAYOUT_COMPRESSED_COMPACT):
                 # the compression index follows the inode; reading the file needs it,
                 # stat does not, and it shares the inode's block: take its map header
@@ -214,7 +221,44 @@ async def walk_metadata(read: Reader, prefetch: Prefetch | None = None) -> Metad
                         nxt.append(nid)
                     pos += n
         level = nxt
+    if result.data_extents is not None:
+        result.data_extents.sort()
     return result
+
+
+CHUNK_FORMAT_INDEXES = 0x20
+CHUNK_FORMAT_BLKBITS_MASK = 0x1F
+NULL_ADDR = 0xFFFFFFFF
+
+
+async def _chunk_extents(sb: Superblock, ino: Inode, read: Reader) -> list[tuple[int, int]]:
+    """Runs of consecutive blocks of a chunk-based file in its extra device (device 1,
+    as ``mkfs.erofs --blobdev`` writes): ``[(start, end)]`` byte offsets there."""
+    fmt = ino.raw_blkaddr & 0xFFFF
+    if not fmt & CHUNK_FORMAT_INDEXES or ino.size == 0:
+        return []
+    chunk = sb.block_size << (fmt & CHUNK_FORMAT_BLKBITS_MASK)
+    count = -(-ino.size // chunk)
+    if count > 1 << 24:
+        raise ErofsFormatError(f"inode {ino.nid}: {count} chunks")
+    at = (ino.offset + ino.header_size + 7) // 8 * 8
+    raw = await read(at, 8 * count)
+    if len(raw) < 8 * count:
+        raise ErofsFormatError(f"inode {ino.nid}: short chunk index")
+    out: list[tuple[int, int]] = []
+    left = ino.size
+    for i in range(count):
+        _advise, device, blkaddr = struct.unpack_from("<HHI", raw, 8 * i)
+        n = min(chunk, left)
+        left -= n
+        if device != 1 or blkaddr == NULL_ADDR:
+            continue
+        start = blkaddr * sb.block_size
+        if out and out[-1][1] == start:
+            out[-1] = (out[-1][0], start + n)
+        else:
+            out.append((start, start + n))
+    return out
 
 
 def covering_chunks(ranges: list[tuple[int, int]], chunk_size: int, size: int) -> list[int]:

@@ -205,15 +205,18 @@ class LazyLayers:
 
     # --------------------------------------------------------------- layers --
 
-    def attach(self, ref: RemoteLayer, *, prefetch_metadata: bool = True, prefetch_all: bool = False) -> Path:
+    def attach(self, ref: RemoteLayer, *, prefetch_metadata: bool = True, prefetch_all: bool = False,
+               extents_of: str = "") -> Path:
         """Expose ``ref`` as ``<mountpoint>/<hex>.erofs`` and return that path: the file to
         mount EROFS from. With ``prefetch_metadata`` (default) returns once the chunks
         holding the image's metadata are cached. Raises LayerUnavailable (registry
         unreachable, nothing cached) or ChunkCorrupt; idempotent (refreshes headers).
         ``prefetch_all`` fetches every chunk first (a lazy form's small metadata image);
-        ``prefetch_metadata=False`` none (a lazy form's data device)."""
+        ``prefetch_metadata=False`` none (a lazy form's data device; ``extents_of`` names its
+        attached metadata image, whose file extents then size the fetches of a miss)."""
         answer = self._call({"op": "attach", "layer": ref.model_dump(mode="json"),
-                             "prefetch_metadata": prefetch_metadata, "prefetch_all": prefetch_all})
+                             "prefetch_metadata": prefetch_metadata, "prefetch_all": prefetch_all,
+                             "extents_of": extents_of})
         return Path(answer["path"])
 
     def detach(self, digest: str) -> bool:

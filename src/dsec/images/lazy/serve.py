@@ -87,7 +87,8 @@ class Service:
 
     def save_state(self) -> None:
         data = {"version": STATE_VERSION,
-                "layers": [al.layer.model_dump(mode="json") for al in self.engine.layers.values()]}
+                "layers": [al.layer.model_dump(mode="json") for al in self.engine.layers.values()],
+                "extents_of": {hx: al.extents_of for hx, al in self.engine.layers.items() if al.extents_of}}
         tmp = self.state_path.with_name(self.state_path.name + ".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         with os.fdopen(fd, "w") as f:
@@ -111,7 +112,15 @@ class Service:
         return out
 
     async def restore(self) -> None:
-        for layer in self.load_state():
+        try:
+            extents_of = dict(json.loads(self.state_path.read_text()).get("extents_of") or {})
+        except (OSError, ValueError):
+            extents_of = {}
+        # metadata images first: a data device works out its file extents from its own
+        for layer in sorted(self.load_state(), key=lambda la: la.hex in extents_of):
+            if layer.hex in extents_of:
+                await self.engine.attach(layer, prefetch_metadata=False, extents_of=extents_of[layer.hex])
+                continue
             try:
                 await self.engine.attach(layer, prefetch_metadata=True)
             except LazyError as exc:
@@ -130,7 +139,8 @@ class Service:
         if op == "attach":
             layer = RemoteLayer.model_validate(req["layer"])
             al = await self.engine.attach(layer, prefetch_metadata=bool(req.get("prefetch_metadata", True)),
-                                          prefetch_all=bool(req.get("prefetch_all", False)))
+                                          prefetch_all=bool(req.get("prefetch_all", False)),
+                                          extents_of=str(req.get("extents_of") or ""))
             return {"ok": True, "path": str(self.args.root / layer.filename),
                     "layer": self.engine.stats()["layers"][al.layer.hex]}
         if op == "detach":
