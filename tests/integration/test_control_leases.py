@@ -5,8 +5,8 @@ creates straight to the edge, which makes each sandbox under its slot's key and 
 the control plane records it into the slot's reservation. Checked here on the real services:
 counters at every step (grant, report, release, expiry), what the edge refuses (another body,
 used-up slots, revoked and expired leases, a lease token on a sandbox route), idempotent
-resends, reports lost (the watcher's reconcile records the sandboxes by their keys), and an
-API token's revocation ending its leases. docs/CONTROL.md, "Create leases".
+resends, reports lost (a lookup by id records its sandbox at once, the watcher's reconcile
+the others by their keys), and an API token's revocation ending its leases. docs/CONTROL.md, "Create leases".
 """
 
 from __future__ import annotations
@@ -220,7 +220,11 @@ async def test_lost_reports_are_recorded_by_the_reconcile_and_a_revoked_token_en
                                   json={"body": g["body"], "count": 2, "request_id": "r"})).json()["items"]
         ids = {i["sandbox"]["id"] for i in items}
         assert (await c.get("/v1/sandboxes")).json() == []  # not recorded yet
-        await st.control.watcher.tick(reconcile=True)
+        first = sorted(ids)[0]
+        r = await c.get(f"/v1/sandboxes/{first}")  # a lookup by id asks the edge and records it
+        assert r.status_code == 200 and r.json()["state"] == "running" and r.json()["token"]
+        assert [x["id"] for x in (await c.get("/v1/sandboxes")).json()] == [first]
+        await st.control.watcher.tick(reconcile=True)  # the other one: by its key, from the listing
         rows = (await c.get("/v1/sandboxes")).json()
         assert {r["id"] for r in rows} == ids and {r["state"] for r in rows} == {"running"}
         assert await st.used(c) == 2

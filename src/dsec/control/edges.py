@@ -268,6 +268,17 @@ class EdgeClient:
         self._raise(resp, edge_id)
         return SandboxStats.model_validate_json(resp.content)
 
+    async def get(self, edge_id: str, url: str, sandbox_id: str) -> SandboxInfo:
+        resp = await self._call("GET", url, f"/v1/sandboxes/{sandbox_id}")
+        self._raise(resp, edge_id)
+        return SandboxInfo.model_validate_json(resp.content)
+
+    async def revoke_lease(self, edge_id: str, url: str, lease_id: str) -> list[LeaseReportItem]:
+        """The edge stops honouring a create lease; answers what it made under it (idempotent)."""
+        resp = await self._call("DELETE", url, f"/v1/leases/{lease_id}")
+        self._raise(resp, edge_id)
+        return LeaseReleased.model_validate_json(resp.content).sandboxes
+
     async def list(self, edge_id: str, url: str) -> list[SandboxInfo]:
         resp = await self._call("GET", url, "/v1/sandboxes")
         self._raise(resp, edge_id)
@@ -287,12 +298,6 @@ class EdgeClient:
         resp = await self._call("GET", url, "/v1/health", timeout=timeout)
         self._raise(resp, edge_id)
         return EdgeHealth.model_validate_json(resp.content)
-
-    async def revoke_lease(self, edge_id: str, url: str, lease_id: str) -> list[LeaseReportItem]:
-        """The edge stops honouring a create lease; answers what it made under it (idempotent)."""
-        resp = await self._call("DELETE", url, f"/v1/leases/{lease_id}")
-        self._raise(resp, edge_id)
-        return LeaseReleased.model_validate_json(resp.content).sandboxes
 
 
 def _retry_after(resp: Answer | httpx.Response) -> float:

@@ -59,10 +59,11 @@ from sqlalchemy.orm import Session
 
 from dsec import auth
 from dsec.control.db import SANDBOXES, CreateLeaseRow, EdgeRow, SandboxRow
-from dsec.control.edges import EdgeUnreachable, bump_edge, load_views
+from dsec.control.edges import EdgeUnreachable, bump_edge, edge_of, load_views
 from dsec.control.iam import (
     Amount,
     Principal,
+    ancestors,
     bump_project,
     bump_task,
     check_fits,
@@ -415,6 +416,30 @@ class Leases:
         ledger.flush(s)
         log.warning("edge %s reported %s after lease %s ended: recorded and charged to project #%d (its quota "
                     "may be overdrawn by it while it lives)", edge_id, sb.id, lease.id, lease.project_id)
+
+    async def adopt(self, who: Principal, sandbox_id: str) -> bool:
+        """A sandbox id the store does not know: if its edge made it under a lease of the caller's
+        (its request id is a slot key) and has not reported it yet, record it now. Lookups by id
+        right after a lease create (another replica, or before the report) then find it."""
+        edge_id = edge_of(sandbox_id)
+        url = await self.sb.directory.url(edge_id)
+        if url is None:
+            return False
+        try:
+            sb = await self.edges.get(edge_id, url, sandbox_id)
+        except DsecError:
+            return False
+        key = sb.request_id or ""
+        if len(key) != 24 + SLOT_HEX or sb.project is None:
+            return False
+        lease_project = await self.store.read(lambda s: s.execute(
+            sa.select(CreateLeaseRow.project_id).where(CreateLeaseRow.id == key[:-SLOT_HEX])).scalar_one_or_none())
+        if lease_project is None or (lease_project != who.project_id and not await self.store.read(
+                lambda s: who.project_id in ancestors(s, lease_project))):
+            return False
+        await self.report(edge_id, LeaseReport(items=[LeaseReportItem(
+            key=key, id=sb.id, state=sb.state, created_at=sb.created_at, expires_at=sb.expires_at, reason=sb.reason)]))
+        return True
 
     # ----------------------------------------------------- release/close --
 

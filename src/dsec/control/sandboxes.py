@@ -27,10 +27,10 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
@@ -85,6 +85,7 @@ from dsec.spec.api import (
 )
 
 log = logging.getLogger("dsec.control.sandboxes")
+T = TypeVar("T")
 
 S = SandboxState
 HOLDS_QUOTA = frozenset({S.CREATING.value, S.RUNNING.value, S.PAUSED.value})
@@ -273,6 +274,9 @@ class Sandboxes:
         self._confirming: dict[str, asyncio.Future[SandboxInfo | None]] = {}
         """Creates answered but not yet recorded (id -> the commit): lookups by id wait for them."""
         self._background: set[asyncio.Task[Any]] = set()
+        self.on_miss: Callable[[Principal, str], Awaitable[bool]] | None = None
+        """Asked when a lookup by id finds nothing: records a sandbox made under a create lease
+        that its edge has not reported yet (control/leases.py); True if it did."""
         self.launcher: str | None = None
         """This replica's id, recorded on each reservation (the watcher finishes the creates of a
         replica that died: control/replicas.py)."""
@@ -855,9 +859,20 @@ class Sandboxes:
         proj = s.get(Project, row.project_id)
         return row, proj.name if proj else ""
 
+    async def _found(self, who: Principal, sandbox_id: str, lookup: Callable[[], Awaitable[T]]) -> T:
+        """``lookup()``; on a miss, a sandbox its edge made under a create lease whose report has
+        not arrived yet is recorded first (read your writes for lease creates: ``on_miss``)."""
+        try:
+            return await lookup()
+        except SandboxNotFound:
+            if self.on_miss is None or not await self.on_miss(who, sandbox_id):
+                raise
+        return await lookup()
+
     async def get(self, who: Principal, sandbox_id: str) -> SandboxInfo:
         await self.settled(sandbox_id)
-        row, project = await self.store.read(lambda s: self._visible_row(s, who, sandbox_id))
+        row, project = await self._found(
+            who, sandbox_id, lambda: self.store.read(lambda s: self._visible_row(s, who, sandbox_id)))
         url = await self._fresh_url(sandbox_id, row.edge_url)
         return self.info(row, project, token=True, url=url)
 
@@ -900,7 +915,8 @@ class Sandboxes:
 
     async def delete(self, who: Principal, sandbox_id: str) -> None:
         await self.settled(sandbox_id)
-        target = await self.store.write(lambda s: self._stop_txn(s, who, sandbox_id))
+        target = await self._found(
+            who, sandbox_id, lambda: self.store.write(lambda s: self._stop_txn(s, who, sandbox_id)))
         if target is None:
             return
         edge_id, stored = target

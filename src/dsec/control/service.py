@@ -120,6 +120,7 @@ class Control:
         self.sandboxes.launcher = self.replica_id
         self.ops = Operations(self.sandboxes)
         self.leases = Leases(self.sandboxes)
+        self.sandboxes.on_miss = self.leases.adopt
         self.leases.start()
         self.watcher = Watcher(
             cfg, store, self.edge_client, self.directory,
