@@ -157,6 +157,21 @@ def _hash_pieces(data: bytes, start: int, run: list[int], layer: RemoteLayer) ->
     return out
 
 
+def _walk_extents(image: bytes) -> Any:
+    """:func:`walk_metadata` with extents over an image in memory, driven without an event loop
+    (its reads never wait)."""
+
+    async def read(off: int, n: int) -> bytes:
+        return image[off : off + n]
+
+    coro = walk_metadata(read, extents=True)
+    try:
+        while True:
+            coro.send(None)
+    except StopIteration as done:
+        return done.value
+
+
 def _hex(digest: str) -> str:
     return digest.removeprefix("sha256:")
 
@@ -241,12 +256,11 @@ class Engine:
                         al.layer.digest, al.extents_of)  # fmt: skip
             return
 
-        async def read(off: int, n: int) -> bytes:
-            return await self._read_range(meta, off, n)
-
         t0 = time.monotonic()
         try:
-            found = await walk_metadata(read, extents=True)
+            image = await self._read_range(meta, 0, meta.layer.size)  # cached: fetched whole at attach
+            # parsed in a worker thread: tens of thousands of inodes must not stall the reads
+            found = await trio.to_thread.run_sync(_walk_extents, image)
         except (ErofsFormatError, ReadFailed) as exc:
             log.warning("layer %s: file extents not worked out: %s", al.layer.digest, exc)
             return
