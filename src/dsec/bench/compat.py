@@ -16,8 +16,10 @@ HTTP request per call, no kept-alive session):
 - ``sf_run_code_cpp_p50_ms`` / ``_p90_ms``: the same for a C++ snippet (:data:`CPP`):
   ``g++`` compile stage, then the run stage;
 - ``sf_run_code_per_s``: ``n_conc`` python calls with 64 in flight (the client's own
-  ``run_concurrent``, threads, as verl's reward workers do); ``sf_errors``: calls that
-  raised or did not answer Success with the right output (must be 0);
+  ``run_concurrent``, threads, as verl's reward workers do; with the client's own retries,
+  as a user calls it); ``sf_errors``: calls that raised after those retries or did not
+  answer Success with the right output (must be 0); ``sf_client_retries``: the retries the
+  client made (each a 504: no sandbox free within ``queue_timeout_s``);
   ``sf_run_code_64_p50_ms``: their latency; ``sf_server_cpu_ms_per_call``: CPU of the
   all-in-one's process tree (control plane, edge, spawner, the sandboxes' processes) per
   call in that phase, and ``sf_per_s_cpu_bound`` = cores / that (what the host's CPUs allow
@@ -37,13 +39,17 @@ Must never: leave a sandbox behind (each all-in-one stops with Ctrl-C, destroyin
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -77,6 +83,37 @@ def toolchain_cache() -> Path:
 
 
 # ------------------------------------------------------------ sandboxfusion ----
+
+
+@contextlib.contextmanager
+def all_in_one(work: Path, say: Say = _quiet, label: str = "compat") -> Iterator[tuple[str, str, int]]:
+    """``dsec up`` on ``work`` (its layers already there); yields (url, admin token, its pid)
+    once every edge has registered; stopped with Ctrl-C (which destroys its sandboxes)."""
+    from dsec.cli.up import READY_FILE
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    log = open(work / "up.log", "wb")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen([sys.executable, "-m", "dsec.cli.main", "up", "--data-dir", str(work), "--port",
+                             str(port)], stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+    try:
+        ready = work / READY_FILE
+        deadline = time.monotonic() + 120
+        while not ready.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"dsec up did not become ready: see {work / 'up.log'}")
+            time.sleep(0.1)
+        say(f"{label}: dsec up on port {port} ({work})")
+        yield f"http://127.0.0.1:{port}", (work / "control" / "admin.token").read_text().strip(), proc.pid
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
 
 
 def _client() -> Any:
@@ -125,23 +162,47 @@ def tree_cpu_s(pid: int) -> float:
     return total
 
 
-def _concurrent(sf: Any, ep: str, n: int) -> tuple[float, int, list[float]]:
-    """``n`` python calls, IN_FLIGHT at a time: (calls/s, errors, latencies)."""
+class _Retries(logging.Handler):
+    """Counts the retries the released client makes (it logs each before sleeping)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.count = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "will retry" in record.getMessage():
+            self.count += 1
+
+
+def _concurrent(sf: Any, ep: str, n: int) -> tuple[float, int, int, list[float]]:
+    """``n`` python calls, IN_FLIGHT at a time, through the client with its own retries (as
+    a user calls it): (calls/s, errors, the client's retries, latencies)."""
     lat: list[float] = []
 
     def one() -> bool:
         t0 = time.perf_counter()
         try:
-            r = sf.run_code(sf.RunCodeRequest(code=PY, language="python"), endpoint=ep, max_attempts=1)
+            r = sf.run_code(sf.RunCodeRequest(code=PY, language="python"), endpoint=ep)
         except Exception:
             return False
         lat.append((time.perf_counter() - t0) * 1000)
         return bool(r.status == sf.RunStatus.Success and r.run_result.stdout == EXPECTED)
 
-    t0 = time.perf_counter()
-    oks = sf.run_concurrent_pure([one] * n, concurrency=IN_FLIGHT)
-    wall = time.perf_counter() - t0
-    return n / wall, sum(1 for ok in oks if not ok), lat
+    logger = logging.getLogger("sandbox_fusion.client")
+    retries = _Retries()
+    level, propagate = logger.level, logger.propagate
+    logger.addHandler(retries)
+    logger.setLevel(logging.DEBUG)
+    logger.propagate = False  # counted, not printed
+    try:
+        t0 = time.perf_counter()
+        oks = sf.run_concurrent_pure([one] * n, concurrency=IN_FLIGHT)
+        wall = time.perf_counter() - t0
+    finally:
+        logger.removeHandler(retries)
+        logger.setLevel(level)
+        logger.propagate = propagate
+    return n / wall, sum(1 for ok in oks if not ok), retries.count, lat
 
 
 def _subprocess_ms(argv_compile: Sequence[str] | None, argv_run: Sequence[str], source: str, code: str,
@@ -185,7 +246,7 @@ def measure_sandboxfusion(url: str, token: str, *, quick: bool = False, say: Say
     say(f"sandboxfusion: {n_conc} python calls, {IN_FLIGHT} in flight")
     cpu0 = tree_cpu_s(server_pid) if server_pid else None
     me0 = time.process_time()
-    rate, errors, lat = _concurrent(sf, ep, n_conc)
+    rate, errors, retries, lat = _concurrent(sf, ep, n_conc)
     me = time.process_time() - me0
     if cpu0 is not None and server_pid:
         time.sleep(1.0)  # the last deletes (after the answers) belong to these calls too
@@ -195,6 +256,7 @@ def measure_sandboxfusion(url: str, token: str, *, quick: bool = False, say: Say
     res["sf_client_cpu_ms_per_call"] = round(me / n_conc * 1000, 2)
     res["sf_run_code_per_s"] = round(rate, 2)
     res["sf_errors"] = errors
+    res["sf_client_retries"] = retries
     res["sf_run_code_64_p50_ms"] = round(percentile(lat, 50), 2) if lat else None
     # Debian's python3, the interpreter the sandboxes run (a pyenv shim would time a shell script)
     python3 = "/usr/bin/python3" if os.access("/usr/bin/python3", os.X_OK) else sys.executable
@@ -215,7 +277,6 @@ def measure_sandboxfusion(url: str, token: str, *, quick: bool = False, say: Say
 
 def run_sandboxfusion(quick: bool, say: Say) -> dict[str, Any]:
     """The sandboxfusion phase with its own all-in-one (toolchains built once, then cached)."""
-    from dsec.bench.compat_swerex import all_in_one
     from dsec.images.store import LocalLayerStore
     from dsec.images.toolchains import build_toolchains, copy_toolchains
 
@@ -233,9 +294,7 @@ def run_sandboxfusion(quick: bool, say: Say) -> dict[str, Any]:
                 copy_toolchains(cache, store, SF_TOOLCHAINS)
             finally:
                 store.close()
-            with all_in_one(work, say) as (url, token):
-                ready = work / "up.ready"  # holds the process's pid once it is ready
-                pid = int(ready.read_text().split()[0]) if ready.exists() else None
+            with all_in_one(work, say, "sandboxfusion") as (url, token, pid):
                 return measure_sandboxfusion(url, token, quick=quick, say=say, server_pid=pid)
     finally:
         cache.close()
