@@ -240,3 +240,41 @@ async def test_lost_reports_are_recorded_by_the_reconcile_and_a_revoked_token_en
         async with httpx.AsyncClient(base_url=part["edge_url"], headers={"authorization": f"Bearer {part['token']}"}) as e:
             r = await e.post(f"/v1/leases/{part['lease_id']}/sandboxes", json={"body": g["body"], "count": 1, "request_id": "q"})
             assert r.status_code == 409 and r.json()["error"]["reason"] == "revoked"
+
+
+async def test_repeated_creates_take_a_lease_held_ahead_but_never_the_quota_others_need(
+    edge_state: tuple[Path, str], dsec_base: Path, tmp_path: Path, db_url: str
+) -> None:
+    from dsec.sdk import AsyncClient
+    from dsec.spec import SandboxSpec
+
+    async with stack(edge_state, dsec_base, tmp_path, db_url) as st, \
+            httpx.AsyncClient(base_url=st.ctl.url, headers={"authorization": f"Bearer {st.ctl.admin_token}"}) as c:
+        spec = SandboxSpec.model_validate(SPEC)
+        async with AsyncClient(st.ctl.url, st.ctl.admin_token, lease_ahead=4) as sdk:
+            boxes = []
+            for _ in range(8):
+                boxes.append(await sdk.create(spec, labels={"job": "ahead"}))
+                await asyncio.sleep(0.05)  # the second create asks for the lease in the background
+            assert sdk._ahead is not None and sdk._ahead.hits >= 4, (sdk._ahead.hits, sdk._ahead.misses)
+            assert len({b.id for b in boxes}) == 8
+            r = await c.get(f"/v1/sandboxes/{boxes[-1].id}")  # known at once (asked of its edge if need be)
+            assert r.status_code == 200 and r.json()["state"] == "running"
+            for b in boxes:
+                await b.close()
+        assert len(await st.recorded(c, 8, label="job=ahead", state="stopped")) == 8
+        assert await st.used(c) == 0 and await st.committed(c) == 0  # closing the client handed the lease back
+
+        # a project with little quota left gets no lease ahead: every create still fits
+        r = await c.post("/v1/projects", json={"name": "tight", "quota": {"sandboxes": 6, "cpu": 10, "memory": 1 << 32}})
+        tok = (await c.post("/v1/tokens", json={"project": "tight"})).json()["token"]
+        async with AsyncClient(st.ctl.url, tok, lease_ahead=4) as sdk:
+            made = []
+            for _ in range(6):
+                made.append(await sdk.create(spec))
+                await asyncio.sleep(0.05)
+            assert sdk._ahead is not None and sdk._ahead.hits == 0
+            with pytest.raises(QuotaExceeded):
+                await sdk.create(spec)
+            for b in made:
+                await b.close()

@@ -261,6 +261,15 @@ class Leases:
             limits = task_limit(tq)
             t_free = Amount(*(_UNLIMITED if v is None else v - t_used.get(d) for d, v in limits.items()))
             n = min(n, how_many_fit(t_free, want, req.count))
+        if req.ahead:  # whole, and at most half of what is left: never the reason another create fails
+            free_units = how_many_fit(quota - used - reserved, want, _UNLIMITED)
+            if t is not None and t_used is not None and tq is not None:
+                limits = task_limit(tq)
+                t_free = Amount(*(_UNLIMITED if v is None else v - t_used.get(d) for d, v in limits.items()))
+                free_units = min(free_units, how_many_fit(t_free, want, _UNLIMITED))
+            if 2 * req.count > free_units:
+                raise Backpressure(f"no lease ahead of creates: {req.count} sandboxes would take more than half of "
+                                   f"the {free_units} the quota has left", retry_after=5.0, reason="quota")
         error: DsecError | None = None
         if n < req.count:  # the quota's own words for what was not granted
             try:
@@ -278,6 +287,9 @@ class Leases:
         alloc = split(views, demand, n, k=self.config.placement.k, rng=self.sb.rng,
                       require_layers=self.config.placement.require_layers)
         placed = sum(alloc.values())
+        if req.ahead and placed < req.count:
+            raise Backpressure(f"no lease ahead of creates: edges have room for {placed} of {req.count} now",
+                               retry_after=5.0, reason="no room for all")
         if placed == 0:
             unknown = self.sb._unknown_layer(views, demand)
             raise unknown if unknown is not None else self.sb._nothing_fits(views, demand, frozenset())

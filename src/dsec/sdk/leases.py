@@ -17,6 +17,9 @@ again with the same request id: the edge makes each item once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +30,7 @@ from dsec.sdk._http import raise_for_error
 from dsec.spec.api import BatchResult, LeaseGrant, LeaseReleased
 
 if TYPE_CHECKING:
-    from dsec.sdk.client import AsyncClient, CreateOutcome
+    from dsec.sdk.client import AsyncClient, AsyncSandbox, CreateOutcome
 
 CHUNK = 16
 """Sandboxes per request to an edge (the edge makes a chunk's sandboxes concurrently)."""
@@ -50,6 +53,8 @@ class AsyncLease:
         self._left = {p.lease_id: p.slots for p in grant.leases}
         self._released: LeaseReleased | None = None
         self._calls = 0
+        self._seq = 0
+        """Items sent so far (each chunk's request id names its first: a resend makes nothing twice)."""
 
     @property
     def id(self) -> str:
@@ -59,6 +64,11 @@ class AsyncLease:
     def slots(self) -> int:
         """Sandboxes granted (``short`` more were asked for; ``error`` says why not)."""
         return sum(p.slots for p in self.grant.leases)
+
+    @property
+    def left(self) -> int:
+        """Slots not handed out yet."""
+        return sum(self._left.values())
 
     @property
     def short(self) -> int:
@@ -121,11 +131,23 @@ class AsyncLease:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
+    async def take(self) -> CreateOutcome:
+        """One sandbox on the next slot left (:class:`LeaseInvalid` ``used up`` when none is)."""
+        from dsec.sdk.client import CreateOutcome
+
+        part = next((p for p in self.grant.leases if self._left[p.lease_id] > 0), None)
+        if part is None:
+            return CreateOutcome(0, None, LeaseInvalid(f"lease {self.id} has no slot left", reason="used up",
+                                                       lease_id=self.id))
+        self._left[part.lease_id] -= 1
+        return (await self._chunk(part, 0, 1))[0]
+
     async def _chunk(self, part: Any, first: int, count: int) -> list[CreateOutcome]:
         from dsec.sdk.client import AsyncSandbox, CreateOutcome
 
         self._calls += 1
-        rid = f"{self.id[:32]}-{part.lease_id}-{first}"
+        rid = f"{self.id[:32]}-{part.lease_id}-{self._seq}"
+        self._seq += count
         body = {"body": self.grant.body, "count": count, "request_id": rid}
         http = self._client._edge(part.edge_url)
         last: Exception | None = None
@@ -173,3 +195,127 @@ async def grant(client: AsyncClient, body: str) -> AsyncLease:
     resp = await client._call("POST", "/v1/leases", content=body, headers={"content-type": "application/json"})
     return AsyncLease(client, LeaseGrant.model_validate_json(resp.content))
 
+
+
+AHEAD_SLOTS = 8
+"""Slots of a lease held ahead of repeated creates (``AsyncClient(lease_ahead=...)``)."""
+AHEAD_TTL_S = 30.0
+AHEAD_IDLE_S = 10.0
+"""A lease held ahead that no create used for this long is handed back."""
+AHEAD_MARGIN_S = 3.0
+"""A lease this close to its expiry is not used any more (its slots go back)."""
+AHEAD_COOLDOWN_S = 5.0
+
+
+class _Ahead:
+    __slots__ = ("calls", "cooldown_until", "granting", "last", "lease")
+
+    def __init__(self) -> None:
+        self.lease: AsyncLease | None = None
+        self.granting: asyncio.Task[None] | None = None
+        self.last = 0.0
+        self.calls = 0
+        self.cooldown_until = 0.0
+
+
+class LeasesAhead:
+    """Creates repeated with one body take a slot of a small lease held ahead: the sandbox is
+    made by the edge directly, the control plane is off the create's path (docs/CONTROL.md,
+    "Create leases"). The second create of a body asks for the lease (in the background: that
+    create, and any while the grant is under way, take the control plane's path); the lease is
+    renewed when it runs out or nears its expiry and handed back after :data:`AHEAD_IDLE_S`
+    without a create and when the client closes. The control plane grants a lease ahead only
+    while it takes at most half of the quota left (``CreateLease.ahead``), so holding one never
+    makes another create of the project fail for quota."""
+
+    def __init__(self, client: AsyncClient, slots: int) -> None:
+        self._client = client
+        self.slots = slots
+        self._by_key: dict[str, _Ahead] = {}
+        self._background: set[asyncio.Task[Any]] = set()
+        self.hits = 0
+        self.misses = 0
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _drop(self, st: _Ahead) -> None:
+        lease, st.lease = st.lease, None
+        if lease is not None:
+            self._spawn(_quietly(lease.release()))
+
+    async def create(self, key: str, grant_body: dict[str, Any]) -> AsyncSandbox | None:
+        """A sandbox from the lease held for ``key`` (the create body without its request id),
+        or None: take the control plane's path (a lease is being asked for meanwhile)."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        self._expire_idle(now)
+        st = self._by_key.get(key)
+        if st is None:
+            st = self._by_key[key] = _Ahead()
+        st.calls += 1
+        st.last = now
+        lease = st.lease
+        if lease is not None and lease.left > 0 and lease.expires_at - time.time() > AHEAD_MARGIN_S:
+            o = await lease.take()
+            if o.sandbox is not None:
+                self.hits += 1
+                if lease.left == 0:
+                    self._drop(st)
+                    self._ask(st, grant_body, now)
+                return o.sandbox
+            if not retry_elsewhere(o.error):
+                assert o.error is not None
+                raise o.error
+            st.cooldown_until = now + AHEAD_COOLDOWN_S  # the edge is full or gone: the control plane places it
+        if st.lease is not None:
+            self._drop(st)
+        self._ask(st, grant_body, now)
+        self.misses += 1
+        return None
+
+    def _ask(self, st: _Ahead, grant_body: dict[str, Any], now: float) -> None:
+        if st.granting is not None or st.calls < 2 or now < st.cooldown_until or self.slots < 1:
+            return
+
+        async def ask() -> None:
+            try:
+                lease = await grant(self._client, json.dumps({**grant_body, "count": self.slots, "ahead": True,
+                                                              "lease_ttl_s": AHEAD_TTL_S}))
+            except (DsecError, httpx.HTTPError):
+                st.cooldown_until = asyncio.get_running_loop().time() + AHEAD_COOLDOWN_S
+                return
+            finally:
+                st.granting = None
+            if lease.slots == 0:
+                st.cooldown_until = asyncio.get_running_loop().time() + AHEAD_COOLDOWN_S
+                return
+            if st.lease is not None:
+                self._drop(st)
+            st.lease = lease
+
+        st.granting = asyncio.ensure_future(ask())
+        self._background.add(st.granting)
+        st.granting.add_done_callback(self._background.discard)
+
+    def _expire_idle(self, now: float) -> None:
+        for key, st in list(self._by_key.items()):
+            if now - st.last > AHEAD_IDLE_S:
+                self._drop(st)
+                if st.granting is None:
+                    del self._by_key[key]
+
+    async def close(self) -> None:
+        """Hand every lease back (their quota returns at once)."""
+        for st in self._by_key.values():
+            self._drop(st)
+        self._by_key.clear()
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=5.0)
+
+
+async def _quietly(coro: Any) -> None:
+    with contextlib.suppress(DsecError, httpx.HTTPError):
+        await coro

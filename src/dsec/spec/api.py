@@ -145,6 +145,9 @@ class CreateLease(_Wire):
     edge_selector: dict[str, str] = Field(default_factory=dict)
     lease_ttl_s: Annotated[float, Field(gt=0, le=300)] = 30.0
     """How long the edges honour the leases."""
+    ahead: bool = False
+    """A lease held ahead of creates not asked for yet (the SDK's ``create``): granted whole or
+    not at all (429), and only while it takes at most half of the quota left."""
 
     @field_validator("labels")
     @classmethod
