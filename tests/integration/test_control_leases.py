@@ -278,3 +278,30 @@ async def test_repeated_creates_take_a_lease_held_ahead_but_never_the_quota_othe
                 await sdk.create(spec)
             for b in made:
                 await b.close()
+
+
+async def test_a_lease_held_ahead_yields_to_a_create_refused_for_quota(
+    edge_state: tuple[Path, str], dsec_base: Path, tmp_path: Path, db_url: str
+) -> None:
+    from dsec.sdk import AsyncClient
+    from dsec.spec import SandboxSpec
+
+    async with stack(edge_state, dsec_base, tmp_path, db_url) as st, \
+            httpx.AsyncClient(base_url=st.ctl.url, headers={"authorization": f"Bearer {st.ctl.admin_token}"}) as c:
+        spec = SandboxSpec.model_validate(SPEC)
+        r = await c.post("/v1/projects", json={"name": "q", "quota": {"sandboxes": 12, "cpu": 10, "memory": 1 << 32}})
+        tok = (await c.post("/v1/tokens", json={"project": "q"})).json()["token"]
+        async with AsyncClient(st.ctl.url, tok, lease_ahead=4) as a, AsyncClient(st.ctl.url, tok, lease_ahead=0) as b:
+            mine = []
+            for _ in range(3):
+                mine.append(await a.create(spec))
+                await asyncio.sleep(0.1)
+            assert a._ahead is not None and a._ahead.hits >= 1
+            assert await st.used(c, "q") > 3  # the lease's unused slots hold quota
+            others = [await b.create(spec) for _ in range(9)]  # 3 + 9 = 12: every one fits
+            assert await st.used(c, "q") == 12
+            with pytest.raises(QuotaExceeded):
+                await b.create(spec)
+            for sb in mine + others:
+                await sb.close()
+        assert await st.used(c, "q") == 0

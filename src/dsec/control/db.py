@@ -247,6 +247,7 @@ class CreateLeaseRow(Base):
     expires_at: Mapped[float] = mapped_column(sa.Double)
     closed_at: Mapped[float | None] = mapped_column(sa.Double)
     reason: Mapped[str] = mapped_column(sa.Text, default="")
+    """Why it closed; while active, ``ahead`` marks a lease held ahead of creates (it yields)."""
 
 
 # Core tables (the hot paths build statements once and bind parameters).

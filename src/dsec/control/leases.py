@@ -101,6 +101,8 @@ EXPIRY_GRACE_S = 10.0
 """A lease is closed this long after it expires (edges' clock skew, reports in flight)."""
 SWEEP_EVERY_S = 2.0
 _UNLIMITED = 1 << 62
+AHEAD = "ahead"
+"""``create_leases.reason`` of an active lease held ahead of creates (it yields to a create)."""
 MAX_PARTS = 64
 """Edges one grant is spread over, at most."""
 
@@ -202,6 +204,19 @@ class Leases:
 
     # ------------------------------------------------------------- grant --
 
+    async def yield_ahead(self, who: Principal) -> bool:
+        """A create of the project was refused for quota: hand back its leases held ahead of
+        creates (their edges stop honouring them, what they made is recorded, the rest returns).
+        True if any quota came back."""
+        parts = await self.store.read(lambda s: [(r.id, r.edge_id) for r in s.execute(
+            sa.select(CreateLeaseRow).where(CreateLeaseRow.project_id == who.project_id,
+                                            CreateLeaseRow.state == "active", CreateLeaseRow.reason == AHEAD)
+        ).scalars()])
+        if not parts:
+            return False
+        got = await self._revoke(parts, reason="yielded its slots to a create")
+        return got.returned > 0
+
     async def grant(self, who: Principal, req: CreateLease) -> LeaseGrant:
         if req.task is not None:
             check_name(req.task, "task")
@@ -209,7 +224,12 @@ class Leases:
         demand = Demand(need=Room(1, Amount.of_resources(r).cpu_m, r.memory, r.disk),
                         layers=tuple(req.spec.image.layers_top_first()), selector=dict(req.edge_selector),
                         backend=req.spec.backend)
-        got = await self.store.write(partial(self._grant_txn, who=who, req=req, demand=demand))
+        try:
+            got = await self.store.write(partial(self._grant_txn, who=who, req=req, demand=demand))
+        except QuotaExceeded:
+            if req.ahead or not await self.yield_ahead(who):
+                raise
+            got = await self.store.write(partial(self._grant_txn, who=who, req=req, demand=demand))
         self.granted += sum(p.slots for p in got.parts)
         digest = auth.body_hash(got.body)
         ttl = max(1.0, got.expires_at - time.time())
@@ -261,7 +281,7 @@ class Leases:
             limits = task_limit(tq)
             t_free = Amount(*(_UNLIMITED if v is None else v - t_used.get(d) for d, v in limits.items()))
             n = min(n, how_many_fit(t_free, want, req.count))
-        if req.ahead:  # whole, and at most half of what is left: never the reason another create fails
+        if req.ahead:  # whole, at most half of what is left, and it yields to a create refused for quota
             free_units = how_many_fit(quota - used - reserved, want, _UNLIMITED)
             if t is not None and t_used is not None and tq is not None:
                 limits = task_limit(tq)
@@ -306,7 +326,7 @@ class Leases:
             lid = uuid.uuid4().hex[:24]
             s.add(CreateLeaseRow(id=lid, grant_id=gid, project_id=who.project_id, token_id=who.token_id,
                                  request_id=req.request_id, edge_id=edge_id, granted=slots, body=body, state="active",
-                                 created_at=now, expires_at=expires, closed_at=None, reason=""))
+                                 created_at=now, expires_at=expires, closed_at=None, reason=AHEAD if req.ahead else ""))
             parts.append(_Part(lid, edge_id, urls[edge_id], slots, boots.get(edge_id, "")))
             for i in range(slots):
                 rows.append({

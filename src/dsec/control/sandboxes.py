@@ -69,6 +69,7 @@ from dsec.errors import (
     DsecError,
     InvalidSpec,
     LayerNotFound,
+    QuotaExceeded,
     SandboxFailed,
     SandboxNotFound,
     Unsupported,
@@ -274,6 +275,9 @@ class Sandboxes:
         self._confirming: dict[str, asyncio.Future[SandboxInfo | None]] = {}
         """Creates answered but not yet recorded (id -> the commit): lookups by id wait for them."""
         self._background: set[asyncio.Task[Any]] = set()
+        self.on_quota: Callable[[Principal], Awaitable[bool]] | None = None
+        """Asked when a create is refused for quota: hands back the project's leases held ahead
+        of creates (control/leases.py); True if it did (the create is tried once more)."""
         self.on_miss: Callable[[Principal, str], Awaitable[bool]] | None = None
         """Asked when a lookup by id finds nothing: records a sandbox made under a create lease
         that its edge has not reported yet (control/leases.py); True if it did."""
@@ -572,6 +576,15 @@ class Sandboxes:
         return self.info(row, who.project, token=True)
 
     async def create(self, who: Principal, req: CreateSandbox) -> SandboxInfo:
+        try:
+            return await self._create_once(who, req)
+        except QuotaExceeded:
+            # quota held by leases ahead of creates (control/leases.py) yields to a create
+            if self.on_quota is None or not await self.on_quota(who):
+                raise
+        return await self._create_once(who, req)
+
+    async def _create_once(self, who: Principal, req: CreateSandbox) -> SandboxInfo:
         t0 = time.perf_counter()
         try:
             info = await self._create(who, req)

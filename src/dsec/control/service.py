@@ -121,6 +121,7 @@ class Control:
         self.ops = Operations(self.sandboxes)
         self.leases = Leases(self.sandboxes)
         self.sandboxes.on_miss = self.leases.adopt
+        self.sandboxes.on_quota = self.leases.yield_ahead
         self.leases.start()
         self.watcher = Watcher(
             cfg, store, self.edge_client, self.directory,

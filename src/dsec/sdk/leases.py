@@ -225,8 +225,9 @@ class LeasesAhead:
     create, and any while the grant is under way, take the control plane's path); the lease is
     renewed when it runs out or nears its expiry and handed back after :data:`AHEAD_IDLE_S`
     without a create and when the client closes. The control plane grants a lease ahead only
-    while it takes at most half of the quota left (``CreateLease.ahead``), so holding one never
-    makes another create of the project fail for quota."""
+    while it takes at most half of the quota left (``CreateLease.ahead``), and takes it back
+    when a create of the project is refused for quota: holding one never makes another create
+    fail."""
 
     def __init__(self, client: AsyncClient, slots: int) -> None:
         self._client = client

@@ -147,7 +147,8 @@ class CreateLease(_Wire):
     """How long the edges honour the leases."""
     ahead: bool = False
     """A lease held ahead of creates not asked for yet (the SDK's ``create``): granted whole or
-    not at all (429), and only while it takes at most half of the quota left."""
+    not at all (429), only while it takes at most half of the quota left, and handed back when
+    a create of the project is refused for quota."""
 
     @field_validator("labels")
     @classmethod
