@@ -8,7 +8,14 @@ configuration, never their code:
   ``/run_jupyter``, ``/v1/ping``), served by the control plane under ``/sandboxfusion``
   (docs/COMPAT.md);
 - :mod:`dsec.compat.swerex`: SWE-ReX's ``AbstractDeployment`` / ``AbstractRuntime``
-  (``DSecDeployment``, ``DSecRuntime``) over DSec terminals, exec, sessions and files.
+  (``DSecDeployment``, ``DSecRuntime``) over DSec terminals, exec, sessions and files;
+- :mod:`dsec.compat.minisweagent`: a mini-swe-agent environment class
+  (``environment_class: dsec.compat.minisweagent.DSecEnvironment``);
+- :mod:`dsec.compat.harbor`: a Harbor environment
+  (``--environment-import-path dsec.compat.harbor:DSecEnvironment``; Python >= 3.12).
+
+The SWE-ReX, mini-swe-agent and Harbor modules import their projects (the ``compat``
+extra; Harbor is installed on its own); nothing imports them unless asked.
 
 Adapters never run a caller's code outside a sandbox, and never bypass DSec's quotas or
 admission: they are clients of the same API a user's SDK calls.

@@ -592,6 +592,8 @@ class DSecDeploymentConfig(BaseModel):
     """Discriminator, as SWE-ReX's deployment configs have one."""
     image: str = ""
     workspace: str | None = None
+    toolkits: list[str] = Field(default_factory=list)
+    """Toolkit layers stacked on ``image`` (e.g. ``tc-python:bookworm`` on ``tc-base:bookworm``)."""
     resources: dict[str, Any] = Field(default_factory=dict)
     """``dsec.Resources`` fields, e.g. ``{"cpu": 2, "memory": 4 << 30, "disk": 8 << 30}``."""
     env: dict[str, str] = Field(default_factory=dict)
@@ -621,7 +623,7 @@ class DSecDeploymentConfig(BaseModel):
             return SandboxSpec.model_validate(self.spec)
         if not self.image:
             raise ValueError("DSecDeploymentConfig: give an image (a DSec layer ref), a spec or a sandbox_id")
-        return SandboxSpec(image=ImageRef(base=self.image, workspace=self.workspace),
+        return SandboxSpec(image=ImageRef(base=self.image, workspace=self.workspace, toolkits=tuple(self.toolkits)),
                            resources=Resources(**self.resources), env=self.env,
                            network=NetworkPolicy(allow=tuple(self.allow)) if self.allow else None)
 
