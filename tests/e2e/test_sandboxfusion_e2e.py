@@ -239,6 +239,22 @@ def test_a_full_cluster_queues_then_answers_504_which_the_client_retries() -> No
         assert [r.run_result.stdout for r in results] == [f"{i + 1}\n" for i in range(24)]
 
 
+def test_the_cli_keeps_current_toolchains() -> None:
+    import subprocess
+    import sys
+
+    _toolchains(DEFAULT)
+    out = subprocess.run([sys.executable, "-m", "dsec.cli.main", "image", "--store", str(CACHE), "build",
+                          "--toolchains", "bash,python"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert len(out.stdout.split()) == 2 and all(d.startswith("sha256:") for d in out.stdout.split())
+    assert "kept tc-base:bookworm" in out.stderr and "kept tc-python:bookworm" in out.stderr, out.stderr
+    assert "bash: runs on the base alone" in out.stderr
+    bad = subprocess.run([sys.executable, "-m", "dsec.cli.main", "image", "--store", str(CACHE), "build",
+                          "--toolchains", "cobol"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "unknown toolchain 'cobol'" in bad.stderr
+
+
 # --------------------------------------------------------------- every language ----
 
 

@@ -244,3 +244,19 @@ def test_the_control_plane_serves_the_routes_and_can_leave_them_out(tmp_path: An
     off = create_app(ControlConfig(data_dir=tmp_path, sandboxfusion=SandboxFusionConfig(enabled=False)))
     assert not any("sandboxfusion" in getattr(r, "path", "") for r in off.routes)
     assert off.state.sandboxfusion is None
+
+
+def test_dsec_up_takes_a_sandboxfusion_section(tmp_path: Any) -> None:
+    import click
+
+    from dsec.cli.up import load_control_overrides
+
+    f = tmp_path / "control.toml"
+    f.write_text('[sandboxfusion]\nqueue_timeout_s = 2.5\nprefix = "/sf"\n')
+    assert load_control_overrides(f) == {"sandboxfusion": {"queue_timeout_s": 2.5, "prefix": "/sf"}}
+    f.write_text('[sandboxfusion]\nqueue_timeout = 2.5\n')  # a typo fails before anything starts
+    with pytest.raises(click.BadParameter, match=r"sandboxfusion\.queue_timeout"):
+        load_control_overrides(f)
+    f.write_text('port = 9\n')  # dsec up sets these itself
+    with pytest.raises(click.BadParameter, match="sets port itself"):
+        load_control_overrides(f)

@@ -26,10 +26,11 @@ HTTP request per call, no kept-alive session):
   when nothing else runs: independent of other load); ``sf_client_cpu_ms_per_call``: the
   client's (this process's) CPU per call;
 - ``sf_subprocess_python_p50_ms`` / ``sf_subprocess_cpp_p50_ms``: the same snippets run as
-  a local subprocess on this host (``python3 main.py``; ``g++`` then ``./main``), which is
-  what SandboxFusion's own server does per call (no per-call isolation); measured in the
-  same run, so ``sf_vs_subprocess_ratio`` (python) and ``sf_vs_subprocess_cpp_ratio``
-  compare like with like;
+  a local subprocess on this host (``python3 main.py``; ``g++`` then ``./main``, in a fresh
+  directory), which is what SandboxFusion's own server does per call (no per-call
+  isolation); each sample right after one of DSec's (alternating), so
+  ``sf_vs_subprocess_ratio`` (python) and ``sf_vs_subprocess_cpp_ratio`` compare like with
+  like on a host whose load changes;
 - ``load1``: the host's load average at the end (a loaded host inflates every figure).
 
 **swerex**: :mod:`dsec.bench.compat_swerex` (its module says what it measures).
@@ -125,16 +126,43 @@ def _client() -> Any:
     return sandbox_fusion
 
 
-def _timed_calls(sf: Any, ep: str, language: str, code: str, n: int, warm: int = 2) -> list[float]:
-    out: list[float] = []
-    for i in range(warm + n):
+def _sf_call_ms(sf: Any, ep: str, language: str, code: str) -> float:
+    t0 = time.perf_counter()
+    r = sf.run_code(sf.RunCodeRequest(code=code, language=language), endpoint=ep, max_attempts=1)
+    ms = (time.perf_counter() - t0) * 1000
+    if r.status != sf.RunStatus.Success or r.run_result.stdout != EXPECTED:
+        raise RuntimeError(f"{language}: unexpected answer {r}")
+    return ms
+
+
+def _subprocess_call_ms(argv_compile: Sequence[str] | None, argv_run: Sequence[str], source: str, code: str) -> float:
+    """The snippet in a fresh directory, as SandboxFusion's server runs a call (subprocesses)."""
+    with tempfile.TemporaryDirectory(prefix="dsec-bench-sf-") as tmp:
         t0 = time.perf_counter()
-        r = sf.run_code(sf.RunCodeRequest(code=code, language=language), endpoint=ep, max_attempts=1)
+        Path(tmp, source).write_text(code)
+        out = b""
+        for argv in (argv_compile, argv_run):
+            if argv is None:
+                continue
+            r = subprocess.run(list(argv), cwd=tmp, capture_output=True, timeout=60, stdin=subprocess.DEVNULL)
+            if r.returncode != 0:
+                raise RuntimeError(f"{' '.join(argv)}: exit {r.returncode}: {r.stderr.decode()[-300:]}")
+            out = r.stdout
         ms = (time.perf_counter() - t0) * 1000
-        if r.status != sf.RunStatus.Success or r.run_result.stdout != EXPECTED:
-            raise RuntimeError(f"{language}: unexpected answer {r}")
-        if i >= warm:
-            out.append(ms)
+    if out.decode() != EXPECTED:
+        raise RuntimeError(f"{' '.join(argv_run)} printed {out!r}")
+    return ms
+
+
+def _alternating(n: int, *calls: Callable[[], float], warm: int = 2) -> list[list[float]]:
+    """``n`` samples of each call, taken in turn (so a change of the host's load hits both
+    alike), after ``warm`` unmeasured rounds."""
+    out: list[list[float]] = [[] for _ in calls]
+    for i in range(warm + n):
+        for samples, call in zip(out, calls, strict=True):
+            ms = call()
+            if i >= warm:
+                samples.append(ms)
     return out
 
 
@@ -205,28 +233,6 @@ def _concurrent(sf: Any, ep: str, n: int) -> tuple[float, int, int, list[float]]
     return n / wall, sum(1 for ok in oks if not ok), retries.count, lat
 
 
-def _subprocess_ms(argv_compile: Sequence[str] | None, argv_run: Sequence[str], source: str, code: str,
-                   n: int, warm: int = 2) -> list[float]:
-    """The snippet in a fresh directory per call, as SandboxFusion's server runs it (a subprocess)."""
-    out: list[float] = []
-    for i in range(warm + n):
-        with tempfile.TemporaryDirectory(prefix="dsec-bench-sf-") as tmp:
-            t0 = time.perf_counter()
-            Path(tmp, source).write_text(code)
-            for argv in (argv_compile, argv_run):
-                if argv is None:
-                    continue
-                r = subprocess.run(list(argv), cwd=tmp, capture_output=True, timeout=60, stdin=subprocess.DEVNULL)
-                if r.returncode != 0:
-                    raise RuntimeError(f"{' '.join(argv)}: exit {r.returncode}: {r.stderr.decode()[-300:]}")
-            ms = (time.perf_counter() - t0) * 1000
-            if r.stdout.decode() != EXPECTED:
-                raise RuntimeError(f"{' '.join(argv_run)} printed {r.stdout!r}")
-        if i >= warm:
-            out.append(ms)
-    return out
-
-
 def measure_sandboxfusion(url: str, token: str, *, quick: bool = False, say: Say = _quiet,
                           server_pid: int | None = None) -> dict[str, Any]:
     """The sandboxfusion phase against a DSec that runs (the python and cpp toolchains on its
@@ -235,14 +241,31 @@ def measure_sandboxfusion(url: str, token: str, *, quick: bool = False, say: Say
     ep = f"{url}/sandboxfusion/{token}"
     n_seq, n_cpp, n_conc = (20, 10, 128) if quick else (100, 40, 640)
     res: dict[str, Any] = {"sf_quick": quick, "sf_in_flight": IN_FLIGHT, "sf_calls_concurrent": n_conc}
-    say(f"sandboxfusion: run_code python x{n_seq}, one after another, through the sandbox-fusion client")
-    py = _timed_calls(sf, ep, "python", PY, n_seq)
+    # Debian's python3, the interpreter the sandboxes run (a pyenv shim would time a shell script)
+    python3 = "/usr/bin/python3" if os.access("/usr/bin/python3", os.X_OK) else sys.executable
+    say(f"sandboxfusion: run_code python x{n_seq} through the sandbox-fusion client, one after another, "
+        f"each followed by the same snippet as a local subprocess ({python3})")
+    py, sub = _alternating(n_seq, lambda: _sf_call_ms(sf, ep, "python", PY),
+                           lambda: _subprocess_call_ms(None, [python3, "main.py"], "main.py", PY))
     res["sf_run_code_python_p50_ms"] = round(percentile(py, 50), 2)
     res["sf_run_code_python_p90_ms"] = round(percentile(py, 90), 2)
-    say(f"sandboxfusion: run_code cpp x{n_cpp} (compile + run)")
-    cpp = _timed_calls(sf, ep, "cpp", CPP, n_cpp)
+    res["sf_subprocess_python_p50_ms"] = round(percentile(sub, 50), 2)
+    res["sf_vs_subprocess_ratio"] = round(res["sf_run_code_python_p50_ms"] / res["sf_subprocess_python_p50_ms"], 2)
+    gpp = shutil.which("g++")
+    say(f"sandboxfusion: run_code cpp x{n_cpp} (compile + run)" + (", each followed by g++ and ./main here" if gpp else
+                                                                 " (no g++ on this host: no subprocess baseline)"))
+    if gpp is None:
+        (cpp,) = _alternating(n_cpp, lambda: _sf_call_ms(sf, ep, "cpp", CPP))
+        res["sf_subprocess_cpp_p50_ms"] = None
+    else:
+        cpp, sub_cpp = _alternating(
+            n_cpp, lambda: _sf_call_ms(sf, ep, "cpp", CPP),
+            lambda: _subprocess_call_ms([gpp, "-std=c++17", "main.cpp", "-o", "main"], ["./main"], "main.cpp", CPP))
+        res["sf_subprocess_cpp_p50_ms"] = round(percentile(sub_cpp, 50), 2)
     res["sf_run_code_cpp_p50_ms"] = round(percentile(cpp, 50), 2)
     res["sf_run_code_cpp_p90_ms"] = round(percentile(cpp, 90), 2)
+    if res["sf_subprocess_cpp_p50_ms"]:
+        res["sf_vs_subprocess_cpp_ratio"] = round(res["sf_run_code_cpp_p50_ms"] / res["sf_subprocess_cpp_p50_ms"], 2)
     say(f"sandboxfusion: {n_conc} python calls, {IN_FLIGHT} in flight")
     cpu0 = tree_cpu_s(server_pid) if server_pid else None
     me0 = time.process_time()
@@ -258,20 +281,6 @@ def measure_sandboxfusion(url: str, token: str, *, quick: bool = False, say: Say
     res["sf_errors"] = errors
     res["sf_client_retries"] = retries
     res["sf_run_code_64_p50_ms"] = round(percentile(lat, 50), 2) if lat else None
-    # Debian's python3, the interpreter the sandboxes run (a pyenv shim would time a shell script)
-    python3 = "/usr/bin/python3" if os.access("/usr/bin/python3", os.X_OK) else sys.executable
-    say(f"sandboxfusion: the same snippets as local subprocesses ({python3}; g++), same run")
-    sub = _subprocess_ms(None, [python3, "main.py"], "main.py", PY, n_seq)
-    res["sf_subprocess_python_p50_ms"] = round(percentile(sub, 50), 2)
-    res["sf_vs_subprocess_ratio"] = round(res["sf_run_code_python_p50_ms"] / res["sf_subprocess_python_p50_ms"], 2)
-    gpp = shutil.which("g++")
-    if gpp is None:
-        say("sandboxfusion: no g++ on this host: no sf_subprocess_cpp_p50_ms")
-        res["sf_subprocess_cpp_p50_ms"] = None
-    else:
-        sub_cpp = _subprocess_ms([gpp, "-std=c++17", "main.cpp", "-o", "main"], ["./main"], "main.cpp", CPP, n_cpp)
-        res["sf_subprocess_cpp_p50_ms"] = round(percentile(sub_cpp, 50), 2)
-        res["sf_vs_subprocess_cpp_ratio"] = round(res["sf_run_code_cpp_p50_ms"] / res["sf_subprocess_cpp_p50_ms"], 2)
     return res
 
 
