@@ -12,8 +12,8 @@ import pytest
 
 import dsec
 import dsec.errors as errors_mod
+from dsec.backends.common.output import BoundedCapture
 from dsec.backends.container.fsops import _norm
-from dsec.backends.container.output import BoundedCapture, ExecResult
 from dsec.errors import (
     ERRORS_BY_CODE,
     DsecError,
@@ -26,6 +26,7 @@ from dsec.errors import (
     error_from_wire,
 )
 from dsec.spec import TRANSITIONS, ImageRef, SandboxSpec, SandboxState, can_move
+from dsec.spec.results import ExecResult
 
 # ---------------------------------------------------------- BoundedCapture ----
 

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dsec.backends.base import Backend, Capability, ProcessHandle, TtySize, set_tty_size
-from dsec.backends.fdio import write_all
+from dsec.backends.common.fdio import write_all
 from dsec.errors import InvalidSpec, QuotaExceeded
 from dsec.spec.api import AttachOpen, TerminalInfo
 

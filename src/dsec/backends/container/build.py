@@ -10,12 +10,11 @@ The spawner is every ``native/*.c`` but ``dsec-init.c`` (they share
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
+from dsec.backends.common.native import compile_c, fresh, overridden
 from dsec.errors import HostError
 
 NATIVE_DIR = Path(__file__).resolve().parent / "native"
@@ -36,20 +35,12 @@ def _inputs() -> dict[Path, list[Path]]:
     return {BINARY: [*spawner_sources(), *sorted(NATIVE_DIR.glob("*.h"))], INIT_BINARY: [INIT_SOURCE]}
 
 
-def _fresh() -> bool:
-    return all(b.exists() and all(b.stat().st_mtime >= src.stat().st_mtime for src in srcs)
-               for b, srcs in _inputs().items())
-
-
 def spawner_path(*, build: bool = True) -> Path:
     """Return the spawner binary, compiling it first if it is missing or stale."""
-    override = os.environ.get("DSEC_SPAWNER")
-    if override:
-        path = Path(override)
-        if not os.access(path, os.X_OK):
-            raise HostError(f"DSEC_SPAWNER={override} is not an executable file", path=override)
-        return path
-    if not _fresh():
+    override = overridden("DSEC_SPAWNER")
+    if override is not None:
+        return override
+    if not fresh(_inputs()):
         if not build:
             raise HostError(
                 f"{BINARY} is missing; run `bash scripts/setup.sh` or `python -m dsec.backends.container.build`"
@@ -62,32 +53,12 @@ def compile_spawner(out: Path = BINARY) -> Path:
     gcc = shutil.which("gcc") or shutil.which("cc")
     if gcc is None:
         raise HostError("no C compiler: install gcc (apt-get install gcc libc6-dev libseccomp-dev)")
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    cmd = [gcc, *CFLAGS, "-o", str(tmp), *map(str, spawner_sources()), "-lseccomp"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        tmp.unlink(missing_ok=True)
-        raise HostError(
-            "building dsec-spawner failed (is libseccomp-dev installed?):\n" + proc.stderr.strip(),
-            command=" ".join(cmd),
-        )
-    if proc.stderr.strip():  # -Wall -Wextra is kept clean: say so when it is not
-        print(f"dsec-spawner: compiler warnings:\n{proc.stderr.strip()}", file=sys.stderr)
-    os.replace(tmp, out)
-    init_out = out.with_name(INIT_BINARY.name)
-    tmp = init_out.with_name(init_out.name + f".tmp{os.getpid()}")
+    compile_c(gcc, CFLAGS, spawner_sources(), out, libs=["-lseccomp"], what="dsec-spawner",
+              hint="is libseccomp-dev installed?")
     # musl where installed: ~12 KiB resident and fewer page tables per sandbox than a static
     # glibc binary (an init per sandbox: 10,000 on a dense node).
-    cc = shutil.which("musl-gcc") or gcc
-    cmd = [cc, *CFLAGS, "-static", "-o", str(tmp), str(INIT_SOURCE)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        tmp.unlink(missing_ok=True)
-        raise HostError("building dsec-init failed (static libc: apt-get install libc6-dev):\n"
-                        + proc.stderr.strip(), command=" ".join(cmd))
-    if proc.stderr.strip():
-        print(f"dsec-init: compiler warnings:\n{proc.stderr.strip()}", file=sys.stderr)
-    os.replace(tmp, init_out)
+    compile_c(shutil.which("musl-gcc") or gcc, [*CFLAGS, "-static"], [INIT_SOURCE], out.with_name(INIT_BINARY.name),
+              what="dsec-init", hint="static libc: apt-get install libc6-dev")
     return out
 
 

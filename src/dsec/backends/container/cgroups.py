@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from dsec.backends.common import cgroupfs
 from dsec.errors import HostError
 from dsec.spec import Resources
 
@@ -22,19 +23,6 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 CONTROLLERS = ("cpu", "memory", "pids", "freezer")
 CFS_PERIOD_US = 100_000
 HOST_CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
-def _write(path: Path, value: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
-    try:
-        os.write(fd, value.encode())
-    finally:
-        os.close(fd)
-
-
-def _read(path: Path) -> str:
-    with open(path) as f:
-        return f.read()
 
 
 def _read_small(path: str) -> bytes:
@@ -112,9 +100,9 @@ class RuntimeCgroups:
             if ctrl == "memory":
                 # Children must be charged to (and limited by) their parents.
                 use_h = path / "memory.use_hierarchy"
-                if use_h.exists() and _read(use_h).strip() != "1":
+                if use_h.exists() and cgroupfs.read(use_h).strip() != "1":
                     with contextlib.suppress(OSError):
-                        _write(use_h, "1")
+                        cgroupfs.write(use_h, "1")
 
     def missing_parents(self) -> list[Path]:
         return [p for p in self.parents.values() if not p.is_dir()]
@@ -157,13 +145,13 @@ class RuntimeCgroups:
                     # A quota write walks every task group on the host (370 us at 10,000
                     # groups): skip it when the limit is no limit (as many cores as the host).
                     if res.cpu < HOST_CPUS:
-                        _write(d / "cpu.cfs_quota_us", str(max(1000, int(res.cpu * CFS_PERIOD_US))))
+                        cgroupfs.write(d / "cpu.cfs_quota_us", str(max(1000, int(res.cpu * CFS_PERIOD_US))))
                     if res.cpu_weight != 1024:
-                        _write(d / "cpu.shares", str(res.cpu_weight))
+                        cgroupfs.write(d / "cpu.shares", str(res.cpu_weight))
                 elif ctrl == "memory":
-                    _write(d / "memory.limit_in_bytes", str(res.memory))
+                    cgroupfs.write(d / "memory.limit_in_bytes", str(res.memory))
                 elif ctrl == "pids":
-                    _write(d / "pids.max", str(res.pids))
+                    cgroupfs.write(d / "pids.max", str(res.pids))
         except OSError as exc:
             for d in reversed(made):
                 self._rmdir(d)
@@ -172,13 +160,13 @@ class RuntimeCgroups:
 
     def pids(self, sandbox_id: str) -> list[int]:
         try:
-            text = _read(self.parents["pids"] / sandbox_id / "cgroup.procs")
+            text = cgroupfs.read(self.parents["pids"] / sandbox_id / "cgroup.procs")
         except FileNotFoundError:
             return []
         return [int(x) for x in text.split()]
 
     def freeze(self, sandbox_id: str, frozen: bool) -> None:
-        _write(self.parents["freezer"] / sandbox_id / "freezer.state", "FROZEN" if frozen else "THAWED")
+        cgroupfs.write(self.parents["freezer"] / sandbox_id / "freezer.state", "FROZEN" if frozen else "THAWED")
 
     def kill_all(self, sandbox_id: str) -> None:
         """SIGKILL every task in the sandbox's cgroup (frozen first, so nothing forks meanwhile)."""
@@ -210,12 +198,12 @@ class RuntimeCgroups:
         """SIGKILL every process of one command (frozen first, so none forks meanwhile)."""
         state = track / "freezer.state"
         try:
-            _write(state, "FROZEN")
+            cgroupfs.write(state, "FROZEN")
         except OSError:
             return
         try:
             for _ in range(3):
-                pids = [int(x) for x in _read(track / "cgroup.procs").split()]
+                pids = [int(x) for x in cgroupfs.read(track / "cgroup.procs").split()]
                 if not pids:
                     break
                 for pid in pids:
@@ -223,7 +211,7 @@ class RuntimeCgroups:
                         os.kill(pid, 9)
         finally:
             with contextlib.suppress(OSError):
-                _write(state, "THAWED")
+                cgroupfs.write(state, "THAWED")
 
     def drop_track(self, track: Path) -> bool:
         """Remove a command's cgroup if nothing of it still runs (background jobs keep it)."""
@@ -285,15 +273,15 @@ class RuntimeCgroups:
         mem = self.parents["memory"] / sandbox_id
         pids = self.parents["pids"] / sandbox_id
         cpu = self.parents["cpu"] / sandbox_id
-        oom = dict(line.split() for line in _read(mem / "memory.oom_control").splitlines())
-        events = dict(line.split() for line in _read(pids / "pids.events").splitlines()) if (pids / "pids.events").exists() else {}
-        cs = dict(line.split() for line in _read(cpu / "cpu.stat").splitlines())
+        oom = dict(line.split() for line in cgroupfs.read(mem / "memory.oom_control").splitlines())
+        events = dict(line.split() for line in cgroupfs.read(pids / "pids.events").splitlines()) if (pids / "pids.events").exists() else {}
+        cs = dict(line.split() for line in cgroupfs.read(cpu / "cpu.stat").splitlines())
         return CgroupStats(
-            memory_bytes=int(_read(mem / "memory.usage_in_bytes")),
-            memory_max_bytes=int(_read(mem / "memory.max_usage_in_bytes")),
-            memory_failcnt=int(_read(mem / "memory.failcnt")),
+            memory_bytes=int(cgroupfs.read(mem / "memory.usage_in_bytes")),
+            memory_max_bytes=int(cgroupfs.read(mem / "memory.max_usage_in_bytes")),
+            memory_failcnt=int(cgroupfs.read(mem / "memory.failcnt")),
             oom_kills=int(oom.get("oom_kill", 0)),
-            pids=int(_read(pids / "pids.current")),
+            pids=int(cgroupfs.read(pids / "pids.current")),
             pids_limit_hits=int(events.get("max", 0)),
             cpu_throttled=int(cs.get("nr_throttled", 0)),
             cpu_throttled_s=int(cs.get("throttled_time", 0)) / 1e9,

@@ -40,12 +40,12 @@ import errno
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Final, Literal
 
-from dsec.backends.container.output import ExecResult
+from dsec.backends.common import cgroupfs
 from dsec.backends.container.sessions import Session
 from dsec.errors import HostError
+from dsec.spec.results import ExecResult
 
 if TYPE_CHECKING:
     from dsec.backends.container.cgroups import RuntimeCgroups
@@ -89,23 +89,10 @@ class ReclaimStats:
         return self.returned / self.before if self.before else 0.0
 
 
-def _read(path: Path) -> str:
-    with open(path) as f:
-        return f.read()
-
-
-def _write(path: Path, value: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
-    try:
-        os.write(fd, value.encode())
-    finally:
-        os.close(fd)
-
-
 def freezer_state(cg: RuntimeCgroups, sandbox_id: str) -> str:
     """THAWED, FREEZING or FROZEN ("" if the cgroup is gone)."""
     try:
-        return _read(cg.parents["freezer"] / sandbox_id / "freezer.state").strip()
+        return cgroupfs.read(cg.parents["freezer"] / sandbox_id / "freezer.state").strip()
     except OSError:
         return ""
 
@@ -143,9 +130,9 @@ def thaw(cg: RuntimeCgroups, sandbox_id: str) -> None:
 def memory_usage(cg: RuntimeCgroups, sandbox_id: str) -> tuple[int, int]:
     """(memory bytes, memory+swap bytes; 0 if swap is not accounted)."""
     d = cg.parents["memory"] / sandbox_id
-    mem = int(_read(d / "memory.usage_in_bytes"))
+    mem = int(cgroupfs.read(d / "memory.usage_in_bytes"))
     try:
-        memsw = int(_read(d / "memory.memsw.usage_in_bytes"))
+        memsw = int(cgroupfs.read(d / "memory.memsw.usage_in_bytes"))
     except OSError:
         memsw = 0
     return mem, memsw
@@ -211,8 +198,8 @@ def reclaim(cg: RuntimeCgroups, sandbox_id: str, method: str = "pageout+force_em
         method = "none"  # an idle shell: reclaim costs ~10 ms of kernel work to win a few hundred KiB
     if method != "none":
         with contextlib.suppress(OSError):
-            if _read(mdir / "memory.swappiness").strip() != "100":
-                _write(mdir / "memory.swappiness", "100")
+            if cgroupfs.read(mdir / "memory.swappiness").strip() != "100":
+                cgroupfs.write(mdir / "memory.swappiness", "100")
     if method in ("pageout", "pageout+force_empty"):
         for pid in cg.pids(sandbox_id):
             pageout_process(pid)
@@ -224,9 +211,9 @@ def reclaim(cg: RuntimeCgroups, sandbox_id: str, method: str = "pageout+force_em
         last = memory_usage(cg, sandbox_id)[0]
         for _ in range(FORCE_EMPTY_PASSES):
             with contextlib.suppress(OSError):
-                _read(mdir / "memory.stat")
+                cgroupfs.read(mdir / "memory.stat")
             with contextlib.suppress(OSError):  # EINTR/EBUSY: what was freed stays freed
-                _write(mdir / "memory.force_empty", "0")
+                cgroupfs.write(mdir / "memory.force_empty", "0")
             now = memory_usage(cg, sandbox_id)[0]
             if last - now < FORCE_EMPTY_MIN_GAIN:
                 break

@@ -23,7 +23,6 @@ import itertools
 import json
 import logging
 import os
-import re
 import secrets
 import signal
 import socket
@@ -50,6 +49,13 @@ from dsec.backends.base import (
     check_spec,
     command_line,
 )
+from dsec.backends.common import cgroupfs
+from dsec.backends.common.command import UID_RANGE, check_argv, command_env, user_ids
+from dsec.backends.common.fdio import set_done as _set_done
+from dsec.backends.common.layers import SharedLayers
+from dsec.backends.common.layers import stack as stack_layers
+from dsec.backends.common.names import ID_RE, NAME_RE
+from dsec.backends.common.output import check_exec, check_timed_out, collect, start_piped
 from dsec.backends.container import cgroups, claims, wire
 from dsec.backends.container import limits as limit_evidence
 from dsec.backends.container import pause as pausing
@@ -57,8 +63,6 @@ from dsec.backends.container import snapshot as snapshots
 from dsec.backends.container import stages as staging
 from dsec.backends.container.fsops import SandboxFiles
 from dsec.backends.container.network import Lease, NetworkConfig, NetworkManager
-from dsec.backends.container.output import BoundedCapture, ExecResult, write_all
-from dsec.backends.container.output import set_done as _set_done
 from dsec.backends.container.sandbox import LiveSandbox, RecordView
 from dsec.backends.container.sessions import Session
 from dsec.backends.container.spawner import ChildExit, Spawner, SpawnError
@@ -67,7 +71,6 @@ from dsec.backends.container.zram import ZramStats, ZramSwap
 from dsec.errors import (
     DsecError,
     ExecError,
-    ExecTimeout,
     HostError,
     InvalidSpec,
     LayerNotFound,
@@ -78,26 +81,16 @@ from dsec.errors import (
 from dsec.images.layer import Layer, LayerKind
 from dsec.images.mounts import IDLE_PIN_GRACE_S
 from dsec.spec import ImageRef, NetworkPolicy, SandboxSpec, SandboxState, can_move
-from dsec.spec.results import LimitHit
+from dsec.spec.results import ExecResult, LimitHit
 
 log = logging.getLogger("dsec.runtime")
 
-UID_RANGE: Final = 65536
 UID_FIRST_BASE: Final = 1 << 24  # well above any host account
 UID_SLOTS: Final = 60000
-DEFAULT_TIMEOUT_S: Final = 600.0
 LAYER_RELEASE_GRACE_S: Final = IDLE_PIN_GRACE_S
 """A layer's pin outlives its last sandbox this long (a create/destroy loop pays no index write)."""
 LAYER_REMOVAL_POLL_S: Final = 1.0
 """How often an idle, still mounted layer is looked up in the store: a removed one is unmounted."""
-_ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
-_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
-DEFAULT_ENV: Final = {
-    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-    "HOME": "/root",
-    "LANG": "C.UTF-8",
-    "TERM": "dumb",
-}
 
 
 
@@ -316,8 +309,8 @@ class ContainerRuntime(BackendBase):
         image ``<state_dir>/uppers/<name>.img`` of ``uppers_image_size`` bytes (0: 80 % of
         its disk's free space) mounted at ``<run_dir>/<name>/uppers``; ``uppers_path`` is
         an existing btrfs mount to use instead."""
-        if not _NAME_RE.match(name):
-            raise InvalidSpec(f"runtime name {name!r} must match {_NAME_RE.pattern}", field="name")
+        if not NAME_RE.match(name):
+            raise InvalidSpec(f"runtime name {name!r} must match {NAME_RE.pattern}", field="name")
         self.name = name
         self.capabilities = CAPABILITIES
         base_state = Path(state_dir or os.environ.get("DSEC_STATE_DIR", "/var/lib/dsec"))
@@ -332,7 +325,6 @@ class ContainerRuntime(BackendBase):
         self._claims: list[claims.Claim] = []
         self.id_prefix = id_prefix
         self._store = layer_store
-        self._mounts: Any = None
         self.cgroups = cgroups.RuntimeCgroups(name, on_repair=self._cgroup_repaired)
         self.host_problems: list[HostFinding] = []
         """What the last :meth:`heal` pass found wrong and could not repair (empty: healthy)."""
@@ -356,8 +348,7 @@ class ContainerRuntime(BackendBase):
         # Which sandboxes use which layer. The store holds one pin per layer for this
         # runtime ("runtime:<name>") while any sandbox uses it: one sqlite write per
         # layer, not per sandbox, and records rebuild the map after a crash.
-        self._layer_users: dict[str, set[str]] = {}
-        self._layer_paths: dict[str, Path] = {}
+        self._layers = SharedLayers(self.holder, grace_s=LAYER_RELEASE_GRACE_S, on_idle=self._maybe_release)
         self._resolved: dict[str, tuple[float, str]] = {}
         self._free_slots: list[int] = []
         self._track_seq = 0
@@ -430,7 +421,7 @@ class ContainerRuntime(BackendBase):
             self.cgroups.setup()
             for d in (self.run_dir, self.records_dir, self.stage_dir, self.slots_dir):
                 d.mkdir(parents=True, exist_ok=True)
-            self._mounts = LayerMounts(self.store, self.run_dir / "layers")  # checks the paths first
+            self._layers.mounts = LayerMounts(self.store, self.run_dir / "layers")  # checks the paths first
         except BaseException:
             self._release_claims()
             raise
@@ -485,8 +476,7 @@ class ContainerRuntime(BackendBase):
             await self.spawner.close()
             self.spawner = None
         if self._mounts is not None:
-            for digest in [d for d, users in self._layer_users.items() if not users]:
-                self._maybe_release(digest)
+            self._layers.release_idle()
         if self._mounts is not None and destroy_all:
             await asyncio.to_thread(self._mounts.close)
         if self._devnull >= 0:
@@ -671,8 +661,8 @@ class ContainerRuntime(BackendBase):
         check_spec(self.capabilities, spec)
         await self._ensure_spawner()
         sid = sandbox_id or self._new_id()
-        if not _ID_RE.match(sid):
-            raise InvalidSpec(f"sandbox id {sid!r} must match {_ID_RE.pattern}", field="sandbox_id")
+        if not ID_RE.match(sid):
+            raise InvalidSpec(f"sandbox id {sid!r} must match {ID_RE.pattern}", field="sandbox_id")
         existing = self.sandboxes.get(sid)
         if existing is not None:
             return existing  # idempotent
@@ -762,7 +752,7 @@ class ContainerRuntime(BackendBase):
                 await asyncio.sleep(0.002)
         left = await asyncio.to_thread(self._remove_host_parts, rec)
         for d in set(rec.layers):
-            await self._unuse_layer(d, sid)
+            self._layers.unuse(d, sid)
         if rec.slot >= 0:
             self._release_slot(rec)
         if keep_netns is not None and not self.cgroups.pids(sid):
@@ -831,6 +821,11 @@ class ContainerRuntime(BackendBase):
     def holder(self) -> str:
         return f"runtime:{self.name}"
 
+    @property
+    def _mounts(self) -> Any:
+        """The node's layer mounts this runtime uses (set at start)."""
+        return self._layers.mounts
+
     def _resolve(self, ref: str) -> str:
         """Layer ref -> digest. Digests are immutable; a name:tag is re-read after 1 s."""
         if ref.startswith("sha256:") and len(ref) == 71:
@@ -847,39 +842,17 @@ class ContainerRuntime(BackendBase):
         return digest
 
     async def _use_layer(self, digest: str, sandbox_id: str) -> Path:
-        users = self._layer_users.setdefault(digest, set())
-        known = self._layer_paths.get(digest)
-        if known is None:
-            mounted: Path = await asyncio.to_thread(self._mounts.acquire, digest, self.holder)
-            self._layer_paths[digest] = mounted
-            known = mounted
-        elif not _is_mount(known):
-            # Unmounted under us (by hand, a cleanup script): two stats tell, a mount fixes it.
-            known, made = await asyncio.to_thread(self._mounts.remount, digest)
-            if made:
-                self._note("layer_mount", f"re-mounted layer {digest} at {known} (it had been unmounted)",
-                           repaired=True)
-        users.add(sandbox_id)
+        known, remounted = await self._layers.use(digest, sandbox_id)
+        if remounted:
+            self._note("layer_mount", f"re-mounted layer {digest} at {known} (it had been unmounted)", repaired=True)
         return known
 
-    async def _unuse_layer(self, digest: str, sandbox_id: str) -> None:
-        users = self._layer_users.get(digest)
-        if users is None:
-            return
-        users.discard(sandbox_id)
-        if not users:
-            # Keep the pin a little while: a create/destroy loop must not pay a
-            # sqlite write per sandbox. close() and the grace timer release it.
-            asyncio.get_running_loop().call_later(LAYER_RELEASE_GRACE_S, self._maybe_release, digest)
-
     def _maybe_release(self, digest: str) -> None:
-        if self._layer_users.get(digest) or self._mounts is None:
+        """A layer no sandbox uses (after the grace, or at close): its pin is dropped, a fork's
+        layer removed, and a layer gone from the store unmounted."""
+        held = self._layers.release(digest)  # False: an earlier timer released it already
+        if held is None:
             return
-        held = digest in self._layer_users  # False: an earlier timer released it already
-        self._layer_users.pop(digest, None)
-        self._layer_paths.pop(digest, None)
-        with contextlib.suppress(Exception):
-            self._mounts.release(digest, self.holder)
         if (self._ephemeral_dir / digest.split(":", 1)[1]).exists():
             self.drop_ephemeral(digest)
         if held:
@@ -889,7 +862,7 @@ class ContainerRuntime(BackendBase):
         """An idle layer stays mounted as a cache while the store has it; once it is removed
         (`dsec image rm` in another process, a dropped fork snapshot) it is unmounted, which
         frees its disk. Looked up every LAYER_REMOVAL_POLL_S while idle: one index read."""
-        if self._mounts is None or digest in self._layer_users:
+        if self._mounts is None or digest in self._layers.users:
             return  # in use again: its next release watches it again
         try:
             if self._mounts.unmount_if_removed(digest):
@@ -1027,8 +1000,7 @@ class ContainerRuntime(BackendBase):
 
     def layer_path(self, digest: str) -> Path:
         """Where a layer this runtime uses is mounted on the host."""
-        known = self._layer_paths.get(digest)
-        return Path(known) if known is not None else Path(self._mounts.mountpoint(digest))
+        return self._layers.path(digest)
 
     def mark_ephemeral(self, digest: str) -> None:
         """A fork's layer: removed once no sandbox uses it (:meth:`drop_ephemeral`)."""
@@ -1272,26 +1244,9 @@ class ContainerRuntime(BackendBase):
         if not image:
             raise InvalidSpec(f"sandbox {rec.id} has no image layers to take pristine copies from",
                               field="pristine", sandbox_id=rec.id)
-        return wire.Pristine(tuple(Path(self._layer_paths.get(d) or self._mounts.mountpoint(d)) for d in image), paths)
+        return wire.Pristine(tuple(self._layers.path(d) for d in image), paths)
 
     # ----- running things -----
-
-    def _user_ids(self, user: int | str) -> tuple[int, int]:
-        if isinstance(user, int):
-            uid = gid = user
-        elif user == "root":
-            uid = gid = 0
-        elif re.fullmatch(r"\d+(:\d+)?", user):
-            a, _, b = user.partition(":")
-            uid, gid = int(a), int(b or a)
-        else:
-            raise InvalidSpec(
-                f"user {user!r}: give a numeric uid, 'uid:gid' or 'root' (names are not looked up)",
-                field="user",
-            )
-        if not (0 <= uid < UID_RANGE and 0 <= gid < UID_RANGE):
-            raise InvalidSpec(f"uid/gid must be within 0..{UID_RANGE - 1}", field="user")
-        return uid, gid
 
     async def start_process(
         self,
@@ -1320,15 +1275,9 @@ class ContainerRuntime(BackendBase):
         await self.live(sandbox_id).wait_for_stage_switch()  # it kills the old stage's processes
         rec = self._running(sandbox_id)
         box = self.live(sandbox_id)
-        if not argv or not argv[0]:
-            raise InvalidSpec("empty command", field="cmd", sandbox_id=sandbox_id)
-        if not cwd.startswith("/"):
-            raise InvalidSpec(f"cwd {cwd!r} must be an absolute path", field="cwd")
-        uid, gid = self._user_ids(user)
-        merged = {**DEFAULT_ENV, **rec.spec.env, **(env or {})}
-        for k, v in merged.items():
-            if not k or "=" in k or "\0" in k or "\0" in v:
-                raise InvalidSpec(f"bad environment variable {k!r}", field="env")
+        check_argv(sandbox_id, argv, cwd)
+        uid, gid = user_ids(user)
+        merged = command_env(rec.spec.env, env)
         res = rec.spec.resources
         stage = rec.stage or rec.spec.stage
         landlock = None if stage is None else staging.landlock(rec.spec.stages[stage].files)
@@ -1460,32 +1409,12 @@ class ContainerRuntime(BackendBase):
         ``pristine`` paths are replaced, for this command only, by read-only copies
         from the sandbox's image layers (docs/SECURITY.md, "Pristine paths").
         """
-        argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
-        limit = DEFAULT_TIMEOUT_S if isinstance(timeout, _Unset) else timeout
-        if limit is not None and limit <= 0:
-            raise InvalidSpec("timeout must be positive (or None for no timeout)", field="timeout")
-        if idle_timeout is not None and idle_timeout <= 0:
-            raise InvalidSpec("idle_timeout must be positive (or None for none)", field="idle_timeout")
-        if output_cap is not None and output_cap < 1:
-            raise InvalidSpec(f"output_cap {output_cap} must be at least 1 byte (or None for the sandbox's)",
-                              field="output_cap")
+        argv, limit = check_exec(cmd, timeout=timeout, idle_timeout=idle_timeout, output_cap=output_cap)
         rec = self._running(sandbox_id)
         cap = output_cap or rec.spec.output_cap
         before = self.limit_baseline(rec)
-        in_r, in_w = os.pipe2(os.O_CLOEXEC)
-        out_r, out_w = os.pipe2(os.O_CLOEXEC)
-        err_r, err_w = os.pipe2(os.O_CLOEXEC)
-        try:
-            proc = await self.start_process(
-                sandbox_id, argv, stdin=in_r, stdout=out_w, stderr=err_w, env=env, cwd=cwd, user=user,
-                pristine=pristine,
-            )
-        except BaseException:
-            for fd in (in_r, in_w, out_r, out_w, err_r, err_w):
-                os.close(fd)
-            raise
-        for fd in (in_r, out_w, err_w):
-            os.close(fd)
+        proc, in_w, out_r, err_r = await start_piped(lambda i, o, e: self.start_process(
+            sandbox_id, argv, stdin=i, stdout=o, stderr=e, env=env, cwd=cwd, user=user, pristine=pristine))
         return await self._collect(proc, in_w, out_r, err_r, stdin, limit, idle_timeout, on_output, cap, before)
 
     async def _collect(
@@ -1501,167 +1430,38 @@ class ContainerRuntime(BackendBase):
         cap: int,
         before: limit_evidence.Baseline | None = None,
     ) -> ExecResult:
-        loop = asyncio.get_running_loop()
-        caps = {out_r: BoundedCapture(cap), err_r: BoundedCapture(cap)}
-        names = {out_r: "stdout", err_r: "stderr"}
-        open_fds = {out_r, err_r}
-        eof = loop.create_future()
-        last_output = [time.monotonic()]
-        timed_out: list[str] = []
-        paused: list[asyncio.Future[None]] = []  # the consumer's "drained" future while it is full
-        reading = [True]  # False once the pipes are closed: a late resume must not touch them
-
-        def resume(_f: object) -> None:
-            paused.clear()
-            last_output[0] = time.monotonic()  # waiting for the consumer is not idleness
-            if reading[0]:
-                for f in open_fds:
-                    loop.add_reader(f, on_readable, f)
-
-        def on_readable(fd: int, reads: int = 16, final: bool = False) -> None:
-            for _ in range(reads):
-                try:
-                    chunk = os.read(fd, 65536)
-                except BlockingIOError:
-                    return
-                except OSError:
-                    chunk = b""
-                if not chunk:
-                    loop.remove_reader(fd)
-                    open_fds.discard(fd)
-                    if not open_fds and not eof.done():
-                        eof.set_result(None)
-                    return
-                caps[fd].feed(chunk)
-                last_output[0] = time.monotonic()
-                if on_output is not None:
-                    wait = on_output(names[fd], chunk)
-                    if wait is not None and not final and not paused and not wait.done():
-                        for f in open_fds:  # the consumer is full: read on once it has drained
-                            loop.remove_reader(f)
-                        paused.append(wait)
-                        wait.add_done_callback(resume)
-                        return
-
-        for fd in (out_r, err_r):
-            os.set_blocking(fd, False)
-            loop.add_reader(fd, on_readable, fd)
-        writer: asyncio.Future[None] | None = None
-        if stdin:
-            writer = asyncio.ensure_future(self._feed_stdin(in_w, stdin))
-        else:
-            os.close(in_w)
-
-        def expire(reason: str) -> None:
-            if not proc.exited.done():
-                timed_out.append(reason)
-                proc.kill(tree=True)
-
-        timer = loop.call_later(limit, expire, "timeout") if limit is not None else None
-        idle_task = None
-        if idle_timeout is not None:
-            async def idle_watch() -> None:
-                while not proc.exited.done():
-                    if paused:  # blocked on a slow consumer, not idle
-                        await asyncio.wait((paused[0],))
-                        continue
-                    wait = last_output[0] + idle_timeout - time.monotonic()
-                    if wait <= 0:
-                        expire("idle_timeout")
-                        return
-                    await asyncio.sleep(wait)
-
-            idle_task = asyncio.ensure_future(idle_watch())
+        """:func:`dsec.backends.common.output.collect`, then what this runtime makes of the
+        result: the limit that ended it, an ``exec_ended`` event, ExecTimeout."""
         try:
-            ex = proc.exited.result() if proc.exited.done() else await asyncio.shield(proc.exited)
-            # Output written before exit is in the pipes; stray background children
-            # holding them open do not keep the result waiting (0.1 s of reading, not
-            # counting the time spent waiting for a full consumer to drain).
-            window = 0.1
-            while not eof.done() and window > 0:
-                if paused:
-                    await asyncio.wait((paused[0],))
-                    continue
-                t = loop.time()
-                await asyncio.wait((eof,), timeout=window)
-                window -= loop.time() - t
-            for fd in list(open_fds):
-                on_readable(fd, reads=64, final=True)  # what is left in the pipe, whatever the consumer
+            got = await collect(proc, in_w, out_r, err_r, stdin, limit, idle_timeout, on_output, cap)
         except asyncio.CancelledError:
-            proc.kill(tree=True)
             rec = self.sandboxes.get(proc.sandbox_id)
             if rec is not None:
                 self._event(rec, "exec_ended", pid=proc.pid, exit_code=None, signal=signal.SIGKILL,
                             duration_s=round(time.monotonic() - proc.started_at, 6), cancelled=True)
             raise
         finally:
-            reading[0] = False
-            if timer is not None:
-                timer.cancel()
-            if idle_task is not None:
-                idle_task.cancel()
-            if writer is not None:
-                writer.cancel()
-            for fd in (out_r, err_r):
-                if fd in open_fds:
-                    loop.remove_reader(fd)
-                os.close(fd)
             if self.spawner is not None:
                 self.spawner.forget_exit(proc.pid)
             if proc.track is not None:
                 self.cgroups.drop_track(proc.track)  # stays while background jobs run
         self.last_activity[proc.sandbox_id] = time.monotonic()
-        so, se = caps[out_r], caps[err_r]
-        stdout, stderr = so.value(), se.value()
+        result = got.result(proc.start_latency_s)
         rec = self.sandboxes.get(proc.sandbox_id)
-        hit = None
         if rec is not None:
-            hit = self.limit_hit(rec, before, exit_code=ex.exit_code, sig=ex.signal,
-                                 timed_out=timed_out[0] if timed_out else None, timeout_s=limit,
-                                 idle_timeout_s=idle_timeout, truncated=so.truncated or se.truncated, output_cap=cap,
-                                 output=(stderr, stdout))
-            self._event(rec, "exec_ended", pid=proc.pid, exit_code=ex.exit_code, signal=ex.signal,
-                        duration_s=round(time.monotonic() - proc.started_at, 6),
-                        timed_out=timed_out[0] if timed_out else None,
-                        output_truncated=so.truncated or se.truncated, limit=None if hit is None else hit.kind)
-            if not limit_evidence.failed(ex.exit_code, ex.signal) or timed_out:
-                loop.call_soon(self._check_limits, rec)  # two cgroup reads: off the reply path
-        result = ExecResult(
-            exit_code=ex.exit_code,
-            signal=ex.signal,
-            stdout=stdout,
-            stderr=stderr,
-            stdout_bytes=so.total,
-            stderr_bytes=se.total,
-            truncated=so.truncated or se.truncated,
-            duration_s=time.monotonic() - proc.started_at,
-            start_latency_s=proc.start_latency_s,
-            timed_out=timed_out[0] if timed_out else None,
-            cpu_user_s=ex.utime_s,
-            cpu_system_s=ex.stime_s,
-            limit=hit,
-        )
-        if result.timed_out:
-            what = "produced no output for" if result.timed_out == "idle_timeout" else "ran longer than"
-            secs = idle_timeout if result.timed_out == "idle_timeout" else limit
-            raise ExecTimeout(
-                f"command in sandbox {proc.sandbox_id} {what} {secs} s and was killed (with its process tree)",
-                sandbox_id=proc.sandbox_id,
-                timeout=secs,
-                reason=result.timed_out,
-                result=result,
-            )
+            result.limit = self.limit_hit(rec, before, exit_code=result.exit_code, sig=result.signal,
+                                          timed_out=result.timed_out, timeout_s=limit, idle_timeout_s=idle_timeout,
+                                          truncated=result.truncated, output_cap=cap,
+                                          output=(result.stderr, result.stdout))
+            self._event(rec, "exec_ended", pid=proc.pid, exit_code=result.exit_code, signal=result.signal,
+                        duration_s=round(result.duration_s, 6), timed_out=result.timed_out,
+                        output_truncated=result.truncated,
+                        limit=None if result.limit is None else result.limit.kind)
+            if not limit_evidence.failed(result.exit_code, result.signal) or result.timed_out:
+                # two cgroup reads: off the reply path
+                asyncio.get_running_loop().call_soon(self._check_limits, rec)
+        check_timed_out(result, proc.sandbox_id, limit=limit, idle_timeout=idle_timeout)
         return result
-
-    @staticmethod
-    async def _feed_stdin(fd: int, data: bytes | None) -> None:
-        try:
-            if data:
-                os.set_blocking(fd, False)
-                with contextlib.suppress(BrokenPipeError):  # the command stopped reading
-                    await write_all(fd, data)
-        finally:
-            os.close(fd)
 
     # ----- reconcile after a crash -----
 
@@ -1722,15 +1522,11 @@ class ContainerRuntime(BackendBase):
                 if owner and owner[0] == self.name and owner[1] not in self.sandboxes:
                     slot_file.unlink()
         for rec in self.sandboxes.values():
-            for d in rec.layers:
-                self._layer_users.setdefault(d, set()).add(rec.id)
-                self._layer_paths[d] = self._mounts.mountpoint(d)
-        for layer in self.store.list():
-            if self.holder in self.store.holders(layer.digest) and layer.digest not in self._layer_users:
-                self._mounts.release(layer.digest, self.holder)
+            self._layers.adopt(rec.id, rec.layers)
+        self._layers.release_unused_pins()
         for marker in list(self._ephemeral_dir.glob("*")) if self._ephemeral_dir.is_dir() else []:
             digest = "sha256:" + marker.name
-            if digest not in self._layer_users:
+            if digest not in self._layers.users:
                 self.drop_ephemeral(digest)
         await asyncio.to_thread(self._mounts.unmount_unused)
         return {"adopted": adopted, "destroyed": destroyed}
@@ -1973,7 +1769,7 @@ class ContainerRuntime(BackendBase):
         # to swap, which leaves memory+swap unchanged, so pause is not limited by it.
         memsw = self.cgroups.parents["memory"] / sandbox_id / "memory.memsw.limit_in_bytes"
         with contextlib.suppress(OSError):
-            cgroups._write(memsw, str(res.memory))
+            cgroupfs.write(memsw, str(res.memory))
         return dirs
 
     async def _setup_swap(self) -> None:
@@ -2160,40 +1956,9 @@ class ContainerRuntime(BackendBase):
         return self._lineage[digest]
 
     def _layers_for(self, image: ImageRef) -> builtins.list[str]:
-        """The digests to stack (top first). A snapshot stands for itself plus its lineage:
-        as ``base`` it expands to it; anywhere else the layers beneath it must be exactly it."""
-        digests = [self._resolve(ref) for ref in image.layers_top_first()]
-        kind = self._layer_kind(digests[-1])
-        if kind not in (LayerKind.BASE, LayerKind.SNAPSHOT):
-            # It would start, and every command would fail "not found in PATH": say so now.
-            ws = kind is LayerKind.WORKSPACE
-            raise InvalidSpec(
-                f"layer {image.base!r} is a {kind.value} layer, not a base: it has no system to run commands "
-                f"in. Stack it over a base image: "
-                f"{'--workspace' if ws else '--toolkit'} {image.base} (ImageRef(base=..., "
-                f"{'workspace=' if ws else 'toolkits=['}{image.base!r}{'' if ws else ']'}))",
-                field="image.base",
-            )
-        stack: list[str] = []  # bottom first
-        for d in reversed(digests):
-            lineage = self._layer_lineage(d)
-            if lineage is not None:
-                expected = list(reversed(lineage))
-                if not stack:
-                    stack = expected
-                elif stack != expected:
-                    raise InvalidSpec(
-                        f"snapshot {d} was taken over other layers than the ones given beneath it; "
-                        f"start from it alone: ImageRef(base={d!r}) (it brings its lineage)",
-                        field="image",
-                    )
-            stack.append(d)
-        if len(stack) > wire.MAX_LAYERS:
-            raise InvalidSpec(
-                f"this image stacks {len(stack)} layers; a sandbox can mount at most {wire.MAX_LAYERS}",
-                field="image",
-            )
-        return list(reversed(stack))
+        """The digests to stack (top first): :func:`dsec.backends.common.layers.stack`."""
+        return stack_layers(image, resolve=self._resolve, kind_of=self._layer_kind, lineage_of=self._layer_lineage,
+                            max_layers=wire.MAX_LAYERS)
 
     async def snapshot(
         self,
@@ -2232,7 +1997,7 @@ class ContainerRuntime(BackendBase):
     def drop_ephemeral(self, digest: str) -> bool:
         """Remove an unnamed (fork) snapshot if nothing uses it any more; True if removed."""
         marker = self._ephemeral_dir / digest.split(":", 1)[1]
-        if self._layer_users.get(digest):
+        if self._layers.users.get(digest):
             return False
         try:
             self.store.remove(digest)
@@ -2295,7 +2060,7 @@ class ContainerRuntime(BackendBase):
         if failure is not None:
             await asyncio.gather(*(self.destroy(c.id) for c in made), return_exceptions=True)
             for c in made:
-                self._layer_users.get(layer.digest, set()).discard(c.id)
+                self._layers.users.get(layer.digest, set()).discard(c.id)
             self._maybe_release(layer.digest)
             self.drop_ephemeral(layer.digest)
             raise failure
@@ -2342,14 +2107,6 @@ class ContainerRuntime(BackendBase):
     def refresh_identity(self, sandbox_id: str) -> None:
         """Give a sandbox started from another's disk its own machine-id (fork does this)."""
         snapshots.fresh_identity(self.files(sandbox_id, platform=True))
-
-
-def _is_mount(path: Path) -> bool:
-    """``path`` is the root of a mount (its device differs from its parent's): two stats."""
-    try:
-        return os.stat(path).st_dev != os.stat(path.parent).st_dev
-    except OSError:
-        return False
 
 
 def _make_skeletons(skel: Path) -> None:

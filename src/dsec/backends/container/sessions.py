@@ -19,9 +19,11 @@ import secrets
 import time
 from typing import TYPE_CHECKING
 
-from dsec.backends.container.output import BoundedCapture, ExecResult
-from dsec.backends.container.output import set_done as _set_done
+from dsec.backends.common.fdio import read_chunk
+from dsec.backends.common.fdio import set_done as _set_done
+from dsec.backends.common.output import BoundedCapture, start_piped
 from dsec.errors import ExecTimeout, InvalidSpec, SessionClosed
+from dsec.spec.results import ExecResult
 
 if TYPE_CHECKING:
     from dsec.backends.container.runtime import ContainerRuntime, Process
@@ -65,20 +67,9 @@ class Session:
         """Why the runtime ended the session (e.g. a stage switch), for the next run's error."""
 
     async def start(self, *, env: dict[str, str] | None = None, cwd: str = "/", user: int | str = 0) -> None:
-        in_r, in_w = os.pipe2(os.O_CLOEXEC)
-        out_r, out_w = os.pipe2(os.O_CLOEXEC)
-        err_r, err_w = os.pipe2(os.O_CLOEXEC)
-        try:
-            self._proc = await self.runtime.start_process(
-                self.sandbox_id, ["/bin/sh", "-c", _SHELL], stdin=in_r, stdout=out_w, stderr=err_w,
-                env=env, cwd=cwd, user=user,
-            )
-        except BaseException:
-            for fd in (in_r, in_w, out_r, out_w, err_r, err_w):
-                os.close(fd)
-            raise
-        for fd in (in_r, out_w, err_w):
-            os.close(fd)
+        proc, in_w, out_r, err_r = await start_piped(lambda i, o, e: self.runtime.start_process(
+            self.sandbox_id, ["/bin/sh", "-c", _SHELL], stdin=i, stdout=o, stderr=e, env=env, cwd=cwd, user=user))
+        self._proc = proc
         self._stdin = in_w
         loop = asyncio.get_running_loop()
         for fd in (out_r, err_r):
@@ -86,7 +77,7 @@ class Session:
             self._streams[fd] = _Stream()
             loop.add_reader(fd, self._on_readable, fd)
             self._fds.append(fd)
-        self._proc.exited.add_done_callback(lambda _f: self._wake_all())
+        proc.exited.add_done_callback(lambda _f: self._wake_all())
 
     def _wake_all(self) -> None:
         for s in self._streams.values():
@@ -94,12 +85,9 @@ class Session:
 
     def _on_readable(self, fd: int) -> None:
         stream = self._streams[fd]
-        try:
-            data = os.read(fd, 65536)
-        except BlockingIOError:
+        data = read_chunk(fd)
+        if data is None:
             return
-        except OSError:
-            data = b""
         if not data:
             stream.eof = True
             asyncio.get_running_loop().remove_reader(fd)

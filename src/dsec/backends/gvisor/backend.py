@@ -27,7 +27,6 @@ import functools
 import json
 import logging
 import os
-import re
 import secrets
 import signal
 import time
@@ -37,6 +36,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Final
 
 from dsec.backends.base import (
+    UNSET,
     BackendBase,
     Capabilities,
     Capability,
@@ -48,15 +48,21 @@ from dsec.backends.base import (
     SandboxRecord,
     ShellSession,
     Usage,
+    _Unset,
     check_spec,
     command_line,
 )
+from dsec.backends.common.command import DEFAULT_ENV, check_argv, command_env, user_ids
+from dsec.backends.common.layers import SharedLayers
+from dsec.backends.common.layers import stack as stack_layers
+from dsec.backends.common.names import ID_RE, NAME_RE
+from dsec.backends.common.output import check_exec, check_timed_out, collect, start_piped
 from dsec.backends.container import limits as limit_evidence
 from dsec.backends.container.fsops import SandboxFiles
 from dsec.backends.gvisor import bundle as bundles
 from dsec.backends.gvisor.cgroups import SandboxCgroups
 from dsec.backends.gvisor.config import GVisorConfig
-from dsec.backends.gvisor.process import Command, collect, result_of
+from dsec.backends.gvisor.process import Command
 from dsec.backends.gvisor.runsc import (
     Exit,
     Runsc,
@@ -70,7 +76,6 @@ from dsec.backends.gvisor.runsc import (
 from dsec.errors import (
     DsecError,
     ExecError,
-    ExecTimeout,
     HostError,
     InvalidSpec,
     SandboxFailed,
@@ -82,19 +87,9 @@ from dsec.spec.results import ExecResult, LimitHit
 
 log = logging.getLogger("dsec.gvisor")
 
-DEFAULT_TIMEOUT_S: Final = 600.0
-UID_RANGE: Final = 65536
 MAX_LOWERS: Final = 15
 ORPHAN_SWEEP_S: Final = 1.0
 """How often zombies of runsc processes reparented to us are reaped."""
-_ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
-_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
-DEFAULT_ENV: Final = {
-    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-    "HOME": "/root",
-    "LANG": "C.UTF-8",
-    "TERM": "dumb",
-}
 PIDS_SLACK: Final = 2
 _FORK_FAILED: Final = (b"Resource temporarily unavailable", b"can't fork", b"fork: retry", b"Cannot fork")
 """strerror(EAGAIN) in glibc's and musl's words, busybox's and bash's: a fork refused at RLIMIT_NPROC."""
@@ -104,14 +99,6 @@ the command gets, as root) and CAP_SYS_ADMIN, which the helper keeps only to mou
 mount namespace of its own; the command never has it."""
 ISOLATION: Final = ("gVisor application kernel (runsc, systrap): the sandbox's system calls are served by "
                     "the sentry in user space, not the host kernel; loopback-only network")
-
-
-class _Unset:
-    def __repr__(self) -> str:
-        return "UNSET"
-
-
-UNSET: Final = _Unset()
 
 
 def _proc_start(pid: int, *, zombie: bool = False) -> int:
@@ -179,8 +166,8 @@ class GVisorBackend(BackendBase):
     def __init__(self, config: GVisorConfig | None = None, *, name: str, state_dir: Path | str,
                  run_dir: Path | str, id_prefix: str = "sb", store: Any = None) -> None:
         self.config = config or GVisorConfig()
-        if not _NAME_RE.match(name):
-            raise InvalidSpec(f"backend name {name!r} must match {_NAME_RE.pattern}", field="name")
+        if not NAME_RE.match(name):
+            raise InvalidSpec(f"backend name {name!r} must match {NAME_RE.pattern}", field="name")
         self.name = name
         self.id_prefix = id_prefix
         self.state_dir = Path(state_dir)
@@ -189,7 +176,6 @@ class GVisorBackend(BackendBase):
         self.bundles_dir = self.run_dir / "sb"
         self.runsc_root = self.run_dir / "runsc"
         self._store = store
-        self._mounts: Any = None
         self.cgroups = SandboxCgroups(name)
         self.runsc: Runsc | None = None
         self.capabilities = Capabilities(
@@ -206,8 +192,7 @@ class GVisorBackend(BackendBase):
         self._sessions: dict[str, dict[str, Any]] = {}
         self._sentries: dict[str, Watched] = {}
         self._reaped: dict[int, Watched] = {}
-        self._layer_users: dict[str, set[str]] = {}
-        self._layer_paths: dict[str, Path] = {}
+        self._layers = SharedLayers(self.holder)
         self._helper_fd = -1
         self._uppers: Any = None
         self._uppers_lock = asyncio.Lock()
@@ -236,6 +221,11 @@ class GVisorBackend(BackendBase):
     @property
     def holder(self) -> str:
         return f"runtime:{self.name}"
+
+    @property
+    def _mounts(self) -> Any:
+        """The node's layer mounts this backend uses (set at start)."""
+        return self._layers.mounts
 
     def container_id(self, sandbox_id: str) -> str:
         return f"{self.name}-{sandbox_id}"
@@ -270,7 +260,7 @@ class GVisorBackend(BackendBase):
         for d in (self.run_dir, self.records_dir, self.bundles_dir, self.runsc_root):
             d.mkdir(parents=True, exist_ok=True)
         await asyncio.to_thread(self.cgroups.setup)
-        self._mounts = LayerMounts(self.store, self.run_dir / "layers")
+        self._layers.mounts = LayerMounts(self.store, self.run_dir / "layers")
         await asyncio.to_thread(self._mounts.adopt)
         self._helper_fd = os.open(helper, os.O_RDONLY | os.O_CLOEXEC)
         if cfg.subreaper:
@@ -301,11 +291,10 @@ class GVisorBackend(BackendBase):
         self._sentries.clear()
         self._reaped.clear()
         if self._mounts is not None:
-            for digest in [d for d, users in self._layer_users.items() if not users]:
-                self._release_layer(digest)
+            self._layers.release_idle()
             if destroy_all:
                 await asyncio.to_thread(self._mounts.close)
-            self._mounts = None
+            self._layers.mounts = None
         if self._uppers is not None:
             unmount = destroy_all and not self._sandboxes
             await asyncio.to_thread(self._uppers.close, unmount=unmount)
@@ -432,57 +421,23 @@ class GVisorBackend(BackendBase):
         return str(self.store.resolve(ref).digest)
 
     def _layers_for(self, image: ImageRef) -> builtins.list[str]:
-        """Digests to stack, top first (a snapshot brings its lineage), as the container backend does."""
+        """Digests to stack, top first (:func:`dsec.backends.common.layers.stack`)."""
         from dsec.images.layer import LayerKind
 
-        digests = [self._resolve(r) for r in image.layers_top_first()]
-        bottom = self.store.get(digests[-1])
-        if bottom.kind not in (LayerKind.BASE, LayerKind.SNAPSHOT):
-            raise InvalidSpec(f"layer {image.base!r} is a {bottom.kind.value} layer, not a base: stack it over "
-                              "a base image", field="image.base")
-        stack: list[str] = []  # bottom first
-        for d in reversed(digests):
-            layer = self.store.get(d)
-            if layer.kind is LayerKind.SNAPSHOT:
-                lineage = list(reversed(layer.parents))
-                if not stack:
-                    stack = lineage
-                elif stack != lineage:
-                    raise InvalidSpec(f"snapshot {d} was taken over other layers than the ones given beneath it",
-                                      field="image")
-            stack.append(d)
-        if len(stack) > MAX_LOWERS:
-            raise InvalidSpec(f"this image stacks {len(stack)} layers; a sandbox can mount at most {MAX_LOWERS}",
-                              field="image")
-        return list(reversed(stack))
+        def lineage(digest: str) -> tuple[str, ...] | None:
+            layer = self.store.get(digest)
+            return tuple(layer.parents) if layer.kind is LayerKind.SNAPSHOT else None
+
+        return stack_layers(image, resolve=self._resolve, kind_of=lambda d: self.store.get(d).kind,
+                            lineage_of=lineage, max_layers=MAX_LOWERS)
 
     async def _use_layer(self, digest: str, sandbox_id: str) -> Path:
-        users = self._layer_users.setdefault(digest, set())
-        known = self._layer_paths.get(digest)
-        if known is None or not os.path.ismount(known):
-            known = Path(await asyncio.to_thread(self._mounts.acquire, digest, self.holder))
-            self._layer_paths[digest] = known
-        users.add(sandbox_id)
+        known, remounted = await self._layers.use(digest, sandbox_id)
+        if remounted:
+            found = HostFinding("layer_mount", f"re-mounted layer {digest} at {known} (it had been unmounted)", True)
+            log.warning("%s: %s", self.name, found.message)
+            self._repairs.append(found)
         return known
-
-    def _unuse_layer(self, digest: str, sandbox_id: str) -> None:
-        users = self._layer_users.get(digest)
-        if users is None:
-            return
-        users.discard(sandbox_id)
-        if not users:
-            from dsec.images.mounts import IDLE_PIN_GRACE_S
-
-            # Keep the pin a moment: a create/destroy loop must not pay an index write each time.
-            asyncio.get_running_loop().call_later(IDLE_PIN_GRACE_S, self._release_layer, digest)
-
-    def _release_layer(self, digest: str) -> None:
-        if self._layer_users.get(digest) or self._mounts is None:
-            return
-        self._layer_users.pop(digest, None)
-        self._layer_paths.pop(digest, None)
-        with contextlib.suppress(Exception):
-            self._mounts.release(digest, self.holder)
 
     # ----- writable layers on disk -----
 
@@ -528,8 +483,8 @@ class GVisorBackend(BackendBase):
         runsc = self._require_started()
         self._check_spec(spec)
         sid = sandbox_id or self._new_id()
-        if not _ID_RE.match(sid):
-            raise InvalidSpec(f"sandbox id {sid!r} must match {_ID_RE.pattern}", field="sandbox_id")
+        if not ID_RE.match(sid):
+            raise InvalidSpec(f"sandbox id {sid!r} must match {ID_RE.pattern}", field="sandbox_id")
         existing = self._sandboxes.get(sid)
         if existing is not None:
             return existing  # idempotent
@@ -685,28 +640,12 @@ class GVisorBackend(BackendBase):
             with contextlib.suppress(OSError, HostError):
                 await asyncio.to_thread(self._uppers.destroy, sid)
         for d in set(rec.layers):
-            self._unuse_layer(d, sid)
+            self._layers.unuse(d, sid)
         if not left:
             self._record_path(sid).unlink(missing_ok=True)
         return left
 
     # ----- running commands -----
-
-    @staticmethod
-    def _user_ids(user: int | str) -> tuple[int, int]:
-        if isinstance(user, int):
-            uid = gid = user
-        elif user == "root":
-            uid = gid = 0
-        elif re.fullmatch(r"\d+(:\d+)?", user):
-            a, _, b = user.partition(":")
-            uid, gid = int(a), int(b or a)
-        else:
-            raise InvalidSpec(f"user {user!r}: give a numeric uid, 'uid:gid' or 'root' (names are not looked up)",
-                              field="user")
-        if not (0 <= uid < UID_RANGE and 0 <= gid < UID_RANGE):
-            raise InvalidSpec(f"uid/gid must be within 0..{UID_RANGE - 1}", field="user")
-        return uid, gid
 
     async def start_process(self, sandbox_id: str, argv: Sequence[str], *, stdin: int, stdout: int, stderr: int,
                             env: Mapping[str, str] | None = None, cwd: str = "/",
@@ -715,15 +654,9 @@ class GVisorBackend(BackendBase):
         sentry as they are). The handle's ``kill(tree=True)`` reaches every process it started."""
         runsc = self._require_started()
         rec = await self._running_async(sandbox_id)
-        if not argv or not argv[0]:
-            raise InvalidSpec("empty command", field="cmd", sandbox_id=sandbox_id)
-        if not cwd.startswith("/"):
-            raise InvalidSpec(f"cwd {cwd!r} must be an absolute path", field="cwd")
-        uid, gid = self._user_ids(user)
-        merged = {**DEFAULT_ENV, **rec.spec.env, **(env or {})}
-        for k, v in merged.items():
-            if not k or "=" in k or "\0" in k or "\0" in v:
-                raise InvalidSpec(f"bad environment variable {k!r}", field="env")
+        check_argv(sandbox_id, argv, cwd)
+        uid, gid = user_ids(user)
+        merged = command_env(rec.spec.env, env)
         if any("\0" in a for a in argv) or "\0" in cwd:
             raise InvalidSpec("command or cwd contains a NUL byte", field="cmd")
         # The helper starts as root with CAP_SYS_ADMIN to put the command in a cgroup of its own
@@ -804,30 +737,12 @@ class GVisorBackend(BackendBase):
         tree (never the sandbox) and raise :class:`ExecTimeout` with the partial result."""
         if pristine:
             raise self._unsupported("pristine paths")
-        argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
-        limit = DEFAULT_TIMEOUT_S if isinstance(timeout, _Unset) else timeout
-        if limit is not None and limit <= 0:
-            raise InvalidSpec("timeout must be positive (or None for no timeout)", field="timeout")
-        if idle_timeout is not None and idle_timeout <= 0:
-            raise InvalidSpec("idle_timeout must be positive (or None for none)", field="idle_timeout")
-        if output_cap is not None and output_cap < 1:
-            raise InvalidSpec("output_cap must be positive (bytes kept from each end of each stream)",
-                              field="output_cap")
+        argv, limit = check_exec(cmd, timeout=timeout, idle_timeout=idle_timeout, output_cap=output_cap)
         rec = await self._running_async(sandbox_id)
         cap = output_cap or rec.spec.output_cap
         before = self.limit_baseline(rec)
-        in_r, in_w = os.pipe2(os.O_CLOEXEC)
-        out_r, out_w = os.pipe2(os.O_CLOEXEC)
-        err_r, err_w = os.pipe2(os.O_CLOEXEC)
-        try:
-            proc = await self.start_process(sandbox_id, argv, stdin=in_r, stdout=out_w, stderr=err_w, env=env,
-                                            cwd=cwd, user=user)
-        except BaseException:
-            for fd in (in_r, in_w, out_r, out_w, err_r, err_w):
-                os.close(fd)
-            raise
-        for fd in (in_r, out_w, err_w):
-            os.close(fd)
+        proc, in_w, out_r, err_r = await start_piped(lambda i, o, e: self.start_process(
+            sandbox_id, argv, stdin=i, stdout=o, stderr=e, env=env, cwd=cwd, user=user))
         got = await collect(proc, in_w, out_r, err_r, stdin, limit, idle_timeout, on_output, cap)
         await proc.wait_killed()
         self.last_activity[sandbox_id] = time.monotonic()
@@ -844,7 +759,7 @@ class GVisorBackend(BackendBase):
             hint = "not found in the sandbox's PATH" if err == 2 else os.strerror(err)
             raise ExecError(f"cannot run {argv[0]!r} in sandbox {sandbox_id}: {hint}", sandbox_id=sandbox_id,
                             stage=stage, errno=err)
-        result = result_of(got, proc.start_latency_s)
+        result = got.result(proc.start_latency_s)
         if ex.lost and not self._sentry_alive(rec):
             self._sentry_gone(rec.id, rec.sandbox_start)
             if self.cgroups.oom_kills(rec.id) > rec.oom_baseline or "memory limit" in rec.reason:
@@ -869,11 +784,7 @@ class GVisorBackend(BackendBase):
         self._event(rec, "exec_ended", pid=proc.pid, exit_code=result.exit_code, signal=result.signal,
                     duration_s=round(result.duration_s, 6), timed_out=result.timed_out,
                     output_truncated=result.truncated, limit=None if result.limit is None else result.limit.kind)
-        if result.timed_out:
-            what = "produced no output for" if result.timed_out == "idle_timeout" else "ran longer than"
-            secs = idle_timeout if result.timed_out == "idle_timeout" else limit
-            raise ExecTimeout(f"command in sandbox {sandbox_id} {what} {secs} s and was killed (with its process tree)",
-                              sandbox_id=sandbox_id, timeout=secs, reason=result.timed_out, result=result)
+        check_timed_out(result, sandbox_id, limit=limit, idle_timeout=idle_timeout)
         return result
 
     # ----- limits -----
@@ -1089,9 +1000,7 @@ class GVisorBackend(BackendBase):
                     rec.state = SandboxState.PAUSED if frozen else SandboxState.RUNNING
                 rec.oom_baseline = self.cgroups.oom_kills(rec.id)
                 self._sandboxes[rec.id] = rec
-                for d in rec.layers:
-                    self._layer_users.setdefault(d, set()).add(rec.id)
-                    self._layer_paths[d] = self._mounts.mountpoint(d)
+                self._layers.adopt(rec.id, rec.layers)
                 self._watch(rec)
                 self._event(rec, "adopted")
                 self._save(rec)
@@ -1109,16 +1018,14 @@ class GVisorBackend(BackendBase):
                 destroyed.append(sid)
         orphans = set(self.cgroups.existing()) | {p.name for p in self.bundles_dir.iterdir() if p.is_dir()}
         for sid in sorted(orphans - set(self._sandboxes) - set(destroyed)):
-            if _ID_RE.match(sid):
+            if ID_RE.match(sid):
                 await self._teardown(GVisorRecord(sid, SandboxState.FAILED, _ORPHAN_SPEC, 0.0))
                 destroyed.append(sid)
         if self._uppers is not None:
             for sid in set(self._uppers.names()) - set(self._sandboxes):
                 with contextlib.suppress(OSError, HostError):
                     await asyncio.to_thread(self._uppers.destroy, sid)
-        for layer in self.store.list():
-            if self.holder in self.store.holders(layer.digest) and layer.digest not in self._layer_users:
-                self._mounts.release(layer.digest, self.holder)
+        self._layers.release_unused_pins()
         await asyncio.to_thread(self._mounts.unmount_unused)
         return {"adopted": adopted, "destroyed": destroyed}
 

@@ -17,20 +17,9 @@ import time
 from pathlib import Path
 from typing import Final
 
+from dsec.backends.common import cgroupfs
+
 CGROUP_ROOT: Final = Path("/sys/fs/cgroup")
-
-
-def _read(path: Path) -> str:
-    with open(path) as f:
-        return f.read()
-
-
-def _write(path: Path, value: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
-    try:
-        os.write(fd, value.encode())
-    finally:
-        os.close(fd)
 
 
 def hierarchies() -> list[Path]:
@@ -67,9 +56,9 @@ class SandboxCgroups:
             p = self.parent(h)
             p.mkdir(parents=True, exist_ok=True)
             use_h = p / "memory.use_hierarchy"
-            if use_h.exists() and _read(use_h).strip() != "1":
+            if use_h.exists() and cgroupfs.read(use_h).strip() != "1":
                 with contextlib.suppress(OSError):
-                    _write(use_h, "1")
+                    cgroupfs.write(use_h, "1")
 
     def remove_parents(self) -> list[Path]:
         """Remove ``dsec/<name>`` where empty, and ``dsec`` itself where no other runtime uses
@@ -103,7 +92,7 @@ class SandboxCgroups:
         """Host tasks (sentry, gofer, stubs) of a sandbox, from its pids cgroup."""
         for ctrl in ("pids", "memory", "freezer"):
             try:
-                return [int(p) for p in _read(self.dir(ctrl, sandbox_id) / "cgroup.procs").split()]
+                return [int(p) for p in cgroupfs.read(self.dir(ctrl, sandbox_id) / "cgroup.procs").split()]
             except FileNotFoundError:
                 continue
         return []
@@ -140,28 +129,28 @@ class SandboxCgroups:
 
     def freezer_state(self, sandbox_id: str) -> str:
         try:
-            return _read(self.dir("freezer", sandbox_id) / "freezer.state").strip()
+            return cgroupfs.read(self.dir("freezer", sandbox_id) / "freezer.state").strip()
         except OSError:
             return ""
 
     def freeze(self, sandbox_id: str) -> None:
-        _write(self.dir("freezer", sandbox_id) / "freezer.state", "FROZEN")
+        cgroupfs.write(self.dir("freezer", sandbox_id) / "freezer.state", "FROZEN")
 
     def thaw(self, sandbox_id: str) -> None:
         with contextlib.suppress(FileNotFoundError):
-            _write(self.dir("freezer", sandbox_id) / "freezer.state", "THAWED")
+            cgroupfs.write(self.dir("freezer", sandbox_id) / "freezer.state", "THAWED")
 
     # ----- readings -----
 
     def memory_bytes(self, sandbox_id: str) -> int:
         try:
-            return int(_read(self.dir("memory", sandbox_id) / "memory.usage_in_bytes"))
+            return int(cgroupfs.read(self.dir("memory", sandbox_id) / "memory.usage_in_bytes"))
         except (OSError, ValueError):
             return 0
 
     def oom_kills(self, sandbox_id: str) -> int:
         try:
-            for line in _read(self.dir("memory", sandbox_id) / "memory.oom_control").splitlines():
+            for line in cgroupfs.read(self.dir("memory", sandbox_id) / "memory.oom_control").splitlines():
                 k, _, v = line.partition(" ")
                 if k == "oom_kill":
                     return int(v)
@@ -171,12 +160,12 @@ class SandboxCgroups:
 
     def cpu_s(self, sandbox_id: str) -> float:
         try:
-            return int(_read(self.dir("cpuacct", sandbox_id) / "cpuacct.usage")) / 1e9
+            return int(cgroupfs.read(self.dir("cpuacct", sandbox_id) / "cpuacct.usage")) / 1e9
         except (OSError, ValueError):
             return 0.0
 
     def host_tasks(self, sandbox_id: str) -> int:
         try:
-            return int(_read(self.dir("pids", sandbox_id) / "pids.current"))
+            return int(cgroupfs.read(self.dir("pids", sandbox_id) / "pids.current"))
         except (OSError, ValueError):
             return 0

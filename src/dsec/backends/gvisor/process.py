@@ -12,9 +12,9 @@ root: ``kill <cgroup> <helper> <helper>`` stops every process of the command's c
 however it detached (setsid, orphaned), and of its session and their descendants, then
 kills them, so nothing forks its way out.
 
-Owns: :class:`Command` (the process handle), :func:`collect` (bounded output, streaming
-with backpressure, timeouts). Never blocks the loop; never signals a host process of the
-sandbox (its processes are not host processes).
+Owns: :class:`Command` (the process handle); its output is collected as every backend's is
+(:func:`dsec.backends.common.output.collect`). Never blocks the loop; never signals a host
+process of the sandbox (its processes are not host processes).
 """
 
 from __future__ import annotations
@@ -28,14 +28,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Final
 
-from dsec.backends.container.output import BoundedCapture, write_all
+from dsec.backends.common.fdio import read_chunk
 from dsec.backends.gvisor.runsc import Exit, Watched
-from dsec.spec.results import ExecResult
 
 KILL_GRACE_S: Final = 10.0
 """After the in-sandbox kill, how long ``runsc exec`` may take to report before it is killed itself."""
-OUTPUT_WINDOW_S: Final = 0.1
-"""After a command exits, how long output still held open by background children is read."""
 
 
 MAX_STATUS_LINES: Final = 8
@@ -90,12 +87,9 @@ class Command:
         self._waiter = asyncio.ensure_future(self._wait())
 
     def _readable(self) -> None:
-        try:
-            chunk = os.read(self._fd, 4096)
-        except BlockingIOError:
+        chunk = read_chunk(self._fd, 4096)
+        if chunk is None:
             return
-        except OSError:
-            chunk = b""
         if not chunk:
             asyncio.get_running_loop().remove_reader(self._fd)
             if not self._status_eof.done():
@@ -188,141 +182,3 @@ class Command:
         if self._kill_task is not None:
             with contextlib.suppress(Exception):
                 await asyncio.shield(self._kill_task)
-
-
-async def feed_stdin(fd: int, data: bytes | None) -> None:
-    try:
-        if data:
-            os.set_blocking(fd, False)
-            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-                await write_all(fd, data)
-    finally:
-        os.close(fd)
-
-
-OutputCallback = Callable[[str, bytes], "asyncio.Future[None] | None"]
-
-
-@dataclass(slots=True)
-class Collected:
-    exit: CommandExit
-    stdout: BoundedCapture
-    stderr: BoundedCapture
-    timed_out: str | None
-    duration_s: float
-
-
-async def collect(cmd: Command, in_w: int, out_r: int, err_r: int, stdin: bytes | None, limit: float | None,
-                  idle_timeout: float | None, on_output: OutputCallback | None, cap: int) -> Collected:
-    """Feed stdin, read both streams (head and tail kept, ``on_output`` streamed with its
-    backpressure), enforce the timeouts (killing the tree) and wait for the exit."""
-    loop = asyncio.get_running_loop()
-    caps = {out_r: BoundedCapture(cap), err_r: BoundedCapture(cap)}
-    names = {out_r: "stdout", err_r: "stderr"}
-    open_fds = {out_r, err_r}
-    eof: asyncio.Future[None] = loop.create_future()
-    last_output = [time.monotonic()]
-    timed_out: list[str] = []
-    paused: list[asyncio.Future[None]] = []
-    reading = [True]
-
-    def resume(_f: object) -> None:
-        paused.clear()
-        last_output[0] = time.monotonic()
-        if reading[0]:
-            for f in open_fds:
-                loop.add_reader(f, on_readable, f)
-
-    def on_readable(fd: int, reads: int = 16, final: bool = False) -> None:
-        for _ in range(reads):
-            try:
-                chunk = os.read(fd, 65536)
-            except BlockingIOError:
-                return
-            except OSError:
-                chunk = b""
-            if not chunk:
-                loop.remove_reader(fd)
-                open_fds.discard(fd)
-                if not open_fds and not eof.done():
-                    eof.set_result(None)
-                return
-            caps[fd].feed(chunk)
-            last_output[0] = time.monotonic()
-            if on_output is not None:
-                wait = on_output(names[fd], chunk)
-                if wait is not None and not final and not paused and not wait.done():
-                    for f in open_fds:
-                        loop.remove_reader(f)
-                    paused.append(wait)
-                    wait.add_done_callback(resume)
-                    return
-
-    for fd in (out_r, err_r):
-        os.set_blocking(fd, False)
-        loop.add_reader(fd, on_readable, fd)
-    writer: asyncio.Future[None] | None = None
-    if stdin:
-        writer = asyncio.ensure_future(feed_stdin(in_w, stdin))
-    else:
-        os.close(in_w)
-
-    def expire(reason: str) -> None:
-        if not cmd.exited.done():
-            timed_out.append(reason)
-            cmd.kill(tree=True)
-
-    timer = loop.call_later(limit, expire, "timeout") if limit is not None else None
-    idle_task = None
-    if idle_timeout is not None:
-        async def idle_watch() -> None:
-            while not cmd.exited.done():
-                if paused:
-                    await asyncio.wait((paused[0],))
-                    continue
-                wait = last_output[0] + idle_timeout - time.monotonic()
-                if wait <= 0:
-                    expire("idle_timeout")
-                    return
-                await asyncio.sleep(wait)
-
-        idle_task = asyncio.ensure_future(idle_watch())
-    try:
-        ex = await asyncio.shield(cmd.exited)
-        window = OUTPUT_WINDOW_S
-        while not eof.done() and window > 0:
-            if paused:
-                await asyncio.wait((paused[0],))
-                continue
-            t = loop.time()
-            await asyncio.wait((eof,), timeout=window)
-            window -= loop.time() - t
-        for fd in list(open_fds):
-            on_readable(fd, reads=64, final=True)
-    except asyncio.CancelledError:
-        cmd.kill(tree=True)
-        raise
-    finally:
-        reading[0] = False
-        if timer is not None:
-            timer.cancel()
-        if idle_task is not None:
-            idle_task.cancel()
-        if writer is not None:
-            writer.cancel()
-        for fd in (out_r, err_r):
-            if fd in open_fds:
-                loop.remove_reader(fd)
-            os.close(fd)
-    return Collected(ex, caps[out_r], caps[err_r], timed_out[0] if timed_out else None,
-                     time.monotonic() - cmd.started_at)
-
-
-def result_of(c: Collected, start_latency_s: float) -> ExecResult:
-    so, se = c.stdout, c.stderr
-    return ExecResult(
-        exit_code=c.exit.exit_code, signal=c.exit.signal, stdout=so.value(), stderr=se.value(),
-        stdout_bytes=so.total, stderr_bytes=se.total, truncated=so.truncated or se.truncated,
-        duration_s=c.duration_s, start_latency_s=start_latency_s, timed_out=c.timed_out,
-        cpu_user_s=c.exit.utime_s, cpu_system_s=c.exit.stime_s,
-    )

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from dsec.backends.common.fdio import read_chunk
 from dsec.errors import HostError
 
 PR_SET_CHILD_SUBREAPER: Final = 36
@@ -201,12 +202,9 @@ async def run_captured(argv: Sequence[str], *, timeout: float = 60.0, stdin_fd: 
     eof: dict[int, asyncio.Future[None]] = {fd: loop.create_future() for fd in bufs}
 
     def readable(fd: int) -> None:
-        try:
-            chunk = os.read(fd, 65536)
-        except BlockingIOError:
+        chunk = read_chunk(fd)
+        if chunk is None:
             return
-        except OSError:
-            chunk = b""
         if chunk:
             bufs[fd] += chunk
             if len(bufs[fd]) > 1 << 24:

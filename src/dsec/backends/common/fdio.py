@@ -6,6 +6,17 @@ import asyncio
 import os
 
 
+def read_chunk(fd: int, size: int = 65536) -> bytes | None:
+    """One read of a non-blocking ``fd`` (a loop reader's callback): None when nothing is
+    there yet; b"" at its end, which a read error (EIO of a hung-up pty, EBADF) counts as."""
+    try:
+        return os.read(fd, size)
+    except BlockingIOError:
+        return None
+    except OSError:
+        return b""
+
+
 def set_done(fut: asyncio.Future[None]) -> None:
     """Resolve ``fut`` unless it is already (a loop callback: add_reader/add_writer)."""
     if not fut.done():
