@@ -24,8 +24,9 @@ The lines a verl or SkyRL user changes to train on DSec (docs/COMPAT.md):
 - verl (code rewards):  ``reward.sandbox_fusion.url=http://DSEC_HOST:7070/sandboxfusion/<token>/run_code``
   (``reward.sandbox_fusion.max_concurrent=64`` as before; the sandboxes count against the
   token's project);
-- SkyRL and anything on the ``sandbox-fusion`` client:
-  ``SANDBOX_FUSION_ENDPOINT=http://DSEC_HOST:7070/sandboxfusion/<token>``;
+- SkyRL (skyrl-agent's code-interpreter tool):
+  ``SANDBOX_FUSION_URL=http://DSEC_HOST:7070/sandboxfusion/<token>``;
+- anything on the ``sandbox-fusion`` client: ``SANDBOX_FUSION_ENDPOINT=<the same>``;
 - SWE-agent / SWE-ReX: ``DSecDeployment(image=...)`` where ``DockerDeployment(image=...)`` was;
 - mini-swe-agent: ``environment_class: dsec.compat.minisweagent.DSecEnvironment``;
 - Harbor: ``--environment-import-path dsec.compat.harbor:DSecEnvironment``.
