@@ -252,7 +252,7 @@ def test_a_damaged_chunk_is_refused_with_eio_an_audit_line_and_a_metric(
     blob = registry.blob_file(cfg.lazy.data.digest)
     good = blob.read_bytes()
     bad = bytearray(good)
-    bad[(len(cfg.lazy.data.chunks) // 2) * cfg.lazy.data.chunk_size + 100] ^= 0xFF
+    bad[cfg.lazy.data.offsets[len(cfg.lazy.data.chunks) // 2] + 10] ^= 0xFF
     blob.write_bytes(bytes(bad))
     cfg_edge = lazy_config(dsec_base, "lzbad", "lb", registry.url)
     try:

@@ -28,6 +28,7 @@ from typing import Any
 
 import httpx
 import pytest
+import zstandard
 
 from dsec.errors import InvalidSpec
 from dsec.images import LocalLayerStore, build_from_dir, sysmount
@@ -55,6 +56,7 @@ from dsec.images.registry import (
     OCI_INDEX,
     OCI_MANIFEST,
     TITLE_ANNOTATION,
+    BlobTable,
     Credentials,
     Descriptor,
     DsecLayerConfig,
@@ -234,13 +236,13 @@ def test_push_pull_round_trip(work: Path, registry: RegistryServer, client: Regi
     lazy = cfg["lazy"]
     assert [(d.media_type, d.digest, d.size) for d in m.layers] == [
         (DSEC_LAYER_EROFS, layer.digest, layer.size),
-        (DSEC_LAYER_META, lazy["meta"]["digest"], lazy["meta"]["size"]),
-        (DSEC_LAYER_DATA, lazy["data"]["digest"], lazy["data"]["size"]),
+        (DSEC_LAYER_META, lazy["meta"]["digest"], lazy["meta"]["offsets"][-1]),
+        (DSEC_LAYER_DATA, lazy["data"]["digest"], lazy["data"]["offsets"][-1]),
     ]
     assert set(cfg) == {"kind", "name", "tag", "parents", "size", "digest", "chunk_size", "chunks", "lazy"}
     # the lazy form: a small metadata image, the file data in its data device
     assert lazy["format"] == "erofs-blobdev-v1" and lazy["meta"]["size"] < layer.size // 10
-    assert lazy["data"]["size"] >= 3 * CHUNK_SIZE
+    assert lazy["data"]["size"] >= 3 * CHUNK_SIZE and lazy["data"]["encoding"] == "zstd"
     assert (cfg["kind"], cfg["name"], cfg["tag"], cfg["parents"]) == ("toolkit", "rt", "v1", [])
     assert (cfg["size"], cfg["digest"], cfg["chunk_size"]) == (layer.size, layer.digest, 1048576)
     raw = a.blob_path(layer.digest).read_bytes()
@@ -282,8 +284,18 @@ def test_lazy_form_mounts_as_the_same_tree(work: Path, registry: RegistryServer,
     push_layer(a, "odd:1", client, parse_registry_ref(f"{registry.url}/odd", default_tag=None))
     cfg = json.loads(client.get_blob("odd", client.get_manifest("odd", "1").config.digest))
     meta, data = work / "meta", work / "data"
-    meta.write_bytes(client.get_blob("odd", cfg["lazy"]["meta"]["digest"], max_bytes=1 << 30))
-    data.write_bytes(client.get_blob("odd", cfg["lazy"]["data"]["digest"], max_bytes=1 << 30))
+    for part, path in (("meta", meta), ("data", data)):
+        table = BlobTable.model_validate(cfg["lazy"][part])
+        blob = client.get_blob("odd", table.digest, max_bytes=1 << 30)
+        assert table.encoding == "zstd" and len(blob) == table.blob_size
+        # every chunk checks and inflates on its own
+        plain = b""
+        for i, d in enumerate(table.chunks):
+            piece = blob[table.offsets[i] : table.offsets[i + 1]]
+            assert sha256_digest(piece) == d
+            plain += zstandard.ZstdDecompressor().decompress(piece, max_output_size=table.chunk_size)
+        assert len(plain) == table.size
+        path.write_bytes(plain)
     whole, split = work / "mnt-whole", work / "mnt-split"
     whole.mkdir()
     split.mkdir()

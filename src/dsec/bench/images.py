@@ -161,10 +161,12 @@ async def _run(*, quick: bool, state_dir: Path | None, say: Say) -> dict[str, An
                 assert cfg.lazy is not None, "the push made no lazy form (run as root)"
                 key = "python" if layer is py else "big"
                 out[f"{key}_layer_bytes"] = layer.size
-                out[f"{key}_lazy_form_bytes"] = cfg.lazy.meta.size + cfg.lazy.data.size
-                out[f"{key}_meta_bytes"] = cfg.lazy.meta.size
-                say(f"pushed {layer.ref}: {layer.size / 2**20:.1f} MiB layer, lazy form {cfg.lazy.meta.size / 2**20:.2f} "
-                    f"MiB metadata + {cfg.lazy.data.size / 2**20:.1f} MiB data, in {time.perf_counter() - t0:.1f} s")
+                out[f"{key}_lazy_form_bytes"] = cfg.lazy.meta.blob_size + cfg.lazy.data.blob_size
+                out[f"{key}_lazy_form_plain_bytes"] = cfg.lazy.meta.size + cfg.lazy.data.size
+                out[f"{key}_meta_bytes"] = cfg.lazy.meta.blob_size
+                say(f"pushed {layer.ref}: {layer.size / 2**20:.1f} MiB layer, lazy form {cfg.lazy.meta.blob_size / 2**20:.2f}"
+                    f" MiB metadata + {cfg.lazy.data.blob_size / 2**20:.1f} MiB data ({cfg.lazy.data.size / 2**20:.1f} MiB "
+                    f"before zstd), in {time.perf_counter() - t0:.1f} s")
 
         ref_py = f"{py.name}:bench"
         # 1. bytes for python3 -c pass, and its first exec
@@ -274,7 +276,6 @@ async def _corrupt(work: Path, run_dir: Path, reg: Any, url: str, py: Any, ref: 
     assert cfg.lazy is not None
     blob = reg.blob_file(cfg.lazy.data.digest)
     keep = blob.read_bytes()
-    cs = cfg.lazy.data.chunk_size
     n = len(cfg.lazy.data.chunks)
     try:
         async with _Phase(work, run_dir, "corrupt", url) as ph:
@@ -284,7 +285,7 @@ async def _corrupt(work: Path, run_dir: Path, reg: Any, url: str, py: Any, ref: 
             data = bytearray(keep)
             victims = range(n // 3, n, 7)  # a spread of chunks nobody has read yet
             for i in victims:
-                data[i * cs] ^= 0xFF
+                data[cfg.lazy.data.offsets[i] + 4 if cfg.lazy.data.encoding else i * cfg.lazy.data.chunk_size] ^= 0xFF
             blob.write_bytes(bytes(data))
             try:
                 res = await ph.sh(sid, "find /usr -xdev -type f -exec cat {} + > /dev/null", check=False)

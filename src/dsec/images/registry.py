@@ -40,6 +40,7 @@ import base64
 import contextlib
 import hashlib
 import ipaddress
+import itertools
 import json
 import math
 import re
@@ -48,7 +49,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -120,8 +121,11 @@ def layer_alias_tag(digest: str) -> str:
 
 
 class BlobTable(BaseModel):
-    """One blob and its chunk table: ``chunks[i]`` is the sha256 of bytes
-    ``[i * chunk_size, min((i + 1) * chunk_size, size))``."""
+    """One blob and its chunk table. The file it stands for is cut in ``chunk_size`` pieces
+    (``size`` bytes in all); with ``encoding`` "zstd" each piece is compressed on its own and
+    the blob is their concatenation, piece ``i`` at ``[offsets[i], offsets[i+1])``; without,
+    the blob is the file. ``chunks[i]`` is the sha256 of piece ``i`` as stored (so a fetched
+    piece is checked before it is decompressed); ``digest`` is the blob's."""
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
@@ -129,6 +133,13 @@ class BlobTable(BaseModel):
     size: int = Field(gt=0)
     chunk_size: int = Field(default=LAZY_CHUNK_SIZE, ge=4096, le=64 << 20)
     chunks: tuple[str, ...]
+    encoding: Literal["", "zstd"] = ""
+    offsets: tuple[int, ...] = ()
+
+    @property
+    def blob_size(self) -> int:
+        """Bytes of the blob in the registry."""
+        return self.offsets[-1] if self.encoding else self.size
 
     @field_validator("digest")
     @classmethod
@@ -146,7 +157,32 @@ class BlobTable(BaseModel):
         if len(self.chunks) != want:
             raise ValueError(f"chunk table has {len(self.chunks)} entries; a {self.size}-byte blob in "
                              f"{self.chunk_size}-byte chunks has {want}")  # fmt: skip
+        if self.encoding and (len(self.offsets) != want + 1 or self.offsets[0] != 0
+                              or any(b <= a for a, b in itertools.pairwise(self.offsets))):
+            raise ValueError(f"an encoded blob needs {want + 1} increasing offsets from 0")
         return self
+
+    @classmethod
+    def encode_file(cls, path: Path, dest: Path, *, chunk_size: int = LAZY_CHUNK_SIZE, level: int = 6) -> BlobTable:
+        """Write ``path`` to ``dest`` as zstd-compressed chunks, one frame per chunk, and
+        return the table of ``dest``."""
+        import zstandard
+
+        comp = zstandard.ZstdCompressor(level=level)
+        whole = hashlib.sha256()
+        chunks: list[str] = []
+        offsets = [0]
+        size = 0
+        with open(path, "rb") as f, open(dest, "wb") as out:
+            while buf := f.read(chunk_size):
+                piece = comp.compress(buf)
+                out.write(piece)
+                whole.update(piece)
+                chunks.append(sha256_digest(piece))
+                offsets.append(offsets[-1] + len(piece))
+                size += len(buf)
+        return cls(digest=DIGEST_PREFIX + whole.hexdigest(), size=size, chunk_size=chunk_size, chunks=tuple(chunks),
+                   encoding="zstd", offsets=tuple(offsets))  # fmt: skip
 
     @classmethod
     def of_file(cls, path: Path, *, chunk_size: int = LAZY_CHUNK_SIZE) -> BlobTable:

@@ -476,7 +476,8 @@ class LocalLayerStore(LayerStore):
             else:
                 created_at, stored_parents = row[1], json.loads(row[2])
             lazy_json = None if lazy is None else json.dumps([
-                {"digest": p.digest, "size": p.size, "chunk_size": p.chunk_size, "chunks": list(p.chunks)}
+                {"digest": p.digest, "size": p.size, "chunk_size": p.chunk_size, "chunks": list(p.chunks),
+                 "encoding": p.encoding, "offsets": list(p.offsets)}
                 for p in lazy])  # fmt: skip
             db.execute(
                 "INSERT INTO remotes(digest, registry, repo, chunk_size, chunks, lazy) VALUES (?, ?, ?, ?, ?, ?) "

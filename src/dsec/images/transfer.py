@@ -152,8 +152,8 @@ def _push_one(
     if lazy is not None:
         config = config.model_copy(update={"lazy": lazy})
     cfg = client.push_blob(repo, config.to_json(), media_type=DSEC_LAYER_CONFIG)
-    extra = None if lazy is None else (Descriptor(DSEC_LAYER_META, lazy.meta.digest, lazy.meta.size),
-                                       Descriptor(DSEC_LAYER_DATA, lazy.data.digest, lazy.data.size))  # fmt: skip
+    extra = None if lazy is None else (Descriptor(DSEC_LAYER_META, lazy.meta.digest, lazy.meta.blob_size),
+                                       Descriptor(DSEC_LAYER_DATA, lazy.data.digest, lazy.data.blob_size))  # fmt: skip
     raw = dsec_layer_manifest(cfg, Descriptor(DSEC_LAYER_EROFS, blob.digest, blob.size), title=layer.ref,
                               lazy=extra)  # fmt: skip
     digest = ""
@@ -171,7 +171,7 @@ def _push_lazy_form(store: LayerStore, layer: Layer, path: Path, client: Registr
     try:
         _, old = read_dsec_layer(client, repo, layer_alias_tag(layer.digest))
         if old.digest == layer.digest and old.lazy is not None and all(
-                client.blob_size(repo, t.digest) == t.size for t in (old.lazy.meta, old.lazy.data)):
+                client.blob_size(repo, t.digest) == t.blob_size for t in (old.lazy.meta, old.lazy.data)):
             return old.lazy
     except (RegistryNotFound, UnsupportedManifest):
         pass
@@ -184,9 +184,11 @@ def _push_lazy_form(store: LayerStore, layer: Layer, path: Path, client: Registr
             return None
         if data.stat().st_size == 0:
             return None
-        form = LazyForm(meta=BlobTable.of_file(meta), data=BlobTable.of_file(data))
-        client.push_blob_file(repo, meta, digest=form.meta.digest, media_type=DSEC_LAYER_META)
-        client.push_blob_file(repo, data, digest=form.data.digest, media_type=DSEC_LAYER_DATA)
+        # each 64 KiB chunk compressed on its own: an edge fetches, checks and inflates any one alone
+        meta_z, data_z = work / "meta.zst", work / "data.zst"
+        form = LazyForm(meta=BlobTable.encode_file(meta, meta_z), data=BlobTable.encode_file(data, data_z))
+        client.push_blob_file(repo, meta_z, digest=form.meta.digest, media_type=DSEC_LAYER_META)
+        client.push_blob_file(repo, data_z, digest=form.data.digest, media_type=DSEC_LAYER_DATA)
     return form
 
 
@@ -223,8 +225,8 @@ def read_dsec_layer(client: RegistryClient, repo: str, reference: str) -> tuple[
         )  # fmt: skip
     lazy = cfg.lazy
     if (lazy is None) != (len(layers) == 1) or (lazy is not None and (
-            (lazy.meta.digest, lazy.meta.size) != (layers[1].digest, layers[1].size)
-            or (lazy.data.digest, lazy.data.size) != (layers[2].digest, layers[2].size))):
+            (lazy.meta.digest, lazy.meta.blob_size) != (layers[1].digest, layers[1].size)
+            or (lazy.data.digest, lazy.data.blob_size) != (layers[2].digest, layers[2].size))):
         raise UnsupportedManifest(f"{m.where}: the config's lazy form and the manifest's blobs disagree; push the "
                                   "layer again", media_type=m.media_type)  # fmt: skip
     return m, cfg

@@ -151,10 +151,29 @@ MAX_RUN_BYTES = 2 << 20
 def _hash_pieces(data: bytes, start: int, run: list[int], layer: RemoteLayer) -> list[tuple[bytes, str]]:
     out = []
     for i in run:
-        lo, hi = layer.chunk_range(i)
+        lo, hi = layer.wire_range(i)
         piece = data[lo - start : hi - start]
         out.append((piece, hashlib.sha256(piece).hexdigest()))
     return out
+
+
+def _decode(layer: RemoteLayer, idx: int, piece: bytes) -> bytes | None:
+    """The file's bytes of chunk ``idx`` from its verified wire bytes; None if they do not
+    decode to exactly the chunk's length (a pusher's bug: treated as a corrupt chunk)."""
+    if not layer.encoding:
+        return piece
+    lo, hi = layer.chunk_range(idx)
+    try:
+        out = _zstd().decompress(piece, max_output_size=hi - lo)
+    except Exception:  # zstandard raises its own ZstdError
+        return None
+    return out if len(out) == hi - lo else None
+
+
+def _zstd() -> Any:
+    import zstandard
+
+    return zstandard.ZstdDecompressor()
 
 
 def _walk_extents(image: bytes) -> Any:
@@ -467,11 +486,16 @@ class Engine:
     async def _slice(self, al: Attached, idx: int, lo: int, hi: int) -> bytes:
         layer = al.layer
         hx = layer.chunks[idx][7:]
-        start, end = layer.chunk_range(idx)
+        start, end = layer.wire_range(idx)
         self.cache.pin(hx)
         try:
             if self.cache.contains(hx) and await self._usable(hx, end - start):
-                data = self.cache.read(hx, lo, hi - lo)
+                if layer.encoding:  # the cache keeps chunks as fetched (checkable): decode each use
+                    raw = self.cache.read(hx, 0, end - start)
+                    data = None if raw is None else _decode(layer, idx, raw)
+                    data = None if data is None else data[lo:hi]
+                else:
+                    data = self.cache.read(hx, lo, hi - lo)
                 if data is not None and len(data) == hi - lo:
                     self._count(al, "hits")
                     return data
@@ -558,7 +582,7 @@ class Engine:
         """Chunks ``run`` (consecutive) in one Range request, each checked against its digest:
         its bytes, or the ChunkCorrupt it is refused with (the others are still good)."""
         layer = al.layer
-        start, end = layer.chunk_range(run[0])[0], layer.chunk_range(run[-1])[1]
+        start, end = layer.wire_range(run[0])[0], layer.wire_range(run[-1])[1]
         cfg = self.config
         last: Exception | None = None
         status = 0
@@ -593,13 +617,14 @@ class Engine:
                       await trio.to_thread.run_sync(_hash_pieces, data, start, run, layer))  # fmt: skip
             for i, (piece, got) in zip(run, hashes, strict=True):
                 hx = layer.chunks[i][7:]
-                if got != hx:
-                    out.append(self._corrupt(al, i, hx, got))
+                plain = _decode(layer, i, piece) if got == hx else None
+                if plain is None:
+                    out.append(self._corrupt(al, i, hx, got if got != hx else "undecodable"))
                     continue
                 self._count(al, "chunks_fetched")
                 self._count(al, "bytes_fetched", len(piece))
                 good.append((hx, piece))
-                out.append(piece)
+                out.append(plain)
             await trio.to_thread.run_sync(self._put_all, good)
             return out
         raise LayerUnavailable(

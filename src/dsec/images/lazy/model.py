@@ -8,8 +8,9 @@ the manifest's one layer blob, so chunk ``i`` is one HTTP Range request on that 
 
 from __future__ import annotations
 
+import itertools
 import re
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -46,6 +47,11 @@ class RemoteLayer(BaseModel):
     chunk_size: int = DEFAULT_CHUNK_SIZE
     chunks: tuple[str, ...]
     headers: dict[str, str] = Field(default_factory=dict, repr=False)
+    encoding: Literal["", "zstd"] = ""
+    """"zstd": each chunk is stored compressed on its own (a lazy form's blobs): ``chunks[i]``
+    is the digest of its compressed bytes, which lie at ``[offsets[i], offsets[i+1])`` of the
+    blob; ``digest`` is the blob's and ``size`` what the file shows (decompressed)."""
+    offsets: tuple[int, ...] = ()
 
     @field_validator("digest")
     @classmethod
@@ -76,6 +82,11 @@ class RemoteLayer(BaseModel):
                 f"chunk table has {len(self.chunks)} entries; size {self.size} at "
                 f"chunk_size {self.chunk_size} needs {want}"
             )
+        if self.encoding and (len(self.offsets) != want + 1 or self.offsets[0] != 0
+                              or any(b <= a for a, b in itertools.pairwise(self.offsets))):
+            raise ValueError(f"an encoded blob needs {want + 1} increasing offsets from 0")
+        if not self.encoding and self.offsets:
+            raise ValueError("offsets belong to an encoded blob")
         return self
 
     @property
@@ -88,9 +99,15 @@ class RemoteLayer(BaseModel):
         return f"{self.hex}.erofs"
 
     def chunk_range(self, index: int) -> tuple[int, int]:
-        """``(start, end)`` bytes of chunk ``index``; ``end`` is exclusive."""
+        """``(start, end)`` bytes of chunk ``index`` in the file; ``end`` is exclusive."""
         start = index * self.chunk_size
         return start, min(start + self.chunk_size, self.size)
+
+    def wire_range(self, index: int) -> tuple[int, int]:
+        """``(start, end)`` bytes of chunk ``index`` in the registry's blob (a Range request)."""
+        if self.encoding:
+            return self.offsets[index], self.offsets[index + 1]
+        return self.chunk_range(index)
 
     @classmethod
     def from_config(
