@@ -74,6 +74,7 @@ from swerex.runtime.abstract import (
     WriteFileResponse,
 )
 from swerex.runtime.local import _split_bash_command, _strip_control_chars
+from websockets.exceptions import ConnectionClosed
 
 from dsec.errors import DsecError, ExecError, ExecTimeout, FileAccessError, SessionClosed
 from dsec.sdk.client import AsyncClient, AsyncSandbox, AsyncSession
@@ -135,7 +136,10 @@ class _Pty:
     async def send(self, text: str) -> None:
         if self.eof:
             raise pexpect.EOF("End Of File (EOF): the shell has exited")
-        await self.term.send(text.encode())
+        try:
+            await self.term.send(text.encode())
+        except ConnectionClosed:  # the shell ended before the output said so
+            raise pexpect.EOF("End Of File (EOF): the shell has exited") from None
 
     async def sendline(self, text: str = "") -> None:
         await self.send(text + os.linesep)
