@@ -98,8 +98,17 @@ async def serve_edge(config: EdgeConfig, *, log_level: str = "warning", access_l
     )
     server = _EmbeddedServer(uv_config)
     task = asyncio.create_task(server.serve(sockets=[sock]), name=f"dsec-edge-{config.edge_id}")
-    while not server.started and not task.done():
-        await asyncio.sleep(0.005)
+    try:
+        while not server.started and not task.done():
+            await asyncio.sleep(0.005)
+    except BaseException:  # cancelled (Ctrl-C) while the HTTP server starts: undo the edge
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        sock.close()
+        with contextlib.suppress(Exception):
+            await service.stop()
+        raise
     if task.done():
         sock.close()
         await service.stop()

@@ -213,6 +213,7 @@ class EdgeService:
         """Create leases (docs/CONTROL.md): sandboxes made at an SDK's request under the control plane's say-so."""
         self.fencing = FenceEpoch(config.state_dir / f"fence-{config.runtime}.json")
         self.started = False
+        self._begun = False
         self.draining = False
         self._busy: dict[str, int] = {}
         self._by_request: dict[str, str] = {}
@@ -227,6 +228,7 @@ class EdgeService:
     async def start(self) -> None:
         if self.started:
             return
+        self._begun = True  # from here on, stop() undoes what a start cut short did
         self.budgets = await asyncio.to_thread(resolve_budgets, self.config)
         reserve = await asyncio.to_thread(disk_reserve, self.config)
         self.admission = Admission(self.budgets, retry_after_s=self.config.retry_after_s,
@@ -259,10 +261,12 @@ class EdgeService:
     async def stop(self, *, destroy_all: bool | None = None) -> None:
         """Stop background work and the backends. Sandboxes survive for the next start
         (re-adopted with their TTLs) unless ``destroy_all`` (default: the config's
-        ``destroy_on_shutdown``)."""
-        if not self.started:
+        ``destroy_on_shutdown``). Also undoes a start that failed or was cancelled half-way
+        (the backends' host state, the lazy loader, background loops)."""
+        if not self.started and not self._begun:
             return
         self.started = False
+        self._begun = False
         destroy = self.config.destroy_on_shutdown if destroy_all is None else destroy_all
         if self.heartbeat is not None:
             await self.heartbeat.stop()
