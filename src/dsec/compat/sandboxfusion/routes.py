@@ -16,6 +16,7 @@ run; 422 for a body SandboxFusion would refuse; 401/403 for a bad token; 504 (wi
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated
 
 from fastapi import FastAPI, Header, Request
@@ -27,9 +28,12 @@ from dsec.compat.sandboxfusion.models import (
     RunCodeResponse,
     RunJupyterRequest,
     RunJupyterResponse,
+    RunStatus,
 )
 from dsec.compat.sandboxfusion.service import Busy, SandboxFusion
-from dsec.errors import AuthError
+from dsec.errors import AuthError, DsecError
+
+log = logging.getLogger("dsec.compat.sandboxfusion")
 
 TAG = "sandboxfusion"
 Auth = Annotated[str | None, Header(include_in_schema=False)]
@@ -75,6 +79,13 @@ def install(app: FastAPI, config: SandboxFusionConfig) -> SandboxFusion | None:
             return await service.run_code(control_url(request), tok, body)
         except Busy as exc:
             return busy(exc)
+        except DsecError:
+            raise  # 422 for limits past the service's, with the field
+        except Exception as exc:
+            # As SandboxFusion's server does: a SandboxError, never a 500 (whose log line would
+            # carry the path, and so the token).
+            log.exception("run_code (%s) failed", body.language)
+            return RunCodeResponse(status=RunStatus.SandboxError, message=f"internal error: {type(exc).__name__}")
 
     async def run_jupyter(request: Request, body: RunJupyterRequest, token: str | None,
                           authorization: str | None) -> RunJupyterResponse | JSONResponse:
@@ -83,6 +94,11 @@ def install(app: FastAPI, config: SandboxFusionConfig) -> SandboxFusion | None:
             return await service.run_jupyter(control_url(request), tok, body)
         except Busy as exc:
             return busy(exc)
+        except DsecError:
+            raise
+        except Exception as exc:
+            log.exception("run_jupyter failed")
+            return RunJupyterResponse(status=RunStatus.SandboxError, message=f"internal error: {type(exc).__name__}")
 
     @app.post(f"{p}/run_code", tags=[TAG], response_model=RunCodeResponse,
               summary="SandboxFusion: run code in a fresh sandbox (token in Authorization)")
