@@ -80,6 +80,8 @@ JUPYTER_START_S = 60.0
 MAX_CLIENTS = 16
 DELETE_WAIT_S = 30.0
 R = TypeVar("R", RunCodeResponse, RunJupyterResponse)
+JUPYTER_OUTPUT_CAP = 32 * MiB
+"""The driver's stdout carries every cell's output (plots as base64 PNG): more room than a stage."""
 
 
 class Busy(Exception):
@@ -148,7 +150,8 @@ class SandboxFusion:
                 await _put(sb, files, recipe.helpers)
                 payload = json.dumps({"cells": req.cells, "cell_timeout": req.cell_timeout,
                                       "total_timeout": req.total_timeout}).encode()
-                driver = await self._stage(sb, recipe.run, {**languages.BASE_ENV, **recipe.env}, budget, payload, spec)
+                driver = await self._stage(sb, recipe.run, {**languages.BASE_ENV, **recipe.env}, budget, payload, spec,
+                                           output_cap=JUPYTER_OUTPUT_CAP)
                 fetched = await _fetch(sb, req.fetch_files)
                 pod = sb.id
         except _Failed as exc:
@@ -160,7 +163,11 @@ class SandboxFusion:
             # The driver died or ran out of time: SandboxFusion answers Failed with the driver's result.
             return RunJupyterResponse(status=RunStatus.Failed, message="", driver=driver, executor_pod_name=pod,
                                       files=fetched)
-        result = json.loads(tail)
+        try:
+            result = json.loads(tail)
+        except ValueError:
+            return RunJupyterResponse(status=RunStatus.Failed, driver=driver, executor_pod_name=pod, files=fetched,
+                                      message=f"the cells' output is larger than {JUPYTER_OUTPUT_CAP // MiB} MiB")
         driver = driver.model_copy(update={"stdout": head.rstrip("\n")})
         cells = [CellRunResult.model_validate(c) for c in result.get("cells", [])]
         status = RunStatus.Success if result.get("status") == "Finished" else RunStatus.Failed
@@ -277,10 +284,10 @@ class SandboxFusion:
         task.add_done_callback(self._deletes.discard)
 
     async def _stage(self, sb: AsyncSandbox, cmd: str, env: dict[str, str], timeout: float, stdin: bytes | None,
-                     spec: SandboxSpec) -> CommandRunResult:
+                     spec: SandboxSpec, *, output_cap: int | None = None) -> CommandRunResult:
         try:
             res = await sb.exec(shlex.split(cmd), cwd=languages.WORKDIR, env=env, stdin=stdin, timeout=timeout,
-                                output_cap=self.config.output_cap)
+                                output_cap=output_cap or self.config.output_cap)
         except ExecTimeout as exc:
             partial: ExecResult | None = exc.fields.get("result")
             return CommandRunResult(
