@@ -450,7 +450,9 @@ class Store:
                         if checks_first and not careful:
                             try:
                                 out.append((True, fn(s)))
-                            except DBAPIError:
+                            except DBAPIError as exc:
+                                if _disconnected(exc):
+                                    raise  # the store went away: see below
                                 raise _Careful from None
                             except Exception as exc:
                                 out.append((False, exc))
@@ -459,7 +461,10 @@ class Store:
                             with s.begin_nested():
                                 out.append((True, fn(s)))
                         except DBAPIError as exc:
-                            if _retryable(exc):
+                            # the store went away: the connection is gone with the whole group's
+                            # work, so every call hears it (a 503), not only this one (the next
+                            # calls and the commit would fail with PendingRollbackError, a 500)
+                            if _retryable(exc) or _disconnected(exc):
                                 raise  # the whole group again
                             out.append((False, exc))
                         except Exception as exc:
@@ -468,7 +473,7 @@ class Store:
             except _Careful:
                 careful = True
             except DBAPIError as exc:
-                if attempt == attempts - 1 or not _retryable(exc):
+                if attempt == attempts - 1 or not _retryable(exc) or _disconnected(exc):
                     raise
                 log.info("retrying a group of %d after %s", len(calls), exc.orig)
                 time.sleep(0.01 * 2**attempt)

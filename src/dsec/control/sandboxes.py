@@ -20,6 +20,7 @@ Counters follow the sandbox state through one table (:data:`HOLDS_QUOTA`,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -72,6 +73,7 @@ from dsec.errors import (
     QuotaExceeded,
     SandboxFailed,
     SandboxNotFound,
+    Unavailable,
     Unsupported,
 )
 from dsec.spec import SandboxState, can_move
@@ -275,6 +277,10 @@ class Sandboxes:
         self._confirming: dict[str, asyncio.Future[SandboxInfo | None]] = {}
         """Creates answered but not yet recorded (id -> the commit): lookups by id wait for them."""
         self._background: set[asyncio.Task[Any]] = set()
+        self._unsettled: dict[str, tuple[asyncio.Task[SandboxInfo] | None, Plan | None]] = {}
+        """Reservations whose fate this replica lost track of (key -> the optimistic edge call
+        made for it, if any): settled once the store answers again (:meth:`_settle_unsettled`)."""
+        self._settling: asyncio.Task[None] | None = None
         self.on_quota: Callable[[Principal], Awaitable[bool]] | None = None
         """Asked when a create is refused for quota: hands back the project's leases held ahead
         of creates (control/leases.py); True if it did (the create is tried once more)."""
@@ -397,7 +403,7 @@ class Sandboxes:
 
     def _reserve_txn(
         self, s: Session, who: Principal, req: CreateSandbox, rhash: str, demand: Demand,
-        dumped: dict[str, Any] | None = None, plan: Plan | None = None,
+        dumped: dict[str, Any] | None = None, plan: Plan | None = None, key: str | None = None,
     ) -> Reserved | Answered | InFlight:
         """Check quotas, choose an edge and charge everything, in one transaction (the hot path).
 
@@ -407,7 +413,8 @@ class Sandboxes:
         task made on first use may precede one, and it may stay.
 
         ``plan``: the create's edge call already started there (planner.py): the row records
-        that edge instead of choosing one, under the plan's key.
+        that edge instead of choosing one, under the plan's key. ``key``: the row's key otherwise
+        (the caller knows it, so a reservation whose commit went unanswered can be found).
         """
         conn = s.connection()
         now = time.time()
@@ -447,7 +454,7 @@ class Sandboxes:
                 raise unknown
             if chosen is None:
                 raise self._nothing_fits(views, demand, frozenset())
-            key = uuid.uuid4().hex
+            key = key or uuid.uuid4().hex
         else:  # the edge call is under way: record it there (the edge has the final say on room)
             loaded = load_views(s, self.health)
             # at the edge's address now: an edge that moved makes the caller drop the plan
@@ -612,14 +619,23 @@ class Sandboxes:
         if plan is not None:
             first = asyncio.ensure_future(self.edges.create(plan.edge.id, plan.url, self._edge_body(who, key, dumped, None)))
         while True:
+            # a fresh key per try: a plan dropped below may still have its sandbox under plan.key
+            rkey = plan.key if plan is not None else uuid.uuid4().hex
             try:
                 r = await self.store.write_grouped(
-                    partial(self._reserve_txn, who=who, req=req, rhash=rhash, demand=demand, dumped=dumped, plan=plan),
+                    partial(self._reserve_txn, who=who, req=req, rhash=rhash, demand=demand, dumped=dumped, plan=plan,
+                            key=rkey),
                     checks_first=True,
                 )
-            except BaseException:
+            except BaseException as exc:
                 self.planner.refused(who.project_id, plan.key if plan is not None else None)
-                if plan is not None:
+                if isinstance(exc, Unavailable):
+                    # The store went away while the reservation was being written: its commit
+                    # may have happened, and then nobody would launch it and its request_id
+                    # would answer "in flight" until housekeeping dropped it. Settled once the
+                    # store answers (the optimistic sandbox goes with it).
+                    self._settle_later(rkey, first, plan)
+                elif plan is not None:
                     self._spawn(self._discard(first, plan))
                 raise
             if plan is not None and (
@@ -747,7 +763,49 @@ class Sandboxes:
                 )
         finally:
             if not done:
-                await asyncio.shield(self.store.write_grouped(partial(self._release_txn, key=r.key)))
+                release = asyncio.ensure_future(self.store.write_grouped(partial(self._release_txn, key=r.key)))
+                release.add_done_callback(partial(self._settle_if_failed, r.key))
+                with contextlib.suppress(Exception):  # the create's own error is the answer
+                    await asyncio.shield(release)
+
+    # -------------------------------------------------- lost reservations ----
+
+    def _settle_later(self, key: str, first: asyncio.Task[SandboxInfo] | None = None,
+                      plan: Plan | None = None) -> None:
+        self._unsettled[key] = (first, plan)
+        if self._settling is None or self._settling.done():
+            self._settling = asyncio.get_running_loop().create_task(self._settle_unsettled())
+            self._background.add(self._settling)
+            self._settling.add_done_callback(self._background.discard)
+
+    def _settle_if_failed(self, key: str, release: asyncio.Future[None]) -> None:
+        if release.cancelled() or release.exception() is not None:
+            self._settle_later(key)
+
+    async def _settle_unsettled(self) -> None:
+        """Settle the reservations this replica lost track of: a reserve whose commit went
+        unanswered (the store restarted under it) and a release that could not be written.
+        Nobody launches them and the client was told the create failed (a 503 it retries with
+        the same request_id), so once the store answers each is released, unless the edge's
+        sandbox was recorded into it meanwhile (the watcher's reconcile, by its key): then it
+        stands, and the retry is answered with it. An optimistic sandbox made for a released
+        reservation is deleted. Until then a retry of the request_id waits ("in flight")."""
+        delay = 0.05
+        while self._unsettled:
+            batch = dict(self._unsettled)
+            try:
+                kept = await self.store.write(partial(_settle_txn, keys=sorted(batch)))
+            except Exception as exc:  # the store is still away
+                log.info("%d reservation(s) to settle once the store answers: %s", len(batch), exc)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 1.0)
+                continue
+            delay = 0.05
+            for key, (first, plan) in batch.items():
+                if self._unsettled.get(key) == (first, plan):
+                    del self._unsettled[key]
+                if plan is not None and key not in kept:
+                    self._spawn(self._discard(first, plan))
 
     async def _commit(self, who: Principal, r: Reserved, got: SandboxInfo) -> SandboxInfo:
         """Answer at once and record the id after (group-committed off the reply path).
@@ -986,6 +1044,25 @@ def _finish_many(s: Session, ids: list[str]) -> None:
     ).scalars():
         move(row, S.STOPPED, ledger)
     ledger.flush(s)
+
+
+def _settle_txn(s: Session, keys: Sequence[str]) -> set[str]:
+    """Release the reservations among ``keys`` that are still only reservations; returns the
+    keys whose row holds a sandbox (recorded meanwhile: it stands)."""
+    kept: set[str] = set()
+    ledger = Ledger()
+    for key in keys:
+        row = s.get(SandboxRow, key, with_for_update=True)
+        if row is None:
+            continue
+        if row.id is not None:
+            kept.add(key)
+            continue
+        log.warning("released reservation %s (request_id %r): its create failed while the store was away",
+                    key, row.request_id)
+        forget(s, row, ledger)
+    ledger.flush(s)
+    return kept
 
 
 def parse_label_filters(values: Sequence[str]) -> dict[str, str | None]:
