@@ -281,3 +281,24 @@ def test_closing_ends_the_shells_and_their_jobs(svc: ClusterHarness) -> None:
         assert "sleep 1000" not in after and "bash" not in after, after
 
     with_runtime(svc, body)
+
+
+def test_each_call_from_a_new_event_loop(svc: ClusterHarness) -> None:
+    """mini-swe-agent's SWE-ReX environments call ``asyncio.run(runtime.execute(...))`` per
+    command: every call on a new loop. The sessions' terminals must outlive those loops."""
+
+    def calls() -> None:
+        d = deployment(svc)
+        asyncio.run(d.start())
+        try:
+            asyncio.run(d.runtime.create_session(CreateBashSessionRequest()))
+            asyncio.run(d.runtime.run_in_session(A("export N=1")))
+            for i in range(3):
+                obs = asyncio.run(d.runtime.run_in_session(A("echo $N; N=$((N + 1))")))
+                assert obs.output == f"{i + 1}\n"
+            assert asyncio.run(d.runtime.execute(Command(command="echo x", shell=True))).stdout == "x\n"
+            assert asyncio.run(d.is_alive())
+        finally:
+            asyncio.run(d.stop())
+
+    svc.run(asyncio.to_thread(calls), timeout=120)

@@ -22,17 +22,21 @@ SDK's pooled connections.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import codecs
 import contextlib
 import errno
+import functools
 import io
 import logging
 import os
 import re
 import tarfile
+import threading
+from collections.abc import Callable, Coroutine
 from copy import deepcopy
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Concatenate, Literal, ParamSpec, TypeVar
 
 import pexpect  # type: ignore[import-untyped]  # ships no type information
 from pydantic import BaseModel, ConfigDict, Field
@@ -78,6 +82,7 @@ from websockets.exceptions import ConnectionClosed
 
 from dsec.errors import DsecError, ExecError, ExecTimeout, FileAccessError, SessionClosed
 from dsec.sdk.client import AsyncClient, AsyncSandbox, AsyncSession
+from dsec.sdk.sync import _Portal
 from dsec.sdk.terminal import AsyncTerminal
 from dsec.spec import ImageRef, NetworkPolicy, Resources, SandboxSpec
 
@@ -93,6 +98,45 @@ readline does not echo either (it echoes only when the terminal did). Nothing is
 before the ready line: input that arrived while echo was still on would be echoed."""
 
 MiB = 1 << 20
+T = TypeVar("T")
+S = TypeVar("S")
+P = ParamSpec("P")
+
+
+_shared: _Portal | None = None
+_shared_lock = threading.Lock()
+
+
+def _shared_portal() -> _Portal:
+    """The process's one loop (a daemon thread) for deployments' sandboxes: callers may come
+    from any loop; the sandboxes' connections stay on this one. Stopped at exit."""
+    global _shared
+    with _shared_lock:
+        if _shared is None or not _shared.loop.is_running():
+            _shared = _Portal()
+            atexit.register(_shared.stop)
+        return _shared
+
+
+async def _on(portal: _Portal | None, coro: Coroutine[Any, Any, T]) -> T:
+    """Await ``coro`` on ``portal``'s loop (from any other loop), or here without one."""
+    if portal is None or asyncio.get_running_loop() is portal.loop:
+        return await coro
+    if not portal.loop.is_running():
+        coro.close()
+        raise DeploymentNotStartedError("the process is shutting down: its DSec loop has stopped")  # type: ignore[no-untyped-call]
+    return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, portal.loop))
+
+
+def _on_portal(fn: Callable[Concatenate[S, P], Coroutine[Any, Any, T]]
+               ) -> Callable[Concatenate[S, P], Coroutine[Any, Any, T]]:
+    """A method whose work runs on its object's ``_portal`` loop (if it has one)."""
+
+    @functools.wraps(fn)
+    async def wrapper(self: S, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        return await _on(getattr(self, "_portal", None), fn(self, *args, **kwargs))
+
+    return wrapper
 
 
 def _logger(name: str) -> logging.Logger:
@@ -397,8 +441,11 @@ class DSecRuntime(AbstractRuntime):
     each of an ``execute``'s streams (head and tail; at most 64 MiB)."""
 
     def __init__(self, sandbox: AsyncSandbox, *, cwd: str = "/", session_env: dict[str, str] | None = None,
-                 output_cap: int = 16 * MiB, logger: logging.Logger | None = None) -> None:
+                 output_cap: int = 16 * MiB, logger: logging.Logger | None = None,
+                 _portal: _Portal | None = None) -> None:
         self.sandbox = sandbox
+        self._portal = _portal
+        """The deployment's own loop, where the sandbox's connections live (None: the caller's)."""
         self._cwd = cwd
         self._session_env = dict(session_env or {})
         self._output_cap = output_cap
@@ -411,6 +458,7 @@ class DSecRuntime(AbstractRuntime):
     def sessions(self) -> dict[str, _BashSession]:
         return self._sessions
 
+    @_on_portal
     async def is_alive(self, *, timeout: float | None = None) -> IsAliveResponse:
         try:
             await asyncio.wait_for(self.sandbox.files.stat("/"), timeout)
@@ -420,6 +468,7 @@ class DSecRuntime(AbstractRuntime):
 
     # -- sessions --
 
+    @_on_portal
     async def create_session(self, request: CreateSessionRequest) -> CreateSessionResponse:
         if request.session in self._sessions:
             raise SessionExistsError(f"session {request.session} already exists")
@@ -436,12 +485,14 @@ class DSecRuntime(AbstractRuntime):
             await session.close()
             raise
 
+    @_on_portal
     async def run_in_session(self, action: Action) -> Observation:
         session = self._sessions.get(action.session)
         if session is None:
             raise SessionDoesNotExistError(f"session {action.session!r} does not exist")
         return await session.run(action)
 
+    @_on_portal
     async def close_session(self, request: CloseSessionRequest) -> CloseSessionResponse:
         session = self._sessions.pop(request.session, None)
         if session is None:
@@ -475,6 +526,7 @@ class DSecRuntime(AbstractRuntime):
 
     # -- commands --
 
+    @_on_portal
     async def execute(self, command: Command) -> CommandResponse:
         """As ``subprocess.run`` would in the sandbox: ``shell`` runs it under ``/bin/sh -c``,
         ``env`` replaces the environment, ``merge_output_streams`` sends stderr to stdout.
@@ -517,6 +569,7 @@ class DSecRuntime(AbstractRuntime):
     def _path(self, path: str) -> str:
         return path if path.startswith("/") else f"{self._cwd.rstrip('/')}/{path}"
 
+    @_on_portal
     async def read_file(self, request: ReadFileRequest) -> ReadFileResponse:
         """``Path.read_text`` in the sandbox (text mode: universal newlines)."""
         data = await _files(self.sandbox.files.read(self._path(request.path)))
@@ -524,6 +577,7 @@ class DSecRuntime(AbstractRuntime):
                                 errors=request.errors).read()
         return ReadFileResponse(content=text)
 
+    @_on_portal
     async def write_file(self, request: WriteFileRequest) -> WriteFileResponse:
         """``Path.write_text`` with the parents made; an existing file keeps its mode."""
         path = self._path(request.path)
@@ -535,6 +589,7 @@ class DSecRuntime(AbstractRuntime):
         await _files(self.sandbox.files.write(path, request.content.encode(), mode=mode, parents=True))
         return WriteFileResponse()
 
+    @_on_portal
     async def upload(self, request: UploadRequest) -> UploadResponse:
         """A local file or directory into the sandbox (parents made; a directory is merged
         into ``target_path``, as SWE-ReX's server unpacks it); modes are kept."""
@@ -551,6 +606,7 @@ class DSecRuntime(AbstractRuntime):
             raise ValueError(f"Source path {source} is not a file or directory")
         return UploadResponse()
 
+    @_on_portal
     async def close(self) -> CloseResponse:
         """End every session (and the syntax checker's shell). The sandbox stays."""
         sessions, self._sessions = list(self._sessions.values()), {}
@@ -641,8 +697,15 @@ class DSecDeployment(AbstractDeployment):
         obs = await deployment.runtime.run_in_session(BashAction(command="ls /"))
         await deployment.stop()
 
-    Keyword arguments: :class:`DSecDeploymentConfig`. ``client``: an
-    :class:`~dsec.AsyncClient` to use (the deployment then leaves it open)."""
+    Keyword arguments: :class:`DSecDeploymentConfig`.
+
+    The sandbox's connections (the terminals of its sessions, the SDK's pools) live on one
+    event loop of this module's, in a daemon thread shared by the process's deployments:
+    callers may come from any loop, and many do come from a new one each time
+    (``asyncio.run(runtime.execute(...))`` per command, as mini-swe-agent's SWE-ReX
+    environments do). ``client``: an :class:`~dsec.AsyncClient` to use instead, on the
+    caller's loop (the deployment then leaves it open, and every call must come from
+    that loop)."""
 
     def __init__(self, *, logger: logging.Logger | None = None, client: AsyncClient | None = None,
                  **kwargs: Any) -> None:
@@ -653,6 +716,7 @@ class DSecDeployment(AbstractDeployment):
         self._client: AsyncClient | None = None
         self._sandbox: AsyncSandbox | None = None
         self._runtime: DSecRuntime | None = None
+        self._portal: _Portal | None = None
 
     @classmethod
     def from_config(cls, config: DSecDeploymentConfig) -> DSecDeployment:
@@ -680,6 +744,10 @@ class DSecDeployment(AbstractDeployment):
         """Create the sandbox (or connect to ``sandbox_id``); no server to wait for."""
         if self._runtime is not None:
             return
+        self._portal = None if self._given_client is not None else _shared_portal()
+        await _on(self._portal, self._start())
+
+    async def _start(self) -> None:
         cfg = self._config
         client = self._given_client or AsyncClient(cfg.url, cfg.token)
         self._client = client
@@ -702,10 +770,14 @@ class DSecDeployment(AbstractDeployment):
             raise
         self._sandbox = sandbox
         self._runtime = DSecRuntime(sandbox, cwd=cfg.cwd, session_env=cfg.session_env, output_cap=cfg.output_cap,
-                                    logger=self.logger)
+                                    logger=self.logger, _portal=self._portal)
 
     async def stop(self) -> None:
         """Close the runtime's sessions and delete the sandbox. Idempotent."""
+        if self._runtime is not None or self._client is not None:
+            await _on(self._portal, self._stop())
+
+    async def _stop(self) -> None:
         runtime, sandbox = self._runtime, self._sandbox
         self._runtime = self._sandbox = None
         try:
