@@ -313,3 +313,63 @@ def test_the_control_plane_places_a_registry_image_no_edge_holds_yet(
             await ctl.stop()
 
     asyncio.run(scenario())
+
+
+def test_a_token_registry_s_expiring_tokens_are_refreshed_for_attached_layers(
+        dsec_base: Path, pushed: dict[str, Any], tmp_path: Path) -> None:
+    """Bearer-token auth: the edge logs in with its password file, and layers it has
+    attached get fresh Authorization headers as tokens expire (no anonymous access)."""
+    from dsec.images.registry import Credentials
+    from dsec.images.registry_server import TokenServer
+
+    pw = tmp_path / "registry-password"
+    pw.write_text("edge-pw\n")
+    with TokenServer(users={"edge": "edge-pw"}, anonymous_pull=False, ttl_s=7) as tokens, \
+            RegistryServer(token=tokens) as reg:
+        src = LocalLayerStore(dsec_base / "lazy-edge-src" / "layers")
+        try:
+            with RegistryClient(reg.url, credentials=Credentials("edge", "edge-pw")) as client:
+                push_layer(src, pushed["busybox"], client, RegistryRef(reg.url, "busybox", tag="test"))
+                push_layer(src, pushed["ws"], client, RegistryRef(reg.url, "lzws", tag="v1"))
+        finally:
+            src.close()
+        base = lazy_config(dsec_base, "lztok", "lt", reg.url)
+        assert base.registry is not None
+        cfg = base.model_copy(update={"registry": base.registry.model_copy(update={
+            "username": "edge", "password_file": pw, "refresh_interval_s": 0.5})})
+        with running_edge(cfg) as edge, edge.client() as api:
+            r = create(api)
+            assert r.status_code == 201, r.text
+            sid = r.json()["id"]
+            layers = edge.service.backends.registry
+            first = {d: a.parts[0].headers["Authorization"] for d, a in layers._attached.items()}
+            assert first and all(h.startswith("Bearer ") for h in first.values())
+            issued = tokens.requests
+            # the client renews a token 5 s before it expires; the edge re-attaches with it
+            assert wait_until(lambda: all(a.parts[0].headers["Authorization"] != first[d]
+                                          for d, a in layers._attached.items()), 15)
+            assert tokens.requests > issued
+            res = sh(edge, sid, "sha256sum /work/big.bin")  # uncached chunks, fetched with the new token
+            assert pushed["big_sha"] in b64(res["stdout_b64"]).decode()
+            api.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_an_edge_restart_keeps_the_loader_for_the_sandboxes_it_keeps(
+        dsec_base: Path, registry: RegistryServer, pushed: dict[str, Any]) -> None:
+    cfg = lazy_config(dsec_base, "lzrst", "lr", registry.url)
+    first = EdgeThread(cfg).start()
+    try:
+        with first.client() as api:
+            r = create(api)
+            assert r.status_code == 201, r.text
+            sid = r.json()["id"]
+        pid = first.service.backends.registry.lazy.pid
+    finally:
+        first.stop(destroy_all=False)  # an edge restart: its sandboxes stay, so does the loader
+    assert pid is not None and Path(f"/proc/{pid}").exists()
+    with running_edge(cfg) as edge, edge.client() as api:
+        assert edge.service.backends.registry.lazy.pid == pid  # adopted, not restarted
+        assert [s["id"] for s in api.get("/v1/sandboxes").json()] == [sid]
+        res = sh(edge, sid, "sha256sum /work/big.bin")  # chunks never read before the restart
+        assert pushed["big_sha"] in b64(res["stdout_b64"]).decode()
+    assert not Path(f"/proc/{pid}").exists() or b"lazy.serve" not in Path(f"/proc/{pid}/cmdline").read_bytes()
