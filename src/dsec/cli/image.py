@@ -398,11 +398,13 @@ def ls_cmd(ctx: click.Context, as_json: bool) -> None:
     from rich.table import Table
 
     table = Table(box=None, pad_edge=False)
-    for col in ("NAME:TAG", "DIGEST", "KIND", "SIZE", "CREATED"):
+    remote = any(lay.source for lay in layers)
+    for col in ("NAME:TAG", "DIGEST", "KIND", "SIZE", "CREATED", *(("SOURCE",) if remote else ())):
         table.add_column(col, justify="right" if col == "SIZE" else "left")
     for lay in layers:
         table.add_row(
-            lay.ref, lay.digest[:19], lay.kind.value, _human(lay.size), _ago(lay.created_at)
+            lay.ref, lay.digest[:19], lay.kind.value, _human(lay.size), _ago(lay.created_at),
+            *((lay.source or "local",) if remote else ()),
         )
     Console().print(table)
 
