@@ -29,7 +29,7 @@ The lines a verl or SkyRL user changes to train on DSec (docs/COMPAT.md):
 - anything on the ``sandbox-fusion`` client: ``SANDBOX_FUSION_ENDPOINT=<the same>``;
 - SWE-agent / SWE-ReX: ``DSecDeployment(image=...)`` where ``DockerDeployment(image=...)`` was;
 - mini-swe-agent: ``environment_class: dsec.compat.minisweagent.DSecEnvironment``;
-- Harbor: ``--environment-import-path dsec.compat.harbor:DSecEnvironment``.
+- Harbor: ``harbor run --env dsec.compat.harbor:DSecEnvironment --ek image=...``.
 """
 
 from __future__ import annotations

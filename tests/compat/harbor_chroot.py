@@ -71,7 +71,9 @@ def run(root: Path, script: str, *, binds: dict[str, str] | None = None, env: di
         mounts.append(f"mkdir -p {target} && mount --bind {shlex.quote(host)} {target}")
     mounts.append(f"mount -o remount,bind,ro {shlex.quote(str(root / 'dsec'))}")
     inner_env = {"PATH": "/venv/bin:/usr/bin:/bin", "HOME": "/root", "LANG": "C.UTF-8", "PIP_CERT": CA,
-                 "SSL_CERT_FILE": CA, "PYTHONPATH": "/dsec/src", "PYTHONDONTWRITEBYTECODE": "1", **(env or {})}
+                 "SSL_CERT_FILE": CA, "PYTHONPATH": "/dsec/src", "PYTHONDONTWRITEBYTECODE": "1",
+                 # no traffic off this host: Harbor's usage telemetry, litellm's price list
+                 "HARBOR_TELEMETRY": "0", "LITELLM_LOCAL_MODEL_COST_MAP": "True", **(env or {})}
     chroot = ["chroot", str(root), "/usr/bin/env", "-i", *(f"{k}={v}" for k, v in inner_env.items()),
               "/bin/sh", "-c", script]
     outer = " && ".join(mounts) + " && exec " + shlex.join(chroot)

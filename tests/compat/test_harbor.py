@@ -73,20 +73,40 @@ def test_environment_calls(root: Path, up: dict[str, str]) -> None:
         c.connect(str(out["sandbox"]))  # stop(delete=True) deleted it
 
 
+def make_task(task: Path, solution: str) -> None:
+    """Harbor's task layout: the task's docker_image names a DSec layer."""
+    for d in ("environment", "solution", "tests"):
+        (task / d).mkdir(parents=True)
+    (task / "task.toml").write_text(
+        'schema_version = "1.4"\n\n[metadata]\n\n[verifier]\ntimeout_sec = 60.0\n\n[agent]\ntimeout_sec = 60.0\n\n'
+        f'[environment]\ndocker_image = "{BASH_IMAGE}"\nworkdir = "/app"\ncpus = 0.5\nmemory_mb = 256\n')
+    (task / "instruction.md").write_text('Write "Hello, world!" to /app/hello.txt.\n')
+    (task / "solution" / "solve.sh").write_text(f'#!/bin/bash\necho "{solution}" > /app/hello.txt\n')
+    (task / "tests" / "test.sh").write_text(
+        '#!/bin/bash\nif grep -qx "Hello, world!" /app/hello.txt; then r=1; else r=0; fi\n'
+        'echo $r > /logs/verifier/reward.txt\n')
+
+
 @pytest.mark.parametrize(("solution", "reward"), [("Hello, world!", 1.0), ("Goodbye", 0.0)])
 def test_a_trial_with_the_oracle_agent(root: Path, up: dict[str, str], solution: str, reward: float) -> None:
     with tempfile.TemporaryDirectory(prefix="dsec-test-harbor-task-") as tmp:
-        task = Path(tmp) / "hello"
-        for d in ("environment", "solution", "tests"):
-            (task / d).mkdir(parents=True)
-        (task / "task.toml").write_text(
-            'schema_version = "1.4"\n\n[metadata]\n\n[verifier]\ntimeout_sec = 60.0\n\n[agent]\ntimeout_sec = 60.0\n\n'
-            f'[environment]\ndocker_image = "{BASH_IMAGE}"\nworkdir = "/app"\ncpus = 0.5\nmemory_mb = 256\n')
-        (task / "instruction.md").write_text('Write "Hello, world!" to /app/hello.txt.\n')
-        (task / "solution" / "solve.sh").write_text(f'#!/bin/bash\necho "{solution}" > /app/hello.txt\n')
-        (task / "tests" / "test.sh").write_text(
-            '#!/bin/bash\nif grep -qx "Hello, world!" /app/hello.txt; then r=1; else r=0; fi\n'
-            'echo $r > /logs/verifier/reward.txt\n')
-        out = driver(root, up, "trial", str(task), str(Path(tmp) / "trials"), binds={tmp: tmp})
+        make_task(Path(tmp) / "hello", solution)
+        out = driver(root, up, "trial", str(Path(tmp) / "hello"), str(Path(tmp) / "trials"), binds={tmp: tmp})
     assert out["exception"] is None, out
     assert out["rewards"] == {"reward": reward}
+
+
+def test_harbor_run_cli(root: Path, up: dict[str, str]) -> None:
+    """`harbor run` as its docs show it, the environment given by import path (-e)."""
+    with tempfile.TemporaryDirectory(prefix="dsec-test-harbor-cli-") as tmp:
+        make_task(Path(tmp) / "hello", "Hello, world!")
+        r = harbor_chroot.run(
+            root, f"cd {tmp} && harbor run -p {tmp}/hello -a oracle -e dsec.compat.harbor:DSecEnvironment "
+                  '--ek url="$DSEC_URL" --ek token="$DSEC_TOKEN" -o jobs -y',
+            binds={tmp: tmp}, env={"DSEC_URL": up["DSEC_URL"], "DSEC_TOKEN": up["DSEC_TOKEN"]})
+        assert r.returncode == 0, f"{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+        trials = [p for p in (Path(tmp) / "jobs").glob("*/*/result.json")]
+        assert len(trials) == 1, r.stdout[-3000:]
+        result = json.loads(trials[0].read_text())
+    assert result["exception_info"] is None, result["exception_info"]
+    assert result["verifier_result"]["rewards"] == {"reward": 1.0}

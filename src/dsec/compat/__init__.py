@@ -12,7 +12,7 @@ configuration, never their code:
 - :mod:`dsec.compat.minisweagent`: a mini-swe-agent environment class
   (``environment_class: dsec.compat.minisweagent.DSecEnvironment``);
 - :mod:`dsec.compat.harbor`: a Harbor environment
-  (``--environment-import-path dsec.compat.harbor:DSecEnvironment``; Python >= 3.12).
+  (``harbor run -e dsec.compat.harbor:DSecEnvironment``; Python >= 3.12).
 
 The SWE-ReX, mini-swe-agent and Harbor modules import their projects (the ``compat``
 extra; Harbor is installed on its own); nothing imports them unless asked.

@@ -3,7 +3,7 @@
 Harbor loads environments by import path::
 
     harbor run -p tasks/my-task -a oracle \\
-        --environment-import-path dsec.compat.harbor:DSecEnvironment \\
+        --env dsec.compat.harbor:DSecEnvironment \\
         --ek image=my-task:latest --ek url=http://127.0.0.1:7070
 
 Each trial's environment is one DSec sandbox (``dsec.AsyncClient``: ``url``/``token`` or
