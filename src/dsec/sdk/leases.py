@@ -207,15 +207,23 @@ AHEAD_MARGIN_S = 3.0
 AHEAD_COOLDOWN_S = 5.0
 
 
-class _Ahead:
-    __slots__ = ("calls", "cooldown_until", "granting", "last", "lease")
+AHEAD_MAX_SLOTS = 512
+"""A lease ahead grows (doubling) while each one is used up within :data:`AHEAD_FAST_S` of its
+grant: many creates in flight at once get leases as large as their burst."""
+AHEAD_FAST_S = 2.0
 
-    def __init__(self) -> None:
+
+class _Ahead:
+    __slots__ = ("calls", "cooldown_until", "granted_at", "granting", "last", "lease", "size")
+
+    def __init__(self, size: int) -> None:
         self.lease: AsyncLease | None = None
         self.granting: asyncio.Task[None] | None = None
         self.last = 0.0
         self.calls = 0
         self.cooldown_until = 0.0
+        self.size = size
+        self.granted_at = 0.0
 
 
 class LeasesAhead:
@@ -223,7 +231,9 @@ class LeasesAhead:
     made by the edge directly, the control plane is off the create's path (docs/CONTROL.md,
     "Create leases"). The second create of a body asks for the lease (in the background: that
     create, and any while the grant is under way, take the control plane's path); the lease is
-    renewed when it runs out or nears its expiry and handed back after :data:`AHEAD_IDLE_S`
+    renewed when it runs out or nears its expiry (twice as large when it ran out fast: independent
+    creates in flight at once soon share leases as large as their burst, up to
+    :data:`AHEAD_MAX_SLOTS`) and handed back after :data:`AHEAD_IDLE_S`
     without a create and when the client closes. The control plane grants a lease ahead only
     while it takes at most half of the quota left (``CreateLease.ahead``), and takes it back
     when a create of the project is refused for quota: holding one never makes another create
@@ -255,7 +265,7 @@ class LeasesAhead:
         self._expire_idle(now)
         st = self._by_key.get(key)
         if st is None:
-            st = self._by_key[key] = _Ahead()
+            st = self._by_key[key] = _Ahead(self.slots)
         st.calls += 1
         st.last = now
         lease = st.lease
@@ -264,6 +274,8 @@ class LeasesAhead:
             if o.sandbox is not None:
                 self.hits += 1
                 if lease.left == 0:
+                    fast = now - st.granted_at < AHEAD_FAST_S
+                    st.size = min(AHEAD_MAX_SLOTS, st.size * 2) if fast else max(self.slots, st.size // 2)
                     self._drop(st)
                     self._ask(st, grant_body, now)
                 return o.sandbox
@@ -283,10 +295,11 @@ class LeasesAhead:
 
         async def ask() -> None:
             try:
-                lease = await grant(self._client, json.dumps({**grant_body, "count": self.slots, "ahead": True,
+                lease = await grant(self._client, json.dumps({**grant_body, "count": st.size, "ahead": True,
                                                               "lease_ttl_s": AHEAD_TTL_S}))
             except (DsecError, httpx.HTTPError):
                 st.cooldown_until = asyncio.get_running_loop().time() + AHEAD_COOLDOWN_S
+                st.size = self.slots  # too big for the quota or the room left, perhaps
                 return
             finally:
                 st.granting = None
@@ -296,6 +309,7 @@ class LeasesAhead:
             if st.lease is not None:
                 self._drop(st)
             st.lease = lease
+            st.granted_at = asyncio.get_running_loop().time()
 
         st.granting = asyncio.ensure_future(ask())
         self._background.add(st.granting)
