@@ -165,6 +165,7 @@ def test_a_sandbox_runs_from_registry_layers_it_never_downloaded(
     mp = str(cfg.run_dir / f"lazy-{cfg.runtime}")
     assert not [m for m in sysmount.mountinfo() if m.mount_point == mp or m.source.startswith(mp + "/")]
     assert not [p for p in os.listdir("/proc") if p.isdigit() and _is_loader(int(p), mp)]
+    assert not Path(mp).exists()  # nor its mountpoint directory
 
 
 def _is_loader(pid: int, mountpoint: str) -> bool:

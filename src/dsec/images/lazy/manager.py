@@ -182,6 +182,9 @@ class LazyLayers:
         with contextlib.suppress(FileNotFoundError):
             (self.cache_dir / PID_FILE).unlink()
         self.reconcile()
+        if not any(m.mount_point == str(self.mountpoint) for m in sysmount.mountinfo()):
+            with contextlib.suppress(OSError):  # the empty mountpoint goes with the process
+                self.mountpoint.rmdir()
 
     def _stop_proc(self, pid: int, *, timeout_s: float = 10.0) -> None:
         with contextlib.suppress(ProcessLookupError):
