@@ -28,6 +28,7 @@ _count = itertools.count()
 def lab(dsec_base: Path, tmp_path: Path) -> Iterator[Callable[..., Any]]:
     """``lab(replicas=1, postgres=False, edges=2, **timings)`` -> a started :class:`Lab`."""
     from dsec.bench import netlab
+    from dsec.bench.postgres import unavailable as pg_unavailable
 
     problem = netlab.unavailable()
     if problem is not None:
@@ -35,8 +36,8 @@ def lab(dsec_base: Path, tmp_path: Path) -> Iterator[Callable[..., Any]]:
     made: list[Any] = []
 
     def make(*, replicas: int = 1, postgres: bool = False, edges: int = 2, **timings: Any) -> Any:
-        if postgres and netlab.Postgres.available() is not None:
-            pytest.skip(str(netlab.Postgres.available()))
+        if postgres and pg_unavailable() is not None:
+            pytest.skip(str(pg_unavailable()))
         k = next(_count)
         lab = netlab.Lab(tag=f"{SESSION_TOKEN[:4]}{k:02x}"[:6], base=tmp_path / f"lab{k}", run_dir=dsec_base / "run",
                          runtime_prefix=f"{RT_PREFIX}-l{k}", timings=netlab.LabTimings(**timings))

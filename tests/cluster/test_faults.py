@@ -34,7 +34,9 @@ async def burst(lab: Any, n: int, *, at: int, fault: Any, concurrency: int = 8) 
     errors: list[Any] = []
     threads: list[threading.Thread] = []
     async with lab.client() as c:
-        async for o in c.create_many(SPEC, n, concurrency=concurrency, max_wait_s=120):
+        # the control plane's create path (one create per sandbox, request ids, failover): what
+        # these faults test; create leases (edges taking creates directly) are not used here
+        async for o in c.create_many(SPEC, n, concurrency=concurrency, max_wait_s=120, lease=False):
             (ok if o.ok else errors).append(o.sandbox if o.ok else o.error)
             if len(ok) + len(errors) >= at and not threads:
                 threads.append(threading.Thread(target=fault, daemon=True))
@@ -54,35 +56,34 @@ def settled(lab: Any, timeout: float = 40.0) -> dict[str, Any]:
         time.sleep(1.0)
 
 
-def nothing_lost_or_duplicated(lab: Any, ok: list[Any], errors: list[Any], n: int) -> None:
+def nothing_lost_or_duplicated(lab: Any, ok: list[Any], errors: list[Any], n: int, *,
+                               check: list[Any] | None = None) -> None:
+    """``check``: sandboxes to exec in besides a sample of every tenth."""
     assert not errors, errors[:5]
     assert len(ok) == n and len({s.id for s in ok}) == n
     settled(lab)
 
     async def all_there() -> None:
         async with lab.client() as c:
-            listed = {s.id for s in await c.list()}
-            assert {s.id for s in ok} <= listed
-            for s in ok[:: max(1, n // 10)]:  # and they work
-                assert (await (await c.connect(s.id)).exec("echo ok")).stdout == b"ok\n"
+            listed = {s.id: s for s in await c.list()}
+            assert {s.id for s in ok} <= set(listed)
+            assert {listed[s.id].state.value for s in ok} == {"running"}
+            for s in {s.id: s for s in [*ok[:: max(1, n // 10)], *(check or [])]}.values():  # and they work
+                assert (await (await c.connect(s.id)).exec("echo ok")).stdout == b"ok\n", s.id
 
     asyncio.run(all_there())
 
 
 def test_edge_sigkilled_mid_burst(lab: Any) -> None:
-    lb = lab(edges=3, postgres=True)
-    t: dict[str, float] = {}
-
-    def kill() -> None:
-        t["killed"] = time.monotonic()
-        lb.kill_edge(1)
-
-    ok, errors = asyncio.run(burst(lb, 60, at=20, fault=kill))
-    t["detect"] = lb.wait_edge(1, "dead", timeout=10) if lb.edge_info(1)["status"] != "dead" else 0.0
-    assert time.monotonic() - t["killed"] < 15
-    # it comes back before its sandboxes are declared lost: re-adopted, nothing lost
-    lb.start_edge(1)
-    nothing_lost_or_duplicated(lb, ok, errors, 60)
+    # the lost bound far off: the edge is back long before its sandboxes could be declared lost
+    # (that outcome is the partition test's), so everything it made must be there and work
+    lb = lab(edges=3, postgres=True, edge_lost_after_s=600.0)
+    ok, errors = asyncio.run(burst(lb, 60, at=20, fault=lambda: lb.kill_edge(1)))
+    lb.wait_edge(1, "dead", timeout=30)
+    on1 = [s for s in ok if s.info.edge_id == lb.edges[1].edge_id]
+    assert on1, "some sandboxes were made on edge 1 before it was killed"
+    lb.start_edge(1)  # re-adopts them
+    nothing_lost_or_duplicated(lb, ok, errors, 60, check=on1)
 
 
 def test_control_replica_sigkilled_mid_burst_sdk_fails_over(lab: Any) -> None:
@@ -119,10 +120,10 @@ def test_clock_skew_of_two_seconds(lab: Any) -> None:
         async with lb.client() as c:
             short = [await c.create(SPEC, ttl_s=3) for _ in range(4)]
             t0 = time.monotonic()
-            while any((await c.info(s.id)).state.value != "stopped" for s in short):
-                assert time.monotonic() - t0 < 3 + 2 + lb.timings.reconcile_interval_s + 5
+            while any([(await c.info(s.id)).state.value != "stopped" for s in short]):
+                assert time.monotonic() - t0 < 60, "the 3 s TTLs never ended"
                 await asyncio.sleep(0.5)
-            assert all("ttl" in (await c.info(s.id)).reason for s in short)
+            assert all(["ttl" in (await c.info(s.id)).reason for s in short])
 
     asyncio.run(ttl())
     # a partition across the skew still ends with the control plane's decision

@@ -1,7 +1,8 @@
 """``dsec bench cluster``'s fault phase: what happens when an edge or a replica fails.
 
-The hook for ``dsec bench cluster`` (bench/cluster.py) is :func:`run`: it returns
-flat keys, in the bench's convention.
+``dsec bench cluster`` runs it after the throughput phases (``--no-faults``: not), as
+``EXTRA_PHASES["faults"]`` of bench/cluster.py; alone: ``python -m dsec.bench.cluster_faults
+[--quick] [--json PATH]``. :func:`run` returns flat keys, in the bench's convention.
 
 | key | how it is measured | target |
 |---|---|---|
@@ -45,7 +46,9 @@ async def _burst(lab: netlab.Lab, n: int, *, concurrency: int, during: Callable[
     ok: list[Any] = []
     errors: list[Any] = []
     async with lab.client() as c:
-        async for o in c.create_many(_spec(), n, concurrency=concurrency, max_wait_s=120):
+        # one control-plane create per sandbox (request ids, replica failover): the path these
+        # faults are about; create leases (edges taking creates directly) are not used here
+        async for o in c.create_many(_spec(), n, concurrency=concurrency, max_wait_s=120, lease=False):
             (ok if o.ok else errors).append(o.sandbox if o.ok else o.error)
             if during is not None:
                 k = len(ok) + len(errors)
@@ -141,7 +144,9 @@ def failover(lab: netlab.Lab, n: int, say: Callable[[str], None]) -> dict[str, A
 
 def run(*, quick: bool = False, say: Callable[[str], None] = print) -> dict[str, Any]:
     """The fault phase of ``dsec bench cluster``: each scenario in a lab of its own."""
-    problem = netlab.unavailable() or netlab.Postgres.available()
+    from dsec.bench import postgres
+
+    problem = netlab.unavailable() or postgres.unavailable()
     if problem is not None:
         say(f"cluster faults skipped: {problem}")
         return {"cluster_faults_skipped": problem}
@@ -168,3 +173,18 @@ def run(*, quick: bool = False, say: Callable[[str], None] = print) -> dict[str,
             with contextlib.suppress(OSError):
                 shutil.rmtree(lab.base, ignore_errors=True)
     return out
+
+
+if __name__ == "__main__":
+    import argparse
+    import json
+    from pathlib import Path
+
+    ap = argparse.ArgumentParser(prog="python -m dsec.bench.cluster_faults", description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a failover burst of 40 creates instead of 200")
+    ap.add_argument("--json", type=Path, help="write the flat JSON here")
+    args = ap.parse_args()
+    res = run(quick=args.quick)
+    print(json.dumps(res, indent=2))
+    if args.json is not None:
+        args.json.write_text(json.dumps(res, indent=2) + "\n")

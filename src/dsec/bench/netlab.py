@@ -48,6 +48,7 @@ from typing import Any
 import httpx
 
 from dsec import auth
+from dsec.bench.postgres import TempPostgres, temp_postgres
 
 FAKETIME_LIB = next(iter(sorted(glob.glob("/usr/lib/*/faketime/libfaketime.so.1"))), None)
 IMAGE = "busybox:test"
@@ -105,69 +106,6 @@ def _wait(pred: Callable[[], bool], timeout: float, what: str, interval: float =
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout:g}s waiting for {what}")
         time.sleep(interval)
-
-
-# ------------------------------------------------------------- postgres ----
-
-
-@dataclass
-class Postgres:
-    """A throwaway PostgreSQL on a unix socket in ``base`` (restartable: a fault to inject)."""
-
-    base: Path
-    port: int = 0
-    bindir: Path = Path()
-
-    @staticmethod
-    def available() -> str | None:
-        if not glob.glob("/usr/lib/postgresql/*/bin/initdb"):
-            return "PostgreSQL is not installed (scripts/setup.sh installs it)"
-        if shutil.which("runuser") is None:
-            return "runuser is missing"
-        return None
-
-    def _as_pg(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        return _run("runuser", "-u", "postgres", "--", *args, check=check)
-
-    def start(self) -> Postgres:
-        import pwd
-
-        self.bindir = Path(sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))[-1]).parent
-        pw = pwd.getpwnam("postgres")
-        self.base.mkdir(parents=True, exist_ok=True)
-        os.chown(self.base, pw.pw_uid, pw.pw_gid)
-        self.port = _free_port("127.0.0.1")
-        self._as_pg(str(self.bindir / "initdb"), "-D", str(self.base / "data"), "--auth=trust", "-U", "postgres",
-                    "-E", "UTF8", "--no-sync")
-        opts = (f"-k {self.base} -p {self.port} -c listen_addresses='' -c fsync=off -c synchronous_commit=off "
-                f"-c max_connections=300")
-        self._as_pg(str(self.bindir / "pg_ctl"), "-D", str(self.base / "data"), "-o", opts, "-l",
-                    str(self.base / "log"), "-w", "-t", "30", "start")
-        self.sql("CREATE DATABASE dsec")
-        return self
-
-    def url(self, db: str = "dsec") -> str:
-        return f"postgresql+psycopg://postgres@/{db}?host={self.base}&port={self.port}"
-
-    def sql(self, statement: str) -> None:
-        import psycopg
-
-        with psycopg.connect(host=str(self.base), port=self.port, user="postgres", dbname="postgres",
-                             autocommit=True) as c:
-            c.execute(statement.encode())
-
-    def restart(self) -> float:
-        """``pg_ctl restart -m fast`` (every connection is cut); returns the seconds it was down."""
-        t0 = time.monotonic()
-        self._as_pg(str(self.bindir / "pg_ctl"), "-D", str(self.base / "data"), "-m", "fast", "-w", "-t", "30",
-                    "restart")
-        return time.monotonic() - t0
-
-    def stop(self) -> None:
-        if self.bindir != Path():
-            self._as_pg(str(self.bindir / "pg_ctl"), "-D", str(self.base / "data"), "-m", "immediate", "-w", "stop",
-                        check=False)
-        shutil.rmtree(self.base, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- parts ----
@@ -266,12 +204,14 @@ class Lab:
     bridge: str = ""
     subnet: ipaddress.IPv4Network | None = None
     host_ip: str = ""
-    pg: Postgres | None = None
+    pg: TempPostgres | None = None
+    """A throwaway PostgreSQL (dsec.bench.postgres; fsync off: faults, not throughput, are measured)."""
     registry: Any = None
     image_ref: str = ""
     controls: list[Control] = field(default_factory=list)
     edges: dict[int, Edge] = field(default_factory=dict)
     say: Callable[[str], None] = lambda _m: None
+    _stack: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
 
     # ------------------------------------------------------------ set-up ----
 
@@ -280,8 +220,9 @@ class Lab:
         self.base.mkdir(parents=True, exist_ok=True)
         self._bridge()
         if postgres:
-            # its own directory: the postgres user cannot traverse a test's 0700 temporary directories
-            self.pg = Postgres(Path(tempfile.mkdtemp(prefix=f"dsec-pg-{self.tag}-"))).start()
+            # in a directory of its own: the postgres user cannot traverse a test's 0700 temporary directories
+            self.pg = self._stack.enter_context(temp_postgres(durable=False, max_connections=300))
+            self.pg.create_database("dsec")
         self._registry()
         for i in range(replicas):
             self.start_control(i)
@@ -324,7 +265,7 @@ class Lab:
         t = self.timings
         return {
             "data_dir": str(self.base / f"control{i}"),
-            "database_url": self.pg.url() if self.pg else f"sqlite:///{self.base / 'control.db'}",
+            "database_url": self.pg.url("dsec") if self.pg else f"sqlite:///{self.base / 'control.db'}",
             "cluster_key": self.key.hex(), "host": self.host_ip, "port": port,
             "bootstrap_token": self.admin_token, "log_level": "warning",
             "watcher_interval_s": t.watcher_interval_s, "dead_after_s": t.dead_after_s,
@@ -527,8 +468,7 @@ class Lab:
         if self.registry is not None:
             with contextlib.suppress(Exception):
                 self.registry.stop()
-        if self.pg is not None:
-            self.pg.stop()
+        self._stack.close()  # PostgreSQL
         for e in self.edges.values():
             _run("ip", "link", "del", e.veth, check=False)
             _run("ip", "netns", "del", e.netns, check=False)

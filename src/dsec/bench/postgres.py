@@ -17,6 +17,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +72,17 @@ class TempPostgres:
     def create_database(self, name: str) -> str:
         self.sql(f"CREATE DATABASE {name}")
         return self.url(name)
+
+    def restart(self) -> float:
+        """``pg_ctl restart -m fast`` (every connection is cut: a fault the cluster lab injects);
+        returns the seconds it took."""
+        t0 = time.monotonic()
+        # -l again: without it the new postmaster would write to pg_ctl's stdout, our pipe, and
+        # reading that pipe to its end would last as long as the server does
+        subprocess.run(["runuser", "-u", "postgres", "--", str(self.bindir / "pg_ctl"), "-D", str(self.base / "data"),
+                        "-m", "fast", "-w", "-t", "30", "-l", str(self.base / "log"), "restart"],
+                       check=True, capture_output=True)
+        return time.monotonic() - t0
 
     def server_pids(self) -> list[int]:
         """The postmaster and every backend it forked (for CPU accounting)."""

@@ -227,13 +227,21 @@ def bench_compat(quick: bool, json_path: Path | None, phases: tuple[str, ...]) -
 @bench.command("cluster")
 @click.option("--quick", is_flag=True, help="3,000 creates per phase instead of 20,000.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the flat JSON here.")
-def bench_cluster(quick: bool, json_path: Path | None) -> None:
+@click.option("--faults/--no-faults", default=True, show_default=True,
+              help="Then the fault phase: real edges in network namespaces; an edge SIGKILLed, one cut off and "
+                   "healed, a replica SIGKILLed mid-burst (edge_loss_detect_s, partition_fenced_ok, failover_*).")
+def bench_cluster(quick: bool, json_path: Path | None, faults: bool) -> None:
     """The create path at cluster rates: creates/s of one and two control-plane replicas on a
     throwaway PostgreSQL, per-sandbox creates and create leases, edges that are in-process
-    stand-ins answering at once (not real edges: stated in the results)."""
-    from dsec.bench.cluster import run
+    stand-ins answering at once (not real edges: stated in the results); then what happens
+    when edges and replicas fail (dsec/bench/cluster_faults.py)."""
+    from dsec.bench import cluster
 
-    results = run(quick=quick, say=lambda m: console.print(f"[dim]{m}[/dim]"))
+    if faults:
+        from dsec.bench import cluster_faults
+
+        cluster.EXTRA_PHASES.setdefault("faults", cluster_faults.run)
+    results = cluster.run(quick=quick, say=lambda m: console.print(f"[dim]{m}[/dim]"))
     _report("dsec bench cluster", results, json_path)
 
 
