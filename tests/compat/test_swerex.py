@@ -137,6 +137,8 @@ def test_session_exit_codes_check_modes_and_multiline(svc: ClusterHarness) -> No
         assert (await run(A("printf '\\n\\nx\\n\\n\\n'"))).output == "\n\nx\n\n\n"
         assert (await run(A("# just a comment"))).output == ""
         assert (await run(A("echo out; echo err >&2"))).output == "out\nerr\n"  # one terminal
+        big = (await run(A("head -c 5000000 /dev/zero | tr '\\0' a; echo"))).output  # searched once, not per chunk
+        assert len(big) == 5_000_001 and big.count("a") == 5_000_000
 
     with_runtime(svc, body)
 

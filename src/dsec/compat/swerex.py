@@ -203,28 +203,38 @@ class _Pty:
 
     async def expect(self, patterns: list[str], timeout: float | None) -> int:
         compiled = [re.compile(p, re.DOTALL) for p in patterns]
+        # A literal cannot match earlier than its length before where a search ended
+        # without it: big outputs are searched once, not once per chunk from the start.
+        literal = [None if re.escape(p) != p else len(p) for p in patterns]
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
-        while True:
-            if self._pending:
-                self.buffer += self._pending
-                self._pending = ""
-            best: tuple[int, re.Match[str]] | None = None
-            for i, pattern in enumerate(compiled):
-                m = pattern.search(self.buffer)
-                if m is not None and (best is None or m.start() < best[1].start()):
-                    best = (i, m)
-            if best is not None:
-                index, match = best
-                self.before = self.buffer[: match.start()]
-                self.buffer = self.buffer[match.end() :]
-                return index
-            if self.eof and not self._pending:
-                self.before, self.buffer = self.buffer, ""
-                raise pexpect.EOF("End Of File (EOF): the shell has exited")
-            if not await self._wait(deadline):
-                self.before = self.buffer
-                raise pexpect.TIMEOUT(f"Timeout exceeded ({timeout} s)")
+        buf, self.buffer = self.buffer, ""  # a local: += grows it in place
+        searched = 0
+        try:
+            while True:
+                if self._pending:
+                    buf += self._pending
+                    self._pending = ""
+                best: tuple[int, re.Match[str]] | None = None
+                for i, pattern in enumerate(compiled):
+                    n = literal[i]
+                    m = pattern.search(buf, 0 if n is None else max(0, searched - n + 1))
+                    if m is not None and (best is None or m.start() < best[1].start()):
+                        best = (i, m)
+                if best is not None:
+                    index, match = best
+                    self.before = buf[: match.start()]
+                    buf = buf[match.end() :]
+                    return index
+                searched = len(buf)
+                if self.eof and not self._pending:
+                    self.before, buf = buf, ""
+                    raise pexpect.EOF("End Of File (EOF): the shell has exited")
+                if not await self._wait(deadline):
+                    self.before = buf
+                    raise pexpect.TIMEOUT(f"Timeout exceeded ({timeout} s)")
+        finally:
+            self.buffer = buf
 
     async def read_nonblocking(self, timeout: float) -> str:
         """At most one character that no ``expect`` has read yet (pexpect's default size)."""
