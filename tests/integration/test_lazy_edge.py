@@ -297,6 +297,10 @@ def test_the_control_plane_places_a_registry_image_no_edge_holds_yet(
                         break
                     await asyncio.sleep(0.05)
                 assert edges[0]["health"]["registry"] == registry.url and edges[0]["health"]["layers"] == []
+                # the control plane lists what the edges' registry holds, held by an edge or not
+                images = {i["ref"]: i for i in (await c.get("/v1/images")).json()}
+                assert images["lzws:v1"] == {"ref": "lzws:v1", "edges": [], "registry": f"{registry.url}/lzws"}
+                assert images["busybox:test"]["registry"] == f"{registry.url}/busybox"
                 r = await c.post("/v1/sandboxes", json={"spec": SPEC})
                 assert r.status_code == 201, r.text
                 sb = r.json()

@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from dsec.compat.sandboxfusion import routes as sandboxfusion_routes
 from dsec.control import dashboard, iam, validate
 from dsec.control import edges as edges_mod
+from dsec.control.catalog import RegistryCatalog
 from dsec.control.config import ControlConfig
 from dsec.control.iam import Principal
 from dsec.control.membership import router as membership_router
@@ -515,9 +516,23 @@ def create_app(config: ControlConfig, *, control: Control | None = None) -> Fast
 
     # ------------------------------------------------------------ images ----
 
+    catalog = RegistryCatalog()
+
     @app.get("/v1/images", tags=["images"])
     async def list_images(ctl: Ctl, who: Who) -> list[LayerInfo]:
-        return await ctl.db.read(edges_mod.layers_txn)
+        """Layers the live edges hold, and those in the registries they load from (listed
+        anonymously, cached 30 s): everything a create can name."""
+        held, registries = await ctl.db.read(edges_mod.layers_txn)
+        out = {i.ref: i for i in held}
+        for url in registries:
+            listing = await catalog.listing(url)
+            for ref, where in listing.refs.items():
+                got = out.get(ref)
+                if got is None:
+                    out[ref] = LayerInfo(ref=ref, edges=[], registry=where)
+                elif not got.registry:
+                    out[ref] = got.model_copy(update={"registry": where})
+        return [out[r] for r in sorted(out)]
 
     # ------------------------------------------------------------- edges ----
 

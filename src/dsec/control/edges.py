@@ -437,12 +437,17 @@ def drain_txn(s: Session, edge_id: str, draining: bool) -> EdgeInfo:
     return edge_info(e)
 
 
-def layers_txn(s: Session) -> list[LayerInfo]:
+def layers_txn(s: Session) -> tuple[list[LayerInfo], list[str]]:
+    """The layers live edges hold, and the registries they load others from."""
     held: dict[str, list[str]] = {}
+    registries: set[str] = set()
     for e in s.execute(sa.select(EdgeRow).where(EdgeRow.status == "alive").order_by(EdgeRow.id)).scalars():
-        for ref in (e.health or {}).get("layers", []):
+        health = e.health or {}
+        for ref in health.get("layers", []):
             held.setdefault(str(ref), []).append(e.id)
-    return [LayerInfo(ref=r, edges=ids) for r, ids in sorted(held.items())]
+        if health.get("registry"):
+            registries.add(str(health["registry"]))
+    return [LayerInfo(ref=r, edges=ids) for r, ids in sorted(held.items())], sorted(registries)
 
 
 _ED = EDGES

@@ -1033,6 +1033,14 @@ class RegistryClient:
             header = self._auth_header(scope)
         return {"Authorization": header} if header is not None else {}
 
+    def list_repositories(self, limit: int = 1000) -> list[str]:
+        """The registry's repositories (``/v2/_catalog``), at most ``limit``."""
+        resp = self._send("GET", self._url(f"/v2/_catalog?n={limit}"), scope="registry:catalog:*")
+        if resp.status_code != 200:
+            raise self._fail(resp, "listing the registry's repositories")
+        repos = resp.json().get("repositories") or []
+        return [str(r) for r in repos][:limit]
+
     def list_tags(self, repo: str) -> list[str]:
         resp = self._send("GET", self._url(f"/v2/{repo}/tags/list"), scope=_pull(repo))
         if resp.status_code != 200:

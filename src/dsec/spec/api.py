@@ -713,10 +713,12 @@ class FenceResult(_Wire):
 
 
 class LayerInfo(_Wire):
-    """``GET /v1/images``: a layer reference and the edges that hold it."""
+    """``GET /v1/images``: a layer reference, the edges that hold it, and where it is in a
+    registry the edges load layers from (``<registry>/<repo>``; "" when it is not there)."""
 
     ref: str
     edges: list[str]
+    registry: str = ""
 
 
 class Whoami(_Wire):
