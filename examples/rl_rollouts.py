@@ -153,8 +153,8 @@ async def swe_episode(i: int, args: argparse.Namespace) -> Episode:
     rng = random.Random(i)
     deployment = DSecDeployment(image=args.image, toolkits=args.toolkit, labels={"example": "rl-swe"},
                                 resources={"cpu": 0.5, "memory": 512 << 20, "disk": 256 << 20})
-    await deployment.start()
     try:
+        await deployment.start()  # waits for room while DSec answers Backpressure (startup_timeout)
         rt = deployment.runtime
         for path, text in REPO.items():
             await rt.write_file(WriteFileRequest(path=path, content=text))

@@ -304,3 +304,45 @@ def test_each_call_from_a_new_event_loop(svc: ClusterHarness) -> None:
             asyncio.run(d.stop())
 
     svc.run(asyncio.to_thread(calls), timeout=120)
+
+
+def test_start_waits_for_room_and_a_start_given_up_leaves_no_sandbox(svc: ClusterHarness) -> None:
+    from swerex.exceptions import DeploymentStartupError
+
+    from dsec import ImageRef, Resources, SandboxSpec
+    from dsec.errors import Backpressure
+
+    async def go() -> None:
+        async with svc.client() as c:
+            big = SandboxSpec(image=ImageRef(base=BASH_IMAGE), resources=Resources(cpu=4, memory=64 << 20))
+            blockers = []
+            try:
+                for _ in range(64):  # fill the edge's CPU budget, whatever the host's size
+                    try:
+                        blockers.append(await c.create(big, labels={"job": "blocker"}))
+                    except Backpressure:
+                        break
+                else:
+                    pytest.skip("the edge took 64 sandboxes of 4 cores: no backpressure to test")
+                d = DSecDeployment(image=BASH_IMAGE, url=svc.cluster.url, token=svc.cluster.admin_token,
+                                   resources={"cpu": 4, "memory": 64 << 20}, labels={"job": "waiter"},
+                                   startup_timeout=60)
+                start = asyncio.create_task(d.start())
+                await asyncio.sleep(1.5)
+                assert not start.done()  # waiting for room, not failed
+                await blockers.pop().close()
+                await asyncio.wait_for(start, 60)
+                assert (await d.runtime.execute(Command(command="echo up", shell=True))).stdout == "up\n"
+                await d.stop()
+                # given up mid-create (a timeout far shorter than a create): nothing is left behind
+                quick = DSecDeployment(image=BASH_IMAGE, url=svc.cluster.url, token=svc.cluster.admin_token,
+                                       resources={"cpu": 0.1, "memory": 64 << 20}, labels={"job": "given-up"},
+                                       startup_timeout=0.001)
+                with pytest.raises(DeploymentStartupError):
+                    await quick.start()
+                assert [s.id for s in await c.list(labels={"job": "given-up"})] == []
+            finally:
+                for b in blockers:
+                    await b.close()
+
+    svc.run(go(), timeout=180)

@@ -43,6 +43,7 @@ from harbor.environments.options import EnvironmentOptions  # type: ignore[impor
 from harbor.models.task.config import NetworkMode  # type: ignore[import-not-found]
 from pydantic import Field
 
+from dsec.compat._room import create_with_room
 from dsec.errors import ExecTimeout, FileAccessError
 from dsec.sdk.client import AsyncClient, AsyncSandbox
 from dsec.spec import ImageRef, NetRule, Resources, SandboxSpec
@@ -65,6 +66,7 @@ class DSecOptions(EnvironmentOptions):  # type: ignore[misc]  # harbor's (untype
     ttl_s: float = Field(default=7200.0, description="the sandbox ends after this long whatever happens")
     output_cap: int = Field(default=16 * MiB, ge=1024, le=64 * MiB,
                             description="bytes kept of each output stream of a command (head and tail)")
+    startup_timeout: float = Field(default=600.0, description="seconds to wait for room while DSec is full")
 
 
 class DSecEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor's (untyped here)
@@ -147,8 +149,9 @@ class DSecEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor's (untyp
             self.logger.info("DSecEnvironment: force_build has no effect (the sandbox starts from a DSec layer)")
         self._client = AsyncClient(self.options.url, self.options.token)
         try:
-            self._sandbox = await self._client.create(
-                self._spec(), labels={"harbor": "1", **self.options.labels}, ttl_s=self.options.ttl_s)
+            self._sandbox = await create_with_room(
+                self._client, self._spec(), timeout=self.options.startup_timeout,
+                labels={"harbor": "1", **self.options.labels}, ttl_s=self.options.ttl_s)
             self.logger.info(f"DSec sandbox {self._sandbox.id} for {self.session_id}")
             if self.task_env_config.workdir:  # a Dockerfile's WORKDIR exists; so does this one
                 await self._sandbox.files.mkdir(self.task_env_config.workdir, parents=True)

@@ -31,6 +31,7 @@ from minisweagent.exceptions import Submitted
 from minisweagent.utils.serialize import recursive_merge
 from pydantic import BaseModel, ConfigDict, Field
 
+from dsec.compat._room import create_with_room_sync
 from dsec.errors import DsecError, ExecTimeout
 from dsec.sdk.sync import Client, Sandbox
 from dsec.spec import ImageRef, NetworkPolicy, Resources, SandboxSpec
@@ -70,6 +71,8 @@ class DSecEnvironmentConfig(BaseModel):
     """The sandbox ends after this long whatever happens (DockerEnvironment's 2 h ``sleep``)."""
     output_cap: int = 4 << 20
     """Bytes kept of a command's output (the head and the tail)."""
+    startup_timeout: float = 180.0
+    """Seconds to wait for room while the cluster answers Backpressure."""
 
     def sandbox_spec(self) -> SandboxSpec:
         if self.spec is not None:
@@ -101,8 +104,9 @@ class DSecEnvironment:
             if cfg.sandbox_id is not None:
                 self.sandbox = self.client.connect(cfg.sandbox_id)
             else:
-                self.sandbox = self.client.create(cfg.sandbox_spec(), labels={"minisweagent": "1", **cfg.labels},
-                                                  task=cfg.task, ttl_s=cfg.ttl_s)
+                self.sandbox = create_with_room_sync(self.client, cfg.sandbox_spec(), timeout=cfg.startup_timeout,
+                                                     labels={"minisweagent": "1", **cfg.labels}, task=cfg.task,
+                                                     ttl_s=cfg.ttl_s)
         except BaseException:
             self.client.close()
             raise

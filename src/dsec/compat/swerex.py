@@ -80,7 +80,15 @@ from swerex.runtime.abstract import (
 from swerex.runtime.local import _split_bash_command, _strip_control_chars
 from websockets.exceptions import ConnectionClosed
 
-from dsec.errors import DsecError, ExecError, ExecTimeout, FileAccessError, SessionClosed
+from dsec.compat._room import create_with_room
+from dsec.errors import (
+    Backpressure,
+    DsecError,
+    ExecError,
+    ExecTimeout,
+    FileAccessError,
+    SessionClosed,
+)
 from dsec.sdk.client import AsyncClient, AsyncSandbox, AsyncSession
 from dsec.sdk.sync import _Portal
 from dsec.sdk.terminal import AsyncTerminal
@@ -681,6 +689,7 @@ class DSecDeploymentConfig(BaseModel):
     task: str | None = None
     ttl_s: float = 3600.0
     startup_timeout: float = 180.0
+    """For the sandbox to be created, waiting for room while the cluster answers Backpressure."""
     cwd: str = "/"
     session_env: dict[str, str] = Field(default_factory=dict)
     output_cap: int = 16 * MiB
@@ -768,12 +777,12 @@ class DSecDeployment(AbstractDeployment):
             else:
                 self._hooks.on_custom_step("Starting sandbox")
                 spec = cfg.sandbox_spec()
-                try:
-                    sandbox = await asyncio.wait_for(
-                        client.create(spec, labels={"swerex": "1", **cfg.labels}, task=cfg.task, ttl_s=cfg.ttl_s),
-                        cfg.startup_timeout)
-                except TimeoutError:
-                    raise DeploymentStartupError(f"no sandbox within {cfg.startup_timeout} s") from None
+                try:  # a full cluster answers Backpressure: wait for room, as docker run would wait
+                    sandbox = await create_with_room(client, spec, timeout=cfg.startup_timeout,
+                                                     labels={"swerex": "1", **cfg.labels}, task=cfg.task,
+                                                     ttl_s=cfg.ttl_s)
+                except (TimeoutError, Backpressure) as exc:
+                    raise DeploymentStartupError(f"no sandbox within {cfg.startup_timeout} s: {exc}") from exc
                 self.logger.info("Started DSec sandbox %s (%s)", sandbox.id, spec.image.base)
         except BaseException:
             await self._close_client()
