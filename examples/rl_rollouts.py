@@ -91,9 +91,12 @@ async def run_case(http: httpx.AsyncClient, sem: asyncio.Semaphore, code: str, s
                 continue
             r.raise_for_status()
             res = r.json()
+            if res["status"] == "SandboxError":  # the call could not run: not the program's fault
+                await asyncio.sleep(attempt + 1)
+                continue
             out = (res.get("run_result") or {}).get("stdout") or ""
             return bool(res["status"] == "Success" and out.strip() == want)
-    return False
+    raise RuntimeError(f"run_code kept failing: {r.status_code} {r.text[:200]}")
 
 
 async def code_rewards(group: int, concurrency: int) -> None:
