@@ -84,7 +84,8 @@ async def stack(edge_state: tuple[Path, str], dsec_base: Path, tmp_path: Path, d
     ))
     cfg = EdgeConfig(
         edge_id="lx", cluster_key=KEY, port=0, state_dir=state, run_dir=dsec_base / "run", runtime_name=name,
-        destroy_on_shutdown=True, max_sandboxes=20, control_plane_url=ctl.url, heartbeat_interval_s=0.2,
+        destroy_on_shutdown=True, max_sandboxes=200, cpu_capacity=100.0, control_plane_url=ctl.url,
+        heartbeat_interval_s=0.2,
     )
     edge = await asyncio.to_thread(lambda: EdgeThread(cfg).start())
     try:
@@ -199,10 +200,10 @@ async def test_edge_refuses_other_bodies_and_expired_leases_and_the_sweep_return
             assert r.status_code == 409 and r.json()["error"]["reason"] == "expired"
         await st.recorded(c, 3)
         assert await st.control.leases.sweep() == 0  # every slot was used: nothing to return
-        g2 = (await c.post("/v1/leases", json={"spec": SPEC, "count": 4, "lease_ttl_s": 0.5})).json()
-        assert await st.used(c) == 7
+        g2 = (await c.post("/v1/leases", json={"spec": SPEC, "count": 100, "lease_ttl_s": 0.5})).json()
+        assert await st.used(c) == 103 and sum(p["slots"] for p in g2["leases"]) == 100  # (PostgreSQL: by COPY)
         await asyncio.sleep(0.6)
-        assert await st.control.leases.sweep() == 4  # never used: all of it returns
+        assert await st.control.leases.sweep() == 100  # never used: all of it returns
         assert await st.used(c) == 3 and await st.committed(c) == 3
         assert g2["leases"]
 

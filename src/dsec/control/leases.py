@@ -45,6 +45,7 @@ import asyncio
 import contextlib
 import dataclasses
 import hashlib
+import json
 import logging
 import math
 import time
@@ -107,7 +108,22 @@ MAX_PARTS = 64
 """Edges one grant is spread over, at most."""
 
 _SB = SANDBOXES
-_INSERT = sa.insert(_SB)
+class _EncodedJSON(sa.types.TypeDecorator[Any]):
+    """A JSON column's value already encoded (text): bound as it is, typed JSON."""
+
+    impl = sa.JSON
+    cache_ok = True
+
+    def bind_processor(self, dialect: sa.Dialect) -> None:
+        return None
+
+
+_JSON_COLS = ("spec", "labels", "lifecycle")
+_INSERT_SLOTS = sa.insert(_SB).values(
+    {c.name: sa.bindparam(c.name, type_=_EncodedJSON() if c.name in _JSON_COLS else c.type) for c in _SB.columns}
+)
+"""The slots' reservations: their JSON columns bound as text made once per grant (SQLAlchemy
+would encode the same documents again for every row: most of a grant's time)."""
 _FILL = (
     sa.update(_SB)
     .where(_SB.c.key == sa.bindparam("k"), _SB.c.id.is_(None), _SB.c.state == S.CREATING.value)
@@ -115,6 +131,23 @@ _FILL = (
             expires_at=sa.bindparam("c_expires"), state=sa.bindparam("c_state"), updated_at=sa.bindparam("c_now"),
             reason="")
 )
+
+
+def _insert_slots(conn: sa.Connection, parts: list[tuple[dict[str, Any], list[str]]]) -> None:
+    """The slots' reservations (per part: the columns its rows share, and their keys), in this
+    transaction: ``COPY`` on PostgreSQL (a few µs a row against ~60 for a batched INSERT), the
+    batched INSERT elsewhere."""
+    if conn.dialect.name != "postgresql" or sum(len(k) for _, k in parts) < 64:
+        conn.execute(_INSERT_SLOTS, [{**common, "key": key} for common, keys in parts for key in keys])
+        return
+    cols = [c.name for c in _SB.columns if c.name != "key"]
+    raw = conn.connection.driver_connection  # psycopg's, inside the session's transaction
+    assert raw is not None
+    with raw.cursor() as cur, cur.copy(f"COPY {_SB.name} (key, {', '.join(cols)}) FROM STDIN") as cp:
+        for common, keys in parts:
+            tail = [common[c] for c in cols]
+            for key in keys:
+                cp.write_row([key, *tail])
 
 
 def grant_id_of(request_id: str | None) -> str:
@@ -319,8 +352,9 @@ class Leases:
                                  f"after {retry:g}s", retry_after=retry, reason="no room for all")
         expires = now + req.lease_ttl_s
         labels = {**req.spec.labels, **req.labels}
+        as_text = {"spec": json.dumps(spec), "labels": json.dumps(labels), "lifecycle": json.dumps(dumped["lifecycle"])}
         parts: list[_Part] = []
-        rows: list[dict[str, Any]] = []
+        rows: list[tuple[dict[str, Any], list[str]]] = []  # per part: the columns they share, their keys
         boots = _boot_ids(s, list(alloc))
         for edge_id, slots in sorted(alloc.items()):
             lid = uuid.uuid4().hex[:24]
@@ -328,17 +362,17 @@ class Leases:
                                  request_id=req.request_id, edge_id=edge_id, granted=slots, body=body, state="active",
                                  created_at=now, expires_at=expires, closed_at=None, reason=AHEAD if req.ahead else ""))
             parts.append(_Part(lid, edge_id, urls[edge_id], slots, boots.get(edge_id, "")))
-            for i in range(slots):
-                rows.append({
-                    "key": slot_key(lid, i), "id": None, "edge_id": edge_id, "edge_url": urls[edge_id],
-                    "project_id": who.project_id, "task_id": t.id if t is not None else None, "task_name": req.task,
-                    "labels": labels, "state": S.CREATING.value, "spec": spec, "lifecycle": dumped["lifecycle"],
-                    "cpu_m": demand.need.cpu_m, "memory": demand.need.memory, "disk": demand.need.disk,
-                    "created_at": now, "updated_at": now, "expires_at": now + req.lifecycle.ttl_s,
-                    "request_id": None, "request_hash": "", "reason": f"lease {lid}", "launcher": None,
-                })
+            common = {
+                "id": None, "edge_id": edge_id, "edge_url": urls[edge_id], "project_id": who.project_id,
+                "task_id": t.id if t is not None else None, "task_name": req.task, "labels": as_text["labels"],
+                "state": S.CREATING.value, "spec": as_text["spec"], "lifecycle": as_text["lifecycle"],
+                "cpu_m": demand.need.cpu_m, "memory": demand.need.memory, "disk": demand.need.disk,
+                "created_at": now, "updated_at": now, "expires_at": now + req.lifecycle.ttl_s, "request_id": None,
+                "request_hash": "", "reason": f"lease {lid}", "launcher": None,
+            }
+            rows.append((common, [slot_key(lid, i) for i in range(slots)]))
             bump_edge(s, edge_id, _times(demand.need, slots))
-        conn.execute(_INSERT, rows)
+        _insert_slots(conn, rows)
         bump_project(s, who.project_id, want * placed)
         if t is not None:
             bump_task(s, t.id, want * placed)
