@@ -38,6 +38,7 @@ import random
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from dsec.control.iam import Amount
 from dsec.control.placement import Demand, EdgeView, Room, normalize_ref, place
@@ -96,6 +97,10 @@ class LaunchPlanner:
         self._views: tuple[float, tuple[tuple[EdgeView, str], ...]] | None = None
         self._pending: dict[str, tuple[int, str | None, str, Amount, Room]] = {}
         """Optimistic creates not yet recorded: key -> (project, task, edge, amount, room)."""
+        self._by_project: dict[int, Amount] = {}
+        self._by_task: dict[tuple[int, str], Amount] = {}
+        self._by_edge: dict[str, Room] = {}
+        """Sums of ``_pending`` kept as it changes (a plan reads them: O(1), not O(creates in flight))."""
         self._recent: dict[tuple[int, str], None] = {}
         self.launched = 0
         self.discarded = 0
@@ -119,8 +124,7 @@ class LaunchPlanner:
         if q is None or now - q.at > self.max_age_s or self._views is None or now - self._views[0] > self.max_age_s:
             return None
         want = Amount(1, demand.need.cpu_m, demand.need.memory)
-        mine = [p for p in self._pending.values() if p[0] == project_id]
-        used = sum((p[3] for p in mine), Amount())
+        used = self._by_project.get(project_id, Amount())
         if not _amount_fits(q.free - used, want):
             return None
         if task is not None:
@@ -128,31 +132,45 @@ class LaunchPlanner:
             if task not in q.task_free or (q.task_stages.get(task, False) and not spec_has_stages):
                 return None  # unknown (made on first use) or the sandbox would inherit stages
             if tfree is not None:
-                tused = sum((p[3] for p in mine if p[1] == task), Amount())
+                tused = self._by_task.get((project_id, task), Amount())
                 left = {d: (None if v is None else v - tused.get(d)) for d, v in tfree.items()}
                 if not _task_fits(left, want):
                     return None
         views = self._views[1]
         if not _layers_known(views, demand.layers):
             return None  # the careful path answers 404 with its hint
-        load: dict[str, Room] = {}
-        for p in self._pending.values():
-            load[p[2]] = load.get(p[2], Room()) + p[4]
+        load = self._by_edge
         edges = [dataclasses.replace(v, committed=v.committed + load[v.id]) if v.id in load else v for v, _ in views]
         chosen = place(edges, demand, k=self.k, rng=self.rng, require_layers=self.require_layers)
         if chosen is None:
             return None  # the careful path answers the 429 with its reason
         url = next(u for v, u in views if v.id == chosen.id)
-        self._pending[key] = (project_id, task, chosen.id, want, demand.need)
+        self._add(key, (project_id, task, chosen.id, want, demand.need))
         self.launched += 1
         return Plan(key=key, edge=chosen, url=url)
+
+    def _add(self, key: str, p: tuple[int, str | None, str, Amount, Room]) -> None:
+        self._pending[key] = p
+        self._by_project[p[0]] = self._by_project.get(p[0], Amount()) + p[3]
+        if p[1] is not None:
+            self._by_task[(p[0], p[1])] = self._by_task.get((p[0], p[1]), Amount()) + p[3]
+        self._by_edge[p[2]] = self._by_edge.get(p[2], Room()) + p[4]
+
+    def _drop(self, key: str) -> None:
+        p = self._pending.pop(key, None)
+        if p is None:
+            return
+        _less(self._by_project, p[0], p[3], Amount())
+        if p[1] is not None:
+            _less(self._by_task, (p[0], p[1]), p[3], Amount())
+        _less(self._by_edge, p[2], p[4], Room())
 
     # ---------------------------------------------------- what was seen ----
 
     def seen(self, s: Seen, *, key: str | None = None) -> None:
         """A reserve transaction answered (its own create, ``key``, is now recorded)."""
         if key is not None:
-            self._pending.pop(key, None)
+            self._drop(key)
         now = time.monotonic()
         q = self._quota.get(s.project_id)
         if q is None:
@@ -168,11 +186,19 @@ class LaunchPlanner:
         """A reserve for this project was refused (quota, gone...): no optimism until the
         next transaction says otherwise."""
         if key is not None:
-            self._pending.pop(key, None)
+            self._drop(key)
         self._quota.pop(project_id, None)
 
     def done(self, key: str) -> None:
-        self._pending.pop(key, None)
+        self._drop(key)
+
+
+def _less(sums: dict[Any, Any], k: Any, v: Any, zero: Any) -> None:
+    left = sums[k] - v
+    if left == zero:
+        del sums[k]  # nothing in flight there: no entry (a plan's views stay untouched)
+    else:
+        sums[k] = left
 
 
 def _layers_known(views: Sequence[tuple[EdgeView, str]], layers: Sequence[str]) -> bool:
