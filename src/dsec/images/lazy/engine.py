@@ -31,7 +31,7 @@ import collections
 import hashlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -310,7 +310,26 @@ class Engine:
         layer = al.layer
         t0 = time.monotonic()
         before = al.counters.bytes_fetched
-        wanted = [i for i, d in enumerate(layer.chunks) if not self.cache.contains(d[7:])]
+        try:
+            await self._fetch_chunks(al, range(len(layer.chunks)))
+        except trio.TooSlowError:
+            raise LayerUnavailable(
+                f"layer file {layer.digest}: not fetched within {self.config.read_deadline_s} s",
+                digest=layer.digest, registry=layer.registry, status=0,
+            ) from None
+        except ReadFailed as exc:
+            if isinstance(exc.__cause__, LazyError):
+                raise exc.__cause__ from None
+            raise LayerUnavailable(f"layer file {layer.digest}: not fetched: {exc}", digest=layer.digest,
+                                   registry=layer.registry, status=0) from None  # fmt: skip
+        al.counters.metadata_chunks = len(layer.chunks)
+        al.counters.metadata_bytes = al.counters.bytes_fetched - before
+        al.counters.metadata_s = round(time.monotonic() - t0, 4)
+
+    async def _fetch_chunks(self, al: Attached, indexes: Iterable[int]) -> None:
+        """Fetch every chunk of ``indexes`` not cached (runs together), by the read deadline:
+        trio.TooSlowError past it, the first ReadFailed if any failed."""
+        wanted = [i for i in indexes if not self.cache.contains(al.layer.chunks[i][7:])]
         errors: list[ReadFailed] = []
 
         async def one(i: int) -> None:
@@ -319,26 +338,13 @@ class Engine:
             except ReadFailed as exc:
                 errors.append(exc)
 
-        try:
-            with trio.fail_after(self.config.read_deadline_s):
-                self._start_fetches(al, wanted)
-                async with trio.open_nursery() as n:
-                    for i in wanted:
-                        n.start_soon(one, i)
-        except trio.TooSlowError:
-            raise LayerUnavailable(
-                f"layer file {layer.digest}: not fetched within {self.config.read_deadline_s} s",
-                digest=layer.digest, registry=layer.registry, status=0,
-            ) from None
+        with trio.fail_after(self.config.read_deadline_s):
+            self._start_fetches(al, wanted)
+            async with trio.open_nursery() as n:
+                for i in wanted:
+                    n.start_soon(one, i)
         if errors:
-            exc = errors[0]
-            if isinstance(exc.__cause__, LazyError):
-                raise exc.__cause__ from None
-            raise LayerUnavailable(f"layer file {layer.digest}: not fetched: {exc}", digest=layer.digest,
-                                   registry=layer.registry, status=0) from None  # fmt: skip
-        al.counters.metadata_chunks = len(layer.chunks)
-        al.counters.metadata_bytes = al.counters.bytes_fetched - before
-        al.counters.metadata_s = round(time.monotonic() - t0, 4)
+            raise errors[0]
 
     async def _prefetch_metadata(self, al: Attached) -> None:
         layer = al.layer
@@ -350,24 +356,7 @@ class Engine:
                 return await self._read_range(al, off, n)
 
         async def prefetch(ranges: list[tuple[int, int]]) -> None:
-            wanted = [
-                i for i in covering_chunks(ranges, layer.chunk_size, layer.size)
-                if not self.cache.contains(layer.chunks[i][7:])
-            ]
-            errors: list[ReadFailed] = []
-
-            async def one(i: int) -> None:
-                try:
-                    await self._fetch_shared(al, i)
-                except ReadFailed as exc:
-                    errors.append(exc)
-
-            with trio.fail_after(self.config.read_deadline_s):
-                async with trio.open_nursery() as n:
-                    for i in wanted:
-                        n.start_soon(one, i)
-            if errors:
-                raise errors[0]
+            await self._fetch_chunks(al, covering_chunks(ranges, layer.chunk_size, layer.size))
 
         try:
             meta = await walk_metadata(read, prefetch)
