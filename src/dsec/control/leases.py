@@ -667,6 +667,16 @@ def router(caller: Callable[..., Any], edge_admin: Callable[..., Any]) -> APIRou
     async def lease_report(request: Request, edge_id: str, body: LeaseReport,
                            _: Any = edge) -> dict[str, int]:
         """An edge's sandboxes made under leases (batched): each fills its slot's reservation."""
+        from dsec.control import validate
+
+        # what PostgreSQL would refuse from deep inside the transaction (a 500) is a 4xx here
+        validate.edge_id_in_path(edge_id)
+        validate.finite(body.model_dump(mode="python"))
+        for i, item in enumerate(body.items):
+            validate.text(item.key, f"items.{i}.key", max_len=32)
+            validate.text(item.id, f"items.{i}.id", max_len=63)
+            if "\x00" in item.reason:  # a reason may span lines; PostgreSQL refuses only NUL
+                raise InvalidSpec(f"items.{i}.reason: no NUL characters", field=f"items.{i}.reason")
         return {"recorded": await leases_of(request).report(edge_id, body)}
 
     return r

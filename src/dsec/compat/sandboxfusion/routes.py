@@ -69,8 +69,11 @@ def install(app: FastAPI, config: SandboxFusionConfig) -> SandboxFusion | None:
     async def ping() -> str:
         return "pong"
 
+    async def ping_path(token: str) -> str:  # the parameter declares {token} in the OpenAPI document
+        return "pong"
+
     app.get(f"{p}/v1/ping", tags=[TAG], summary="SandboxFusion: liveness")(ping)
-    app.get(p + "/{token}/v1/ping", tags=[TAG], summary="SandboxFusion: liveness")(ping)
+    app.get(p + "/{token}/v1/ping", tags=[TAG], summary="SandboxFusion: liveness")(ping_path)
 
     async def run_code(request: Request, body: RunCodeRequest, token: str | None,
                        authorization: str | None) -> RunCodeResponse | JSONResponse:
