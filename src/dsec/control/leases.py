@@ -119,8 +119,12 @@ class _EncodedJSON(sa.types.TypeDecorator[Any]):
 
 
 _JSON_COLS = ("spec", "labels", "lifecycle")
+_SLOT_COLS = ("key", "id", "edge_id", "edge_url", "project_id", "task_id", "task_name", "labels", "state", "spec",
+              "lifecycle", "cpu_m", "memory", "disk", "created_at", "updated_at", "expires_at", "request_id",
+              "request_hash", "reason", "launcher")
+"""The columns a slot's reservation sets (the others take their defaults)."""
 _INSERT_SLOTS = sa.insert(_SB).values(
-    {c.name: sa.bindparam(c.name, type_=_EncodedJSON() if c.name in _JSON_COLS else c.type) for c in _SB.columns}
+    {c: sa.bindparam(c, type_=_EncodedJSON() if c in _JSON_COLS else _SB.c[c].type) for c in _SLOT_COLS}
 )
 """The slots' reservations: their JSON columns bound as text made once per grant (SQLAlchemy
 would encode the same documents again for every row: most of a grant's time)."""
@@ -140,7 +144,7 @@ def _insert_slots(conn: sa.Connection, parts: list[tuple[dict[str, Any], list[st
     if conn.dialect.name != "postgresql" or sum(len(k) for _, k in parts) < 64:
         conn.execute(_INSERT_SLOTS, [{**common, "key": key} for common, keys in parts for key in keys])
         return
-    cols = [c.name for c in _SB.columns if c.name != "key"]
+    cols = [c for c in _SLOT_COLS if c != "key"]
     raw = conn.connection.driver_connection  # psycopg's, inside the session's transaction
     assert raw is not None
     with raw.cursor() as cur, cur.copy(f"COPY {_SB.name} (key, {', '.join(cols)}) FROM STDIN") as cp:
@@ -408,14 +412,24 @@ class Leases:
 
     def _report_txn(self, s: Session, edge_id: str, items: Sequence[LeaseReportItem]) -> int:
         now = time.time()
-        keys = [it.key for it in items]
-        rows: dict[str, tuple[str | None, str]] = {}
+        # A light read first: what is recorded already (a report repeated, the revocation's list
+        # of what a lease made) is not locked. The rest is locked in key order (two reports of
+        # overlapping slots, from two replicas, never wait for each other in a cycle).
+        seen: dict[str, str | None] = {}
+        keys = sorted({it.key for it in items})
         for i in range(0, len(keys), 500):
+            for k, sid in s.execute(sa.select(SandboxRow.key, SandboxRow.id).where(SandboxRow.key.in_(keys[i:i + 500]))):
+                seen[k] = sid
+        want = {it.key: it.id for it in items}
+        todo = [k for k in keys if seen.get(k, "") != want[k]]
+        rows: dict[str, tuple[str | None, str]] = {}
+        for i in range(0, len(todo), 500):
             for k, sid, state in s.execute(
                 sa.select(SandboxRow.key, SandboxRow.id, SandboxRow.state)
-                .where(SandboxRow.key.in_(keys[i:i + 500])).with_for_update()
+                .where(SandboxRow.key.in_(todo[i:i + 500])).order_by(SandboxRow.key).with_for_update()
             ):
                 rows[k] = (sid, state)
+        items = [it for it in items if seen.get(it.key, "") != it.id]
         fills: list[dict[str, Any]] = []
         odd: list[LeaseReportItem] = []
         for it in items:
