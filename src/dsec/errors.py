@@ -82,6 +82,26 @@ class SandboxStateError(DsecError, RuntimeError):
     http_status: ClassVar[int] = 409
 
 
+class SandboxPreempted(SandboxStateError):
+    """The scheduler paused the sandbox to make room for more urgent work (its memory is in
+    swap; docs/CONTROL.md, "Scheduling"). A request does not wake it: ``resume()`` (through the
+    control plane) brings it back when its edge has room, and the SDK does that once by itself
+    before it raises this. Fields: ``sandbox_id``, ``by_priority``, ``retry_after`` (seconds,
+    when a resume was refused for lack of room)."""
+
+    code = "sandbox_preempted"
+    http_status: ClassVar[int] = 409
+
+
+class SandboxEvicted(SandboxNotFound):
+    """The scheduler destroyed the sandbox to make room for more urgent work (its task's
+    preemption policy is ``destroy``). Fields: ``sandbox_id``, ``by_priority``. Create another;
+    a ``SandboxNotFound`` handler catches this too."""
+
+    code = "sandbox_evicted"
+    http_status: ClassVar[int] = 410
+
+
 class SandboxFailed(DsecError, RuntimeError):
     """The sandbox could not be created or died; ``reason`` says why."""
 
@@ -287,6 +307,8 @@ ERRORS_BY_CODE: dict[str, type[DsecError]] = {
         SandboxNotFound,
         SandboxLost,
         SandboxStateError,
+        SandboxPreempted,
+        SandboxEvicted,
         SandboxFailed,
         ImageError,
         LayerNotFound,

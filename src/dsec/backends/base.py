@@ -294,6 +294,8 @@ class Backend(Protocol):
     capabilities: Capabilities
     last_activity: dict[str, float]
     reconciled: dict[str, builtins.list[str]]
+    wake_gate: Callable[[str], None] | None
+    """Asked before a paused sandbox is woken (it raises to keep it paused): :class:`BackendBase`."""
 
     @property
     def sandboxes(self) -> Mapping[str, SandboxRecord]: ...
@@ -363,6 +365,9 @@ class BackendBase:
     kind: ClassVar[str] = ""
     name: str
     capabilities: Capabilities
+    wake_gate: Callable[[str], None] | None = None
+    """Set by the edge: called with the id before a paused sandbox is woken by a request (or
+    resumed); it raises to keep the sandbox paused (one paused by preemption: edge/preempt.py)."""
 
     def _unsupported(self, op: str) -> Unsupported:
         return Unsupported.operation(op, backend=self.kind)

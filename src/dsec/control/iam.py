@@ -96,6 +96,10 @@ def check_fits(
     *, project: str, quota: Amount, used: Amount, reserved: Amount, want: Amount, what: str = "project"
 ) -> None:
     """Raise QuotaExceeded (with fields) unless ``used + reserved + want <= quota``."""
+    if (used.sandboxes + reserved.sandboxes + want.sandboxes <= quota.sandboxes  # the common case, spelled out
+            and used.cpu_m + reserved.cpu_m + want.cpu_m <= quota.cpu_m
+            and used.memory + reserved.memory + want.memory <= quota.memory):
+        return
     over = (used + reserved + want).exceeds(quota)
     if not over:
         return
@@ -117,6 +121,10 @@ def check_fits(
 
 
 def check_task_fits(*, task: str, project: str, quota: TaskQuota, used: Amount, want: Amount) -> None:
+    if ((quota.sandboxes is None or used.sandboxes + want.sandboxes <= quota.sandboxes)
+            and (quota.memory is None or used.memory + want.memory <= quota.memory)
+            and (quota.cpu is None or used.cpu_m + want.cpu_m <= cpu_to_m(quota.cpu))):
+        return
     limit = task_limit(quota)
     total = used + want
     over = [d for d in DIMENSIONS if limit.get(d) is not None and total.get(d) > (limit.get(d) or 0)]

@@ -106,7 +106,7 @@ def has_layers(edge: EdgeView, layers: Sequence[str]) -> bool:
 def fits(edge: EdgeView, demand: Demand) -> bool:
     if not edge.alive or edge.draining or demand.backend not in edge.backends:
         return False
-    if any(edge.labels.get(k) != v for k, v in demand.selector.items()):
+    if demand.selector and any(edge.labels.get(k) != v for k, v in demand.selector.items()):
         return False
     cap, used, need = edge.capacity, edge.committed, demand.need  # spelled out: this runs per edge per create
     return (
@@ -185,15 +185,55 @@ STRATEGIES: dict[str, Chooser] = {
 }
 
 
+SAMPLE_FIRST_ABOVE = 16
+"""With more edges than this, :func:`place` samples edges before it filters them all."""
+
+
+def _sample_feasible(
+    edges: Sequence[EdgeView], demand: Demand, k: int, rng: random.Random, exclude: frozenset[str],
+) -> list[EdgeView] | None:
+    """k distinct edges drawn uniformly from the first tier of :func:`feasible` by testing random
+    edges (a few draws when most fit), or None when the draws did not find k of them (the
+    caller then filters every edge). The draws follow a random permutation, so the k found are
+    a uniformly random k-subset of the tier, as ``rng.sample(feasible(...), k)`` would be."""
+    n = len(edges)
+    seen: set[int] = set()
+    found: list[EdgeView] = []
+    draw = rng.random
+    for _ in range(3 * k + 8):
+        i = int(draw() * n)  # uniform over 0..n-1 (cheaper than randrange)
+        if i in seen:
+            continue
+        seen.add(i)
+        e = edges[i]
+        if e.id in exclude or not fits(e, demand):
+            continue
+        if demand.layers and not has_layers(e, demand.layers):
+            continue  # the first tier holds the layers; the others are the fallback's business
+        found.append(e)
+        if len(found) == k:
+            return found
+    return None
+
+
 def place(
     edges: Iterable[EdgeView], demand: Demand, *, k: int = 2, rng: random.Random | None = None,
     exclude: frozenset[str] = frozenset(), require_layers: bool = False,
 ) -> EdgeView | None:
-    """The edge to try next, or None when nothing (not yet excluded) can hold the demand."""
+    """The edge to try next, or None when nothing (not yet excluded) can hold the demand.
+
+    Power-of-k over :func:`feasible`'s tier. With many edges, k feasible ones are first looked
+    for by random draws (cheap when most edges have room: a create looks at ~k edges, not at
+    all of them); when the draws come short, every edge is filtered, as before."""
+    rng = rng or random.Random()
+    if isinstance(edges, Sequence) and len(edges) > SAMPLE_FIRST_ABOVE:
+        picked = _sample_feasible(edges, demand, k, rng, exclude)
+        if picked is not None:
+            return min(picked, key=lambda e: (load_after(e, demand), e.id))
     cands = feasible((e for e in edges if e.id not in exclude), demand, require_layers=require_layers)
     if not cands:
         return None
-    return choose_power_of_k(cands, demand, k, rng or random.Random())
+    return choose_power_of_k(cands, demand, k, rng)
 
 
 def why_nothing_fits(edges: Sequence[EdgeView], demand: Demand) -> str:

@@ -138,6 +138,9 @@ class Admission:
         self.disk_reserve = disk_reserve
         self._real: dict[str, Resources] = {}
         self._pooled: dict[str, Resources] = {}
+        self._suspended: dict[str, Resources] = {}
+        """Real sandboxes paused by preemption: they hold their slot and disk, not their cpu and
+        memory (pushed to swap) until :meth:`unsuspend` takes those back."""
         self.real = Usage()
         self.pooled = Usage()
 
@@ -164,18 +167,60 @@ class Admission:
         res = self._real.pop(sandbox_id, None)
         if res is not None:
             self.real.add(res, -1)
+            if self._suspended.pop(sandbox_id, None) is not None:  # its cpu and memory were out already
+                self.real.cpu += res.cpu
+                self.real.memory += res.memory
         res = self._pooled.pop(sandbox_id, None)
         if res is not None:
             self.pooled.add(res, -1)
 
-    def resync(self, live: Iterable[tuple[str, Resources, bool]]) -> None:
-        """Rebuild from ``(id, resources, pooled)`` of every sandbox that holds resources."""
+    def resync(self, live: Iterable[tuple[str, Resources, bool]], suspended: Iterable[str] = ()) -> None:
+        """Rebuild from ``(id, resources, pooled)`` of every sandbox that holds resources, and the
+        ids of those paused by preemption (:meth:`suspend`)."""
         self._real.clear()
         self._pooled.clear()
+        self._suspended.clear()
         self.real = Usage()
         self.pooled = Usage()
         for sid, res, pooled in live:
             self.reserve(sid, res, pooled=pooled)
+        for sid in suspended:
+            self.suspend(sid)
+
+    def suspend(self, sandbox_id: str) -> bool:
+        """A real sandbox paused by preemption (its memory pushed to swap): from now on it holds
+        its slot and its disk, and its cpu and memory return to the budgets. False if it is not
+        held here or is suspended already."""
+        res = self._real.get(sandbox_id)
+        if res is None or sandbox_id in self._suspended:
+            return False
+        self._suspended[sandbox_id] = res
+        self.real.cpu -= res.cpu
+        self.real.memory -= res.memory
+        return True
+
+    def unsuspend(self, sandbox_id: str) -> None:
+        """Take a suspended sandbox's cpu and memory back (it is resumed). Backpressure (reason
+        ``preempted``) when they do not fit beside everything else now (warm-pool members
+        included: a resume never evicts them); nothing changes then."""
+        res = self._suspended.get(sandbox_id)
+        if res is None:
+            return
+        want = Usage(0, res.cpu, res.memory, 0)
+        full = over(self.real.plus(self.pooled).plus(want), self.budgets)
+        if full:
+            raise Backpressure(
+                f"sandbox {sandbox_id} was paused to make room for more urgent work and this edge has no "
+                f"room to resume it yet ({full[0]}: {self._describe(full[0])})",
+                retry_after=self.retry_after_s, reason="preempted", reasons=full, sandbox_id=sandbox_id,
+                **self._figures(),
+            )
+        del self._suspended[sandbox_id]
+        self.real.cpu += res.cpu
+        self.real.memory += res.memory
+
+    def suspended(self, sandbox_id: str) -> bool:
+        return sandbox_id in self._suspended
 
     def holds(self, sandbox_id: str) -> bool:
         return sandbox_id in self._real or sandbox_id in self._pooled
@@ -187,8 +232,13 @@ class Admission:
         that evicting pooled sandboxes must free. Raises when it cannot fit at all:
         QuotaExceeded if it exceeds the node's whole budget (never fits here),
         Backpressure if real sandboxes hold the room (retry later or elsewhere)."""
-        want = Usage.of(res)
         self._check_store(res)
+        b, r, pl = self.budgets, self.real, self.pooled
+        if (r.sandboxes + pl.sandboxes + 1 <= b.sandboxes and r.cpu + pl.cpu + res.cpu <= b.cpu + _EPS
+                and r.memory + pl.memory + res.memory <= b.memory  # the common case, spelled out
+                and r.disk + pl.disk + disk_of(res) <= b.disk):
+            return None
+        want = Usage.of(res)
         alone = over(want, self.budgets)
         if alone:
             raise QuotaExceeded(

@@ -57,6 +57,7 @@ from dsec.spec.api import (
     GroupResult,
     NetworkInfo,
     PauseReport,
+    Preempt,
     SandboxInfo,
     SandboxStats,
     SessionOpen,
@@ -444,6 +445,15 @@ def create_app(config: EdgeConfig, *, service: EdgeService | None = None) -> Fas
     @app.post("/v1/sandboxes/{sandbox_id}/pause", response_model=PauseReport, tags=["pause"])
     async def pause_sandbox(sandbox_id: str, _c: Owner) -> Response:
         return _json(await svc.pause(sandbox_id))
+
+    @app.post("/v1/sandboxes/{sandbox_id}/preempt", response_model=PauseReport, tags=["pause"])
+    async def preempt_sandbox(sandbox_id: str, _c: Admin, body: Preempt) -> Response:
+        """The control plane's scheduler pauses it to make room (``destroy``: removes it): its cpu
+        and memory stop counting; only a resume brings it back (docs/CONTROL.md, "Scheduling")."""
+        if body.action == "destroy":
+            await svc.evict(sandbox_id, by_priority=body.by_priority, reason=body.reason)
+            return Response(status_code=204)
+        return _json(await svc.preempt(sandbox_id, by_priority=body.by_priority, reason=body.reason))
 
     @app.post("/v1/sandboxes/{sandbox_id}/resume", response_model=SandboxInfo, tags=["pause"])
     async def resume_sandbox(sandbox_id: str, _c: Owner) -> Response:

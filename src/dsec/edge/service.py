@@ -46,6 +46,7 @@ from dsec.edge.leases import LeaseBook, LeaseReporter
 from dsec.edge.lifecycle import Watchdog
 from dsec.edge.metrics import EdgeMetrics
 from dsec.edge.pools import PoolManager
+from dsec.edge.preempt import EVICTED_REASON, Preempted
 from dsec.edge.selfcheck import SelfCheck
 from dsec.errors import (
     Backpressure,
@@ -55,6 +56,7 @@ from dsec.errors import (
     HostError,
     InvalidSpec,
     QuotaExceeded,
+    SandboxEvicted,
     SandboxLost,
     SandboxNotFound,
     SandboxStateError,
@@ -212,6 +214,8 @@ class EdgeService:
         self.leases = LeaseBook(self.edge_id, config.cluster_key, make=self.create, report=None)
         """Create leases (docs/CONTROL.md): sandboxes made at an SDK's request under the control plane's say-so."""
         self.fencing = FenceEpoch(config.state_dir / f"fence-{config.runtime}.json")
+        self.preempted = Preempted(config.state_dir / f"preempted-{config.runtime}.json")
+        """Sandboxes paused by the control plane's scheduler: no memory counted, no waking by requests."""
         self.started = False
         self._begun = False
         self.draining = False
@@ -237,6 +241,10 @@ class EdgeService:
         for rec in self.backends.records():
             if rec.edge.request_id:
                 self._by_request[rec.edge.request_id] = rec.id
+        for b in self.backends.sandbox_backends():
+            b.wake_gate = self.preempted.gate
+        self.preempted.keep_only(r.id for r in self.backends.records()
+                                 if r.state is SandboxState.PAUSED)
         self.resync_admission()
         if self.fencing.epoch:  # a fence a crash interrupted finishes before anything else runs
             await self.fence(self.fencing.epoch)
@@ -289,8 +297,9 @@ class EdgeService:
     def resync_admission(self) -> None:
         """Rebuild admission's books from the records (at start: nothing is in flight)."""
         self.admission.resync(
-            (r.id, r.spec.resources, r.edge.pool is not None)
-            for r in self.backends.records() if r.state is not SandboxState.STOPPED
+            ((r.id, r.spec.resources, r.edge.pool is not None)
+             for r in self.backends.records() if r.state is not SandboxState.STOPPED),
+            suspended=list(self.preempted.by_id),
         )
 
     def _spawn(self, coro: Any) -> None:
@@ -332,6 +341,11 @@ class EdgeService:
         rec = self.backends.record(sandbox_id)
         if rec is None or sandbox_id in self.pools.pooled_ids or _platform_owned(rec):
             tomb = self.events.tombstone(sandbox_id)
+            if tomb is not None and tomb.reason == EVICTED_REASON:
+                raise SandboxEvicted(
+                    f"sandbox {sandbox_id} was destroyed to make room for more urgent work (its task's "
+                    "preemption policy is destroy); create another", sandbox_id=sandbox_id, reason=EVICTED_REASON,
+                )
             if tomb is not None and tomb.reason == LOST_REASON:
                 raise SandboxLost(
                     f"sandbox {sandbox_id} was lost: the control plane lost this edge ({self.edge_id}) for too "
@@ -521,6 +535,7 @@ class EdgeService:
         if not done:
             return False
         self.metrics.destroys.labels(reason).inc()
+        self.preempted.discard(sandbox_id)
         if rec.edge.request_id:
             self._by_request.pop(rec.edge.request_id, None)
         self._busy.pop(sandbox_id, None)
@@ -999,6 +1014,35 @@ class EdgeService:
                            seconds=res.seconds, memory_before=r.before if r else None,
                            memory_after=r.after if r else None, swapped=r.swapped if r else None)
 
+    async def preempt(self, sandbox_id: str, *, by_priority: int | None = None, reason: str = "") -> PauseReport:
+        """Pause for the control plane's scheduler: frozen, memory pushed to swap, and its cpu and
+        memory no longer counted by admission (a more urgent sandbox takes them); requests do not
+        wake it (edge/preempt.py), only :meth:`resume`. A sandbox paused already (by its owner or
+        when idle) is only marked. Idempotent."""
+        rec = self.record(sandbox_id)
+        if sandbox_id in self.preempted:
+            return PauseReport(id=sandbox_id, state=rec.state, freeze_s=0.0, seconds=0.0)
+        if rec.state is SandboxState.RUNNING:
+            rep = await self.pause(sandbox_id, how="preempt")
+        elif rec.state is SandboxState.PAUSED:
+            self._require(sandbox_id, Capability.PAUSE)
+            rep = PauseReport(id=sandbox_id, state=rec.state, freeze_s=0.0, seconds=0.0)
+        else:
+            raise SandboxStateError(f"sandbox {sandbox_id} is {rec.state.value}: only a running or paused "
+                                    "sandbox can be preempted", sandbox_id=sandbox_id, state=rec.state.value)
+        self.preempted.add(sandbox_id, at=time.time(), by_priority=by_priority, reason=reason)
+        self.admission.suspend(sandbox_id)
+        self.events.add(sandbox_id, "preempted", action="pause", by_priority=by_priority, reason=reason)
+        return rep
+
+    async def evict(self, sandbox_id: str, *, by_priority: int | None = None, reason: str = "") -> bool:
+        """Destroy for the control plane's scheduler (the task allows it): data-path calls on it
+        then answer ``SandboxEvicted``. Idempotent: False if it was not there."""
+        if self.backends.find(sandbox_id) is not None:
+            self.events.add(sandbox_id, "preempted", action="destroy", by_priority=by_priority, reason=reason)
+        self.preempted.discard(sandbox_id)
+        return await self.destroy(sandbox_id, reason=EVICTED_REASON)
+
     async def auto_pause(self, sandbox_id: str) -> None:
         """The watchdog's pause of an idle sandbox (a race with a request or a pause is fine)."""
         found = self.backends.find(sandbox_id)
@@ -1013,9 +1057,24 @@ class EdgeService:
     async def resume(self, sandbox_id: str) -> SandboxInfo:
         """Thaw a paused sandbox. SandboxStateError if it is not paused."""
         backend = self._require(sandbox_id, Capability.PAUSE, "resume")
-        rec = await backend.resume(sandbox_id)
+        if sandbox_id not in self.preempted:
+            rec = await backend.resume(sandbox_id)
+            self.touch(sandbox_id)
+            self.events.add(sandbox_id, "resumed", how="api")
+            return self.info(rec)
+        # paused by preemption: its cpu and memory must fit again first (Backpressure if not)
+        self.admission.unsuspend(sandbox_id)
+        info = self.preempted.by_id[sandbox_id]
+        self.preempted.discard(sandbox_id)
+        try:
+            rec = await backend.resume(sandbox_id)
+        except BaseException:
+            self.preempted.add(sandbox_id, at=float(info.get("at", time.time())),
+                               by_priority=int(info.get("by_priority", -1)), reason=str(info.get("reason", "")))
+            self.admission.suspend(sandbox_id)
+            raise
         self.touch(sandbox_id)
-        self.events.add(sandbox_id, "resumed", how="api")
+        self.events.add(sandbox_id, "resumed", how="after preemption")
         return self.info(rec)
 
     def _select(self, ids: builtins.list[str] | None, labels: dict[str, str] | None, task: str | None) -> builtins.list[str]:
@@ -1069,7 +1128,14 @@ class EdgeService:
 
     async def resume_where(self, *, ids: builtins.list[str] | None = None, labels: dict[str, str] | None = None,
                            task: str | None = None) -> GroupResult:
-        out = await self._group_op(self._select(ids, labels, task), pause=False)
+        chosen = self._select(ids, labels, task)
+        held = [sid for sid in chosen if sid in self.preempted]  # only their own resume takes room back
+        out = await self._group_op([sid for sid in chosen if sid not in self.preempted], pause=False)
+        for sid in held:
+            try:
+                self.preempted.gate(sid)
+            except DsecError as exc:
+                out.errors[sid] = exc
         for sid in out.done:
             self.touch(sid)
             self.events.add(sid, "resumed", how="group")

@@ -83,6 +83,30 @@ class CreateBatch(_Wire):
         return _check_labels(v)
 
 
+class PreemptionInfo(_Wire):
+    """How the scheduler preempted a sandbox (``SandboxInfo.preemption``; docs/CONTROL.md,
+    "Scheduling"). ``pause``: it is paused, its memory in swap, and ``resume`` brings it back
+    when its edge has room; ``destroy``: it is gone (its task allows that)."""
+
+    at: float
+    action: Literal["pause", "destroy"]
+    by_priority: int
+    """The priority of the create (or resume) that needed its room."""
+    priority: int
+    """Its own priority when it was preempted."""
+    reason: str = ""
+
+
+class Preempt(_Wire):
+    """Body of the edge's ``POST /v1/sandboxes/{id}/preempt`` (edge-admin: the control plane's
+    scheduler): ``pause`` (memory to swap, no longer counted; only a resume wakes it) or
+    ``destroy``."""
+
+    action: Literal["pause", "destroy"] = "pause"
+    by_priority: Annotated[int | None, Field(ge=0, le=1000)] = None
+    reason: Annotated[str, Field(max_length=300)] = ""
+
+
 class SandboxInfo(_Wire):
     id: str
     state: SandboxState
@@ -116,6 +140,9 @@ class SandboxInfo(_Wire):
     epoch: int | None = None
     """Edge answers only: the edge's fencing epoch when the sandbox was made (docs/CONTROL.md,
     "Fencing"); a fence at a higher epoch destroys it."""
+    preemption: PreemptionInfo | None = None
+    """Control-plane answers: set while the sandbox is paused by preemption, or when preemption
+    destroyed it."""
 
 
 class EdgeCreateSandbox(CreateSandbox):

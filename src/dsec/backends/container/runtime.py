@@ -1802,6 +1802,8 @@ class ContainerRuntime(BackendBase):
         box = self._boxes.get(sandbox_id)
         if box is None or box.rec.state is not SandboxState.PAUSED:
             return False
+        if self.wake_gate is not None:
+            self.wake_gate(sandbox_id)  # raises to keep it paused (preempted)
         rec = box.rec
         # While a snapshot copies its upper it thaws when the copy is done; the request
         # goes on and waits for that inside the frozen cgroup.

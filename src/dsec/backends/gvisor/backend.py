@@ -886,6 +886,8 @@ class GVisorBackend(BackendBase):
         rec = self._sandboxes.get(sandbox_id)
         if rec is None or rec.state is not SandboxState.PAUSED or self.config.pause_method != "freezer":
             return False
+        if self.wake_gate is not None:
+            self.wake_gate(sandbox_id)  # raises to keep it paused (preempted)
         self.cgroups.thaw(sandbox_id)
         self._move(rec, SandboxState.RUNNING)
         self._event(rec, "woken")
