@@ -170,6 +170,26 @@ def test_create_many_gives_up_on_persistent_backpressure() -> None:
     assert len(outcomes) == 3 and all(isinstance(o.error, Backpressure) for o in outcomes)
 
 
+def test_create_many_reports_an_unexpected_failure_and_finishes() -> None:
+    """An item whose create fails with something unexpected (here an answer that is no
+    SandboxInfo) is that item's error: the burst goes on and ends (it used to wait forever)."""
+    cluster = FakeCluster()
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        if req.method == "POST" and req.url.path == "/v1/sandboxes" and json.loads(req.content)["request_id"].endswith("-1"):
+            return httpx.Response(201, json={"not": "a sandbox"})
+        return cluster.handler(req)
+
+    async def go() -> list[Any]:
+        async with AsyncClient("http://cp.test", "dsk_good", transport=httpx.MockTransport(handler)) as c:
+            return [o async for o in c.create_many(SPEC, 4, concurrency=2, lease=False)]
+
+    outcomes = asyncio.run(asyncio.wait_for(go(), 60))
+    assert sorted(o.index for o in outcomes) == [0, 1, 2, 3]
+    failed = [o for o in outcomes if not o.ok]
+    assert [o.index for o in failed] == [1] and "validation error" in str(failed[0].error)
+
+
 def test_exec_refreshes_an_expired_token_and_raises_timeouts() -> None:
     cluster = FakeCluster()
 

@@ -364,6 +364,10 @@ class AsyncClient(FnCalls):  # fncall / fncall_many: dsec/sdk/fncall.py
                             await queue.put(CreateOutcome(i, None, DsecError(f"create failed: {exc!r}")))
                             return
                         await asyncio.sleep(random.uniform(0.1, 0.5) * attempt)
+                    except Exception as exc:  # anything else fails this item: never the burst, never a hang
+                        # (a task that died here left its outcome missing, and the loop below waited forever)
+                        await queue.put(CreateOutcome(i, None, DsecError(f"create failed: {exc!r}")))
+                        return
 
         tasks = [asyncio.ensure_future(one(i)) for i in indices]
         try:
