@@ -33,6 +33,8 @@ from dsec.control.service import Control
 from dsec.control.wire import (
     CreateProjectBody,
     CreateTaskBody,
+    SchedEvent,
+    SchedStatus,
     SetStageBody,
     StorageInfo,
     StoredSnapshot,
@@ -428,9 +430,29 @@ def create_app(config: ControlConfig, *, control: Control | None = None) -> Fast
         if body.stages is not None:
             validate.finite(body.model_dump(mode="python"))
             validate.text(repr(body.model_dump(mode="json")), "stages", max_len=1 << 20)
-        return await ctl.db.write(
-            lambda s: iam.create_task(s, who, body.name, body.quota, stages=body.stages, stage=body.stage)
-        )
+        if body.min is not None:
+            validate.finite(body.min.model_dump(mode="python"))
+        return await ctl.db.write(lambda s: ctl.sandboxes.scheduler.set_task_txn(s, who, body))
+
+    # -------------------------------------------------------- scheduling ----
+
+    @app.get("/v1/sched", tags=["scheduling"])
+    async def sched_status(ctl: Ctl, who: Who) -> SchedStatus:
+        """The scheduler's picture now: the primary pool's utilisation against the burst threshold,
+        both pools, the capacity held back for tasks' minimums, the caller's preempted sandboxes."""
+        return await ctl.sandboxes.scheduler.status(who)
+
+    @app.get("/v1/sched/events", tags=["scheduling"])
+    async def sched_events(
+        ctl: Ctl, who: Who, task: Annotated[str | None, Query(max_length=63)] = None,
+        since: Annotated[float | None, Query(ge=0, le=1e12)] = None,
+        limit: Annotated[int, Query(ge=1, le=10_000)] = 100,
+    ) -> list[SchedEvent]:
+        """What the scheduler did to the caller's sandboxes (preempted: paused or destroyed, and
+        by which priority; resumed), oldest first, after ``since``; the root project's token also
+        sees the burst pool's events."""
+        return await ctl.sandboxes.scheduler.events(who, task=validate.name_filter(task, "task"), since=since,
+                                                    limit=limit)
 
     @app.get("/v1/tasks", tags=["tasks"])
     async def list_tasks(ctl: Ctl, who: Who) -> list[TaskDetail]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import secrets
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_serializer, field_validator
 
@@ -48,6 +48,36 @@ class PlacementConfig(_Config):
     """Retry-After of a 429 when nothing fits."""
 
 
+class SchedulingConfig(_Config):
+    """The scheduler: priorities and preemption, elastic minimums, the burst pool
+    (docs/CONTROL.md, "Scheduling"; the decisions are dsec.control.sched's)."""
+
+    burst_threshold: Annotated[float, Field(gt=0, le=1)] = 0.8
+    """Primary-pool utilisation (the dominant committed share of sandboxes, cpu, memory) at or
+    above which creates of tasks that allow it go to edges labelled ``pool=burst``."""
+    burst_release_below: Annotated[float, Field(ge=0, le=1)] = 0.7
+    """Below this, burst edges that hold nothing are given back to the burst provider."""
+    preemption: bool = True
+    """A create that does not fit may preempt less urgent sandboxes (False: it gets the 429)."""
+    victim_edges: Annotated[int, Field(ge=1, le=1024)] = 8
+    """Edges examined for one preemption (a random sample of those that could hold the create)."""
+    max_victims: Annotated[int, Field(ge=1, le=1000)] = 64
+    default_priority: Annotated[int, Field(ge=0, le=1000)] = 200
+    """Priority of sandboxes without a task, and of tasks that set none (``training``)."""
+    default_preemption: Literal["pause", "destroy", "never"] = "pause"
+    """Policy of sandboxes created without a task."""
+    burst_provider: str = "static"
+    """``static``: the burst pool is the edges labelled ``pool=burst`` that joined (none is started
+    or stopped; an empty one is only reported as released); else ``module:factory``, called with
+    ``burst_provider_options`` to build a :class:`dsec.control.burst.BurstProvider` (a cloud's)."""
+    burst_provider_options: dict[str, Any] = Field(default_factory=dict)
+    burst_max_nodes: Annotated[int, Field(ge=0, le=10_000)] = 16
+    burst_headroom: Annotated[float, Field(ge=0, le=10)] = 0.25
+    """While the burst pool is in use, keep this share of it free (at least one node's worth)."""
+    burst_interval_s: Annotated[float, Field(gt=0, le=3600)] = 10.0
+    """How often the watcher's leader runs the burst controller."""
+
+
 class ControlConfig(_Config):
     """Everything one control-plane replica needs."""
 
@@ -64,6 +94,7 @@ class ControlConfig(_Config):
     public_url: str | None = None
 
     placement: PlacementConfig = PlacementConfig()
+    scheduling: SchedulingConfig = SchedulingConfig()
 
     sandbox_token_ttl_s: Annotated[float, Field(gt=0, le=7 * 86400)] = 3600.0
     """Lifetime of the data-path token in each create/get answer."""

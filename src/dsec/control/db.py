@@ -103,6 +103,21 @@ class Task(Base):
     used_memory: Mapped[int] = mapped_column(sa.BigInteger, default=0)
     stages: Mapped[dict[str, Any] | None] = mapped_column(sa.JSON)
     """Declared stages (name -> ``dsec.spec.Stage`` as JSON) and the first one: ``{"stages": {...}, "stage": ...}``."""
+    # scheduling (control/sched.py): the quota above is the task's max
+    priority: Mapped[int] = mapped_column(sa.Integer, default=200, server_default="200")
+    preemption: Mapped[str] = mapped_column(sa.String(8), default="pause", server_default="pause")
+    """What may happen to the task's sandboxes when a more urgent create needs their room:
+    ``pause`` (memory to swap, resumed later), ``destroy`` or ``never``."""
+    burst: Mapped[bool] = mapped_column(sa.Boolean, default=True, server_default=sa.true())
+    """Its creates may go to the burst pool above the utilisation threshold."""
+    min_sandboxes: Mapped[int | None] = mapped_column(sa.BigInteger)
+    min_cpu_m: Mapped[int | None] = mapped_column(sa.BigInteger)
+    min_memory: Mapped[int | None] = mapped_column(sa.BigInteger)
+    """The guaranteed minimum (reserved capacity), all three or none."""
+    active_sandboxes: Mapped[int] = mapped_column(sa.BigInteger, default=0, server_default="0")
+    active_cpu_m: Mapped[int] = mapped_column(sa.BigInteger, default=0, server_default="0")
+    active_memory: Mapped[int] = mapped_column(sa.BigInteger, default=0, server_default="0")
+    """Capacity its sandboxes hold now: ``used`` less what preemption paused (memory in swap)."""
 
 
 class SandboxRow(Base):
@@ -113,6 +128,7 @@ class SandboxRow(Base):
         sa.UniqueConstraint("project_id", "request_id", name="uq_sandboxes_project_request"),
         sa.Index("ix_sandboxes_project_state", "project_id", "state"),
         sa.Index("ix_sandboxes_edge_state", "edge_id", "state"),
+        sa.Index("ix_sandboxes_edge_victims", "edge_id", "state", "priority", "created_at"),
     )
 
     key: Mapped[str] = mapped_column(sa.String(32), primary_key=True)
@@ -138,6 +154,13 @@ class SandboxRow(Base):
     launcher: Mapped[str | None] = mapped_column(sa.String(32))
     """The replica whose create made this reservation: if that replica dies before recording
     the edge's answer, the watcher finishes the create (watcher.py, "orphaned creates")."""
+    priority: Mapped[int] = mapped_column(sa.Integer, default=200, server_default="200")
+    """Its task's priority when it was made (preemption picks victims by it)."""
+    preempted_at: Mapped[float | None] = mapped_column(sa.Double)
+    """Set while it is paused by preemption: it holds its slot and disk on its edge, not its cpu
+    and memory (the edge pushed those to swap). Cleared when it is resumed."""
+    preemption: Mapped[dict[str, Any] | None] = mapped_column(sa.JSON)
+    """The last preemption (``dsec.spec.api.PreemptionInfo`` as JSON), shown to its owner."""
 
 
 class SnapshotRow(Base):
@@ -159,6 +182,22 @@ class SnapshotRow(Base):
     info: Mapped[dict[str, Any] | None] = mapped_column(sa.JSON)
     created_at: Mapped[float] = mapped_column(sa.Double)
     updated_at: Mapped[float] = mapped_column(sa.Double)
+
+
+class SchedEventRow(Base):
+    """What the scheduler did (docs/CONTROL.md, "Scheduling"): a sandbox preempted (paused or
+    destroyed) or resumed, with its project; the burst pool turned on or off, a burst node
+    asked for or given back (no project: the operators' view)."""
+
+    __tablename__ = "sched_events"
+
+    id: Mapped[int] = mapped_column(sa.Integer, primary_key=True, autoincrement=True)
+    at: Mapped[float] = mapped_column(sa.Double, index=True)
+    project_id: Mapped[int | None] = mapped_column(sa.ForeignKey("projects.id", ondelete="CASCADE"), index=True)
+    task_name: Mapped[str | None] = mapped_column(sa.String(63))
+    sandbox_id: Mapped[str | None] = mapped_column(sa.String(63))
+    kind: Mapped[str] = mapped_column(sa.String(16))
+    detail: Mapped[dict[str, Any]] = mapped_column(sa.JSON, default=dict)
 
 
 class EdgeRow(Base):
@@ -254,6 +293,7 @@ class CreateLeaseRow(Base):
 PROJECTS = Base.metadata.tables["projects"]
 TASKS = Base.metadata.tables["tasks"]
 SANDBOXES = Base.metadata.tables["sandboxes"]
+SCHED_EVENTS = Base.metadata.tables["sched_events"]
 SNAPSHOTS = Base.metadata.tables["snapshots"]
 EDGES = Base.metadata.tables["edges"]
 

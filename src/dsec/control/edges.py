@@ -210,6 +210,13 @@ class EdgeClient:
         self._raise(resp, edge_id)
         return PauseReport.model_validate_json(resp.content)
 
+    async def preempt(self, edge_id: str, url: str, sandbox_id: str, *, action: str, by_priority: int | None,
+                      reason: str = "") -> None:
+        """The scheduler's pause (memory to swap, no longer counted) or destroy of a sandbox."""
+        resp = await self._call("POST", url, f"/v1/sandboxes/{sandbox_id}/preempt", timeout=self._long,
+                                json={"action": action, "by_priority": by_priority, "reason": reason[:300]})
+        self._raise(resp, edge_id)
+
     async def resume(self, edge_id: str, url: str, sandbox_id: str) -> SandboxInfo:
         resp = await self._call("POST", url, f"/v1/sandboxes/{sandbox_id}/resume")
         self._raise(resp, edge_id)

@@ -234,7 +234,14 @@ def bump_statement(table: sa.Table, prefix: str, extra: tuple[str, ...] = ()) ->
 
 
 _BUMP_PROJECT = bump_statement(_PJ, "used")
-_BUMP_TASK = bump_statement(_TK, "used")
+_BUMP_TASK = (  # what a task holds moves its active capacity alike (preemption moves that alone)
+    sa.update(_TK)
+    .where(_TK.c.id == sa.bindparam("b_id"))
+    .values({f"{prefix}_{col}": _TK.c[f"{prefix}_{col}"] + sa.bindparam(bp)
+             for prefix in ("used", "active")
+             for col, bp in (("sandboxes", "b_n"), ("cpu_m", "b_cpu"), ("memory", "b_mem"))})
+)
+_BUMP_TASK_ACTIVE = bump_statement(_TK, "active")
 _BUMP_RESERVED = bump_statement(_PJ, "reserved")
 # Counters move by relative UPDATEs built once (statement construction dominates otherwise).
 # ORM objects of these rows loaded earlier in the transaction do not see the change:
@@ -251,8 +258,15 @@ def bump_project(s: Session, project_id: int, delta: Amount) -> None:
 
 
 def bump_task(s: Session, task_id: int | None, delta: Amount) -> None:
+    """What the task holds (its quota's ``used``) and its active capacity move by ``delta``."""
     if task_id is not None and delta != Amount():
         _bump(s, _BUMP_TASK, task_id, delta)
+
+
+def bump_task_active(s: Session, task_id: int | None, delta: Amount) -> None:
+    """Only the task's active capacity moves (a sandbox paused by preemption, or resumed)."""
+    if task_id is not None and delta != Amount():
+        _bump(s, _BUMP_TASK_ACTIVE, task_id, delta)
 
 
 def _bump_reserved(s: Session, project_id: int, delta: Amount) -> None:
@@ -569,7 +583,19 @@ def _task_info(t: Task, project: str) -> TaskDetail:
     return TaskDetail(
         name=t.name, project=project, quota=task_quota_of(t), used=used_of(t).to_quota(), created_at=t.created_at,
         stages={k: Stage.model_validate(v) for k, v in (st.get("stages") or {}).items()}, stage=st.get("stage"),
+        **task_sched_fields(t),
     )
+
+
+def task_sched_fields(t: Task) -> dict[str, Any]:
+    """The scheduling part of a ``TaskDetail``."""
+    mn = None
+    if t.min_sandboxes is not None:
+        mn = Amount(int(t.min_sandboxes), int(t.min_cpu_m or 0), int(t.min_memory or 0)).to_quota()
+    active = Amount(int(t.active_sandboxes or 0), int(t.active_cpu_m or 0), int(t.active_memory or 0))
+    return {"priority": int(t.priority if t.priority is not None else 200),
+            "preemption": t.preemption or "pause", "min": mn,
+            "burst": True if t.burst is None else bool(t.burst), "active": active.to_quota()}
 
 
 def stages_doc(stages: dict[str, Stage], stage: str | None) -> dict[str, Any] | None:

@@ -121,7 +121,7 @@ class _EncodedJSON(sa.types.TypeDecorator[Any]):
 _JSON_COLS = ("spec", "labels", "lifecycle")
 _SLOT_COLS = ("key", "id", "edge_id", "edge_url", "project_id", "task_id", "task_name", "labels", "state", "spec",
               "lifecycle", "cpu_m", "memory", "disk", "created_at", "updated_at", "expires_at", "request_id",
-              "request_hash", "reason", "launcher")
+              "request_hash", "reason", "launcher", "priority")
 """The columns a slot's reservation sets (the others take their defaults)."""
 _INSERT_SLOTS = sa.insert(_SB).values(
     {c: sa.bindparam(c, type_=_EncodedJSON() if c in _JSON_COLS else _SB.c[c].type) for c in _SLOT_COLS}
@@ -341,8 +341,10 @@ class Leases:
         loaded = load_views(s, self.sb.health)
         views = [v for v, _ in loaded]
         urls = {v.id: u for v, u in loaded}
+        # the scheduler's say: which pool, and never the room held back for tasks' minimums (scheduler.py)
+        views, n = self.sb.scheduler.lease_room_txn(s, views, t, want, n)
         alloc = split(views, demand, n, k=self.config.placement.k, rng=self.sb.rng,
-                      require_layers=self.config.placement.require_layers)
+                      require_layers=self.config.placement.require_layers) if n else {}
         placed = sum(alloc.values())
         if req.ahead and placed < req.count:
             raise Backpressure(f"no lease ahead of creates: edges have room for {placed} of {req.count} now",
@@ -373,6 +375,7 @@ class Leases:
                 "cpu_m": demand.need.cpu_m, "memory": demand.need.memory, "disk": demand.need.disk,
                 "created_at": now, "updated_at": now, "expires_at": now + req.lifecycle.ttl_s, "request_id": None,
                 "request_hash": "", "reason": f"lease {lid}", "launcher": None,
+                "priority": int(t.priority) if t is not None else self.sb.scheduler.cfg.default_priority,
             }
             rows.append((common, [slot_key(lid, i) for i in range(slots)]))
             bump_edge(s, edge_id, _times(demand.need, slots))

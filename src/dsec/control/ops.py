@@ -50,7 +50,7 @@ from dsec.control.locking import lock_one
 from dsec.control.placement import normalize_ref
 from dsec.control.sandboxes import Ledger, Sandboxes, _finish_many, labels_match, move
 from dsec.control.wire import StorageInfo, StoredSnapshot
-from dsec.errors import DsecError, InvalidSpec, LayerInUse, SandboxStateError
+from dsec.errors import DsecError, InvalidSpec, LayerInUse, SandboxPreempted, SandboxStateError
 from dsec.spec import ImageRef, SandboxState, can_move
 from dsec.spec.api import (
     ForkRequest,
@@ -141,6 +141,9 @@ class Operations:
         return rep
 
     async def resume(self, who: Principal, sandbox_id: str) -> SandboxInfo:
+        await self.sb.settled(sandbox_id)
+        if await self.sb.scheduler.resume(who, sandbox_id, self.sb.rng):  # paused by preemption: room first
+            return await self.sb.get(who, sandbox_id)
         t = await self._target(who, sandbox_id)
         await self.edges.resume(t.edge_id, t.url, sandbox_id)
         await self.store.write(partial(self._set_states_txn, ids=[sandbox_id], target=S.RUNNING))
@@ -210,6 +213,21 @@ class Operations:
                                        "sandbox_id": sid}
 
         await asyncio.gather(*(one_edge(e, u, sids) for e, (u, sids) in by_edge.items()))
+        if op == "resume":  # those paused by preemption resume only where the scheduler finds them room
+            held = [sid for sid, err in out.errors.items() if err.get("code") == SandboxPreempted.code]
+            sem = asyncio.Semaphore(16)
+
+            async def again(sid: str) -> None:
+                async with sem:
+                    try:
+                        await self.sb.scheduler.resume(who, sid, self.sb.rng)
+                    except DsecError as exc:
+                        out.errors[sid] = exc.to_wire()
+                        return
+                out.errors.pop(sid, None)
+                out.done.append(sid)
+
+            await asyncio.gather(*(again(sid) for sid in held))
         target = S.PAUSED if op == "pause" else S.RUNNING
         settled = out.done + out.skipped
         if settled:

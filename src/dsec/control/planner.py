@@ -24,7 +24,10 @@ transactions (every reserve reports what it saw):
   answered from its first call's row: an optimistic call would make a
   sandbox only to drop it);
 - placement runs on the last edge views a transaction loaded, with this
-  replica's unrecorded optimistic creates added to each edge's load.
+  replica's unrecorded optimistic creates added to each edge's load;
+- the last transaction's placement was an ordinary one (the scheduler's
+  ``plain``: the primary pool below the burst threshold, no task minimum held
+  back, nothing preempted); burst edges are never in the views it plans on.
 
 Anything older than :data:`MAX_AGE_S` is not trusted: the create takes the
 careful path and refreshes it. Pure bookkeeping, no I/O; called on the event
@@ -62,6 +65,9 @@ class Seen:
     task_free: TaskLimit | None = None
     task_has_stages: bool = False
     views: tuple[tuple[EdgeView, str], ...] = ()
+    plain: bool = True
+    """The scheduler placed it the ordinary way (primary pool, below the burst threshold, no
+    minimum held back): False makes this replica take the careful path until one is again."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,7 +185,9 @@ class LaunchPlanner:
         if s.task is not None:
             q.task_free[s.task] = s.task_free
             q.task_stages[s.task] = s.task_has_stages
-        if s.views:
+        if not s.plain:
+            self._views = None  # priorities, minimums or the burst pool are in play: the transaction decides
+        elif s.views:
             self._views = (now, s.views)
 
     def refused(self, project_id: int, key: str | None = None) -> None:

@@ -38,7 +38,7 @@ from sqlalchemy.orm import Session
 
 from dsec import auth
 from dsec.control.config import ControlConfig
-from dsec.control.db import PROJECTS, SANDBOXES, TASKS, Project, SandboxRow, Store
+from dsec.control.db import PROJECTS, SANDBOXES, TASKS, Project, SandboxRow, Store, Task
 from dsec.control.edges import (
     EdgeClient,
     EdgeDirectory,
@@ -54,6 +54,7 @@ from dsec.control.iam import (
     ancestors,
     bump_project,
     bump_task,
+    bump_task_active,
     check_fits,
     check_name,
     check_task_fits,
@@ -62,8 +63,10 @@ from dsec.control.iam import (
     task_limit,
 )
 from dsec.control.locking import lock_one
-from dsec.control.placement import Demand, EdgeView, Room, normalize_ref, place, why_nothing_fits
+from dsec.control.placement import Demand, EdgeView, Room, normalize_ref, why_nothing_fits
 from dsec.control.planner import LaunchPlanner, Plan, Seen
+from dsec.control.sched import Placed, Preempting, is_burst
+from dsec.control.scheduler import PREEMPT_ROUNDS, NeedsRoom, Scheduler
 from dsec.control.stats import CreateStats
 from dsec.errors import (
     Backpressure,
@@ -83,6 +86,7 @@ from dsec.spec.api import (
     CreateBatch,
     CreateSandbox,
     FnCallLease,
+    PreemptionInfo,
     SandboxInfo,
     TaskQuota,
 )
@@ -117,6 +121,8 @@ _Q_TASK = (
     sa.select(
         _TK.c.id, _TK.c.quota_sandboxes, _TK.c.quota_cpu_m, _TK.c.quota_memory, _TK.c.used_sandboxes,
         _TK.c.used_cpu_m, _TK.c.used_memory, _TK.c.stages,
+        _TK.c.priority, _TK.c.preemption, _TK.c.burst, _TK.c.min_sandboxes, _TK.c.min_cpu_m, _TK.c.min_memory,
+        _TK.c.active_sandboxes, _TK.c.active_cpu_m, _TK.c.active_memory,  # scheduling (scheduler.py)
     )
     .where(_TK.c.project_id == sa.bindparam("pid"), _TK.c.name == sa.bindparam("name"))
     .with_for_update()
@@ -168,6 +174,26 @@ def room_of(row: SandboxRow) -> Room:
     return Room(1, row.cpu_m, row.memory, row.disk)
 
 
+_UNSUSPENDED = frozenset({S.CREATING.value, S.RUNNING.value})
+
+
+def held_room(row: SandboxRow, state: str | None, preempted: bool) -> Room:
+    """What the row holds on its edge in ``state``: a sandbox paused by preemption (and whatever
+    follows, until it is resumed) keeps its slot and its disk, not its cpu and memory."""
+    if state not in HOLDS_EDGE:
+        return Room()
+    if preempted and state not in _UNSUSPENDED:
+        return Room(1, 0, 0, row.disk)
+    return room_of(row)
+
+
+def active_of(row: SandboxRow, state: str | None, preempted: bool) -> Amount:
+    """What the row counts in its task's active capacity (scheduling: sched.Standing)."""
+    if state not in HOLDS_QUOTA or (preempted and state not in _UNSUSPENDED):
+        return Amount()
+    return amount_of(row)
+
+
 @dataclass
 class Ledger:
     """Counter deltas of one transaction, written once at the end (one UPDATE per row touched)."""
@@ -175,35 +201,49 @@ class Ledger:
     projects: dict[int, Amount] = field(default_factory=dict)
     tasks: dict[int, Amount] = field(default_factory=dict)
     edges: dict[str, Room] = field(default_factory=dict)
+    active: dict[int, Amount] = field(default_factory=dict)
+    """Tasks' active capacity beyond what moved with ``tasks`` (preemption)."""
 
-    def charge(self, row: SandboxRow, old: str | None, new: str | None, *, old_edge: str | None = None) -> None:
-        """Account for ``row`` moving from state ``old`` to ``new`` (None: no row)."""
+    def charge(self, row: SandboxRow, old: str | None, new: str | None, *, old_edge: str | None = None,
+               was_preempted: bool | None = None) -> None:
+        """Account for ``row`` moving from state ``old`` to ``new`` (None: no row). ``was_preempted``:
+        the row's preemption mark in ``old`` when it differs from the mark it has now."""
+        now_p = row.preempted_at is not None
+        was_p = now_p if was_preempted is None else was_preempted
         q = (new in HOLDS_QUOTA) - (old in HOLDS_QUOTA)
         if q:
             a = amount_of(row) * q
             self.projects[row.project_id] = self.projects.get(row.project_id, Amount()) + a
             if row.task_id is not None:
                 self.tasks[row.task_id] = self.tasks.get(row.task_id, Amount()) + a
+        if row.task_id is not None and (now_p or was_p):
+            extra = active_of(row, new, now_p) - active_of(row, old, was_p) - amount_of(row) * q
+            if extra != Amount():
+                self.active[row.task_id] = self.active.get(row.task_id, Amount()) + extra
         prev_edge = row.edge_id if old_edge is None else old_edge
         if old in HOLDS_EDGE and prev_edge:
-            self.edges[prev_edge] = self.edges.get(prev_edge, Room()) - room_of(row)
+            self.edges[prev_edge] = self.edges.get(prev_edge, Room()) - held_room(row, old, was_p)
         if new in HOLDS_EDGE and row.edge_id:
-            self.edges[row.edge_id] = self.edges.get(row.edge_id, Room()) + room_of(row)
+            self.edges[row.edge_id] = self.edges.get(row.edge_id, Room()) + held_room(row, new, now_p)
 
     def flush(self, s: Session) -> None:
         for pid, a in sorted(self.projects.items()):
             bump_project(s, pid, a)
-        for tid, a in sorted(self.tasks.items()):
-            bump_task(s, tid, a)
+        for tid in sorted(set(self.tasks) | set(self.active)):
+            bump_task(s, tid, self.tasks.get(tid, Amount()))
+            bump_task_active(s, tid, self.active.get(tid, Amount()))
         for eid, r in sorted(self.edges.items()):
-            bump_edge(s, eid, r)
+            if r != Room():
+                bump_edge(s, eid, r)
         self.projects.clear()
         self.tasks.clear()
+        self.active.clear()
         self.edges.clear()
 
 
 def move(row: SandboxRow, target: SandboxState, ledger: Ledger, *, reason: str | None = None) -> None:
-    """Move ``row`` to ``target`` along the transition table (through ``stopping`` to reach ``stopped``)."""
+    """Move ``row`` to ``target`` along the transition table (through ``stopping`` to reach ``stopped``).
+    Resuming a sandbox paused by preemption clears its mark (it holds its cpu and memory again)."""
     cur = SandboxState(row.state)
     if cur == target:
         return
@@ -213,7 +253,12 @@ def move(row: SandboxRow, target: SandboxState, ledger: Ledger, *, reason: str |
             move(row, S.STOPPED, ledger, reason=reason)
             return
         raise DsecError(f"sandbox {row.id or row.key}: illegal move {cur.value} -> {target.value}")
-    ledger.charge(row, cur.value, target.value)
+    if target == S.RUNNING and row.preempted_at is not None:
+        row.preempted_at = None
+        row.preemption = None
+        ledger.charge(row, cur.value, target.value, was_preempted=True)
+    else:
+        ledger.charge(row, cur.value, target.value)
     row.state = target.value
     row.updated_at = time.time()
     if reason is not None:
@@ -274,6 +319,8 @@ class Sandboxes:
         self.planner = LaunchPlanner(
             k=config.placement.k, require_layers=config.placement.require_layers, rng=self.rng
         )
+        self.scheduler = Scheduler(config, store, edges, directory, self.health)
+        """Priorities, preemption, elastic minimums, the burst pool (scheduler.py, sched.py)."""
         self._confirming: dict[str, asyncio.Future[SandboxInfo | None]] = {}
         """Creates answered but not yet recorded (id -> the commit): lookups by id wait for them."""
         self._background: set[asyncio.Task[Any]] = set()
@@ -313,6 +360,7 @@ class Sandboxes:
             created_at=row.created_at,
             expires_at=row.expires_at,
             reason=row.reason,
+            preemption=PreemptionInfo.model_validate(row.preemption) if row.preemption else None,
         )
 
     async def _fresh_url(self, row_id: str, stored: str) -> str:
@@ -356,17 +404,6 @@ class Sandboxes:
                              scope="fncall")
         return FnCallLease(edge_id=view.id, edge_url=url, token=tok, expires_at=exp)
 
-    def _pick(
-        self, s: Session, demand: Demand, exclude: frozenset[str]
-    ) -> tuple[EdgeView | None, list[EdgeView], dict[str, str], list[tuple[EdgeView, str]]]:
-        loaded = load_views(s, self.health)
-        views = [v for v, _ in loaded]
-        chosen = place(
-            views, demand, k=self.config.placement.k, rng=self.rng, exclude=exclude,
-            require_layers=self.config.placement.require_layers,
-        )
-        return chosen, views, {v.id: url for v, url in loaded}, loaded
-
     @staticmethod
     def _unknown_layer(views: Sequence[EdgeView], demand: Demand) -> LayerNotFound | None:
         """No live edge holds a layer of the image (and edges do report layers), nor can fetch it
@@ -384,7 +421,8 @@ class Sandboxes:
             layers=missing,
         )
 
-    def _nothing_fits(self, views: Sequence[EdgeView], demand: Demand, tried: frozenset[str]) -> DsecError:
+    def _nothing_fits(self, views: Sequence[EdgeView], demand: Demand, tried: frozenset[str],
+                      reason: str | None = None) -> DsecError:
         live = [v for v in views if v.alive]
         if live and not any(demand.backend in v.backends for v in live):
             runs = sorted({b for v in live for b in v.backends})
@@ -393,7 +431,8 @@ class Sandboxes:
                 "pick one of those in SandboxSpec.backend, or add the backend to an edge's configuration",
                 operation="create", backend=demand.backend,
             )
-        reason = why_nothing_fits(views, demand) if not tried else f"edges {sorted(tried)} refused or failed"
+        if reason is None or reason == "no edge has room":
+            reason = why_nothing_fits(views, demand) if not tried else f"edges {sorted(tried)} refused or failed"
         retry = self.config.placement.retry_after_s
         return Backpressure(
             f"no edge can take this sandbox now ({reason}); retry after {retry:g}s",
@@ -404,7 +443,8 @@ class Sandboxes:
     def _reserve_txn(
         self, s: Session, who: Principal, req: CreateSandbox, rhash: str, demand: Demand,
         dumped: dict[str, Any] | None = None, plan: Plan | None = None, key: str | None = None,
-    ) -> Reserved | Answered | InFlight:
+        preempt: bool = True,
+    ) -> Reserved | Answered | InFlight | NeedsRoom:
         """Check quotas, choose an edge and charge everything, in one transaction (the hot path).
 
         Built from Core statements prepared once: this runs for every sandbox
@@ -447,16 +487,27 @@ class Sandboxes:
             t_used = Amount(t.used_sandboxes, t.used_cpu_m, t.used_memory)
             check_task_fits(task=str(req.task), project=p.name, quota=tq, used=t_used, want=want)
             task_free = {d: None if v is None else v - t_used.get(d) - want.get(d) for d, v in task_limit(tq).items()}
+        plain = True
+        loaded = load_views(s, self.health) if plan is not None else []
+        if plan is not None and not self.scheduler.plan_holds(s, [v for v, _ in loaded], t, want):
+            plan = None  # the burst pool or a task's minimum is in play: the scheduler decides (and the
+            key = key or uuid.uuid4().hex  # caller, seeing another edge or none, drops the optimistic sandbox)
         if plan is None:
-            chosen, views, urls, loaded = self._pick(s, demand, frozenset())
+            loaded = loaded or load_views(s, self.health)
+            views = [v for v, _ in loaded]
+            urls = {v.id: url for v, url in loaded}
             unknown = self._unknown_layer(views, demand)
             if unknown is not None:
                 raise unknown
-            if chosen is None:
-                raise self._nothing_fits(views, demand, frozenset())
+            got = self.scheduler.decide_txn(s, views, demand, t, want, self.rng, preempt=preempt)
+            d, plain = got.decision, got.plain
+            if isinstance(d, Preempting):  # nothing written: the victims go first (_create)
+                return NeedsRoom(d.victims, got.ask.priority, d.edge.id)
+            if not isinstance(d, Placed):
+                raise self._nothing_fits(views, demand, frozenset(), reason=d.reason)
+            chosen = d.edge
             key = key or uuid.uuid4().hex
         else:  # the edge call is under way: record it there (the edge has the final say on room)
-            loaded = load_views(s, self.health)
             # at the edge's address now: an edge that moved makes the caller drop the plan
             urls = {v.id: u for v, u in loaded if v.id == plan.edge.id} or {plan.edge.id: plan.url}
             chosen, key = plan.edge, plan.key
@@ -475,6 +526,7 @@ class Sandboxes:
             "memory": demand.need.memory, "disk": demand.need.disk, "created_at": now, "updated_at": now,
             "expires_at": expires, "request_id": req.request_id, "request_hash": rhash, "reason": "",
             "launcher": self.launcher,
+            "priority": int(t.priority) if t is not None else self.scheduler.cfg.default_priority,
         })
         bump_project(s, who.project_id, want)
         if t is not None:
@@ -485,7 +537,8 @@ class Sandboxes:
             task_free=task_free, task_has_stages=bool(t is not None and _task_stages_doc(t.stages)),
             # as the next transaction will see them: with this create's room on its edge
             views=tuple((dataclasses.replace(v, committed=v.committed + demand.need) if v.id == chosen.id else v, u)
-                        for v, u in loaded),
+                        for v, u in loaded if not is_burst(v)),
+            plain=plain,
         )
         return Reserved(
             key=key, edge_id=chosen.id, edge_url=urls[chosen.id], labels=labels, task=req.task,
@@ -518,7 +571,13 @@ class Sandboxes:
         row = s.get(SandboxRow, key, with_for_update=True)
         if row is None or row.state != S.CREATING.value:
             return SandboxFailed("the sandbox was deleted while it was being created", reason="deleted")
-        chosen, views, urls, _ = self._pick(s, demand, tried)
+        loaded = load_views(s, self.health)
+        views = [v for v, _ in loaded]
+        urls = {v.id: url for v, url in loaded}
+        task = s.get(Task, row.task_id) if row.task_id is not None else None
+        # the reservation is counted already: the task's standing and the pool include it
+        d = self.scheduler.decide_txn(s, views, demand, task, Amount(), self.rng, exclude=tried, preempt=False).decision
+        chosen = d.edge if isinstance(d, Placed) else None
         ledger = Ledger()
         if chosen is None:
             forget(s, row, ledger)
@@ -618,13 +677,14 @@ class Sandboxes:
         first: asyncio.Task[SandboxInfo] | None = None
         if plan is not None:
             first = asyncio.ensure_future(self.edges.create(plan.edge.id, plan.url, self._edge_body(who, key, dumped, None)))
+        preempted = 0
         while True:
             # a fresh key per try: a plan dropped below may still have its sandbox under plan.key
             rkey = plan.key if plan is not None else uuid.uuid4().hex
             try:
                 r = await self.store.write_grouped(
                     partial(self._reserve_txn, who=who, req=req, rhash=rhash, demand=demand, dumped=dumped, plan=plan,
-                            key=rkey),
+                            key=rkey, preempt=preempted < PREEMPT_ROUNDS),
                     checks_first=True,
                 )
             except BaseException as exc:
@@ -654,6 +714,14 @@ class Sandboxes:
                 break
             if isinstance(r, Answered):
                 return r.info
+            if isinstance(r, NeedsRoom):  # preempt less urgent sandboxes, then reserve again
+                preempted += 1
+                taken = await self.scheduler.preempt(r.victims, by_priority=r.by_priority,
+                                                     reason=f"a create in project {who.project}"
+                                                            + (f", task {req.task}" if req.task else ""))
+                if not taken:
+                    preempted += 1  # nothing could be taken: one more look, then the 429
+                continue
             await self._wait_in_flight(who, req, deadline)
         assert r.seen is not None
         self.planner.seen(r.seen, key=r.key)

@@ -405,8 +405,8 @@ def decide(
         if e is not None:
             return Placed(e, burst=True)
     # inside its minimum, a create uses what was reserved for it (held_back counts it)
-    fits_beyond = ask.guaranteed or room_beyond(pools, held_back, need)
-    if fits_beyond:
+    held = _held_back_blocks(ask, pools, held_back, need)
+    if not held:
         e = place(pools.primary, demand, k=cfg.k, rng=rng, exclude=exclude, require_layers=cfg.require_layers)
         if e is not None:
             return Placed(e)
@@ -414,10 +414,20 @@ def decide(
         p = choose_preemption(pools.primary, demand, ask, victims_on, standings, cfg, rng, exclude)
         if p is not None and (ask.guaranteed or _beyond_after(pools, held_back, need, p.victims)):
             return p
-    if not fits_beyond:
+    return _refusal(held, pools, need, "no edge has room")
+
+
+def _held_back_blocks(ask: Ask, pools: Pools, held_back: Amount, need: Room) -> bool:
+    """The minimums held back for other tasks leave no room for this create (one outside its own)."""
+    return (not ask.guaranteed and (held_back.sandboxes or held_back.cpu_m or held_back.memory) > 0
+            and not room_beyond(pools, held_back, need))
+
+
+def _refusal(held: bool, pools: Pools, need: Room, otherwise: str) -> Refused:
+    if held and room_beyond(pools, Amount(), need):
         return Refused("the primary pool's free room is reserved for other tasks' minimums (elastic min)",
                        reserved=True)
-    return Refused("no edge has room")
+    return Refused(otherwise)
 
 
 def _beyond_after(pools: Pools, held_back: Amount, need: Room, victims: Sequence[Victim]) -> bool:
@@ -432,18 +442,15 @@ def _decide_on(
     standings: Mapping[Hashable, Standing], cfg: SchedConfig,
 ) -> Decision:
     burst = is_burst(e)
-    beyond = burst or ask.guaranteed or room_beyond(pools, held_back, demand.need)
-    if beyond and fits(e, demand):
+    held = not burst and _held_back_blocks(ask, pools, held_back, demand.need)
+    if not held and fits(e, demand):
         return Placed(e, burst=burst)
     if cfg.preemption and victims_on is not None and _could_hold(e, demand):
         below = None if ask.guaranteed else ask.priority
         vs = pick_victims(e, demand.need, ask, victims_on(e.id, below), standings, cfg)
         if vs and (burst or ask.guaranteed or _beyond_after(pools, held_back, demand.need, vs)):
             return Preempting(e, vs, burst=burst)
-    if not beyond:
-        return Refused("the primary pool's free room is reserved for other tasks' minimums (elastic min)",
-                       reserved=True)
-    return Refused(f"edge {e.id} has no room")
+    return _refusal(held, pools, demand.need, f"edge {e.id} has no room")
 
 
 # ---------------------------------------------------------------------- burst ----

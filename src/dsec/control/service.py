@@ -20,6 +20,7 @@ import sqlalchemy as sa
 from dsec import auth
 from dsec.auth import hash_api_token
 from dsec.control import replicas
+from dsec.control.burst import BurstController, load_provider
 from dsec.control.config import ControlConfig, write_secret
 from dsec.control.db import Store
 from dsec.control.edges import EdgeClient, EdgeDirectory
@@ -128,6 +129,10 @@ class Control:
             create_budget_s=cfg.edge_timeout_s * cfg.placement.max_attempts + 5.0,
         )
         self.watcher.holder = self.replica_id
+        self.burst = BurstController(cfg, store, self.sandboxes.health, self.sandboxes.scheduler.cfg,
+                                     load_provider(cfg))
+        """The burst pool's controller (burst.py): run by the watcher's leader."""
+        self.watcher.on_tick = self.burst.tick
         await replicas.beat(store, self.replica_id, self.url)
         self._beat_task = asyncio.create_task(
             replicas.beat_forever(store, self.replica_id, lambda: self.url, cfg.replica_beat_s),

@@ -36,7 +36,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import sqlalchemy as sa
@@ -85,6 +85,8 @@ class Watcher:
         self.rounds = 0
         self.fenced: list[tuple[str, int, list[str]]] = []
         """(edge, epoch, sandboxes destroyed) of the fences this watcher applied (tests, bench)."""
+        self.on_tick: Callable[[], Awaitable[None]] | None = None
+        """Run at the end of each round this replica leads (the burst controller, burst.py)."""
 
     @property
     def lease_ttl(self) -> float:
@@ -134,6 +136,8 @@ class Watcher:
         if now - self._recounted >= RECOUNT_EVERY_S:
             self._recounted = now
             await self.store.write(recount_txn)
+        if self.on_tick is not None:
+            await self.on_tick()
         return True
 
     def _lease_txn(self, s: Session) -> bool:
@@ -511,9 +515,28 @@ def adopt_unconfirmed(pending: list[tuple[SandboxRow, str]], sb: SandboxInfo, le
 # ---------------------------------------------------------------- recount ----
 
 
-def _sums(s: Session, key: Any, states: frozenset[str], *, disk: bool = False) -> dict[Any, tuple[int, ...]]:
-    cols: list[Any] = [key, sa.func.count(), sa.func.coalesce(sa.func.sum(SandboxRow.cpu_m), 0),
-                       sa.func.coalesce(sa.func.sum(SandboxRow.memory), 0)]
+_SUSPENDED = sa.and_(SandboxRow.preempted_at.is_not(None),
+                     SandboxRow.state.not_in((S.CREATING.value, S.RUNNING.value)))
+"""Rows paused by preemption (and what follows until a resume): no cpu and memory held (sandboxes.held_room)."""
+
+
+def _held(col: Any, *, suspended: bool) -> Any:
+    """``sum(col)``, leaving out rows paused by preemption when ``suspended`` (cpu and memory)."""
+    if not suspended:
+        return sa.func.coalesce(sa.func.sum(col), 0)
+    return sa.func.coalesce(sa.func.sum(sa.case((_SUSPENDED, 0), else_=col)), 0)
+
+
+def _sums(s: Session, key: Any, states: frozenset[str], *, disk: bool = False,
+          suspended: bool = False) -> dict[Any, tuple[int, ...]]:
+    """Per ``key``: count, cpu, memory (and disk) of the rows in ``states``; ``suspended``: what
+    they hold on their edge or in their task's active capacity (preempted rows hold no cpu or memory;
+    nor count, for the active capacity)."""
+    count: Any = sa.func.count()
+    if suspended and not disk:  # a task's active capacity: a preempted sandbox counts for nothing
+        count = sa.func.coalesce(sa.func.sum(sa.case((_SUSPENDED, 0), else_=1)), 0)
+    cols: list[Any] = [key, count, _held(SandboxRow.cpu_m, suspended=suspended),
+                       _held(SandboxRow.memory, suspended=suspended)]
     if disk:
         cols.append(sa.func.coalesce(sa.func.sum(SandboxRow.disk), 0))
     q = sa.select(*cols).where(SandboxRow.state.in_(tuple(states)), key.is_not(None)).group_by(key)
@@ -525,8 +548,8 @@ def _recount_edge(s: Session, edge_id: str) -> None:
     if e is None:
         return
     q = sa.select(
-        sa.func.count(), sa.func.coalesce(sa.func.sum(SandboxRow.cpu_m), 0),
-        sa.func.coalesce(sa.func.sum(SandboxRow.memory), 0), sa.func.coalesce(sa.func.sum(SandboxRow.disk), 0),
+        sa.func.count(), _held(SandboxRow.cpu_m, suspended=True), _held(SandboxRow.memory, suspended=True),
+        sa.func.coalesce(sa.func.sum(SandboxRow.disk), 0),
     ).where(SandboxRow.edge_id == edge_id, SandboxRow.state.in_(tuple(HOLDS_EDGE)))
     n, cpu, mem, disk = (int(x) for x in s.execute(q).one())
     e.committed_sandboxes, e.committed_cpu_m, e.committed_memory, e.committed_disk = n, cpu, mem, disk
@@ -568,12 +591,19 @@ def recount_txn(s: Session) -> int:
             p.reserved_sandboxes, p.reserved_cpu_m, p.reserved_memory = r
     tasks = s.execute(sa.select(Task).order_by(Task.id).with_for_update()).scalars().all()
     tused = _sums(s, SandboxRow.task_id, HOLDS_QUOTA)
+    tactive = _sums(s, SandboxRow.task_id, HOLDS_QUOTA, suspended=True)
     for t in tasks:
         u = tused.get(t.id, (0, 0, 0))
         if (t.used_sandboxes, t.used_cpu_m, t.used_memory) != u:
             fixed += 1
             t.used_sandboxes, t.used_cpu_m, t.used_memory = u
-    eused = _sums(s, SandboxRow.edge_id, HOLDS_EDGE, disk=True)
+        a = tactive.get(t.id, (0, 0, 0))
+        if (t.active_sandboxes, t.active_cpu_m, t.active_memory) != a:
+            log.warning("task %s active capacity drifted: %s -> %s", t.name,
+                        (t.active_sandboxes, t.active_cpu_m, t.active_memory), a)
+            fixed += 1
+            t.active_sandboxes, t.active_cpu_m, t.active_memory = a
+    eused = _sums(s, SandboxRow.edge_id, HOLDS_EDGE, disk=True, suspended=True)
     for e in s.execute(sa.select(EdgeRow).order_by(EdgeRow.id).with_for_update()).scalars():
         u = eused.get(e.id, (0, 0, 0, 0))
         if (e.committed_sandboxes, e.committed_cpu_m, e.committed_memory, e.committed_disk) != u:

@@ -456,7 +456,9 @@ def create_app(config: EdgeConfig, *, service: EdgeService | None = None) -> Fas
         return _json(await svc.preempt(sandbox_id, by_priority=body.by_priority, reason=body.reason))
 
     @app.post("/v1/sandboxes/{sandbox_id}/resume", response_model=SandboxInfo, tags=["pause"])
-    async def resume_sandbox(sandbox_id: str, _c: Owner) -> Response:
+    async def resume_sandbox(sandbox_id: str, c: Owner) -> Response:
+        if sandbox_id in svc.preempted and c.scope != "edge-admin":
+            svc.preempted.gate(sandbox_id)  # its room is the scheduler's to give back: the control plane resumes it
         return _json(await svc.resume(sandbox_id))
 
     @app.post("/v1/pause", response_model=GroupResult, tags=["pause"])

@@ -32,6 +32,7 @@ from dsec.errors import (
     NotFound,
     QuotaExceeded,
     SandboxNotFound,
+    SandboxPreempted,
 )
 from dsec.sdk._http import UNSET as UNSET  # defined beside the HTTP plumbing, which needs it too
 from dsec.sdk._http import Endpoint, Response, _Unset, raise_for_error, result_from_wire
@@ -41,6 +42,7 @@ from dsec.sdk.leases import AHEAD_SLOTS, LeasesAhead
 from dsec.spec import NetworkPolicy, SandboxSpec, SandboxState
 
 if TYPE_CHECKING:
+    from dsec.control.wire import SchedEvent, SchedStatus, TaskDetail
     from dsec.sdk.leases import AsyncLease
     from dsec.sdk.terminal import AsyncTerminal
 from dsec.spec.api import (
@@ -58,6 +60,7 @@ from dsec.spec.api import (
     Lifecycle,
     NetworkInfo,
     PauseReport,
+    PreemptionInfo,
     ProjectInfo,
     Quota,
     SandboxInfo,
@@ -403,6 +406,12 @@ class AsyncClient(FnCalls):  # fncall / fncall_many: dsec/sdk/fncall.py
 
             raise SandboxLost(f"sandbox {sandbox_id} was lost with its edge {info.edge_id} ({info.reason})",
                               sandbox_id=sandbox_id, edge_id=info.edge_id, reason=info.reason)
+        if info.state is SandboxState.STOPPED and info.preemption is not None and info.preemption.action == "destroy":
+            from dsec.errors import SandboxEvicted
+
+            raise SandboxEvicted(f"sandbox {sandbox_id} was destroyed to make room for more urgent work "
+                                 f"(priority {info.preemption.by_priority}); create another",
+                                 sandbox_id=sandbox_id, by_priority=info.preemption.by_priority, reason=info.reason)
         if info.state is SandboxState.STOPPED or info.token is None:
             raise SandboxNotFound.ended(sandbox_id, info.state.value, info.reason)
         return AsyncSandbox(self, info)
@@ -440,6 +449,64 @@ class AsyncClient(FnCalls):  # fncall / fncall_many: dsec/sdk/fncall.py
 
     async def delete_task(self, task: str) -> int:
         return await self.delete_where(task=task)
+
+    # ----- tasks and scheduling (docs/CONTROL.md, "Scheduling") -----
+
+    async def create_task(
+        self,
+        name: str,
+        *,
+        quota: Mapping[str, float] | None = None,
+        min: Mapping[str, float] | None = None,
+        priority: int | str | None = None,
+        preemption: str | None = None,
+        burst: bool | None = None,
+        project: str | None = None,
+    ) -> TaskDetail:
+        """Make a task, or set an existing one's quota (its ``max``: always set) and the scheduling
+        fields given (the others stay). ``priority``: ``background``, ``training`` (default),
+        ``evaluation`` or 0..1000; ``preemption``: ``pause`` (default), ``destroy`` or ``never``;
+        ``min``: the guaranteed ``sandboxes``, ``cpu`` and ``memory`` (reserved capacity);
+        ``burst``: may go to the burst pool. A priority above training and a min are set by a
+        token of an ancestor of the task's ``project`` (default: the caller's), or the root's."""
+        from dsec.control.wire import CreateTaskBody, TaskDetail
+
+        body = _wire(CreateTaskBody, name=name, quota=dict(quota or {}), min=dict(min) if min is not None else None,
+                     priority=priority, preemption=preemption, burst=burst, project=project)
+        resp = await self._call("POST", "/v1/tasks", content=body.model_dump_json(exclude_none=True), headers=_JSON)
+        return TaskDetail.model_validate_json(resp.content)
+
+    async def task(self, name: str) -> TaskDetail:
+        """A task with its quota, use, stages and scheduling (``active``: what it holds now)."""
+        from dsec.control.wire import TaskDetail
+
+        return TaskDetail.model_validate_json((await self._call("GET", f"/v1/tasks/{name}")).content)
+
+    async def tasks(self) -> builtins.list[TaskDetail]:
+        from dsec.control.wire import TaskDetail
+
+        return [TaskDetail.model_validate(x) for x in (await self._call("GET", "/v1/tasks")).json()]
+
+    async def sched_events(self, *, task: str | None = None, since: float | None = None,
+                           limit: int = 100) -> builtins.list[SchedEvent]:
+        """What the scheduler did to this project's sandboxes (``preempted``: ``action`` pause or
+        destroy, ``by_priority``; ``resumed``), oldest first, after ``since`` (a time or the last
+        event's ``at``)."""
+        from dsec.control.wire import SchedEvent
+
+        params: list[tuple[str, str]] = [("limit", str(limit))]
+        if task:
+            params.append(("task", task))
+        if since is not None:
+            params.append(("since", repr(float(since))))
+        return [SchedEvent.model_validate(x) for x in (await self._call("GET", "/v1/sched/events", params=params)).json()]
+
+    async def sched_status(self) -> SchedStatus:
+        """The scheduler's picture: utilisation against the burst threshold, both pools, what is
+        held back for tasks' minimums, this project's preempted sandboxes."""
+        from dsec.control.wire import SchedStatus
+
+        return SchedStatus.model_validate_json((await self._call("GET", "/v1/sched")).content)
 
     # ----- IAM (projects and tokens) -----
 
@@ -575,8 +642,26 @@ class AsyncSandbox:
         if resp.status_code == 401 and retry_auth:
             await self._client._refresh(self)  # expired data-path token: get a fresh one
             return await self._request(method, path, retry_auth=False, **kw)
-        raise_for_error(resp)
+        try:
+            raise_for_error(resp)
+        except SandboxPreempted:
+            if not retry_auth or path == "/resume":
+                raise
+            # paused by preemption: a request does not wake it, the scheduler does when there is room
+            await self._resume_preempted()
+            return await self._request(method, path, retry_auth=False, **kw)
         return resp
+
+    async def _resume_preempted(self) -> None:
+        """Resume through the control plane (SandboxPreempted, with ``retry_after``, if it has no room yet)."""
+        resp = await self._client._call("POST", f"/v1/sandboxes/{self.id}/resume")
+        self.info = SandboxInfo.model_validate_json(resp.content)
+
+    @property
+    def preemption(self) -> PreemptionInfo | None:
+        """Set while the scheduler holds this sandbox paused (or after it destroyed it), as of the
+        last answer about it (``await client.info(id)`` asks again)."""
+        return self.info.preemption
 
     async def _raise_if_lost(self) -> None:
         """The edge did not answer: if the control plane declared this sandbox lost, say so
@@ -752,8 +837,13 @@ class AsyncSandbox:
         return PauseReport.model_validate_json((await self._request("POST", "/pause")).content)
 
     async def resume(self) -> None:
-        """Thaw a paused sandbox (SandboxStateError if it is not paused)."""
-        await self._request("POST", "/resume")
+        """Thaw a paused sandbox (SandboxStateError if it is not paused). One the scheduler paused
+        is resumed through the control plane, which finds it room on its edge first
+        (SandboxPreempted, with ``retry_after``, when there is none yet)."""
+        try:
+            await self._request("POST", "/resume")
+        except SandboxPreempted:
+            await self._resume_preempted()
 
     async def snapshot(self, *, name: str | None = None, tag: str | None = None,
                        exclude: Sequence[str] = ()) -> SnapshotInfo:
