@@ -268,6 +268,7 @@ async def test_repeated_creates_take_a_lease_held_ahead_but_never_the_quota_othe
 
         # a project with little quota left gets no lease ahead: every create still fits
         r = await c.post("/v1/projects", json={"name": "tight", "quota": {"sandboxes": 6, "cpu": 10, "memory": 1 << 32}})
+        assert r.status_code == 201, r.text
         tok = (await c.post("/v1/tokens", json={"project": "tight"})).json()["token"]
         async with AsyncClient(st.ctl.url, tok, lease_ahead=4) as sdk:
             made = []
@@ -291,6 +292,7 @@ async def test_a_lease_held_ahead_yields_to_a_create_refused_for_quota(
             httpx.AsyncClient(base_url=st.ctl.url, headers={"authorization": f"Bearer {st.ctl.admin_token}"}) as c:
         spec = SandboxSpec.model_validate(SPEC)
         r = await c.post("/v1/projects", json={"name": "q", "quota": {"sandboxes": 12, "cpu": 10, "memory": 1 << 32}})
+        assert r.status_code == 201, r.text
         tok = (await c.post("/v1/tokens", json={"project": "q"})).json()["token"]
         async with AsyncClient(st.ctl.url, tok, lease_ahead=4) as a, AsyncClient(st.ctl.url, tok, lease_ahead=0) as b:
             mine = []
