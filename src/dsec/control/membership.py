@@ -218,6 +218,7 @@ def router(operator: Callable[..., Awaitable[str]]) -> APIRouter:
     @r.post("/v1/edges/tokens", status_code=201)
     async def create_edge_token(request: Request, body: CreateEdgeToken, _: str = op) -> EdgeTokenInfo:
         """A bootstrap token for ``dsec edge join`` (the secret is in this answer only)."""
+        validate.text(body.name, "name", max_len=128)  # a NUL would be PostgreSQL's 500, not our 422
         return await ctl(request).db.write(lambda s: create_token_txn(s, body))
 
     @r.get("/v1/edges/tokens")
