@@ -66,6 +66,10 @@ class SchedulingConfig(_Config):
     """Priority of sandboxes without a task, and of tasks that set none (``training``)."""
     default_preemption: Literal["pause", "destroy", "never"] = "pause"
     """Policy of sandboxes created without a task."""
+    burst_max_ttl_s: Annotated[float | None, Field(gt=0)] = 4 * 3600.0
+    """Only sandboxes whose TTL (``lifecycle.ttl_s``) is at most this go to the burst pool: a
+    drained burst node then holds nothing after that long and goes back to its provider (the
+    lifetimes' long tail would keep it up for hours). None: any TTL."""
     burst_provider: str = "static"
     """``static``: the burst pool is the edges labelled ``pool=burst`` that joined (none is started
     or stopped; an empty one is only reported as released); else ``module:factory``, called with

@@ -342,7 +342,7 @@ class Leases:
         views = [v for v, _ in loaded]
         urls = {v.id: u for v, u in loaded}
         # the scheduler's say: which pool, and never the room held back for tasks' minimums (scheduler.py)
-        views, n = self.sb.scheduler.lease_room_txn(s, views, t, want, n)
+        views, n = self.sb.scheduler.lease_room_txn(s, views, t, want, n, req.lifecycle.ttl_s)
         alloc = split(views, demand, n, k=self.config.placement.k, rng=self.sb.rng,
                       require_layers=self.config.placement.require_layers) if n else {}
         placed = sum(alloc.values())

@@ -489,7 +489,7 @@ class Sandboxes:
             task_free = {d: None if v is None else v - t_used.get(d) - want.get(d) for d, v in task_limit(tq).items()}
         plain = True
         loaded = load_views(s, self.health) if plan is not None else []
-        if plan is not None and not self.scheduler.plan_holds(s, [v for v, _ in loaded], t, want):
+        if plan is not None and not self.scheduler.plan_holds(s, [v for v, _ in loaded], t, want, req.lifecycle.ttl_s):
             plan = None  # the burst pool or a task's minimum is in play: the scheduler decides (and the
             key = key or uuid.uuid4().hex  # caller, seeing another edge or none, drops the optimistic sandbox)
         if plan is None:
@@ -499,7 +499,8 @@ class Sandboxes:
             unknown = self._unknown_layer(views, demand)
             if unknown is not None:
                 raise unknown
-            got = self.scheduler.decide_txn(s, views, demand, t, want, self.rng, preempt=preempt)
+            got = self.scheduler.decide_txn(s, views, demand, t, want, self.rng, preempt=preempt,
+                                            ttl_s=req.lifecycle.ttl_s)
             d, plain = got.decision, got.plain
             if isinstance(d, Preempting):  # nothing written: the victims go first (_create)
                 return NeedsRoom(d.victims, got.ask.priority, d.edge.id)
@@ -576,7 +577,9 @@ class Sandboxes:
         urls = {v.id: url for v, url in loaded}
         task = s.get(Task, row.task_id) if row.task_id is not None else None
         # the reservation is counted already: the task's standing and the pool include it
-        d = self.scheduler.decide_txn(s, views, demand, task, Amount(), self.rng, exclude=tried, preempt=False).decision
+        ttl = float((row.lifecycle or {}).get("ttl_s") or 0) or None
+        d = self.scheduler.decide_txn(s, views, demand, task, Amount(), self.rng, exclude=tried, preempt=False,
+                                      ttl_s=ttl).decision
         chosen = d.edge if isinstance(d, Placed) else None
         ledger = Ledger()
         if chosen is None:

@@ -83,6 +83,9 @@ class SchedConfig:
     default_priority: int = DEFAULT_PRIORITY
     default_preemption: str = "pause"
     """Policy of sandboxes created without a task."""
+    burst_max_ttl_s: float | None = 4 * 3600.0
+    """Only sandboxes whose TTL is at most this go to the burst pool, so a drained burst node
+    is empty (and given back) within it; None: any."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,11 +164,16 @@ class Ask:
     burst: bool = True
 
 
-def ask_for(standing: Standing | None, task: Hashable | None, want: Amount, cfg: SchedConfig) -> Ask:
+def ask_for(standing: Standing | None, task: Hashable | None, want: Amount, cfg: SchedConfig,
+            ttl_s: float | None = None) -> Ask:
+    """The ask of a create (or resume) of ``want`` in ``task``. ``ttl_s``: the sandbox's TTL; above
+    ``cfg.burst_max_ttl_s`` it may not go to the burst pool (a burst node must empty in bounded time
+    to be given back)."""
+    short = cfg.burst_max_ttl_s is None or (ttl_s is not None and ttl_s <= cfg.burst_max_ttl_s)
     if standing is None:
-        return Ask(priority=cfg.default_priority, task=task)
+        return Ask(priority=cfg.default_priority, task=task, burst=short)
     p = standing.policy
-    return Ask(priority=p.priority, task=task, guaranteed=standing.guaranteed(want), burst=p.burst)
+    return Ask(priority=p.priority, task=task, guaranteed=standing.guaranteed(want), burst=p.burst and short)
 
 
 @dataclass(frozen=True, slots=True)

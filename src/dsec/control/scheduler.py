@@ -96,6 +96,7 @@ def sched_config(config: ControlConfig) -> SchedConfig:
         burst_threshold=sc.burst_threshold, burst_release_below=sc.burst_release_below, preemption=sc.preemption,
         victim_edges=sc.victim_edges, max_victims=sc.max_victims, k=pc.k, require_layers=pc.require_layers,
         default_priority=sc.default_priority, default_preemption=sc.default_preemption,
+        burst_max_ttl_s=sc.burst_max_ttl_s,
     )
 
 
@@ -181,13 +182,15 @@ class Scheduler:
     def decide_txn(
         self, s: Session, views: Sequence[EdgeView], demand: Demand, task: Any, want: Amount, rng: random.Random,
         *, exclude: frozenset[str] = frozenset(), only: EdgeView | None = None, preempt: bool = True,
+        ttl_s: float | None = None,
     ) -> Decided:
-        """``task``: the create's task row (with the scheduling columns) or None."""
+        """``task``: the create's task row (with the scheduling columns) or None; ``ttl_s``: the
+        sandbox's TTL (the burst pool takes only short ones)."""
         held, standings = self.held_back_txn(s)
         standing = None
         if task is not None:
             standing = standings.get(task.id) or standing_of(task)
-        ask = ask_for(standing, task.id if task is not None else None, want, self.cfg)
+        ask = ask_for(standing, task.id if task is not None else None, want, self.cfg, ttl_s)
         pools = split_pools(views)
         victims = partial(self.victims_txn, s) if preempt and self.cfg.preemption else None
         d = decide(demand, ask, pools, held_back=held, victims_on=victims, standings=standings, cfg=self.cfg,
@@ -197,7 +200,7 @@ class Scheduler:
         return Decided(d, ask, held, plain)
 
     def lease_room_txn(self, s: Session, views: Sequence[EdgeView], task: Any, want: Amount, n: int,
-                       ) -> tuple[list[EdgeView], int]:
+                       ttl_s: float | None = None) -> tuple[list[EdgeView], int]:
         """The edges a create lease may put its ``n`` slots on, and how many it may have: a lease never
         preempts; it uses the burst pool above the threshold (when the task may burst and a burst edge
         has room), the primary pool otherwise, and never the room held back for other tasks' minimums."""
@@ -205,7 +208,7 @@ class Scheduler:
         standing = None
         if task is not None:
             standing = standings.get(task.id) or standing_of(task)
-        ask = ask_for(standing, task.id if task is not None else None, want * n, self.cfg)
+        ask = ask_for(standing, task.id if task is not None else None, want * n, self.cfg, ttl_s)
         pools = split_pools(views)
         if ask.burst and pools.burst and burst_active(pools, self.cfg):
             roomy = [v for v in pools.burst if v.alive and not v.draining and v.free().memory > 0]
@@ -222,7 +225,8 @@ class Scheduler:
             n = fit
         return list(pools.primary), n
 
-    def plan_holds(self, s: Session, views: Sequence[EdgeView], task: Any, want: Amount) -> bool:
+    def plan_holds(self, s: Session, views: Sequence[EdgeView], task: Any, want: Amount,
+                   ttl_s: float | None = None) -> bool:
         """An optimistic launch's edge (planner.py: a primary edge chosen from a recent view) is what
         the scheduler would accept now: no minimum held back against this create, and the burst
         pool not in use for it."""
@@ -230,7 +234,7 @@ class Scheduler:
         standing = None
         if task is not None:
             standing = standings.get(task.id) or standing_of(task)
-        ask = ask_for(standing, task.id if task is not None else None, want, self.cfg)
+        ask = ask_for(standing, task.id if task is not None else None, want, self.cfg, ttl_s)
         if held != Amount() and not ask.guaranteed:
             return False
         if not ask.burst or not any(is_burst(v) for v in views):
