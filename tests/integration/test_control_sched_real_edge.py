@@ -1,6 +1,6 @@
 """Scheduling against real edges (issue 15): a real control plane, real edge agents, the SDK.
 
-- Preemption: an edge whose memory holds three background sandboxes gets an evaluation
+- Preemption (on SQLite and PostgreSQL): an edge whose memory holds three background sandboxes gets an evaluation
   create; the control plane pauses one background sandbox (its memory goes to swap and the
   edge's admission stops counting it), the evaluation sandbox is made, and the owner sees it
   typed through the SDK (``SandboxInfo.preemption``, ``sched_events``, ``SandboxPreempted``
@@ -28,6 +28,8 @@ from conftest import edge_config
 pytestmark = [pytest.mark.root, pytest.mark.anyio]
 
 anyio_backend = support.anyio_backend
+db_url = support.db_url
+pg_cluster = support.pg_cluster
 KEY = secrets.token_bytes(32)
 MiB = 1 << 20
 SPEC: dict[str, Any] = {"image": {"base": "busybox:test"},
@@ -40,8 +42,8 @@ def tmp(tmp_path: Path) -> Iterator[Path]:
 
 
 @asynccontextmanager
-async def cell(dsec_base: Path, tmp_path: Path,
-               edges: list[dict[str, Any]]) -> AsyncIterator[tuple[Any, list[Any], Any]]:
+async def cell(dsec_base: Path, tmp_path: Path, edges: list[dict[str, Any]],
+               database_url: str | None = None) -> AsyncIterator[tuple[Any, list[Any], Any]]:
     """A control plane (no watcher loop: the tests tick it), real edges reporting to it, and an
     SDK client with the admin token (no leases held ahead: every create goes through the scheduler)."""
     import dsec
@@ -51,7 +53,7 @@ async def cell(dsec_base: Path, tmp_path: Path,
 
     ctl = await serve_control(ControlConfig(
         data_dir=tmp_path / "control", cluster_key=KEY, port=0, watcher=False, auth_cache_s=0.0,
-        scheduling=SchedulingConfig(burst_interval_s=0.01),
+        database_url=database_url, scheduling=SchedulingConfig(burst_interval_s=0.01),
     ))
     cfgs = [edge_config(dsec_base, f"sch{i}", e.pop("edge_id"), KEY, control_plane_url=ctl.url,
                         heartbeat_interval_s=0.2, watchdog_interval_s=0.2, **e) for i, e in enumerate(edges)]
@@ -92,13 +94,15 @@ async def books_agree(ctl: Any) -> None:
     assert await ctl.control.db.write(recount_txn) == 0
 
 
-async def test_an_evaluation_create_pauses_a_background_sandbox_on_a_real_edge(dsec_base: Path, tmp: Path) -> None:
+async def test_an_evaluation_create_pauses_a_background_sandbox_on_a_real_edge(
+    dsec_base: Path, tmp: Path, db_url: str
+) -> None:
     import dsec
     from dsec.spec import SandboxSpec
 
     spec = SandboxSpec.model_validate(SPEC)
-    async with cell(dsec_base, tmp, [{"edge_id": "sp", "memory_capacity": 3 * 64 * MiB, "max_sandboxes": 8}]) \
-            as (ctl, (edge,), client):
+    async with cell(dsec_base, tmp, [{"edge_id": "sp", "memory_capacity": 3 * 64 * MiB, "max_sandboxes": 8}],
+                    db_url) as (ctl, (edge,), client):
         bg = await client.create_task("bg", priority="background", preemption="pause")
         ev = await client.create_task("ev", priority="evaluation")
         assert (bg.priority, bg.preemption, ev.priority) == (100, "pause", 300)
