@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Hashable, Iterable
+from pathlib import Path
 
 import pytest
 
@@ -233,3 +234,23 @@ def test_admission_suspend_and_unsuspend() -> None:
     assert (adm.real.sandboxes, adm.real.memory, adm.real.disk) == (1, 1 * GiB, 1 * GiB)
     adm.resync([("a", r, False), ("b", r, False)], suspended=["b"])
     assert adm.suspended("b") and adm.real.memory == 1 * GiB and adm.real.sandboxes == 2
+
+
+def test_the_edge_keeps_its_preempted_sandboxes_across_restarts(tmp_path: Path) -> None:
+    from dsec.edge.preempt import Preempted
+    from dsec.errors import SandboxPreempted
+
+    path = tmp_path / "preempted-rt.json"
+    book = Preempted(path)
+    book.gate("a")  # not preempted: wakes as usual
+    book.add("a", at=1.0, by_priority=300, reason="a create in project p")
+    book.add("b", at=2.0, by_priority=None, reason="")
+    with pytest.raises(SandboxPreempted) as exc:
+        book.gate("a")
+    assert exc.value.fields == {"sandbox_id": "a", "by_priority": 300}
+    again = Preempted(path)  # the edge restarted
+    assert "a" in again and "b" in again
+    again.keep_only(["a"])  # b is gone
+    assert "b" not in Preempted(path) and again.discard("a") and not again.discard("a")
+    path.write_text("{not json")
+    assert Preempted(path).by_id == {}  # unreadable: nothing held (and a warning)
