@@ -176,18 +176,29 @@ def test_inits_are_the_runtimes_children_and_are_reaped(rtx: RuntimeHarness) -> 
     for rec in recs:
         assert proc_status(rec.init_pid)["PPid"] == str(os.getpid())
         rtx.ok(rec.id, "true")
+    inits = {rec.init_pid: _start_time(rec.init_pid) for rec in recs}
     for rec in recs:
         rtx.destroy(rec.id)
-    zombies = [p for p in os.listdir("/proc") if p.isdigit() and _is_zombie_child(int(p))]
-    assert zombies == [], zombies
+    # Only these inits are the claim: any other child of this pytest process (a helper another
+    # test started) is not the runtime's to reap.
+    left = {pid: _describe(pid) for pid, start in inits.items() if _start_time(pid) == start}
+    assert left == {}, f"inits still in the process table after destroy: {left}"
 
 
-def _is_zombie_child(pid: int) -> bool:
+def _start_time(pid: int) -> int | None:
+    try:
+        data = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return None
+    return int(data[data.rindex(b")") + 2 :].split()[19])
+
+
+def _describe(pid: int) -> str:
     try:
         st = proc_status(pid)
     except OSError:
-        return False
-    return st.get("PPid") == str(os.getpid()) and st.get("State", "").startswith("Z")
+        return "gone"
+    return f"{st.get('Name')} state={st.get('State')} ppid={st.get('PPid')}"
 
 
 def test_lost_spawner_is_replaced_and_sandboxes_survive(rtx: RuntimeHarness) -> None:
