@@ -378,3 +378,100 @@ def test_an_edge_restart_keeps_the_loader_for_the_sandboxes_it_keeps(
         res = sh(edge, sid, "sha256sum /work/big.bin")  # chunks never read before the restart
         assert pushed["big_sha"] in b64(res["stdout_b64"]).decode()
     assert not Path(f"/proc/{pid}").exists() or b"lazy.serve" not in Path(f"/proc/{pid}/cmdline").read_bytes()
+
+
+def test_a_prefetch_profile_recorded_at_push_is_fetched_ahead_when_an_edge_attaches(
+        dsec_base: Path, registry: RegistryServer, pushed: dict[str, Any]) -> None:
+    """``push_layer(profile=...)`` runs the start-up over the lazy form (loaded from the registry)
+    and keeps the data chunks it read; an edge attaching the layer fetches exactly those at once,
+    so the start-up then reads without a fetch, and nothing else was fetched ahead."""
+    src = dsec_base / "lazy-prof-src"
+    store = LocalLayerStore(src / "layers")
+    tree = src / "tree"
+    rnd = random.Random(11)
+    (tree / "work").mkdir(parents=True, exist_ok=True)
+    hot, cold = rnd.randbytes(2 * MiB + 99), rnd.randbytes(4 * MiB + 7)
+    (tree / "work" / "hot.bin").write_bytes(hot)
+    (tree / "work" / "cold.bin").write_bytes(cold)
+    try:
+        build_busybox(store, name="busybox", tag="test")
+        ws = build_from_dir(store, tree, name="lzprof", tag="v1", kind="workspace")
+    except HostError as exc:
+        pytest.skip(f"cannot build the layers: {exc}")
+    with RegistryClient(registry.url) as client:
+        done = push_layer(store, ws.digest, client, RegistryRef(registry.url, "lzprof", tag="v1"),
+                          profile="cat /work/hot.bin > /dev/null", profile_under=["busybox:test"])
+        # the same push again keeps the profile without running it
+        again = push_layer(store, ws.digest, client, RegistryRef(registry.url, "lzprof", tag="v1"),
+                           profile="cat /work/hot.bin > /dev/null", profile_under=["busybox:test"])
+    store.close()
+    assert done.profile is not None and done.profile.returncode == 0, done.profile
+    lazy = done.lazy
+    assert lazy is not None and lazy.profile == "cat /work/hot.bin > /dev/null"
+    # random bytes do not compress: the hot file's 2 MiB are in the profile, the cold 4 MiB are not
+    assert 2 * MiB <= lazy.prefetch_bytes < 4 * MiB, lazy.prefetch_bytes
+    assert again.profile is None and again.lazy is not None and again.lazy.prefetch == lazy.prefetch
+    # the profile run left nothing on the host: no mount of its loader, no process
+    assert not [m for m in sysmount.mountinfo() if "lazyprofile" in m.mount_point]
+    assert not [p for p in os.listdir("/proc") if p.isdigit() and _cmd_has(int(p), b"dsec.images.lazyprofile")]
+
+    cfg = lazy_config(dsec_base, "lzprof", "lzp", registry.url)
+    with running_edge(cfg) as edge, edge.client() as api:
+        r = create(api, {**SPEC, "image": {"base": "busybox:test", "workspace": "lzprof:v1"}})
+        assert r.status_code == 201, r.text
+        sid = r.json()["id"]
+        reg = edge.service.backends.registry
+        assert reg is not None and reg.lazy is not None
+        loader = reg.lazy
+        data_hex = lazy.data.digest.removeprefix("sha256:")
+        assert wait_until(lambda: loader.stats()["layers"][data_hex]["prefetch_s"] > 0, timeout=30)
+        st = loader.stats()["layers"][data_hex]
+        assert st["prefetch_chunks"] == sum(c for _, c in lazy.prefetch)
+        fetched = st["bytes_fetched"]
+        res = sh(edge, sid, "sha256sum /work/hot.bin")
+        assert hashlib.sha256(hot).hexdigest() in b64(res["stdout_b64"]).decode(), res
+        # every byte of the start-up was there already
+        assert loader.stats()["layers"][data_hex]["bytes_fetched"] == fetched
+        res = sh(edge, sid, "sha256sum /work/cold.bin")
+        assert hashlib.sha256(cold).hexdigest() in b64(res["stdout_b64"]).decode(), res
+        assert loader.stats()["layers"][data_hex]["bytes_fetched"] - fetched >= 3 * MiB
+        assert api.delete(f"/v1/sandboxes/{sid}").status_code in (200, 204)
+
+
+def test_a_profile_that_cannot_be_recorded_leaves_the_push_whole_and_nothing_behind(
+        dsec_base: Path, registry: RegistryServer) -> None:
+    src = dsec_base / "lazy-prof-bad"
+    store = LocalLayerStore(src / "layers")
+    (src / "tree" / "w").mkdir(parents=True, exist_ok=True)
+    (src / "tree" / "w" / "f").write_bytes(b"x" * 100_000)
+    try:
+        bb = build_busybox(store, name="busybox", tag="test")
+        ws = build_from_dir(store, src / "tree", name="lzbad", tag="v1", kind="workspace")
+    except HostError as exc:
+        pytest.skip(f"cannot build the layers: {exc}")
+    with RegistryClient(registry.url) as client:
+        # a command that outlives its timeout is killed with everything it started
+        t0 = time.monotonic()
+        slow = push_layer(store, bb.digest, client, RegistryRef(registry.url, "lzbad-bb", tag="v1"),
+                          profile="sleep 60 & sleep 60", profile_timeout_s=2)
+        assert time.monotonic() - t0 < 30
+        assert slow.profile is None and slow.lazy is not None and slow.lazy.profile == "" and not slow.lazy.prefetch
+        # a workspace layer alone has no /bin/sh to run the command: pushed without a profile
+        alone = push_layer(store, ws.digest, client, RegistryRef(registry.url, "lzbad", tag="v1"), profile="true")
+        assert alone.profile is None and alone.lazy is not None and alone.lazy.profile == ""
+        # a failing command still yields what it read, with its exit status
+        failed = push_layer(store, ws.digest, client, RegistryRef(registry.url, "lzbad", tag="v2"),
+                            profile="cat /w/f > /dev/null; exit 7", profile_under=["busybox:test"])
+        assert failed.profile is not None and failed.profile.returncode == 7
+        assert failed.lazy is not None and failed.lazy.prefetch
+    store.close()
+    assert not [m for m in sysmount.mountinfo() if "lazyprofile" in m.mount_point]
+    assert not [p for p in os.listdir("/proc") if p.isdigit() and (
+        _cmd_has(int(p), b"dsec.images.lazyprofile") or _cmd_has(int(p), b"sleep\x0060"))]
+
+
+def _cmd_has(pid: int, needle: bytes) -> bool:
+    try:
+        return needle in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False

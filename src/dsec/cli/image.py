@@ -510,11 +510,20 @@ def _name_tag(text: str | None) -> tuple[str | None, str | None]:
 @_registry_options
 @click.option("--no-lazy-form", "no_lazy_form", is_flag=True,
               help="Do not add the lazy form (metadata image + data device) edges load lazily.")
+@click.option("--profile", "profile", default=None, metavar="CMD",
+              help="Record a prefetch profile: run CMD (/bin/sh -c, no network) over the lazy form and keep "
+                   "the chunks it reads; edges fetch them ahead when they attach the layer. Needs root.")
+@click.option("--profile-under", "profile_under", multiple=True, metavar="NAME[:TAG]",
+              help="A layer of the store to put below for the profile run (repeat, top first): the base a "
+                   "workspace or toolkit layer runs on.")
+@click.option("--profile-timeout", "profile_timeout", type=click.FloatRange(min=1), default=300.0,
+              show_default=True, metavar="SECONDS", help="Kill the profile command after this long.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress display.")
 @click.pass_context
 def push_cmd(ctx: click.Context, ref: str, registry: str, username: str | None, password_stdin: bool,
-             no_lazy_form: bool, as_json: bool, quiet: bool) -> None:  # fmt: skip
+             no_lazy_form: bool, profile: str | None, profile_under: tuple[str, ...], profile_timeout: float,
+             as_json: bool, quiet: bool) -> None:  # fmt: skip
     """Push a layer (and the parents the store has) to an OCI registry.
 
     The layer's EROFS file goes up once as a blob (skipped when the registry
@@ -523,24 +532,53 @@ def push_cmd(ctx: click.Context, ref: str, registry: str, username: str | None, 
     the layer's lazy form (a metadata-only EROFS image and its data device: needs
     root to build), which lets edges mount it without downloading it. An edge
     finds NAME:TAG in its registry at HOST/<namespace>/NAME. Prints the manifest digest.
+
+    With --profile CMD the push also records which chunks of the lazy form a
+    start-up reads (e.g. --profile 'python3 -c pass'): CMD runs chrooted in the
+    image, lazily loaded from the registry as an edge loads it, in private
+    namespaces without network; every edge then fetches those chunks at once when
+    it attaches the layer, instead of one by one as the first exec faults them in.
     """
     from dsec.images.transfer import push_layer
 
     dest = _registry_ref(registry, "--registry")
     if dest.digest is not None:
         raise click.BadParameter("push to a tag (HOST/REPO[:TAG]), not a digest", param_hint="--registry")
+    if profile is not None and no_lazy_form:
+        raise click.BadParameter("a prefetch profile is part of the lazy form: drop --no-lazy-form",
+                                 param_hint="--profile")  # fmt: skip
+    if profile_under and profile is None:
+        raise click.BadParameter("--profile-under is for a --profile run: add --profile CMD",
+                                 param_hint="--profile-under")  # fmt: skip
+    if profile is not None and not profile.strip():
+        raise click.BadParameter("give the start-up command to record, e.g. --profile 'python3 -c pass'",
+                                 param_hint="--profile")  # fmt: skip
     with _errors():
         store = _store(ctx)
         with _client(dest.base_url, username, password_stdin) as client, \
                 _progress_display(enabled=not quiet) as progress:  # fmt: skip
-            result = push_layer(store, ref, client, dest, progress=progress, lazy_form=not no_lazy_form)
+            result = push_layer(store, ref, client, dest, progress=progress, lazy_form=not no_lazy_form,
+                                profile=profile, profile_timeout_s=profile_timeout,
+                                profile_under=profile_under)  # fmt: skip
+    lazy = result.lazy
     if not quiet:
         sent = "uploaded" if result.uploaded else "already there, metadata only"
         click.echo(f"pushed {result.layer.ref} to {result.ref} ({_human(result.layer.size)}, {sent})", err=True)
+        if result.profile is not None and lazy is not None:
+            run = result.profile
+            click.echo(f"prefetch profile of {run.command!r} (exit {run.returncode}, {run.seconds:.1f} s): "
+                       f"{len(run.chunks)} of {len(lazy.data.chunks)} data chunks, {_human(lazy.prefetch_bytes)} "
+                       "fetched ahead at attach", err=True)  # fmt: skip
+        elif profile is not None and lazy is not None and lazy.profile == profile:
+            click.echo(f"prefetch profile of {profile!r} kept from the earlier push "
+                       f"({_human(lazy.prefetch_bytes)})", err=True)  # fmt: skip
     if as_json:
         click.echo(json.dumps({"ref": result.ref, "manifest_digest": result.manifest_digest,
                                "layer_digest": result.layer.digest, "uploaded": result.uploaded,
-                               "parents": result.parents}))  # fmt: skip
+                               "parents": result.parents, "lazy_form": lazy is not None,
+                               "profile": lazy.profile if lazy is not None else "",
+                               "prefetch_chunks": sum(c for _, c in lazy.prefetch) if lazy is not None else 0,
+                               "prefetch_bytes": lazy.prefetch_bytes if lazy is not None else 0}))  # fmt: skip
     else:
         click.echo(result.manifest_digest)
 

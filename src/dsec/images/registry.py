@@ -210,6 +210,28 @@ class LazyForm(BaseModel):
     format: str = LAZY_FORMAT
     meta: BlobTable
     data: BlobTable
+    prefetch: tuple[tuple[int, int], ...] = ()
+    """Chunks of ``data`` an edge fetches ahead when it attaches the layer, as ``(first,
+    count)`` runs: what ``profile`` read when the push ran it (:mod:`.lazyprofile`)."""
+    profile: str = ""
+    """The start-up command whose reads ``prefetch`` holds ("" without a profile)."""
+
+    @model_validator(mode="after")
+    def _prefetch(self) -> LazyForm:
+        n = len(self.data.chunks)
+        for first, count in self.prefetch:
+            if first < 0 or count <= 0 or first + count > n:
+                raise ValueError(f"prefetch run ({first}, {count}) is outside the data device's {n} chunks")
+        return self
+
+    @property
+    def prefetch_bytes(self) -> int:
+        """Bytes of the prefetch runs as stored (what an edge fetches ahead)."""
+        wire = self.data.offsets
+        if not wire:
+            return sum(min(c * self.data.chunk_size, self.data.size - f * self.data.chunk_size)
+                       for f, c in self.prefetch)  # fmt: skip
+        return sum(wire[f + c] - wire[f] for f, c in self.prefetch)
 
 
 class DsecLayerConfig(BaseModel):

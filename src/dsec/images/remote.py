@@ -142,7 +142,8 @@ class RegistryLayers:
         lazy = None
         if cfg.lazy is not None:
             lazy = (RemoteLayer(registry=self.url, repo=repo, **cfg.lazy.meta.model_dump()),
-                    RemoteLayer(registry=self.url, repo=repo, **cfg.lazy.data.model_dump()))  # fmt: skip
+                    RemoteLayer(registry=self.url, repo=repo, prefetch=cfg.lazy.prefetch,
+                                **cfg.lazy.data.model_dump()))  # fmt: skip
         layer = self.store.add_remote(remote, name=name, tag=tag, kind=cfg.kind, parents=cfg.parents, lazy=lazy)
         log.info("registry layer %s:%s is %s (%d bytes, %d chunks) from %s/%s", name, tag, cfg.digest,
                  cfg.size, len(cfg.chunks), self.url, repo)  # fmt: skip
@@ -281,7 +282,7 @@ class RegistryLayers:
                 s = self.lazy.stats()
                 out["loader"] = {k: s.get(k) for k in (
                     "reads", "read_bytes", "chunks_fetched", "bytes_fetched", "read_errors", "read_timeouts",
-                    "corrupt_chunks", "registry_errors", "inflight")}  # fmt: skip
+                    "corrupt_chunks", "registry_errors", "inflight", "prefetch_chunks")}  # fmt: skip
                 out["loader"]["cache"] = s.get("cache", {})
                 out["corrupt_events"] = s.get("corrupt_events", [])
                 out["up"] = True

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +28,7 @@ from dsec.errors import ImageError, LayerNotFound
 
 from .errors import DigestMismatch, RegistryNotFound, UnsupportedManifest
 from .layer import Layer, LayerKind, check_name, check_tag
+from .lazyprofile import DEFAULT_TIMEOUT_S, ProfileRun
 from .registry import (
     DSEC_LAYER_CONFIG,
     DSEC_LAYER_DATA,
@@ -69,6 +70,10 @@ class Pushed:
     """False when the registry had the EROFS blob already (only metadata was sent)."""
     parents: list[str] = field(default_factory=list)
     """Digests of parent layers pushed with it (each under its ``sha256-<hex>`` tag)."""
+    lazy: LazyForm | None = None
+    """The layer's lazy form as pushed (None: pushed without one)."""
+    profile: ProfileRun | None = None
+    """The prefetch profile recorded by this push (None: none asked for, reused, or not possible)."""
 
 
 def push_layer(
@@ -79,6 +84,9 @@ def push_layer(
     *,
     progress: Progress | None = None,
     lazy_form: bool = True,
+    profile: str | None = None,
+    profile_timeout_s: float = DEFAULT_TIMEOUT_S,
+    profile_under: Sequence[str] = (),
 ) -> Pushed:
     """Push the layer ``ref`` (``NAME[:TAG]`` or digest) of ``store`` to ``dest``.
 
@@ -87,19 +95,60 @@ def push_layer(
     ``lazy_form`` also pushes the layer's lazy form (:mod:`.lazyform`; reused when the
     registry has it already), which edges need to load the layer lazily; without
     CAP_SYS_ADMIN it is left out with a warning.
+
+    ``profile``: a start-up command (``/bin/sh -c``) to record the layer's prefetch
+    profile with (:mod:`.lazyprofile`): the data chunks it reads are fetched ahead by
+    every edge that attaches the layer. Recorded for this layer only, with its local
+    parents below it, then the layers ``profile_under`` (refs in the store, top first:
+    the base a workspace or toolkit layer runs on, which is not its parent); a profile
+    that cannot be recorded is left out with a warning.
     """
     layer = store.resolve(ref)
     report = progress or _noop
     pushed_parents: list[str] = []
-    for parent in _lineage(store, layer):
+    lineage = _lineage(store, layer)
+    for parent in lineage:
         _push_one(store, store.get(parent), client, dest.repo, tags=[layer_alias_tag(parent)],
                   report=_noop, lazy_form=lazy_form)  # fmt: skip
         pushed_parents.append(parent)
     tag = dest.tag or layer.tag
-    digest, uploaded = _push_one(store, layer, client, dest.repo, tags=[tag, layer_alias_tag(layer.digest)],
-                                 report=report, lazy_form=lazy_form)  # fmt: skip
+    prof = None
+    if profile is not None and lazy_form:
+        below = _parent_files(store, layer, lineage)
+        if below is not None:
+            below += [store.open_local(store.resolve(r).digest) for r in profile_under]
+        prof = _ProfileAsk(profile, profile_timeout_s, below)
+    digest, uploaded, lazy, run = _push_one(store, layer, client, dest.repo, tags=[tag, layer_alias_tag(layer.digest)],
+                                            report=report, lazy_form=lazy_form, profile=prof)  # fmt: skip
     host = dest.base_url.split("://", 1)[1]
-    return Pushed(f"{host}/{dest.repo}:{tag}", digest, layer, uploaded, pushed_parents)
+    return Pushed(f"{host}/{dest.repo}:{tag}", digest, layer, uploaded, pushed_parents, lazy, run)
+
+
+@dataclass(frozen=True)
+class _ProfileAsk:
+    command: str
+    timeout_s: float
+    parents: list[Path] | None
+    """The ancestors' local EROFS files, nearest first (None: one is not in the store)."""
+
+
+def _parent_files(store: LayerStore, layer: Layer, lineage: list[str]) -> list[Path] | None:
+    """What a profile run mounts below the layer: its ancestors' files, nearest first
+    (None when one of them is not in the store: ``lineage`` lists only those that are)."""
+    todo, seen = list(layer.parents), set()
+    while todo:
+        d = todo.pop()
+        if d not in seen:
+            seen.add(d)
+            try:
+                todo.extend(store.get(d).parents)
+            except LayerNotFound:
+                return None
+    try:
+        return [store.open_local(d) for d in reversed(lineage)]
+    except ImageError as exc:
+        log.warning("%s: a parent layer's file is not readable here (%s)", layer.ref, exc)
+        return None
 
 
 def _lineage(store: LayerStore, layer: Layer) -> list[str]:
@@ -132,8 +181,8 @@ def _lineage(store: LayerStore, layer: Layer) -> list[str]:
 
 def _push_one(
     store: LayerStore, layer: Layer, client: RegistryClient, repo: str, *, tags: list[str], report: Progress,
-    lazy_form: bool = True,
-) -> tuple[str, bool]:
+    lazy_form: bool = True, profile: _ProfileAsk | None = None,
+) -> tuple[str, bool, LazyForm | None, ProfileRun | None]:
     path = store.open_local(layer.digest)
     report("push", 0, layer.size)
     config = DsecLayerConfig.of_file(path, kind=layer.kind, name=layer.name, tag=layer.tag,
@@ -149,6 +198,9 @@ def _push_one(
         on_progress=lambda done, total: report("push", done, total),
     )  # fmt: skip
     lazy = _push_lazy_form(store, layer, path, client, repo) if lazy_form else None
+    run = None
+    if lazy is not None and profile is not None:
+        lazy, run = _with_profile(store, layer, lazy, client, repo, profile)
     if lazy is not None:
         config = config.model_copy(update={"lazy": lazy})
     cfg = client.push_blob(repo, config.to_json(), media_type=DSEC_LAYER_CONFIG)
@@ -159,7 +211,31 @@ def _push_one(
     digest = ""
     for tag in tags:
         digest = client.put_manifest(repo, tag, raw, OCI_MANIFEST)
-    return digest, uploaded
+    return digest, uploaded, lazy, run
+
+
+def _with_profile(store: LayerStore, layer: Layer, form: LazyForm, client: RegistryClient, repo: str,
+                  ask: _ProfileAsk) -> tuple[LazyForm, ProfileRun | None]:  # fmt: skip
+    """``form`` with the prefetch profile of ``ask.command`` (kept when it was recorded
+    with that command before); unchanged, with a warning, when it cannot be recorded."""
+    from .lazyprofile import ProfileUnavailable, as_runs, record_profile
+
+    if form.profile == ask.command:
+        return form, None
+    if ask.parents is None:
+        log.warning("%s: pushed without a prefetch profile: a parent layer is not in the local store, so the "
+                    "start-up cannot be run over the whole image", layer.ref)  # fmt: skip
+        return form, None
+    with store.scratch("lazyprofile") as work:
+        try:
+            run = record_profile(client, repo, form, ask.parents, ask.command, work, timeout_s=ask.timeout_s)
+        except ProfileUnavailable as exc:
+            log.warning("%s: pushed without a prefetch profile: %s", layer.ref, exc)
+            return form, None
+    if run.returncode != 0:
+        log.warning("%s: the profile command %r exited %d; what it read until then is the profile. Its output "
+                    "ends: %s", layer.ref, ask.command, run.returncode, run.output_tail[-500:].strip())  # fmt: skip
+    return form.model_copy(update={"prefetch": as_runs(run.chunks), "profile": ask.command}), run
 
 
 def _push_lazy_form(store: LayerStore, layer: Layer, path: Path, client: RegistryClient, repo: str) -> LazyForm | None:

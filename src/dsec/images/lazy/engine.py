@@ -87,6 +87,10 @@ class LayerCounters:
     metadata_bytes: int = 0
     metadata_inodes: int = 0
     metadata_s: float = 0.0
+    prefetch_chunks: int = 0
+    """Chunks of the layer's prefetch profile fetched ahead at attach (not cached before)."""
+    prefetch_s: float = 0.0
+    """Seconds from attach until the profile's chunks were all in (0: none or not done)."""
 
 
 @dataclass
@@ -265,7 +269,24 @@ class Engine:
         self._changed()
         if al.extents_of and self._nursery is not None:
             self._nursery.start_soon(self._work_out_extents, al)
+        if layer.prefetch and self._nursery is not None:
+            self._nursery.start_soon(self._prefetch_profile, al)
         return al
+
+    async def _prefetch_profile(self, al: Attached) -> None:
+        """Fetch the chunks of the layer's prefetch profile, all at once, in the background
+        (reads of them meanwhile wait for the fetch in flight instead of starting their own)."""
+        t0 = time.monotonic()
+        indexes = al.layer.prefetch_indexes()
+        wanted = [i for i in indexes if not self.cache.contains(al.layer.chunks[i][7:])]
+        self._count(al, "prefetch_chunks", len(wanted))
+        try:
+            await self._fetch_chunks(al, wanted)
+        except (ReadFailed, trio.TooSlowError) as exc:  # the reads that need them retry on their own
+            log.warning("layer %s: prefetch of %d chunks incomplete: %s", al.layer.digest, len(wanted), exc)
+            return
+        al.counters.prefetch_s = round(time.monotonic() - t0, 4)
+        log.info("layer %s: prefetched %d chunks in %.3f s", al.layer.digest, len(wanted), al.counters.prefetch_s)
 
     async def _work_out_extents(self, al: Attached) -> None:
         """Read the files' extents from the metadata image (cached: it was fetched whole)."""

@@ -52,6 +52,9 @@ class RemoteLayer(BaseModel):
     is the digest of its compressed bytes, which lie at ``[offsets[i], offsets[i+1])`` of the
     blob; ``digest`` is the blob's and ``size`` what the file shows (decompressed)."""
     offsets: tuple[int, ...] = ()
+    prefetch: tuple[tuple[int, int], ...] = ()
+    """Chunk runs ``(first, count)`` fetched in the background as soon as the layer is
+    attached: a lazy form's prefetch profile (the chunks a start-up read when it was pushed)."""
 
     @field_validator("digest")
     @classmethod
@@ -87,7 +90,13 @@ class RemoteLayer(BaseModel):
             raise ValueError(f"an encoded blob needs {want + 1} increasing offsets from 0")
         if not self.encoding and self.offsets:
             raise ValueError("offsets belong to an encoded blob")
+        for first, count in self.prefetch:
+            if first < 0 or count <= 0 or first + count > want:
+                raise ValueError(f"prefetch run ({first}, {count}) is outside the {want} chunks")
         return self
+
+    def prefetch_indexes(self) -> list[int]:
+        return [i for first, count in self.prefetch for i in range(first, first + count)]
 
     @property
     def hex(self) -> str:
