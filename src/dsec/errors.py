@@ -198,8 +198,9 @@ class Conflict(DsecError, RuntimeError):
 class LeaseInvalid(DsecError, RuntimeError):
     """A create lease the edge will not honour (any more): ``reason`` is ``expired``,
     ``revoked``, ``used up``, ``unknown`` (granted for an earlier run of the edge), ``wrong
-    body`` or ``ended`` (a grant replayed after it was released). Ask the control plane for a
-    fresh lease (the SDK does)."""
+    body``, ``ended`` (a grant replayed after it was released) or ``abandoned`` (a part its
+    client abandoned before, keeping other slots). Ask the control plane for a fresh lease (the
+    SDK does)."""
 
     code = "lease_invalid"
     http_status: ClassVar[int] = 409

@@ -308,3 +308,154 @@ async def test_a_lease_held_ahead_yields_to_a_create_refused_for_quota(
             for sb in mine + others:
                 await sb.close()
         assert await st.used(c, "q") == 0
+
+
+# ----------------------------------------------------------------- abandon ----
+
+
+def _edge_admin() -> dict[str, str]:
+    from dsec import auth
+
+    tok, _ = auth.mint(KEY, sandbox_id="*", project="*", ttl_s=600, scope="edge-admin")
+    return {"authorization": f"Bearer {tok}"}
+
+
+async def _made_on_edge(st: Stack, grant: dict[str, Any], key: str) -> dict[str, Any]:
+    """A sandbox the edge makes under a lease slot's key, as it would for a chunk whose answer (and
+    report) never reached anyone: what a partitioned or restarted edge holds."""
+    async with httpx.AsyncClient(base_url=grant["leases"][0]["edge_url"], headers=_edge_admin()) as e:
+        r = await e.post("/v1/sandboxes", json={**grant["body"], "request_id": key})
+        assert r.status_code in (200, 201), r.text
+        return dict(r.json())
+
+
+async def _on_edge(st: Stack) -> set[str]:
+    async with httpx.AsyncClient(base_url=st.edge.url, headers=_edge_admin()) as e:
+        data = (await e.get("/v1/sandboxes")).json()
+    items = data["items"] if isinstance(data, dict) else data
+    return {x["id"] for x in items if x.get("project") is not None and x["state"] != "stopped"}
+
+
+async def _books_agree(st: Stack) -> None:
+    """Every counter equals a recount of the sandbox rows; no reservation is left."""
+    import sqlalchemy as sa
+
+    from dsec.control.db import SandboxRow
+    from dsec.control.watcher import recount_txn
+
+    assert await st.control.store.write(recount_txn) == 0
+    left = await st.control.store.read(lambda s: s.execute(sa.select(sa.func.count()).select_from(SandboxRow).where(
+        SandboxRow.id.is_(None), SandboxRow.state == "creating")).scalar_one())
+    assert left == 0
+
+
+async def test_abandon_gives_up_the_slots_the_sdk_does_not_hold_and_destroys_what_the_edge_made_there(
+    edge_state: tuple[Path, str], dsec_base: Path, tmp_path: Path, db_url: str
+) -> None:
+    from dsec.edge.leases import slot_key
+
+    async with stack(edge_state, dsec_base, tmp_path, db_url) as st, \
+            httpx.AsyncClient(base_url=st.ctl.url, headers={"authorization": f"Bearer {st.ctl.admin_token}"}) as c:
+        g = (await c.post("/v1/leases", json={"spec": SPEC, "count": 8, "labels": {"job": "ab"}})).json()
+        part = g["leases"][0]
+        lid = part["lease_id"]
+        async with httpx.AsyncClient(base_url=part["edge_url"], headers={"authorization": f"Bearer {part['token']}"}) as e:
+            async def chunk(rid: str) -> list[dict[str, Any]]:
+                r = await e.post(f"/v1/leases/{lid}/sandboxes", json={"body": g["body"], "count": 2, "request_id": rid})
+                return [i["sandbox"] for i in r.json()["items"]]
+
+            held = await chunk("a")  # the SDK got these
+            lost = await chunk("b")  # made, but their answer never reached the SDK
+        keys = [sb["request_id"] for sb in held]
+        assert all(k and k.startswith(lid) for k in keys), keys  # the edge names each sandbox's slot
+        await st.recorded(c, 4, label="job=ab")
+        assert await st.used(c) == 8 and await st.committed(c) == 8
+
+        ab = {"lease_id": lid, "held": keys, "request_id": "ab-1"}
+        r = await c.post(f"/v1/leases/{g['id']}/abandon", json=ab)
+        assert r.status_code == 200, r.text
+        got = r.json()
+        assert (got["kept"], got["returned"], sorted(got["stopped"]), got["edge_told"], got["replayed"]) == \
+            (2, 4, sorted(sb["id"] for sb in lost), True, False)
+        # the two it holds stand; what nobody holds is destroyed; the unused slots' quota is back
+        assert await st.used(c) == 2 and await st.committed(c) == 2
+        assert await _on_edge(st) == {sb["id"] for sb in held}
+        for sb in lost:
+            row = (await c.get(f"/v1/sandboxes/{sb['id']}")).json()
+            assert row["state"] == "stopped" and "abandoned" in row["reason"], row
+        async with httpx.AsyncClient(base_url=part["edge_url"], headers={"authorization": f"Bearer {part['token']}"}) as e:
+            r = await e.post(f"/v1/leases/{lid}/sandboxes", json={"body": g["body"], "count": 1, "request_id": "c"})
+            assert r.status_code == 409 and r.json()["error"]["reason"] == "revoked"  # the edge was told
+
+        # idempotent: the same call (another replica, a lost answer) gets the same decision
+        again = (await c.post(f"/v1/leases/{g['id']}/abandon", json=ab)).json()
+        assert (again["kept"], again["returned"], again["stopped"], again["replayed"]) == \
+            (2, 4, got["stopped"], True)
+        r = await c.post(f"/v1/leases/{g['id']}/abandon", json={**ab, "held": keys[:1]})
+        assert r.status_code == 422 and r.json()["error"]["field"] == "request_id"
+        r = await c.post(f"/v1/leases/{g['id']}/abandon", json={**ab, "held": keys[:1], "request_id": "ab-2"})
+        assert r.status_code == 409 and r.json()["error"]["reason"] == "abandoned"
+        r = await c.post(f"/v1/leases/{g['id']}/abandon", json={**ab, "held": [lid + "ffffffff"], "request_id": "x"})
+        assert r.status_code in (409, 422)
+        r = await c.post(f"/v1/leases/{g['id']}/abandon", json={**ab, "lease_id": "0" * 24})
+        assert r.status_code == 404
+
+        # what the edge made under a slot given up and tells of later (a healed partition): into the
+        # slot's row, never charged, destroyed by the reconcile; and one it never reports at all
+        late = await _made_on_edge(st, g, slot_key(lid, 6))
+        r = await c.post(f"/v1/edges/{part['edge_id']}/leases/report", headers=_edge_admin(), json={"items": [{
+            "key": slot_key(lid, 6), "id": late["id"], "state": "running", "created_at": late["created_at"]}]})
+        assert r.status_code == 200, r.text
+        silent = await _made_on_edge(st, g, slot_key(lid, 7))
+        assert await st.used(c) == 2
+        assert (await c.get(f"/v1/sandboxes/{late['id']}")).json()["state"] == "stopped"
+        await st.control.watcher.tick(reconcile=True)
+        assert await _on_edge(st) == {sb["id"] for sb in held}
+        assert (await c.get(f"/v1/sandboxes/{silent['id']}")).json()["state"] == "stopped"
+        assert await st.used(c) == 2 and await st.committed(c) == 2
+        await _books_agree(st)
+        assert (await c.delete(f"/v1/leases/{g['id']}")).status_code == 200  # releasing after: nothing changes
+        assert await st.used(c) == 2
+        for sb in held:
+            await c.delete(f"/v1/sandboxes/{sb['id']}")
+        assert await st.used(c) == 0 and await st.committed(c) == 0
+
+
+async def test_abandon_after_the_lease_expired_keeps_late_reports_of_held_slots_and_destroys_the_others(
+    edge_state: tuple[Path, str], dsec_base: Path, tmp_path: Path, db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dsec.control import leases as leases_mod
+
+    monkeypatch.setattr(leases_mod, "EXPIRY_GRACE_S", 0.0)
+    async with stack(edge_state, dsec_base, tmp_path, db_url) as st, \
+            httpx.AsyncClient(base_url=st.ctl.url, headers={"authorization": f"Bearer {st.ctl.admin_token}"}) as c:
+        book = st.edge.service.leases
+        report, book.report = book.report, None  # the edge is cut off: its reports do not arrive
+        g = (await c.post("/v1/leases", json={"spec": SPEC, "count": 3, "lease_ttl_s": 1.0})).json()
+        part = g["leases"][0]
+        async with httpx.AsyncClient(base_url=part["edge_url"], headers={"authorization": f"Bearer {part['token']}"}) as e:
+            items = (await e.post(f"/v1/leases/{part['lease_id']}/sandboxes",
+                                  json={"body": g["body"], "count": 2, "request_id": "a"})).json()["items"]
+        mine, unknown = items[0]["sandbox"], items[1]["sandbox"]  # the SDK got the first answer only
+        await asyncio.sleep(1.1)
+        assert await st.control.leases.sweep() == 3  # expired, nothing reported: every slot returned
+        assert await st.used(c) == 0
+        r = await c.post(f"/v1/leases/{g['id']}/abandon",
+                         json={"lease_id": part["lease_id"], "held": [mine["request_id"]], "request_id": "ab"})
+        assert r.status_code == 200, r.text
+        assert (r.json()["kept"], r.json()["returned"], r.json()["stopped"]) == (1, 0, [])
+        # the partition heals: the edge reports both. The held one is the client's (charged, kept);
+        # the other goes into its given-up slot (never charged) and is destroyed
+        book.report = report
+        items = [{"key": sb["request_id"], "id": sb["id"], "state": "running", "created_at": sb["created_at"]}
+                 for sb in (mine, unknown)]
+        r = await c.post(f"/v1/edges/{part['edge_id']}/leases/report", headers=_edge_admin(), json={"items": items})
+        assert r.status_code == 200, r.text
+        assert (await c.get(f"/v1/sandboxes/{mine['id']}")).json()["state"] == "running"
+        assert (await c.get(f"/v1/sandboxes/{unknown['id']}")).json()["state"] == "stopped"
+        assert await st.used(c) == 1
+        await st.control.watcher.tick(reconcile=True)
+        assert await _on_edge(st) == {mine["id"]}
+        assert await st.used(c) == 1 and await st.committed(c) == 1
+        await _books_agree(st)
+        await c.delete(f"/v1/sandboxes/{mine['id']}")

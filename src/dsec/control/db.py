@@ -287,6 +287,9 @@ class CreateLeaseRow(Base):
     closed_at: Mapped[float | None] = mapped_column(sa.Double)
     reason: Mapped[str] = mapped_column(sa.Text, default="")
     """Why it closed; while active, ``ahead`` marks a lease held ahead of creates (it yields)."""
+    abandon: Mapped[dict[str, Any] | None] = mapped_column(sa.JSON, nullable=True)
+    """Set when the SDK abandoned the part (``POST /v1/leases/{grant}/abandon``): the request id,
+    the digest of the slots it kept, and the decision's figures (a retried abandon is answered them)."""
 
 
 # Core tables (the hot paths build statements once and bind parameters).

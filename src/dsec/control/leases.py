@@ -36,7 +36,17 @@ overdrawn by that many for as long as they live, which is logged.
 
 Edge failure: an edge that dies holds its unused slots until the lease expires (or the
 watcher declares the edge lost and stops its sandboxes); the SDK creates the rest through the
-control plane's own path, which places them elsewhere.
+control plane's own path, which places them elsewhere. When it dies (or is cut off) with a
+chunk in flight, the SDK cannot know what the edge made of it, so it **abandons** the part
+(``POST /v1/leases/{grant}/abandon``, :meth:`Leases.abandon`) naming the slots it holds: one
+transaction, the part's row locked, closes the part, turns every other unused slot into a
+``stopped`` row without id (quota back), moves every other reported sandbox to ``stopping``
+(deleted on the edge). A report that comes later under a given-up slot goes into that row
+(:meth:`Leases._into_row`: never charged) and the reconcile deletes the sandbox; one the edge
+only lists is matched to the row by its key and deleted (watcher.py). The control plane's
+decision wins, as with fencing: nothing made under a given-up slot lives, or is charged. The
+SDK then creates those items through the control plane. The decision is stored with the part:
+a retried abandon (same request id and held slots, any replica) is answered the same.
 """
 
 from __future__ import annotations
@@ -77,8 +87,10 @@ from dsec.control.placement import Demand, EdgeView, Room, feasible, place
 from dsec.control.sandboxes import (
     _Q_PROJECT,
     _Q_TASK,
+    HOLDS_QUOTA,
     Ledger,
     Sandboxes,
+    _finish_many,
     inherited_stages,
     move,
 )
@@ -86,8 +98,10 @@ from dsec.edge.leases import SLOT_HEX, slot_key
 from dsec.errors import Backpressure, DsecError, InvalidSpec, LeaseInvalid, NotFound, QuotaExceeded
 from dsec.spec import Resources, SandboxState
 from dsec.spec.api import (
+    AbandonLease,
     CreateLease,
     EdgeLease,
+    LeaseAbandoned,
     LeaseGrant,
     LeaseReleased,
     LeaseReport,
@@ -106,6 +120,9 @@ AHEAD = "ahead"
 """``create_leases.reason`` of an active lease held ahead of creates (it yields to a create)."""
 MAX_PARTS = 64
 """Edges one grant is spread over, at most."""
+ABANDON_TELL_S = 3.0
+"""How long an abandon waits for the part's edge to answer its revocation (an edge that does not
+answer learns by its lease's expiry; the decision is made already)."""
 
 _SB = SANDBOXES
 class _EncodedJSON(sa.types.TypeDecorator[Any]):
@@ -200,6 +217,29 @@ def split(views: Sequence[EdgeView], demand: Demand, n: int, *, k: int, rng: Any
     return out
 
 
+def _give_back(s: Session, lease: CreateLeaseRow, gone: Sequence[Any]) -> int:
+    """What dropped slot reservations of ``lease`` held (rows of task_id, cpu_m, memory, disk)
+    returns to the project, the tasks and the edge; returns how many."""
+    if not gone:
+        return 0
+    n = len(gone)
+    cpu, mem, disk = sum(g[1] for g in gone), sum(g[2] for g in gone), sum(g[3] for g in gone)
+    bump_project(s, lease.project_id, Amount(-n, -cpu, -mem))
+    by_task: dict[int, Amount] = {}
+    for task_id, c, m, _ in gone:
+        if task_id is not None:
+            by_task[task_id] = by_task.get(task_id, Amount()) + Amount(1, c, m)
+    for task_id, a in sorted(by_task.items()):
+        bump_task(s, task_id, Amount() - a)
+    bump_edge(s, lease.edge_id, Room(-n, -cpu, -mem, -disk))
+    return n
+
+
+def held_digest(held: Sequence[str]) -> str:
+    """The digest of an abandon's kept slots (a retried abandon must keep the same ones)."""
+    return hashlib.sha256("\n".join(sorted(set(held))).encode()).hexdigest()
+
+
 def _boot_ids(s: Session, edge_ids: Sequence[str]) -> dict[str, str]:
     """The run of each edge, from its last health report (a lease names it: edge/leases.py)."""
     q = sa.select(EdgeRow.id, EdgeRow.health["boot_id"].as_string()).where(EdgeRow.id.in_(list(edge_ids)))
@@ -213,6 +253,16 @@ class _Part:
     edge_url: str
     slots: int
     boot_id: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Abandoned:
+    lease_id: str
+    edge_id: str
+    kept: int
+    returned: int
+    stopped: list[str]
+    replayed: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,6 +288,8 @@ class Leases:
         self.granted = 0
         self.reported = 0
         self.returned = 0
+        self.abandoned = 0
+        """Lease parts this replica abandoned at the SDK's request (not counting replays)."""
 
     # ------------------------------------------------------------- grant --
 
@@ -458,25 +510,26 @@ class Leases:
     def _record_odd(self, s: Session, edge_id: str, it: LeaseReportItem, have: tuple[str | None, str] | None,
                     now: float) -> None:
         """A report that does not simply fill its reservation: the reservation was dropped
-        (the lease ended first), deleted meanwhile, or the sandbox already failed."""
+        (the lease ended first), deleted meanwhile, given up by an abandon, or the sandbox
+        already failed."""
         sb = it
         ledger = Ledger()
         if have is not None and have[0] is None:
-            row = s.get(SandboxRow, it.key)
-            assert row is not None
-            row.id = sb.id
-            row.created_at = sb.created_at
-            if row.state == S.CREATING.value and sb.state in (S.FAILED, S.STOPPED):
-                move(row, sb.state, ledger, reason=sb.reason or "failed on the edge")
-            # a reservation deleted meanwhile (stopping) keeps the id: the reconcile deletes it there
-            ledger.flush(s)
+            self._into_row(s, s.get(SandboxRow, it.key), sb, ledger)
             return
         if s.execute(sa.select(SandboxRow.key).where(SandboxRow.id == sb.id)).first() is not None:
             return
-        lease = s.get(CreateLeaseRow, it.key[: -SLOT_HEX])
+        # locked: an abandon of this part (which writes a row for every slot it gives up) and this
+        # report go one after the other: the report finds the abandon's row, or the abandon this one
+        lease = s.get(CreateLeaseRow, it.key[: -SLOT_HEX], with_for_update=True)
         if lease is None or lease.edge_id != edge_id:
             log.warning("edge %s reported sandbox %s under unknown lease slot %s: left to the reconcile",
                         edge_id, sb.id, it.key)
+            return
+        slot = s.get(SandboxRow, it.key, with_for_update=True) if have is None else None
+        if slot is not None and slot.id in (None, sb.id):  # written while we waited for the lock
+            if slot.id is None:
+                self._into_row(s, slot, sb, ledger)
             return
         res = Resources.model_validate(lease.body["spec"]["resources"])
         amount = Amount.of_resources(res)
@@ -484,9 +537,9 @@ class Leases:
         if lease.body.get("task"):
             task_id = get_or_create_task(s, lease.project_id, lease.body["task"], lock=False).id
         url = s.execute(sa.select(EdgeRow.url).where(EdgeRow.id == edge_id)).scalar_one_or_none() or ""
-        row = SandboxRow(
-            key=uuid.uuid4().hex, id=sb.id, edge_id=edge_id, edge_url=url, project_id=lease.project_id,
-            task_id=task_id, task_name=lease.body.get("task"),
+        row = SandboxRow(  # under its slot's key when free: an abandon of the part finds it there
+            key=it.key if slot is None and have is None else uuid.uuid4().hex, id=sb.id, edge_id=edge_id,
+            edge_url=url, project_id=lease.project_id, task_id=task_id, task_name=lease.body.get("task"),
             labels={**(lease.body["spec"].get("labels") or {}), **(lease.body.get("labels") or {})},
             state=S.CREATING.value, spec=lease.body["spec"], lifecycle=lease.body["lifecycle"], cpu_m=amount.cpu_m,
             memory=res.memory, disk=res.disk, created_at=sb.created_at, updated_at=now, expires_at=sb.expires_at,
@@ -499,6 +552,18 @@ class Leases:
         ledger.flush(s)
         log.warning("edge %s reported %s after lease %s ended: recorded and charged to project #%d (its quota "
                     "may be overdrawn by it while it lives)", edge_id, sb.id, lease.id, lease.project_id)
+
+    @staticmethod
+    def _into_row(s: Session, row: SandboxRow | None, sb: LeaseReportItem, ledger: Ledger) -> None:
+        """The sandbox goes into its slot's row, which is no reservation waiting for it any more:
+        deleted meanwhile (stopping) or given up by an abandon (stopped). The row keeps the id and
+        its state; the reconcile then deletes the sandbox on its edge (the store says it has ended)."""
+        assert row is not None
+        row.id = sb.id
+        row.created_at = sb.created_at
+        if row.state == S.CREATING.value and sb.state in (S.FAILED, S.STOPPED):
+            move(row, sb.state, ledger, reason=sb.reason or "failed on the edge")
+        ledger.flush(s)
 
     async def adopt(self, who: Principal, sandbox_id: str) -> bool:
         """A sandbox id the store does not know: if its edge made it under a lease of the caller's
@@ -595,20 +660,148 @@ class Leases:
                                             SandboxRow.state == S.CREATING.value)
                 .returning(SandboxRow.task_id, SandboxRow.cpu_m, SandboxRow.memory, SandboxRow.disk)
             ).all()
-            if gone:
-                n = len(gone)
-                cpu, mem, disk = sum(g[1] for g in gone), sum(g[2] for g in gone), sum(g[3] for g in gone)
-                bump_project(s, lease.project_id, Amount(-n, -cpu, -mem))
-                by_task: dict[int, Amount] = {}
-                for task_id, c, m, _ in gone:
-                    if task_id is not None:
-                        by_task[task_id] = by_task.get(task_id, Amount()) + Amount(1, c, m)
-                for task_id, a in sorted(by_task.items()):
-                    bump_task(s, task_id, Amount() - a)
-                bump_edge(s, lease.edge_id, Room(-n, -cpu, -mem, -disk))
-                returned += n
+            returned += _give_back(s, lease, gone)
             lease.state, lease.closed_at, lease.reason = "closed", now, reason
         return returned
+
+    # ----------------------------------------------------------- abandon --
+
+    async def abandon(self, who: Principal, grant_id: str, req: AbandonLease) -> LeaseAbandoned:
+        """The SDK does not know what became of a chunk it sent to this part's edge: the part ends
+        and every slot the SDK does not hold is given up, whatever the edge did or will do (the
+        control plane's decision wins, as when it fences an edge). One transaction decides; then
+        the edge is told (as a release does: what it made is recorded), and the sandboxes it made
+        under slots given up are destroyed there. Idempotent (``request_id`` and ``held``)."""
+        got = await self.store.write(partial(self._abandon_txn, who=who, grant_id=grant_id, req=req,
+                                             digest=held_digest(req.held)))
+        held = set(req.held)
+        doomed = list(got.stopped)
+        told = False
+        url = await self.sb.directory.url(got.edge_id)
+        if url is not None:
+            try:
+                made = await asyncio.wait_for(self.edges.revoke_lease(got.edge_id, url, got.lease_id), ABANDON_TELL_S)
+            except (EdgeUnreachable, DsecError, TimeoutError) as exc:
+                log.warning("abandoned lease %s: edge %s not told (%r): what it makes meanwhile is destroyed when "
+                            "it reports or is reconciled", got.lease_id, got.edge_id, exc)
+            else:
+                told = True
+                if made:
+                    await self.report(got.edge_id, LeaseReport(items=made))  # into the abandon's rows
+                doomed += [it.id for it in made if it.key not in held and it.id not in doomed]
+        if doomed and told and url is not None:  # an edge that did not answer: the reconcile, once it is back
+            await self._destroy(got.edge_id, url, doomed)
+        if not got.replayed:
+            self.abandoned += 1
+            log.warning("lease %s on edge %s abandoned by the client: %d slot(s) kept, %d reservation(s) returned, "
+                        "%d sandbox(es) nobody holds to destroy (%s)", got.lease_id, got.edge_id, got.kept,
+                        got.returned, len(doomed), "done" if told else "the edge did not answer: when it is back")
+        return LeaseAbandoned(lease_id=got.lease_id, kept=got.kept, returned=got.returned, stopped=got.stopped,
+                              edge_told=told, replayed=got.replayed)
+
+    async def _destroy(self, edge_id: str, url: str, ids: Sequence[str]) -> None:
+        """Delete these sandboxes on their edge (those the store says are stopping finish); what
+        fails is left to the reconcile, which deletes on the edge what the store says has ended."""
+        sem = asyncio.Semaphore(16)
+
+        async def one(sandbox_id: str) -> str | None:
+            async with sem:
+                try:
+                    await asyncio.wait_for(self.edges.delete(edge_id, url, sandbox_id), ABANDON_TELL_S * 2)
+                    return sandbox_id
+                except (DsecError, TimeoutError) as exc:
+                    log.warning("delete of %s on edge %s failed (the reconcile retries): %r", sandbox_id, edge_id, exc)
+                    return None
+
+        gone = [x for x in await asyncio.gather(*(one(i) for i in ids)) if x]
+        if gone:
+            await self.store.write(partial(_finish_many, ids=gone))
+
+    def _abandon_txn(self, s: Session, who: Principal, grant_id: str, req: AbandonLease, digest: str) -> _Abandoned:
+        """The decision, in one transaction, with the part's row locked (a late report of one of
+        its slots waits for it, or went first: ``_record_odd``). Per slot not in ``held``:
+
+        - a reservation (no sandbox reported) becomes a row ``stopped`` with no id: its quota and
+          room return now, and a sandbox the edge reports or lists under that key later goes into
+          it, still stopped, and is deleted there (``_into_row``; the watcher's reconcile);
+        - a reported sandbox moves to ``stopping`` (quota back) and is deleted on its edge;
+        - a slot with no row (its reservation was dropped when the lease expired) gets the same
+          stopped row, so a report after the end is not recorded as a live sandbox of its own.
+
+        Slots in ``held`` are left as they are: reservations the edge's report fills, or sandboxes."""
+        lease = s.execute(sa.select(CreateLeaseRow).where(
+            CreateLeaseRow.id == req.lease_id, CreateLeaseRow.grant_id == grant_id,
+            CreateLeaseRow.project_id == who.project_id).with_for_update()).scalar_one_or_none()
+        if lease is None:
+            raise NotFound(f"no lease part {req.lease_id!r} of grant {grant_id!r} in project {who.project!r}",
+                           lease_id=req.lease_id)
+        prev = lease.abandon
+        if prev is not None:
+            if prev.get("held") == digest:
+                return _Abandoned(lease.id, lease.edge_id, int(prev["kept"]), int(prev["returned"]),
+                                  list(prev["stopped"]), True)
+            if prev.get("request_id") == req.request_id:
+                raise InvalidSpec(f"request_id {req.request_id!r} abandoned lease part {lease.id} keeping other slots "
+                                  "before", field="request_id")
+            raise LeaseInvalid(f"lease part {lease.id} was abandoned before, keeping {prev['kept']} other slot(s)",
+                               lease_id=lease.id, reason="abandoned")
+        held = set(req.held)
+        for key in sorted(held):
+            if not (len(key) == len(lease.id) + SLOT_HEX and key.startswith(lease.id)
+                    and all(c in "0123456789abcdef" for c in key[-SLOT_HEX:]) and int(key[-SLOT_HEX:], 16) < lease.granted):
+                raise InvalidSpec(f"held: {key[:40]!r} is no slot of lease part {lease.id}", field="held")
+        now = time.time()
+        why = f"lease {lease.id} abandoned by its client (it never got this sandbox): destroyed"
+        rows = s.execute(
+            sa.select(SandboxRow.key, SandboxRow.id, SandboxRow.state)
+            .where(SandboxRow.key >= slot_key(lease.id, 0), SandboxRow.key <= lease.id + "f" * SLOT_HEX)
+            .order_by(SandboxRow.key).with_for_update()
+        ).all()
+        have = {k for k, _, _ in rows}
+        unused = [k for k, sid, state in rows if k not in held and sid is None and state == S.CREATING.value]
+        made = [k for k, sid, state in rows
+                if k not in held and sid is not None and state in HOLDS_QUOTA | {S.FAILED.value}]
+        missing = [k for k in (slot_key(lease.id, i) for i in range(lease.granted)) if k not in have and k not in held]
+        gone: list[Any] = []
+        for i in range(0, len(unused), 500):
+            gone += s.execute(
+                sa.update(_SB).where(_SB.c.key.in_(unused[i:i + 500]), _SB.c.id.is_(None),
+                                     _SB.c.state == S.CREATING.value)
+                .values(state=S.STOPPED.value, reason=why, updated_at=now)
+                .returning(_SB.c.task_id, _SB.c.cpu_m, _SB.c.memory, _SB.c.disk)
+            ).all()
+        returned = _give_back(s, lease, gone)
+        stopped: list[str] = []
+        ledger = Ledger()
+        for i in range(0, len(made), 500):
+            for row in s.execute(sa.select(SandboxRow).where(SandboxRow.key.in_(made[i:i + 500]))
+                                 .order_by(SandboxRow.key)).scalars():
+                move(row, S.STOPPING, ledger, reason=why)
+                stopped.append(str(row.id))
+        ledger.flush(s)
+        if missing:
+            _insert_slots(s.connection(), [(self._ended_slot(s, lease, why, now), missing)])
+        if lease.state == "active":
+            lease.state, lease.closed_at, lease.reason = "closed", now, "abandoned"
+        lease.abandon = {"request_id": req.request_id, "held": digest, "kept": len(held), "returned": returned,
+                         "stopped": stopped, "at": now}
+        return _Abandoned(lease.id, lease.edge_id, len(held), returned, stopped, False)
+
+    def _ended_slot(self, s: Session, lease: CreateLeaseRow, why: str, now: float) -> dict[str, Any]:
+        """The columns of a slot's row that holds nothing (``stopped``, no id) for ``lease``."""
+        body = lease.body
+        res = Resources.model_validate(body["spec"]["resources"])
+        task_id = get_or_create_task(s, lease.project_id, body["task"], lock=False).id if body.get("task") else None
+        url = s.execute(sa.select(EdgeRow.url).where(EdgeRow.id == lease.edge_id)).scalar_one_or_none() or ""
+        labels = {**(body["spec"].get("labels") or {}), **(body.get("labels") or {})}
+        return {
+            "id": None, "edge_id": lease.edge_id, "edge_url": url, "project_id": lease.project_id, "task_id": task_id,
+            "task_name": body.get("task"), "labels": json.dumps(labels), "state": S.STOPPED.value,
+            "spec": json.dumps(body["spec"]), "lifecycle": json.dumps(body["lifecycle"]),
+            "cpu_m": Amount.of_resources(res).cpu_m, "memory": res.memory, "disk": res.disk,
+            "created_at": lease.created_at, "updated_at": now, "expires_at": now, "request_id": None,
+            "request_hash": "", "reason": why, "launcher": None, "priority": self.sb.scheduler.cfg.default_priority,
+        }
 
     # ------------------------------------------------------------ expiry --
 
@@ -649,8 +842,8 @@ class Leases:
 
 
 def router(caller: Callable[..., Any], edge_admin: Callable[..., Any]) -> APIRouter:
-    """``POST /v1/leases``, ``DELETE /v1/leases/{grant_id}`` (project tokens) and
-    ``POST /v1/edges/{edge_id}/leases/report`` (edge-admin)."""
+    """``POST /v1/leases``, ``DELETE /v1/leases/{grant_id}``, ``POST /v1/leases/{grant_id}/abandon``
+    (project tokens) and ``POST /v1/edges/{edge_id}/leases/report`` (edge-admin)."""
     r = APIRouter(tags=["leases"])
     project = Depends(caller)  # defaults, not annotations: annotations here are strings (PEP 563)
     edge = Depends(edge_admin)
@@ -679,6 +872,19 @@ def router(caller: Callable[..., Any], edge_admin: Callable[..., Any]) -> APIRou
 
         validate.text(grant_id, "grant_id", max_len=64)
         return await leases_of(request).release(who, grant_id)
+
+    @r.post("/v1/leases/{grant_id}/abandon", response_model=LeaseAbandoned)
+    async def abandon_lease(request: Request, grant_id: str, body: AbandonLease,
+                            who: Principal = project) -> LeaseAbandoned:
+        """The SDK does not know what became of creates it sent to one part's edge (no answer): the
+        part ends, the slots it does not hold (``held``: their keys) are given up, and whatever the
+        edge made under them is destroyed (docs/CONTROL.md, "Create leases"). Idempotent."""
+        from dsec.control import validate
+
+        validate.text(grant_id, "grant_id", max_len=64)
+        validate.text(body.lease_id, "lease_id", max_len=24)
+        validate.text(body.request_id, "request_id", max_len=128)
+        return await leases_of(request).abandon(who, grant_id, body)
 
     @r.post("/v1/edges/{edge_id}/leases/report")
     async def lease_report(request: Request, edge_id: str, body: LeaseReport,

@@ -18,7 +18,9 @@ another replica takes over when the lease lapses). Each round it:
   the store: sandboxes the edge no longer has are marked stopped (their quota
   returns), deletions that did not reach the edge are retried, and sandboxes
   the edge holds for a project but the store does not know (a create whose
-  answer was lost) are deleted after ``orphan_grace_s``;
+  answer was lost) are deleted after ``orphan_grace_s`` — at once when the
+  key it was made under names a row that has ended without it (deleted while
+  in flight, a lease slot its SDK abandoned);
 - declares the sandboxes of an edge not heard from for ``edge_lost_after_s``
   ``lost`` (quota returned, the edge's epoch raised),
   drops reservations whose create never finished, forgets stopped sandboxes
@@ -359,9 +361,11 @@ class Watcher:
                 s.execute(sa.select(SandboxRow.id).where(SandboxRow.id.in_(unknown[i : i + 500]))).scalars()  # type: ignore[arg-type]
             )
         pending: list[tuple[SandboxRow, str]] = []
+        ended: dict[str, SandboxRow] = {}
         if unknown:  # reservations by the keys the edge names (a lease has thousands on one edge)
             keys = sorted({on_edge[sid].request_id or "" for sid in unknown} - {""})
             pending = self._unconfirmed(s, edge_id, keys=keys) if keys else []
+            ended = self._ended(s, edge_id, keys) if keys else {}
             named = {row.key for row, _ in pending}
             if any(on_edge[sid].created_at < now - self.config.orphan_grace_s
                    and (on_edge[sid].request_id or "") not in named for sid in unknown):
@@ -372,6 +376,14 @@ class Watcher:
                 continue
             if sid in stopped:  # the store says stopped or lost, the edge still has it
                 doomed.append(sid)
+            elif sb.request_id and sb.request_id in ended:
+                # made for a create that had ended without it (deleted while in flight, or a lease
+                # slot its client gave up): the row takes its id, and it is destroyed
+                row = ended.pop(sb.request_id)
+                row.id, row.created_at = sid, sb.created_at
+                doomed.append(sid)
+                log.warning("edge %s: %s was made under %s, which had ended (%s): deleting it", edge_id, sid,
+                            sb.request_id, row.reason)
             elif sb.request_id and adopt_by_key(pending, sb, ledger):
                 log.warning("edge %s: recorded %s into its reservation %s (its create's answer was never recorded)",
                             edge_id, sid, sb.request_id)
@@ -385,6 +397,22 @@ class Watcher:
         ledger.flush(s)
         _recount_edge(s, edge_id)
         return doomed
+
+    @staticmethod
+    def _ended(s: Session, edge_id: str, keys: Sequence[str]) -> dict[str, SandboxRow]:
+        """Rows of these keys on this edge that never got a sandbox and hold nothing any more
+        (``stopping`` or ``stopped``: deleted while their create was in flight, lease slots
+        given up by an abandon): a sandbox the edge made under one must not live."""
+        out: dict[str, SandboxRow] = {}
+        for i in range(0, len(keys), 500):
+            for row in s.execute(
+                sa.select(SandboxRow).where(SandboxRow.key.in_(list(keys[i:i + 500])), SandboxRow.edge_id == edge_id,
+                                            SandboxRow.id.is_(None),
+                                            SandboxRow.state.in_((S.STOPPING.value, S.STOPPED.value)))
+                .order_by(SandboxRow.key).with_for_update()
+            ).scalars():
+                out[row.key] = row
+        return out
 
     @staticmethod
     def _unconfirmed(s: Session, edge_id: str, *, keys: Sequence[str] | None = None) -> list[tuple[SandboxRow, str]]:

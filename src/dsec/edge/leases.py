@@ -21,6 +21,12 @@ lease granted for an earlier run of this edge (each run has its own ``boot_id``,
 its health and named by the token): the edge forgets its slot counts when it restarts, and
 counting again from zero could reuse a slot. Nothing here blocks the event loop; the books are in memory
 and forgotten a minute after a lease expires.
+
+The edge never decides what a sandbox made under a slot is worth: when an SDK abandons a part
+(the edge died or was cut off with its chunk in flight), the control plane gives the slots the
+SDK does not hold up, and whatever this edge made under one — reported late after a partition,
+or re-adopted after a restart — is deleted here by the control plane (docs/CONTROL.md, "Create
+leases").
 """
 
 from __future__ import annotations

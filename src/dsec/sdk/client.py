@@ -257,7 +257,8 @@ class AsyncClient(FnCalls):  # fncall / fncall_many: dsec/sdk/fncall.py
 
         ``lease`` (default): one create lease for the burst (:meth:`lease`): the control plane
         is asked once, the edges make the sandboxes directly; what a lease cannot make (an edge
-        full or gone) is created through the control plane. ``lease=False``: one control-plane
+        full or gone) is created through the control plane (an edge gone with creates in flight:
+        once its part of the lease is abandoned, so none is made twice). ``lease=False``: one control-plane
         create per sandbox. Either way, backpressure (429) is honoured with jittered retries
         until ``max_wait_s``; other failures are reported per item and never fail the batch.
         """

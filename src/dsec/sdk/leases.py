@@ -12,6 +12,16 @@ What an edge cannot make (its admission is full, it is unreachable, the lease en
 reported per item as the error that stopped it; ``create_many`` creates those through the
 control plane instead, which places them elsewhere. A chunk whose answer was lost is sent
 again with the same request id: the edge makes each item once.
+
+A chunk that still has no answer (the edge died or is cut off with it in flight) may have been
+made there, or may be made later: creating its items elsewhere could make them twice. So the
+part is **abandoned** (``POST /v1/leases/{grant}/abandon``): no more chunks go to that edge,
+and once every chunk in flight there has ended the SDK tells the control plane which slots it
+holds (the keys of the sandboxes it got from that part); every other slot is given up and
+whatever the edge made or makes under one is destroyed (docs/CONTROL.md, "Create leases").
+Only after that answer are the chunk's items reported as :class:`EdgeGone` with
+``abandoned=True``, which ``create_many`` creates through the control plane. If the abandon
+cannot be made (no replica answers), they stay ``maybe_made`` and are not created again.
 """
 
 from __future__ import annotations
@@ -19,15 +29,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import random
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from dsec.errors import Backpressure, DsecError, LeaseInvalid, error_from_wire
 from dsec.sdk._http import raise_for_error
-from dsec.spec.api import BatchResult, LeaseGrant, LeaseReleased
+from dsec.spec.api import AbandonLease, BatchResult, LeaseAbandoned, LeaseGrant, LeaseReleased
 
 if TYPE_CHECKING:
     from dsec.sdk.client import AsyncClient, AsyncSandbox, CreateOutcome
@@ -38,9 +50,31 @@ RESEND = 3
 """Times a chunk whose answer was lost is sent again (same request id: nothing made twice)."""
 
 
+ABANDON_FOR_S = 60.0
+"""How long an abandon is retried (replicas failing over, a store restarting) before its items
+are given up as ``maybe_made``."""
+
+
 class EdgeGone(DsecError):
     """Not on the wire: an edge did not take a chunk (nothing was sent, or the answer never came
-    after :data:`RESEND` tries). ``maybe_made``: the edge may have made them."""
+    after :data:`RESEND` tries). ``maybe_made``: the edge may have made them (the part could not
+    be abandoned); ``abandoned``: the control plane gave the part's other slots up, so nothing
+    of this chunk will live on that edge."""
+
+
+@dataclass
+class _PartState:
+    """The SDK's side of one edge part while it is used: chunks in flight, the slots it got."""
+
+    inflight: int = 0
+    gone: bool = False
+    """A chunk found the edge gone: no more chunks are sent there; the part is abandoned."""
+    held: set[str] = field(default_factory=set)
+    """Slot keys of the sandboxes this SDK got from the part."""
+    unnamed: bool = False
+    """An answer without its slot key (an old edge): the part cannot be abandoned safely."""
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+    abandon: asyncio.Future[LeaseAbandoned | None] | None = None
 
 
 class AsyncLease:
@@ -52,6 +86,7 @@ class AsyncLease:
         self.grant = grant
         self._left = {p.lease_id: p.slots for p in grant.leases}
         self._released: LeaseReleased | None = None
+        self._parts: dict[str, _PartState] = {}
         self._calls = 0
         self._seq = 0
         """Items sent so far (each chunk's request id names its first: a resend makes nothing twice)."""
@@ -103,13 +138,14 @@ class AsyncLease:
         want = sum(self._left.values()) if n is None else n
         plan: list[tuple[Any, int, int]] = []  # (part, index of the first item, count)
         idx = first_index
-        for part in self.grant.leases:
-            while want > 0 and self._left[part.lease_id] > 0:
-                c = min(CHUNK, want, self._left[part.lease_id])
-                self._left[part.lease_id] -= c
-                plan.append((part, idx, c))
-                idx += c
-                want -= c
+        while want > 0 and any(self._left[p.lease_id] > 0 for p in self.grant.leases):
+            for part in self.grant.leases:  # a chunk per part in turn: every edge works from the start
+                if want > 0 and self._left[part.lease_id] > 0:
+                    c = min(CHUNK, want, self._left[part.lease_id])
+                    self._left[part.lease_id] -= c
+                    plan.append((part, idx, c))
+                    idx += c
+                    want -= c
         sem = asyncio.Semaphore(max(1, concurrency // CHUNK))
         queue: asyncio.Queue[list[CreateOutcome]] = asyncio.Queue()
 
@@ -135,14 +171,90 @@ class AsyncLease:
         """One sandbox on the next slot left (:class:`LeaseInvalid` ``used up`` when none is)."""
         from dsec.sdk.client import CreateOutcome
 
-        part = next((p for p in self.grant.leases if self._left[p.lease_id] > 0), None)
+        part = next((p for p in self.grant.leases if self._left[p.lease_id] > 0 and not self._state(p).gone), None)
         if part is None:
             return CreateOutcome(0, None, LeaseInvalid(f"lease {self.id} has no slot left", reason="used up",
                                                        lease_id=self.id))
         self._left[part.lease_id] -= 1
         return (await self._chunk(part, 0, 1))[0]
 
+    def _state(self, part: Any) -> _PartState:
+        st = self._parts.get(part.lease_id)
+        if st is None:
+            st = self._parts[part.lease_id] = _PartState()
+            st.idle.set()
+        return st
+
     async def _chunk(self, part: Any, first: int, count: int) -> list[CreateOutcome]:
+        """One chunk on the part's edge. An edge gone with it (or with another chunk) in flight:
+        the part is abandoned before these outcomes are answered (module docstring)."""
+        from dsec.sdk.client import CreateOutcome
+
+        st = self._state(part)
+        if st.gone:  # another chunk found the edge gone: nothing of this one is sent there
+            err = EdgeGone(f"edge {part.edge_id} is gone: lease part {part.lease_id} is given up", edge_id=part.edge_id,
+                           maybe_made=False)
+            return [CreateOutcome(first + i, None, err) for i in range(count)]
+        st.inflight += 1
+        st.idle.clear()
+        try:
+            got = await self._send(part, first, count)
+            for o in got:
+                if o.sandbox is not None:
+                    if o.sandbox.info.request_id:
+                        st.held.add(o.sandbox.info.request_id)
+                    else:
+                        st.unnamed = True
+        finally:
+            st.inflight -= 1
+            if st.inflight == 0:
+                st.idle.set()
+        if not any(isinstance(o.error, EdgeGone) for o in got):
+            return got
+        st.gone = True
+        done = await self._abandon(part, st)
+        out = []
+        for o in got:
+            if isinstance(o.error, EdgeGone):
+                maybe = bool(o.error.fields.get("maybe_made")) and done is None
+                o = CreateOutcome(o.index, None, EdgeGone(
+                    str(o.error) + (f"; the part was abandoned ({done.kept} slot(s) kept)" if done is not None else ""),
+                    edge_id=part.edge_id, maybe_made=maybe, abandoned=done is not None))
+            out.append(o)
+        return out
+
+    async def _abandon(self, part: Any, st: _PartState) -> LeaseAbandoned | None:
+        """Abandon the part (once, whoever asks first): when no chunk is in flight there any more,
+        tell the control plane which slots this SDK holds. None: it could not be done."""
+        if st.abandon is None:
+            st.abandon = asyncio.ensure_future(self._abandon_when_idle(part, st))
+        return await asyncio.shield(st.abandon)
+
+    async def _abandon_when_idle(self, part: Any, st: _PartState) -> LeaseAbandoned | None:
+        await st.idle.wait()
+        if st.unnamed:
+            return None
+        body = AbandonLease(lease_id=part.lease_id, held=sorted(st.held),
+                            request_id=f"{self.id[:32]}-{part.lease_id}-abandon").model_dump_json()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + ABANDON_FOR_S
+        attempt = 0
+        while True:
+            try:  # the request id makes a resend (another replica, a lost answer) the same decision
+                resp = await self._client._call("POST", f"/v1/leases/{self.id}/abandon", content=body,
+                                                headers={"content-type": "application/json"}, idempotent=True)
+                return LeaseAbandoned.model_validate_json(resp.content)
+            except (Backpressure, httpx.HTTPError, DsecError) as exc:
+                if isinstance(exc, DsecError) and not isinstance(exc, Backpressure) and \
+                        int(exc.fields.get("status") or 0) < 500:
+                    return None  # refused (an older control plane, the part abandoned by another client...)
+                attempt += 1  # 429/503/500, no answer: again, with the same request id
+                wait = min(5.0, float(getattr(exc, "retry_after", 0.5) or 0.5) * attempt) * random.uniform(0.5, 1.5)
+                if loop.time() + wait > deadline:
+                    return None
+                await asyncio.sleep(wait)
+
+    async def _send(self, part: Any, first: int, count: int) -> list[CreateOutcome]:
         from dsec.sdk.client import AsyncSandbox, CreateOutcome
 
         self._calls += 1
@@ -184,7 +296,8 @@ class AsyncLease:
 
 def retry_elsewhere(err: DsecError | None) -> bool:
     """An item a lease could not make that the control plane's own path may still make:
-    the edge was full or gone (nothing made), or the lease ended."""
+    the edge was full, or gone having made nothing of it or with its part abandoned (nothing it
+    made there will live), or the lease ended."""
     if isinstance(err, EdgeGone):
         return not err.fields.get("maybe_made", False)
     return isinstance(err, Backpressure | LeaseInvalid)

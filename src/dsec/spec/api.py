@@ -246,6 +246,35 @@ class LeaseReleased(_Wire):
     sandboxes: list[LeaseReportItem] = Field(default_factory=list)
 
 
+class AbandonLease(_Wire):
+    """Body of ``POST /v1/leases/{grant_id}/abandon``: the SDK does not know what became of a
+    chunk it sent to this part's edge (docs/CONTROL.md, "Create leases"). ``held``: the slot keys
+    (``SandboxInfo.request_id`` of the edge's answers) of every sandbox the SDK got under this part;
+    every other slot is given up, and whatever the edge made under one is destroyed."""
+
+    lease_id: Annotated[str, Field(min_length=1, max_length=24)]
+    held: Annotated[list[Annotated[str, Field(max_length=32)]], Field(max_length=100_000)] = Field(
+        default_factory=list)
+    request_id: Annotated[str, Field(min_length=1, max_length=128)]
+    """A retried abandon (another replica, a lost answer) with the same key and ``held`` is answered
+    the same decision; the same key with another ``held`` is a 422."""
+
+
+class LeaseAbandoned(_Wire):
+    """Answer of ``POST /v1/leases/{grant_id}/abandon``: the part is closed; ``kept`` slots stay
+    the SDK's, ``returned`` reservations were dropped (their quota is back), ``stopped``: sandboxes
+    the edge had made (and reported) under slots given up, being destroyed there."""
+
+    lease_id: str
+    kept: int
+    returned: int
+    stopped: list[str] = Field(default_factory=list)
+    edge_told: bool = False
+    """The edge answered the revocation (else it learns by its lease's expiry, and what it made
+    meanwhile is destroyed when it reports or is reconciled)."""
+    replayed: bool = False
+
+
 class BatchItem(_Wire):
     sandbox: SandboxInfo | None = None
     error: dict[str, Any] | None = None
