@@ -19,7 +19,11 @@ Keys (``_python`` / ``_big`` name the image where both are measured):
 - ``lazy_first_exec_ms`` vs ``full_pull_first_exec_ms`` (and ``_ratio``): create +
   first exec (``cc --version && python3 -c pass``) from the uncached big image
   (python in ``--quick``: ``first_exec_image`` says which), lazily vs after a full
-  ``pull_layer`` through the same link.
+  ``pull_layer`` through the same link. Each image is pushed with a prefetch profile of
+  the start-up its sandboxes run (``PROFILE``, as ``dsec image push --profile`` does);
+  ``lazy_first_exec_noprofile_ms`` (and its ratio) is the same image pushed without one
+  (tag ``noprof``), in its own phase. ``<image>_prefetch_bytes``, ``<image>_profile_s``:
+  the profile's size and the time the push took to record it.
 - ``burst32_registry_bytes_ratio``: 32 sandboxes created at once from the uncached
   python image, each running ``python3 -c pass``: bytes over the link ÷ the bytes
   one sandbox needed (the first phase, same link counter).
@@ -51,6 +55,8 @@ RATE = "1gbit"
 DELAY_MS = 1.0
 FIRST_EXEC_BIG = "cc --version > /dev/null && python3 -c pass"
 FIRST_EXEC_PY = "python3 -c pass"
+PROFILE = {"python": FIRST_EXEC_PY, "big": FIRST_EXEC_BIG}
+"""The start-up each image is pushed with (``dsec image push --profile``): what its sandboxes run first."""
 
 
 def _quiet(_m: str) -> None:
@@ -154,19 +160,30 @@ async def _run(*, quick: bool, state_dir: Path | None, say: Say) -> dict[str, An
             for layer in (py, big):
                 if layer is None:
                     continue
+                key = "python" if layer is py else "big"
                 t0 = time.perf_counter()
+                # without a profile first (tag noprof: the comparison), then with one (tag bench, what
+                # `dsec image push --profile` makes; the blobs are there already)
                 await asyncio.to_thread(push_layer, src, layer.digest, client,
-                                        RegistryRef(reg.url, layer.name, tag="bench"))  # fmt: skip
+                                        RegistryRef(reg.url, layer.name, tag="noprof"))  # fmt: skip
+                push_s = time.perf_counter() - t0
+                done = await asyncio.to_thread(push_layer, src, layer.digest, client,
+                                               RegistryRef(reg.url, layer.name, tag="bench"),
+                                               profile=PROFILE[key])  # fmt: skip
                 _, cfg = await asyncio.to_thread(read_dsec_layer, client, layer.name, "bench")
                 assert cfg.lazy is not None, "the push made no lazy form (run as root)"
-                key = "python" if layer is py else "big"
+                assert done.profile is not None and done.profile.returncode == 0, f"profile failed: {done.profile}"
+                out[f"{key}_profile_s"] = done.profile.seconds
+                out[f"{key}_prefetch_bytes"] = cfg.lazy.prefetch_bytes
+                say(f"prefetch profile of {PROFILE[key]!r}: {len(done.profile.chunks)} data chunks, "
+                    f"{cfg.lazy.prefetch_bytes / 2**20:.2f} MiB, recorded in {done.profile.seconds:.1f} s")
                 out[f"{key}_layer_bytes"] = layer.size
                 out[f"{key}_lazy_form_bytes"] = cfg.lazy.meta.blob_size + cfg.lazy.data.blob_size
                 out[f"{key}_lazy_form_plain_bytes"] = cfg.lazy.meta.size + cfg.lazy.data.size
                 out[f"{key}_meta_bytes"] = cfg.lazy.meta.blob_size
                 say(f"pushed {layer.ref}: {layer.size / 2**20:.1f} MiB layer, lazy form {cfg.lazy.meta.blob_size / 2**20:.2f}"
                     f" MiB metadata + {cfg.lazy.data.blob_size / 2**20:.1f} MiB data ({cfg.lazy.data.size / 2**20:.1f} MiB "
-                    f"before zstd), in {time.perf_counter() - t0:.1f} s")
+                    f"before zstd), in {push_s:.1f} s")
 
         ref_py = f"{py.name}:bench"
         # 1. bytes for python3 -c pass, and its first exec
@@ -233,14 +250,23 @@ async def _run(*, quick: bool, state_dir: Path | None, say: Say) -> dict[str, An
             lat = ph.lazy.stats()["fetch_latency_ms"] if ph.lazy is not None else {}
             out["chunk_fetch_p50_ms"] = lat.get("p50")
             out["chunk_fetch_p99_ms"] = lat.get("p99")
+        async with _Phase(work, run_dir, "noprof1st", line.url) as ph:
+            t0 = time.perf_counter()
+            sid = await ph.sandbox(first_ref.replace(":bench", ":noprof"))
+            await ph.sh(sid, first_cmd)
+            out["lazy_first_exec_noprofile_ms"] = round((time.perf_counter() - t0) * 1000, 1)
+            out["lazy_first_exec_noprofile_bytes"] = ph.fetched()
         async with _Phase(work, run_dir, "pull1st", line.url, lazy=False) as ph:
             t0 = time.perf_counter()
             sid = await ph.sandbox(first_ref)  # lookup pulls the whole layer first
             await ph.sh(sid, first_cmd)
             out["full_pull_first_exec_ms"] = round((time.perf_counter() - t0) * 1000, 1)
         out["lazy_vs_full_pull_first_exec_ratio"] = round(out["lazy_first_exec_ms"] / out["full_pull_first_exec_ms"], 3)
+        out["lazy_noprofile_vs_full_pull_first_exec_ratio"] = round(
+            out["lazy_first_exec_noprofile_ms"] / out["full_pull_first_exec_ms"], 3)
         say(f"first exec from the uncached {out['first_exec_image']} image ({first_layer.size / 2**20:.0f} MiB): lazy "
-            f"{out['lazy_first_exec_ms']:.0f} ms vs full pull {out['full_pull_first_exec_ms']:.0f} ms")
+            f"{out['lazy_first_exec_ms']:.0f} ms with its prefetch profile, "
+            f"{out['lazy_first_exec_noprofile_ms']:.0f} ms without, vs full pull {out['full_pull_first_exec_ms']:.0f} ms")
 
         # 5. a damaged chunk in the registry is refused
         out["corrupt_chunk_refused"] = await _corrupt(work, run_dir, reg, line.url, py, ref_py, say)

@@ -111,10 +111,13 @@ class Attached:
 
 
 class _Inflight:
-    __slots__ = ("data", "error", "event")
+    __slots__ = ("data", "error", "event", "stored")
 
     def __init__(self) -> None:
         self.event = trio.Event()
+        """Set when ``data`` or ``error`` is there."""
+        self.stored = trio.Event()
+        """Set once the chunk is in the cache (or will not be: an error)."""
         self.data: bytes | None = None
         self.error: Exception | None = None
 
@@ -147,6 +150,10 @@ class LatencyHistogram:
 MAX_READAHEAD_BYTES = 8 << 20
 """A sequential reader's readahead window grows to at most this."""
 FILE_FETCH_BYTES = 4 << 20
+PLAIN_KEEP_BYTES = 64 << 20
+"""Inflated chunks of encoded layers kept in memory (LRU): a FUSE read that hits one copies a
+slice instead of reading the chunk's file and inflating all of it again (the kernel reads a
+64 KiB chunk in several pieces)."""
 """A miss in a lazy form's data device fetches this much of the file it falls in, at most."""
 MAX_RUN_BYTES = 2 << 20
 """Most bytes one Range request asks for: consecutive missing chunks go together up to this."""
@@ -159,6 +166,13 @@ def _hash_pieces(data: bytes, start: int, run: list[int], layer: RemoteLayer) ->
         piece = data[lo - start : hi - start]
         out.append((piece, hashlib.sha256(piece).hexdigest()))
     return out
+
+
+def _check_run(data: bytes, start: int, run: list[int], layer: RemoteLayer) -> list[tuple[bytes, str, bytes | None]]:
+    """Per chunk of a fetched run: its wire bytes, the digest they have, and its file bytes (None
+    when the digest is not the table's or they do not inflate to the chunk's length)."""
+    return [(piece, got, _decode(layer, i, piece) if got == layer.chunks[i][7:] else None)
+            for i, (piece, got) in zip(run, _hash_pieces(data, start, run, layer), strict=True)]
 
 
 def _decode(layer: RemoteLayer, idx: int, piece: bytes) -> bytes | None:
@@ -229,6 +243,8 @@ class Engine:
         self.totals = LayerCounters()
         self.read_timeouts = 0
         self.corrupt_events: collections.deque[dict[str, Any]] = collections.deque(maxlen=20)
+        self._plain: collections.OrderedDict[str, bytes] = collections.OrderedDict()
+        self._plain_bytes = 0
         self.started = time.time()
 
     def bind(self, nursery: trio.Nursery) -> None:
@@ -364,8 +380,19 @@ class Engine:
             async with trio.open_nursery() as n:
                 for i in wanted:
                     n.start_soon(one, i)
+            # the callers want them cached (a metadata image, a layer to materialize), not only read
+            await self.wait_stored(al, wanted)
         if errors:
             raise errors[0]
+
+    async def wait_stored(self, al: Attached, indexes: Iterable[int] | None = None) -> None:
+        """Wait until the fetches in flight of these chunks (default: all of the layer's) have
+        put them in the cache: a fetch answers its readers before it writes the chunk's file."""
+        chunks = al.layer.chunks
+        for hx in {chunks[i][7:] for i in (range(len(chunks)) if indexes is None else indexes)}:
+            inf = self._inflight.get(hx)
+            if inf is not None:
+                await inf.stored.wait()
 
     async def _prefetch_metadata(self, al: Attached) -> None:
         layer = al.layer
@@ -497,13 +524,19 @@ class Engine:
         layer = al.layer
         hx = layer.chunks[idx][7:]
         start, end = layer.wire_range(idx)
+        if layer.encoding and (plain := self._plain.get(hx)) is not None:
+            self._plain.move_to_end(hx)
+            self._count(al, "hits")
+            return plain[lo:hi]
         self.cache.pin(hx)
         try:
             if self.cache.contains(hx) and await self._usable(hx, end - start):
                 if layer.encoding:  # the cache keeps chunks as fetched (checkable): decode each use
                     raw = self.cache.read(hx, 0, end - start)
                     data = None if raw is None else _decode(layer, idx, raw)
-                    data = None if data is None else data[lo:hi]
+                    if data is not None:
+                        self._keep_plain(hx, data)
+                        data = data[lo:hi]
                 else:
                     data = self.cache.read(hx, lo, hi - lo)
                 if data is not None and len(data) == hi - lo:
@@ -514,6 +547,17 @@ class Engine:
             return chunk[lo:hi]
         finally:
             self.cache.unpin(hx)
+
+    def _keep_plain(self, hx: str, data: bytes) -> None:
+        """Remember an encoded chunk's inflated bytes (keyed by its wire digest), LRU-bounded."""
+        if hx in self._plain:
+            self._plain.move_to_end(hx)
+            return
+        self._plain[hx] = data
+        self._plain_bytes += len(data)
+        while self._plain_bytes > PLAIN_KEEP_BYTES and self._plain:
+            _, old = self._plain.popitem(last=False)
+            self._plain_bytes -= len(old)
 
     async def _usable(self, hx: str, size: int) -> bool:
         if self.cache.is_verified(hx):
@@ -572,25 +616,40 @@ class Engine:
         flush()
 
     async def _fetch_run_task(self, al: Attached, run: list[int], infs: list[_Inflight]) -> None:
+        keep: list[tuple[str, bytes]] = []
         try:
             async with self._limiter:
-                datas = await self._fetch_verified(al, run)
-            for inf, data in zip(infs, datas, strict=True):
+                datas, keep = await self._fetch_verified(al, run)
+            for i, inf, data in zip(run, infs, datas, strict=True):
                 if isinstance(data, Exception):
                     inf.error = data
                 else:
                     inf.data = data
+                    if al.layer.encoding:
+                        self._keep_plain(al.layer.chunks[i][7:], data)
         except (LazyError, OSError) as exc:
             for inf in infs:
                 inf.error = exc
         finally:
-            for i, inf in zip(run, infs, strict=True):
-                self._inflight.pop(al.layer.chunks[i][7:], None)
-                inf.event.set()
+            for inf in infs:
+                inf.event.set()  # the readers have their bytes now
+            try:
+                # A chunk file costs ~1 ms to create on some filesystems: written after the
+                # readers are answered; the chunks stay "in flight" (with their bytes, for any
+                # reader that comes meanwhile) until they are in the cache.
+                if keep:
+                    with trio.CancelScope(shield=True):
+                        await trio.to_thread.run_sync(self._put_all, keep)
+            finally:
+                for i, inf in zip(run, infs, strict=True):
+                    self._inflight.pop(al.layer.chunks[i][7:], None)
+                    inf.stored.set()
 
-    async def _fetch_verified(self, al: Attached, run: list[int]) -> list[bytes | ChunkCorrupt]:
+    async def _fetch_verified(self, al: Attached,
+                              run: list[int]) -> tuple[list[bytes | ChunkCorrupt], list[tuple[str, bytes]]]:  # fmt: skip
         """Chunks ``run`` (consecutive) in one Range request, each checked against its digest:
-        its bytes, or the ChunkCorrupt it is refused with (the others are still good)."""
+        its bytes, or the ChunkCorrupt it is refused with (the others are still good); and the
+        good ones' wire bytes by digest, for the cache."""
         layer = al.layer
         start, end = layer.wire_range(run[0])[0], layer.wire_range(run[-1])[1]
         cfg = self.config
@@ -620,23 +679,22 @@ class Engine:
                 last = FetchError(f"got {len(data)} of {end - start} bytes")
                 continue
             self.latency.observe(ms)
+            # hashing and inflating release the GIL: one worker thread call per run keeps them
+            # off the loop that serves the FUSE reads (a single chunk, ~0.1 ms, is done inline)
+            checked = (_check_run(data, start, run, layer) if len(run) == 1 else
+                       await trio.to_thread.run_sync(_check_run, data, start, run, layer))  # fmt: skip
             out: list[bytes | ChunkCorrupt] = []
-            good: list[tuple[str, bytes]] = []
-            # 64 KiB hashes in ~0.1 ms: inline below that, in a thread for big runs
-            hashes = (_hash_pieces(data, start, run, layer) if len(data) <= 1 << 20 else
-                      await trio.to_thread.run_sync(_hash_pieces, data, start, run, layer))  # fmt: skip
-            for i, (piece, got) in zip(run, hashes, strict=True):
+            keep: list[tuple[str, bytes]] = []
+            for i, (piece, got, plain) in zip(run, checked, strict=True):
                 hx = layer.chunks[i][7:]
-                plain = _decode(layer, i, piece) if got == hx else None
                 if plain is None:
                     out.append(self._corrupt(al, i, hx, got if got != hx else "undecodable"))
                     continue
                 self._count(al, "chunks_fetched")
                 self._count(al, "bytes_fetched", len(piece))
-                good.append((hx, piece))
+                keep.append((hx, piece))
                 out.append(plain)
-            await trio.to_thread.run_sync(self._put_all, good)
-            return out
+            return out, keep
         raise LayerUnavailable(
             f"chunks {run[0]}-{run[-1]} of layer {layer.digest} not fetched from {layer.registry} after "
             f"{cfg.fetch_attempts} attempt(s): {last or 'timed out'}",

@@ -196,6 +196,7 @@ class Service:
                         raise
                     h.update(data)
                     f.write(data)
+            await self.engine.wait_stored(al)
             if h.hexdigest() != hx:
                 raise ChunkCorrupt(f"assembled layer does not hash to {layer.digest}", digest=layer.digest)
             os.rename(tmp, dest)
