@@ -236,3 +236,39 @@ def test_lazy_engine_concurrent_attaches_of_one_layer_make_one(tmp_path: Path) -
         assert got[0].metadata_error
 
     run_engine(tmp_path, fetcher, body)
+
+
+def test_the_extents_parse_in_its_own_process_matches_the_in_process_walk(tmp_path: Path) -> None:
+    """``python -m dsec.images.lazy.extents`` (how the loader works out a lazy form's file extents
+    without holding its GIL) gives exactly what the walk gives in process; bad input is refused."""
+    import subprocess
+    import sys
+
+    from dsec.images.lazy.extents import decode, encode, walk_extents
+    from dsec.images.lazyform import LazyFormUnavailable, build_lazy_form
+
+    tree = tmp_path / "tree"
+    (tree / "d").mkdir(parents=True)
+    for i in range(30):
+        (tree / "d" / f"f{i}").write_bytes(os.urandom(1000 + 5000 * i))
+    (tree / "empty").write_bytes(b"")
+    layer = tmp_path / "layer.erofs"
+    make_erofs(tree, layer)
+    work = tmp_path / "lazy"
+    work.mkdir()
+    try:
+        meta, _data = build_lazy_form(layer, work)
+    except LazyFormUnavailable as exc:
+        pytest.skip(str(exc))
+    image = meta.read_bytes()
+    want = walk_extents(image).data_extents
+    assert want and len(want) >= 30  # every non-empty file has its data somewhere
+    proc = subprocess.run([sys.executable, "-m", "dsec.images.lazy.extents"], input=image, capture_output=True,
+                          check=True)  # fmt: skip
+    starts, ends = decode(proc.stdout)
+    assert list(zip(starts, ends, strict=True)) == [tuple(e) for e in want]
+    assert decode(encode([(1, 2), (5, 9)])) == ([1, 5], [2, 9])
+    with pytest.raises(ValueError):
+        decode(proc.stdout[:-1])
+    bad = subprocess.run([sys.executable, "-m", "dsec.images.lazy.extents"], input=b"\0" * 4096, capture_output=True)
+    assert bad.returncode == 2 and b"not a metadata image" in bad.stderr
