@@ -182,7 +182,10 @@ def lease_failover(lab: netlab.Lab, n: int, say: Callable[[str], None]) -> dict[
     dup = (len(ids) - len(set(ids))) + len(audit["unknown"]) + max(0, audit["live"] - n) + max(
         0, audit["on_edges"] - n) + sum(len(v) - 1 for v in audit["duplicate_requests"].values())
     logs = "".join((lab.base / f"control{c.index}.log").read_text(errors="replace") for c in lab.controls)
-    parts = sum("abandoned by the client" in line for line in logs.splitlines())
+    lines = [line for line in logs.splitlines() if "abandoned by the client" in line]
+    for line in lines:  # kept, returned, and how many the edge had made that nobody holds
+        say(f"lease failover: {line.split(' WARNING ')[-1]}")
+    parts = len(lines)
     say(f"lease failover: {len(sbs)} made, {len(errs)} failed ({errs[:3]}), {parts} part(s) abandoned, audit {audit}")
     return {"lease_failover_lost_creates": len(errs) + len(audit["missing"]),
             "lease_failover_duplicate_creates": dup, "lease_failover_abandoned": parts,
