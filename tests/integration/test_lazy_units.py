@@ -244,7 +244,7 @@ def test_the_extents_parse_in_its_own_process_matches_the_in_process_walk(tmp_pa
     import subprocess
     import sys
 
-    from dsec.images.lazy.extents import decode, encode, walk_extents
+    from dsec.images.lazy.extents import decode, encode, pack, unpack, walk_extents
     from dsec.images.lazyform import LazyFormUnavailable, build_lazy_form
 
     tree = tmp_path / "tree"
@@ -268,6 +268,10 @@ def test_the_extents_parse_in_its_own_process_matches_the_in_process_walk(tmp_pa
     starts, ends = decode(proc.stdout)
     assert list(zip(starts, ends, strict=True)) == [tuple(e) for e in want]
     assert decode(encode([(1, 2), (5, 9)])) == ([1, 5], [2, 9])
+    # what a push ships in the lazy form, so that edges need not parse at all
+    assert unpack(pack(want)) == (starts, ends)
+    with pytest.raises(ValueError):
+        unpack("not base64 zstd!")
     with pytest.raises(ValueError):
         decode(proc.stdout[:-1])
     bad = subprocess.run([sys.executable, "-m", "dsec.images.lazy.extents"], input=b"\0" * 4096, capture_output=True)

@@ -105,6 +105,11 @@ def record_profile(
         loader.start()
         meta_path = loader.attach(meta, prefetch_all=True)
         data_path = loader.attach(data, prefetch_metadata=False, extents_of=meta.digest)
+        # the same fetches as on an edge that has worked out the files' extents (a miss fetches
+        # the rest of its file): wait for them, so the profile does not depend on a race
+        deadline = time.monotonic() + 60
+        while not loader.stats()["layers"].get(data.hex, {}).get("extents_known") and time.monotonic() < deadline:
+            time.sleep(0.02)
         (workdir / "mnt").mkdir()
         returncode, seconds, output = run_over(meta_path, data_path, parents, command, workdir / "mnt",
                                                timeout_s=timeout_s)  # fmt: skip

@@ -215,6 +215,10 @@ class LazyForm(BaseModel):
     count)`` runs: what ``profile`` read when the push ran it (:mod:`.lazyprofile`)."""
     profile: str = ""
     """The start-up command whose reads ``prefetch`` holds ("" without a profile)."""
+    extents: str = Field(default="", repr=False)
+    """Where each file's data lies in ``data`` (``dsec.images.lazy.extents.pack``): an edge's
+    miss then fetches the rest of its file at once, from the first read on ("": the edge works
+    them out from ``meta``, which takes a while for a large image)."""
 
     @model_validator(mode="after")
     def _prefetch(self) -> LazyForm:

@@ -142,7 +142,7 @@ class RegistryLayers:
         lazy = None
         if cfg.lazy is not None:
             lazy = (RemoteLayer(registry=self.url, repo=repo, **cfg.lazy.meta.model_dump()),
-                    RemoteLayer(registry=self.url, repo=repo, prefetch=cfg.lazy.prefetch,
+                    RemoteLayer(registry=self.url, repo=repo, prefetch=cfg.lazy.prefetch, extents=cfg.lazy.extents,
                                 **cfg.lazy.data.model_dump()))  # fmt: skip
         layer = self.store.add_remote(remote, name=name, tag=tag, kind=cfg.kind, parents=cfg.parents, lazy=lazy)
         log.info("registry layer %s:%s is %s (%d bytes, %d chunks) from %s/%s", name, tag, cfg.digest,

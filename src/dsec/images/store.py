@@ -477,7 +477,7 @@ class LocalLayerStore(LayerStore):
                 created_at, stored_parents = row[1], json.loads(row[2])
             lazy_json = None if lazy is None else json.dumps([
                 {"digest": p.digest, "size": p.size, "chunk_size": p.chunk_size, "chunks": list(p.chunks),
-                 "encoding": p.encoding, "offsets": list(p.offsets), "prefetch": [list(r) for r in p.prefetch]}
+                 "encoding": p.encoding, "offsets": list(p.offsets), "prefetch": [list(r) for r in p.prefetch], "extents": p.extents}
                 for p in lazy])  # fmt: skip
             db.execute(
                 "INSERT INTO remotes(digest, registry, repo, chunk_size, chunks, lazy) VALUES (?, ?, ?, ?, ?, ?) "

@@ -262,10 +262,23 @@ def _push_lazy_form(store: LayerStore, layer: Layer, path: Path, client: Registr
             return None
         # each 64 KiB chunk compressed on its own: an edge fetches, checks and inflates any one alone
         meta_z, data_z = work / "meta.zst", work / "data.zst"
-        form = LazyForm(meta=BlobTable.encode_file(meta, meta_z), data=BlobTable.encode_file(data, data_z))
+        form = LazyForm(meta=BlobTable.encode_file(meta, meta_z), data=BlobTable.encode_file(data, data_z),
+                        extents=_packed_extents(meta, layer))  # fmt: skip
         client.push_blob_file(repo, meta_z, digest=form.meta.digest, media_type=DSEC_LAYER_META)
         client.push_blob_file(repo, data_z, digest=form.data.digest, media_type=DSEC_LAYER_DATA)
     return form
+
+
+def _packed_extents(meta: Path, layer: Layer) -> str:
+    """The data device's file extents, worked out here once so that no edge has to."""
+    from .lazy.erofs_meta import ErofsFormatError
+    from .lazy.extents import pack, walk_extents
+
+    try:
+        return pack(walk_extents(meta.read_bytes()).data_extents or [])
+    except ErofsFormatError as exc:
+        log.warning("%s: the lazy form's file extents could not be worked out (%s); edges will work them out", layer.ref, exc)
+        return ""
 
 
 # -- pull -----------------------------------------------------------------------------------

@@ -42,6 +42,7 @@ from .cache import ChunkCache
 from .erofs_meta import ErofsFormatError, covering_chunks, walk_metadata
 from .errors import ChunkCorrupt, LayerBusy, LayerUnavailable, LazyError
 from .extents import decode as decode_extents
+from .extents import unpack as unpack_extents
 from .fetch import FetchError, RangeFetcher
 from .model import RemoteLayer
 
@@ -259,6 +260,12 @@ class Engine:
             al.layer = layer
             return al
         al = Attached(layer=layer, ino=self._next_ino, attached_at=time.time(), extents_of=_hex(extents_of))
+        if layer.extents:
+            try:
+                al.extents = unpack_extents(layer.extents)
+                al.extents_of = ""  # known: nothing to work out
+            except ValueError as exc:
+                log.warning("layer %s: its packed extents are unreadable (%s); working them out", layer.digest, exc)
         self._next_ino += 1
         if prefetch_metadata or prefetch_all:
             done = self._attaching[layer.hex] = trio.Event()
@@ -745,6 +752,7 @@ class Engine:
                 "fully_cached": cached == distinct,
                 "open": al.open_count,
                 "metadata_error": al.metadata_error,
+                "extents_known": al.extents is not None,
                 **asdict(al.counters),
             }
         return {

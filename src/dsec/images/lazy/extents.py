@@ -60,6 +60,31 @@ def decode(data: bytes) -> tuple[list[int], list[int]]:
     return starts.tolist(), ends.tolist()
 
 
+def pack(extents: list[tuple[int, int]]) -> str:
+    """The extents as a lazy form carries them (``LazyForm.extents``): :func:`encode`'s bytes,
+    zstd-compressed, base64."""
+    import base64
+
+    import zstandard
+
+    return base64.b64encode(zstandard.ZstdCompressor(level=9).compress(encode(extents))).decode()
+
+
+def unpack(text: str) -> tuple[list[int], list[int]]:
+    """``(starts, ends)`` from :func:`pack`'s text; ValueError if it is not that."""
+    import base64
+    import binascii
+
+    import zstandard
+
+    try:
+        raw = zstandard.ZstdDecompressor().decompress(base64.b64decode(text, validate=True),
+                                                      max_output_size=64 << 20)  # fmt: skip
+    except (binascii.Error, zstandard.ZstdError) as exc:
+        raise ValueError(f"not packed extents: {exc}") from exc
+    return decode(raw)
+
+
 def main() -> int:
     image = sys.stdin.buffer.read()
     try:

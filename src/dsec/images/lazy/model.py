@@ -55,6 +55,9 @@ class RemoteLayer(BaseModel):
     prefetch: tuple[tuple[int, int], ...] = ()
     """Chunk runs ``(first, count)`` fetched in the background as soon as the layer is
     attached: a lazy form's prefetch profile (the chunks a start-up read when it was pushed)."""
+    extents: str = Field(default="", repr=False)
+    """A lazy form's data device: its files' extents as the push worked them out
+    (:func:`dsec.images.lazy.extents.pack`); "" to work them out from the metadata image."""
 
     @field_validator("digest")
     @classmethod
