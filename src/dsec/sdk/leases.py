@@ -281,6 +281,9 @@ class AsyncLease:
                 last, maybe = exc, True
                 await asyncio.sleep(0.1)
             except DsecError as exc:  # the whole chunk refused (lease ended, token...)
+                if maybe:  # after a try that may have made it (the edge restarted since, the lease
+                    last = exc  # expired): what the edge made is unknown, not refused
+                    break
                 return [CreateOutcome(first + i, None, exc) for i in range(count)]
         err = EdgeGone(f"edge {part.edge_id} did not take {count} creates of lease {part.lease_id}: {last!r}",
                        edge_id=part.edge_id, maybe_made=maybe)
