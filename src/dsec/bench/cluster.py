@@ -274,9 +274,12 @@ async def _cluster(pg: Any, work: Path, *, replicas: int, edges: int, modes: lis
     out: dict[str, Any] = {}
     try:
         await ctl.start(work / f"r{replicas}", replicas, db, key, token)
-        for e in stand:
+        for i, e in enumerate(stand):
             await e.start()
-            await e.register(ctl.urls[0])
+            # each edge registers with and reports to one replica, spread over them (a deployment's
+            # edges reach the replicas through a load balancer)
+            url = ctl.urls[i % len(ctl.urls)]
+            await e.register(url, report_urls=[url, *(u for u in ctl.urls if u != url)])
         pids = {"replicas": [p.pid for p in ctl.procs], "postgres": pg.server_pids()[:1], "edges": [os.getpid()]}
         for mode in modes:
             say(f"cluster: {replicas} replica(s), {edges} stand-in edges, {n[mode]} creates ({mode}), "
