@@ -7,6 +7,7 @@ throwaway PostgreSQL cluster (see test_control_support.py).
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +128,14 @@ async def test_tokens_revocation_and_credentials(db_url: str, tmp_path: Path) ->
         r = await anon.post("/v1/edges/register", json=cl.edges[0].health().model_dump(mode="json"),
                             headers={"authorization": f"Bearer {forged}"})
         assert r.status_code == 401 and "signature" in err(r)["message"]
+        # a newer edge's report with a field this control plane does not know is still taken
+        # (a rolling upgrade must not make edges look dead), and the field is not kept
+        edge = cl.edges[0]
+        tok, _ = auth.mint(edge.key, sandbox_id="*", project="*", scope="edge-admin")
+        newer = {**edge.health().model_dump(mode="json"), "gpus_free": 3}
+        r = await anon.post("/v1/edges/register", json=newer, headers={"authorization": f"Bearer {tok}"})
+        assert r.status_code == 200, r.text
+        assert "gpus_free" not in json.dumps((await admin.get("/v1/edges")).json())
         # edges are listed for the root project (and edge-admin tokens), not for other projects
         assert (await admin.get("/v1/edges")).status_code == 200
         r = await cl.client(await cl.project("p")).get("/v1/edges")

@@ -199,3 +199,41 @@ async def test_a_proxy_from_the_environment_is_honoured(service: FakeService, mo
     finally:
         server.close()
         await server.wait_closed()
+
+
+class NewerService(FakeService):
+    """A control plane and edge of a later version: every answer carries fields this SDK does
+    not know, at the top and nested (the image, the exec result)."""
+
+    def info(self, sid: str) -> dict[str, Any]:
+        image = {**SPEC.image.model_dump(mode="json"), "signature": "x"}
+        return {**super().info(sid), "zone": "eu-1", "image": image}
+
+    async def route(self, method: str, path: str, query: str, body: bytes) -> tuple[int, bytes, str]:
+        status, out, ctype = await super().route(method, path, query, body)
+        if path.endswith("/exec") and status == 200:
+            out = json.dumps({**json.loads(out), "cpu_s": 0.01}).encode()
+        return status, out, ctype
+
+
+async def test_answers_of_a_newer_server_with_fields_this_sdk_does_not_know_are_read() -> None:
+    import pydantic
+
+    from dsec.spec.api import ExecRequest
+
+    app = NewerService()
+    async with serve_asgi(app, timeout_graceful_shutdown=2) as url:
+        app.url = url
+        c = AsyncClient(url, "dsk_t")
+        try:
+            sb = await c.create(SPEC)
+            assert sb.info.edge_id == "e1" and sb.info.image is not None and sb.info.image.base == "busybox:latest"
+            assert not hasattr(sb.info, "zone")  # dropped, not kept
+            assert (await sb.exec(["echo", "hi"])).stdout == b"hi"
+            assert [x.id for x in await c.list()] == ["e1-000000000001"]
+        finally:
+            await c.aclose()
+    # what a server reads stays strict: an unknown field of a request is refused, naming it
+    with pytest.raises(pydantic.ValidationError) as err:
+        ExecRequest.model_validate_json(b'{"cmd": ["true"], "colour": "red"}')
+    assert err.value.errors()[0]["type"] == "extra_forbidden" and err.value.errors()[0]["loc"] == ("colour",)

@@ -39,7 +39,7 @@ from dsec.sdk._http import Endpoint, Response, _Unset, raise_for_error, result_f
 from dsec.sdk.failover import Replicas, split_urls
 from dsec.sdk.fncall import FnCalls
 from dsec.sdk.leases import AHEAD_SLOTS, LeasesAhead
-from dsec.spec import NetworkPolicy, SandboxSpec, SandboxState
+from dsec.spec import LENIENT, NetworkPolicy, SandboxSpec, SandboxState
 
 if TYPE_CHECKING:
     from dsec.control.wire import SchedEvent, SchedStatus, TaskDetail
@@ -120,8 +120,8 @@ def _snapshot_info(data: dict[str, Any]) -> SnapshotInfo:
     if "project" in data:
         from dsec.control.wire import StoredSnapshot  # pure data, no server-side imports
 
-        return StoredSnapshot.model_validate(data)
-    return SnapshotInfo.model_validate(data)
+        return StoredSnapshot.model_validate(data, context=LENIENT)
+    return SnapshotInfo.model_validate(data, context=LENIENT)
 
 
 def _exec_body(req: ExecRequest) -> str:
@@ -237,7 +237,7 @@ class AsyncClient(FnCalls):  # fncall / fncall_many: dsec/sdk/fncall.py
         # safe to resend on a dead kept-alive connection: the control plane de-duplicates the request_id
         resp = await self._call("POST", "/v1/sandboxes", content=body.model_dump_json(), headers=_JSON,
                                 idempotent=True)
-        return AsyncSandbox(self, SandboxInfo.model_validate_json(resp.content))
+        return AsyncSandbox(self, SandboxInfo.model_validate_json(resp.content, context=LENIENT))
 
     async def create_many(
         self,
@@ -389,7 +389,7 @@ class AsyncClient(FnCalls):  # fncall / fncall_many: dsec/sdk/fncall.py
                            lifecycle=Lifecycle(ttl_s=ttl_s), request_id=uuid.uuid4().hex)
         resp = await self._call("POST", "/v1/sandboxes/batch", content=body.model_dump_json(), headers=_JSON)
         out: list[CreateOutcome] = []
-        for i, item in enumerate(BatchResult.model_validate_json(resp.content).items):
+        for i, item in enumerate(BatchResult.model_validate_json(resp.content, context=LENIENT).items):
             if item.sandbox is not None:
                 out.append(CreateOutcome(i, AsyncSandbox(self, item.sandbox), None))
             else:
@@ -419,7 +419,7 @@ class AsyncClient(FnCalls):  # fncall / fncall_many: dsec/sdk/fncall.py
 
     async def info(self, sandbox_id: str) -> SandboxInfo:
         resp = await self._call("GET", f"/v1/sandboxes/{sandbox_id}")
-        return SandboxInfo.model_validate_json(resp.content)
+        return SandboxInfo.model_validate_json(resp.content, context=LENIENT)
 
     async def list(
         self, *, labels: Mapping[str, str] | None = None, task: str | None = None, state: str | None = None
@@ -432,7 +432,7 @@ class AsyncClient(FnCalls):  # fncall / fncall_many: dsec/sdk/fncall.py
         resp = await self._call("GET", "/v1/sandboxes", params=params)
         data = resp.json()
         items = data["items"] if isinstance(data, dict) else data
-        return [SandboxInfo.model_validate(x) for x in items]
+        return [SandboxInfo.model_validate(x, context=LENIENT) for x in items]
 
     async def delete(self, sandbox_id: str) -> None:
         """Delete a sandbox; deleting one that is gone is fine."""
@@ -475,18 +475,18 @@ class AsyncClient(FnCalls):  # fncall / fncall_many: dsec/sdk/fncall.py
         body = _wire(CreateTaskBody, name=name, quota=dict(quota or {}), min=dict(min) if min is not None else None,
                      priority=priority, preemption=preemption, burst=burst, project=project)
         resp = await self._call("POST", "/v1/tasks", content=body.model_dump_json(exclude_none=True), headers=_JSON)
-        return TaskDetail.model_validate_json(resp.content)
+        return TaskDetail.model_validate_json(resp.content, context=LENIENT)
 
     async def task(self, name: str) -> TaskDetail:
         """A task with its quota, use, stages and scheduling (``active``: what it holds now)."""
         from dsec.control.wire import TaskDetail
 
-        return TaskDetail.model_validate_json((await self._call("GET", f"/v1/tasks/{name}")).content)
+        return TaskDetail.model_validate_json((await self._call("GET", f"/v1/tasks/{name}")).content, context=LENIENT)
 
     async def tasks(self) -> builtins.list[TaskDetail]:
         from dsec.control.wire import TaskDetail
 
-        return [TaskDetail.model_validate(x) for x in (await self._call("GET", "/v1/tasks")).json()]
+        return [TaskDetail.model_validate(x, context=LENIENT) for x in (await self._call("GET", "/v1/tasks")).json()]
 
     async def sched_events(self, *, task: str | None = None, since: float | None = None,
                            limit: int = 100) -> builtins.list[SchedEvent]:
@@ -500,14 +500,14 @@ class AsyncClient(FnCalls):  # fncall / fncall_many: dsec/sdk/fncall.py
             params.append(("task", task))
         if since is not None:
             params.append(("since", repr(float(since))))
-        return [SchedEvent.model_validate(x) for x in (await self._call("GET", "/v1/sched/events", params=params)).json()]
+        return [SchedEvent.model_validate(x, context=LENIENT) for x in (await self._call("GET", "/v1/sched/events", params=params)).json()]
 
     async def sched_status(self) -> SchedStatus:
         """The scheduler's picture: utilisation against the burst threshold, both pools, what is
         held back for tasks' minimums, this project's preempted sandboxes."""
         from dsec.control.wire import SchedStatus
 
-        return SchedStatus.model_validate_json((await self._call("GET", "/v1/sched")).content)
+        return SchedStatus.model_validate_json((await self._call("GET", "/v1/sched")).content, context=LENIENT)
 
     # ----- IAM (projects and tokens) -----
 
@@ -520,16 +520,16 @@ class AsyncClient(FnCalls):  # fncall / fncall_many: dsec/sdk/fncall.py
         if storage is not None:
             body["quota"]["storage"] = int(storage)
         resp = await self._call("POST", "/v1/projects", json=body)
-        return ProjectInfo.model_validate_json(resp.content)
+        return ProjectInfo.model_validate_json(resp.content, context=LENIENT)
 
     async def list_projects(self) -> builtins.list[ProjectInfo]:
         data = (await self._call("GET", "/v1/projects")).json()
-        return [ProjectInfo.model_validate(x) for x in (data["items"] if isinstance(data, dict) else data)]
+        return [ProjectInfo.model_validate(x, context=LENIENT) for x in (data["items"] if isinstance(data, dict) else data)]
 
     async def create_token(self, *, project: str | None = None, name: str = "") -> TokenInfo:
         """A new API token (its secret is in ``.token``, shown this once)."""
         body = CreateToken(project=project, name=name)
-        return TokenInfo.model_validate_json((await self._call("POST", "/v1/tokens", content=body.model_dump_json(), headers=_JSON)).content)
+        return TokenInfo.model_validate_json((await self._call("POST", "/v1/tokens", content=body.model_dump_json(), headers=_JSON)).content, context=LENIENT)
 
     async def revoke_token(self, token_id: str) -> None:
         await self._call("DELETE", f"/v1/tokens/{token_id}")
@@ -566,7 +566,7 @@ class AsyncClient(FnCalls):  # fncall / fncall_many: dsec/sdk/fncall.py
         for chunk in chunks:  # ids travel in the query string: a few hundred per call
             resp = await self._call("POST", f"/v1/{op}", params=base + [("id", i) for i in chunk],
                                     timeout=httpx.Timeout(max(self._timeout, 600.0), connect=10.0))
-            res = GroupResult.model_validate_json(resp.content)
+            res = GroupResult.model_validate_json(resp.content, context=LENIENT)
             out.done += res.done
             out.skipped += res.skipped
             out.errors.update(res.errors)
@@ -656,7 +656,7 @@ class AsyncSandbox:
     async def _resume_preempted(self) -> None:
         """Resume through the control plane (SandboxPreempted, with ``retry_after``, if it has no room yet)."""
         resp = await self._client._call("POST", f"/v1/sandboxes/{self.id}/resume")
-        self.info = SandboxInfo.model_validate_json(resp.content)
+        self.info = SandboxInfo.model_validate_json(resp.content, context=LENIENT)
 
     @property
     def preemption(self) -> PreemptionInfo | None:
@@ -701,7 +701,7 @@ class AsyncSandbox:
         (default: the sandbox's ``SandboxSpec.output_cap``)."""
         req = self._exec_request(cmd, env, cwd, user, stdin, timeout, idle_timeout, pristine, output_cap)
         resp = await self._request("POST", "/exec", content=_exec_body(req), headers=_JSON, timeout=self._http_timeout(req))
-        return self._finish(result_from_wire(ExecResultWire.model_validate_json(resp.content)), req)
+        return self._finish(result_from_wire(ExecResultWire.model_validate_json(resp.content, context=LENIENT)), req)
 
     async def exec_stream(
         self,
@@ -744,7 +744,7 @@ class AsyncSandbox:
                 async for line in lines:
                     if not line.strip():
                         continue
-                    chunk = StreamChunk.model_validate_json(line)
+                    chunk = StreamChunk.model_validate_json(line, context=LENIENT)
                     if chunk.kind in ("stdout", "stderr"):
                         yield OutputChunk(chunk.kind, base64.b64decode(chunk.data_b64 or ""), chunk.dropped_bytes or 0)
                     elif chunk.kind == "result" and chunk.result is not None:
@@ -791,7 +791,7 @@ class AsyncSandbox:
     # ----- network policy, stages, audit -----
 
     def _take_info(self, resp: Response) -> SandboxInfo:
-        info = SandboxInfo.model_validate_json(resp.content)
+        info = SandboxInfo.model_validate_json(resp.content, context=LENIENT)
         if info.token is None:  # a sandbox token gets no fresh token back: keep ours
             info = info.model_copy(update={"token": self.info.token, "token_expires_at": self.info.token_expires_at})
         self.info = info
@@ -815,7 +815,7 @@ class AsyncSandbox:
 
     async def network(self) -> NetworkInfo:
         """The sandbox's address, the policy in force and its denied-attempt counters."""
-        return NetworkInfo.model_validate_json((await self._request("GET", "/network")).content)
+        return NetworkInfo.model_validate_json((await self._request("GET", "/network")).content, context=LENIENT)
 
     async def events(self) -> builtins.list[dict[str, Any]]:
         """The sandbox's event log, oldest first: execs, limit hits (``oom``, ``pids_limit``,
@@ -826,7 +826,7 @@ class AsyncSandbox:
     async def stats(self) -> SandboxStats:
         """What the sandbox uses now beside its limits: CPU seconds of its live processes (two
         reads give a rate), memory, writable-layer bytes, processes."""
-        return SandboxStats.model_validate_json((await self._request("GET", "/stats")).content)
+        return SandboxStats.model_validate_json((await self._request("GET", "/stats")).content, context=LENIENT)
 
     # ----- pause, snapshots, forks -----
 
@@ -835,7 +835,7 @@ class AsyncSandbox:
 
         Any later exec, file or session call resumes it (or call :meth:`resume`).
         Pausing a paused sandbox raises :class:`SandboxStateError`."""
-        return PauseReport.model_validate_json((await self._request("POST", "/pause")).content)
+        return PauseReport.model_validate_json((await self._request("POST", "/pause")).content, context=LENIENT)
 
     async def resume(self) -> None:
         """Thaw a paused sandbox (SandboxStateError if it is not paused). One the scheduler paused
@@ -867,7 +867,7 @@ class AsyncSandbox:
         # through the control plane: the children are charged to the project's and task's quotas
         resp = await self._client._call("POST", f"/v1/sandboxes/{self.id}/fork", content=body.model_dump_json(),
                                         headers=_JSON, timeout=httpx.Timeout(600.0, connect=10.0))
-        return [AsyncSandbox(self._client, SandboxInfo.model_validate(x)) for x in resp.json()]
+        return [AsyncSandbox(self._client, SandboxInfo.model_validate(x, context=LENIENT)) for x in resp.json()]
 
     async def session(self) -> AsyncSession:
         """A persistent shell: cwd, variables and functions carry from one command to the next."""
@@ -930,7 +930,7 @@ class AsyncSession:
             "POST", f"/sessions/{self.id}/run", content=body.model_dump_json(), headers=_JSON,
             timeout=httpx.Timeout(None if timeout is None else timeout + 30.0, connect=10.0),
         )
-        result = result_from_wire(ExecResultWire.model_validate_json(resp.content))
+        result = result_from_wire(ExecResultWire.model_validate_json(resp.content, context=LENIENT))
         if result.timed_out:
             raise ExecTimeout(f"session command in {self.sandbox.id} timed out after {timeout} s",
                               sandbox_id=self.sandbox.id, reason="timeout", timeout=timeout, result=result)
@@ -968,10 +968,10 @@ class AsyncFiles:
 
     async def list(self, path: str = "/") -> list[FileEntry]:
         resp = await self._sb._request("GET", "/files/list", params={"path": path})
-        return [FileEntry.model_validate(x) for x in resp.json()]
+        return [FileEntry.model_validate(x, context=LENIENT) for x in resp.json()]
 
     async def stat(self, path: str) -> FileEntry:
-        return FileEntry.model_validate_json((await self._sb._request("GET", "/files/stat", params={"path": path})).content)
+        return FileEntry.model_validate_json((await self._sb._request("GET", "/files/stat", params={"path": path})).content, context=LENIENT)
 
     async def mkdir(self, path: str, *, parents: bool = False) -> None:
         await self._sb._request("POST", "/files/mkdir", params={"path": path, "parents": int(parents)})

@@ -12,7 +12,7 @@ import posixpath
 import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 _LAYER_REF = re.compile(r"^(sha256:[0-9a-f]{64}|[a-z0-9][a-z0-9._-]{0,127}(:[A-Za-z0-9._-]{1,128})?)$")
 
@@ -25,8 +25,31 @@ def _check_ref(value: str) -> str:
     return value
 
 
+LENIENT = {"lenient": True}
+"""Validation context for bodies a *newer* peer may have written (the SDK reading a control
+plane's or an edge's answers): fields this version does not know are dropped instead of
+refused, so a server can add fields without breaking older clients. Requests the servers
+read are still strict (an unknown field there is a typo, answered with a 422 naming it)."""
+
+
+def drop_unknown(model: type[BaseModel], data: object, info: ValidationInfo) -> object:
+    """The ``mode="before"`` step of every wire model: under :data:`LENIENT`, keep only the
+    fields ``model`` knows (by name or alias)."""
+    if isinstance(data, dict) and info.context and info.context.get("lenient"):
+        fields = model.model_fields
+        if any(k not in fields for k in data):
+            known = set(fields) | {f.alias for f in fields.values() if f.alias}
+            return {k: v for k, v in data.items() if k in known}
+    return data
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lenient(cls, data: object, info: ValidationInfo) -> object:
+        return drop_unknown(cls, data, info)
 
 
 class ImageRef(_Model):

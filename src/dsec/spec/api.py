@@ -11,10 +11,18 @@ import posixpath
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from dsec.errors import ERRORS_BY_CODE
-from dsec.spec import ImageRef, MiB, NetworkPolicy, Resources, SandboxSpec, SandboxState
+from dsec.spec import (
+    ImageRef,
+    MiB,
+    NetworkPolicy,
+    Resources,
+    SandboxSpec,
+    SandboxState,
+    drop_unknown,
+)
 from dsec.spec.results import LimitKind
 
 _LABEL_KEY = re.compile(r"^[a-z0-9]([a-z0-9._/-]{0,62})$")
@@ -22,6 +30,11 @@ _LABEL_KEY = re.compile(r"^[a-z0-9]([a-z0-9._/-]{0,62})$")
 
 class _Wire(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lenient(cls, data: object, info: ValidationInfo) -> object:
+        return drop_unknown(cls, data, info)  # under LENIENT: a newer peer's fields are dropped
 
 
 def _check_labels(v: dict[str, str]) -> dict[str, str]:
@@ -549,6 +562,12 @@ class FnCallLease(_Wire):
 
 
 class EdgeHealth(_Wire):
+    """An edge's health report (register, heartbeat, the watcher's poll). Unknown fields are
+    ignored: during a rolling upgrade a newer edge reports more than an older control plane
+    reads, and must not be taken for dead because of it."""
+
+    model_config = ConfigDict(extra="ignore")
+
     edge_id: str
     url: str
     sandboxes: int
