@@ -169,14 +169,14 @@ async def _worker(args: dict[str, Any]) -> dict[str, Any]:
                         await c.create(spec, labels={"bench": mode})
                         lat.append((time.perf_counter() - s) * 1000)
                     except Exception as exc:
-                        k = type(exc).__name__
+                        k = f"{type(exc).__name__}: {str(exc)[:120]}"
                         errors[k] = errors.get(k, 0) + 1
 
             await asyncio.gather(*(one() for _ in range(n)))
         else:
             async for o in c.create_many(spec, n, concurrency=conc, labels={"bench": "lease"}):
                 if not o.ok:
-                    k = type(o.error).__name__
+                    k = f"{type(o.error).__name__}: {str(o.error)[:120]}"
                     errors[k] = errors.get(k, 0) + 1
         wall = time.perf_counter() - t0
         cpu = time.process_time() - cpu0
