@@ -66,7 +66,14 @@ def nothing_lost_or_duplicated(lab: Any, ok: list[Any], errors: list[Any], n: in
     async def all_there() -> None:
         async with lab.client() as c:
             listed = {s.id: s for s in await c.list()}
-            assert {s.id for s in ok} <= set(listed)
+            gone = [s.id for s in ok if s.id not in listed]
+            trail = {}
+            for i in gone[:5]:  # the trail: what the store says of them
+                try:
+                    trail[i] = (await c.info(i)).model_dump(mode="json", include={"state", "reason", "created_at"})
+                except Exception as exc:
+                    trail[i] = repr(exc)
+            assert not gone, (gone, trail)
             assert {listed[s.id].state.value for s in ok} == {"running"}
             for s in {s.id: s for s in [*ok[:: max(1, n // 10)], *(check or [])]}.values():  # and they work
                 assert (await (await c.connect(s.id)).exec("echo ok")).stdout == b"ok\n", s.id

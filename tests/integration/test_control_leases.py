@@ -459,3 +459,49 @@ async def test_abandon_after_the_lease_expired_keeps_late_reports_of_held_slots_
         assert await st.used(c) == 1 and await st.committed(c) == 1
         await _books_agree(st)
         await c.delete(f"/v1/sandboxes/{mine['id']}")
+
+
+async def test_a_report_committed_during_a_reconcile_is_not_taken_for_an_ended_sandbox(
+    edge_state: tuple[Path, str], dsec_base: Path, tmp_path: Path, db_url: str
+) -> None:
+    """The reconcile reads what the store knows, then (a statement later) which of the edge's
+    unknown ids the store has ended. A report that commits in between (PostgreSQL's read committed:
+    each statement sees the commits before it) made a live sandbox look ended, and the reconcile
+    deleted it on its edge (found by tests/cluster's lease bursts). The report is made to land
+    exactly there."""
+    import sqlalchemy as sa
+
+    from dsec.spec.api import LeaseReportItem
+
+    if db_url.startswith("sqlite"):
+        pytest.skip("SQLite runs one write transaction at a time: a report cannot commit inside a reconcile")
+    async with stack(edge_state, dsec_base, tmp_path, db_url) as st, \
+            httpx.AsyncClient(base_url=st.ctl.url, headers={"authorization": f"Bearer {st.ctl.admin_token}"}) as c:
+        st.edge.service.leases.report = None  # the report comes when the test says
+        g = (await c.post("/v1/leases", json={"spec": SPEC, "count": 1})).json()
+        part = g["leases"][0]
+        async with httpx.AsyncClient(base_url=part["edge_url"], headers={"authorization": f"Bearer {part['token']}"}) as e:
+            sb = (await e.post(f"/v1/leases/{part['lease_id']}/sandboxes",
+                               json={"body": g["body"], "count": 1, "request_id": "r"})).json()["items"][0]["sandbox"]
+        item = LeaseReportItem(key=sb["request_id"], id=sb["id"], state="running", created_at=sb["created_at"])
+        store, fired = st.control.store, []
+
+        def between(conn: Any, cursor: Any, statement: str, *_: Any) -> None:
+            # the reconcile's second look at the edge's unknown ids: the report commits just before it
+            if not fired and statement.lstrip().startswith("SELECT sandboxes.id") and "sandboxes.id IN" in statement:
+                fired.append(statement)
+                store.run_sync(lambda s: st.control.leases._report_txn(s, part["edge_id"], [item]), write=True)
+
+        sa.event.listen(store.engine, "before_cursor_execute", between)
+        try:
+            await st.control.watcher.tick(reconcile=True)
+        finally:
+            sa.event.remove(store.engine, "before_cursor_execute", between)
+        assert fired
+        assert await _on_edge(st) == {sb["id"]}  # not deleted there
+        row = (await c.get(f"/v1/sandboxes/{sb['id']}")).json()
+        assert row["state"] == "running", row
+        await st.control.watcher.tick(reconcile=True)  # the next round knows it
+        assert await _on_edge(st) == {sb["id"]} and await st.used(c) == 1
+        await _books_agree(st)
+        await c.delete(f"/v1/sandboxes/{sb['id']}")
