@@ -87,6 +87,18 @@ log = logging.getLogger("dsec.runtime")
 
 UID_FIRST_BASE: Final = 1 << 24  # well above any host account
 UID_SLOTS: Final = 60000
+CLAIM_PREFIX: Final = ".claim-"
+"""A uid slot's file staged before it is linked into place (``.claim-<pid>-<sandbox id>``)."""
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 LAYER_RELEASE_GRACE_S: Final = IDLE_PIN_GRACE_S
 """A layer's pin outlives its last sandbox this long (a create/destroy loop pays no index write)."""
 LAYER_REMOVAL_POLL_S: Final = 1.0
@@ -579,15 +591,37 @@ class ContainerRuntime(BackendBase):
         recent = list(reversed(self._free_slots))
         self._free_slots.clear()
         candidates = itertools.chain(recent, ((start + i) % UID_SLOTS for i in range(UID_SLOTS)))
-        for slot in candidates:
-            try:
-                fd = os.open(self.slots_dir / str(slot), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            except FileExistsError:
-                continue
-            os.write(fd, f"{self.name} {sandbox_id}\n".encode())
-            os.close(fd)
-            return slot
+        with self._slot_claim(sandbox_id) as claim:
+            for slot in candidates:
+                if claim(slot):
+                    return slot
         raise HostError("no free uid range for a new sandbox (60,000 in use)")
+
+    @contextlib.contextmanager
+    def _slot_claim(self, sandbox_id: str) -> Any:
+        """``claim(slot)`` -> whether this runtime took the slot for ``sandbox_id``. A slot file is
+        written whole and then linked into place, never created empty and written after: an edge
+        killed between the two left an empty file no reconcile could tell the owner of (a uid range
+        lost until the host's next boot). The staging file names this process (``.claim-<pid>-``):
+        the reconcile removes those of processes that are gone."""
+        tmp = self.slots_dir / f"{CLAIM_PREFIX}{os.getpid()}-{sandbox_id}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, f"{self.name} {sandbox_id}\n".encode())
+        finally:
+            os.close(fd)
+
+        def claim(slot: int) -> bool:
+            try:
+                os.link(tmp, self.slots_dir / str(slot))
+            except FileExistsError:
+                return False
+            return True
+
+        try:
+            yield claim
+        finally:
+            tmp.unlink(missing_ok=True)
 
     def _release_slot(self, rec: ContainerRecord) -> None:
         path = self.slots_dir / str(rec.slot)
@@ -1515,9 +1549,13 @@ class ContainerRuntime(BackendBase):
                 with contextlib.suppress(OSError):
                     await asyncio.to_thread(self.uppers.destroy, name)
                     destroyed.append(name)
-        # uid slots of this runtime that no live sandbox holds.
+        # uid slots of this runtime that no live sandbox holds, and claims staged by processes gone.
         for slot_file in self.slots_dir.iterdir():
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError, ValueError):
+                if slot_file.name.startswith(CLAIM_PREFIX):
+                    if not _pid_alive(int(slot_file.name[len(CLAIM_PREFIX):].split("-", 1)[0])):
+                        slot_file.unlink()
+                    continue
                 owner = slot_file.read_text().split()
                 if owner and owner[0] == self.name and owner[1] not in self.sandboxes:
                     slot_file.unlink()
@@ -1633,13 +1671,9 @@ class ContainerRuntime(BackendBase):
                 elif d == self.slots_dir:
                     lost = []
                     for rec in self.sandboxes.values():
-                        try:
-                            fd = os.open(self.slots_dir / str(rec.slot), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-                        except FileExistsError:
-                            lost.append(rec.id)
-                            continue
-                        os.write(fd, f"{self.name} {rec.id}\n".encode())
-                        os.close(fd)
+                        with self._slot_claim(rec.id) as claim:
+                            if not claim(rec.slot):
+                                lost.append(rec.id)
                     note = f"; claimed the uid ranges of {len(self.sandboxes) - len(lost)} sandboxes again"
                     if lost:
                         out.append(("directory", f"uid ranges of {', '.join(lost[:5])} were claimed by another runtime "
