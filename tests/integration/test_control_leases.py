@@ -511,3 +511,27 @@ async def test_a_report_committed_during_a_reconcile_is_not_taken_for_an_ended_s
         assert await _on_edge(st) == {sb["id"]} and await st.used(c) == 1
         await _books_agree(st)
         await c.delete(f"/v1/sandboxes/{sb['id']}")
+
+
+async def test_a_sandbox_recorded_while_its_edge_was_making_it_runs_once_reported_made(
+    edge_state: tuple[Path, str], dsec_base: Path, tmp_path: Path, db_url: str
+) -> None:
+    # the reconcile (or a report) may record a slot's sandbox while the edge still makes it; the
+    # report that it is made moves it on at once (it was taken for "recorded already")
+    async with stack(edge_state, dsec_base, tmp_path, db_url) as st, \
+            httpx.AsyncClient(base_url=st.ctl.url, headers={"authorization": f"Bearer {st.ctl.admin_token}"}) as c:
+        st.edge.service.leases.report = None
+        g = (await c.post("/v1/leases", json={"spec": SPEC, "count": 1})).json()
+        part = g["leases"][0]
+        async with httpx.AsyncClient(base_url=part["edge_url"], headers={"authorization": f"Bearer {part['token']}"}) as e:
+            sb = (await e.post(f"/v1/leases/{part['lease_id']}/sandboxes",
+                               json={"body": g["body"], "count": 1, "request_id": "r"})).json()["items"][0]["sandbox"]
+        url = f"/v1/edges/{part['edge_id']}/leases/report"
+        item = {"key": sb["request_id"], "id": sb["id"], "created_at": sb["created_at"]}
+        assert (await c.post(url, headers=_edge_admin(), json={"items": [{**item, "state": "creating"}]})).status_code == 200
+        assert (await c.get(f"/v1/sandboxes/{sb['id']}")).json()["state"] == "creating"
+        assert (await c.post(url, headers=_edge_admin(), json={"items": [{**item, "state": "running"}]})).status_code == 200
+        assert (await c.get(f"/v1/sandboxes/{sb['id']}")).json()["state"] == "running"
+        assert await st.used(c) == 1
+        await _books_agree(st)
+        await c.delete(f"/v1/sandboxes/{sb['id']}")

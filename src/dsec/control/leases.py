@@ -472,11 +472,17 @@ class Leases:
         # overlapping slots, from two replicas, never wait for each other in a cycle).
         seen: dict[str, str | None] = {}
         keys = sorted({it.key for it in items})
+        started: set[str] = set()
+        """Recorded with this id while the edge was still making it (the reconcile listed it then)."""
         for i in range(0, len(keys), 500):
-            for k, sid in s.execute(sa.select(SandboxRow.key, SandboxRow.id).where(SandboxRow.key.in_(keys[i:i + 500]))):
+            for k, sid, state in s.execute(sa.select(SandboxRow.key, SandboxRow.id, SandboxRow.state)
+                                           .where(SandboxRow.key.in_(keys[i:i + 500]))):
                 seen[k] = sid
+                if state == S.CREATING.value and sid is not None:
+                    started.add(k)
         want = {it.key: it.id for it in items}
-        todo = [k for k in keys if seen.get(k, "") != want[k]]
+        done = {it.key for it in items if it.state in (S.RUNNING, S.PAUSED)}
+        todo = [k for k in keys if seen.get(k, "") != want[k] or (k in started and k in done)]
         rows: dict[str, tuple[str | None, str]] = {}
         for i in range(0, len(todo), 500):
             for k, sid, state in s.execute(
@@ -484,9 +490,10 @@ class Leases:
                 .where(SandboxRow.key.in_(todo[i:i + 500])).order_by(SandboxRow.key).with_for_update()
             ):
                 rows[k] = (sid, state)
-        items = [it for it in items if seen.get(it.key, "") != it.id]
+        items = [it for it in items if seen.get(it.key, "") != it.id or (it.key in started and it.key in done)]
         fills: list[dict[str, Any]] = []
         odd: list[LeaseReportItem] = []
+        ripe = Ledger()
         for it in items:
             sb = it
             if not sb.id.startswith(f"{edge_id}-"):
@@ -494,6 +501,10 @@ class Leases:
                 continue
             have = rows.get(it.key)
             if have is not None and have[0] == sb.id:
+                if have[1] == S.CREATING.value and sb.state in (S.RUNNING, S.PAUSED):  # made since: the edge's word
+                    row = s.get(SandboxRow, it.key)
+                    assert row is not None
+                    move(row, sb.state, ripe)
                 continue  # recorded already (a repeated report, or the reconcile was first)
             if have is not None and have[0] is None and have[1] == S.CREATING.value and sb.state in (
                     S.RUNNING, S.CREATING, S.PAUSED):
@@ -503,6 +514,7 @@ class Leases:
                 odd.append(it)
         if fills:
             s.connection().execute(_FILL, fills)
+        ripe.flush(s)
         for it in odd:
             self._record_odd(s, edge_id, it, rows.get(it.key), now)
         return len(fills) + len(odd)
