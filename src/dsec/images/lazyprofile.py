@@ -87,7 +87,7 @@ def record_profile(
     and cache, the run's mount points). A command that fails still yields its profile
     (what it read until then) with its ``returncode``: the caller decides.
     :class:`ProfileUnavailable` when the run cannot happen here."""
-    from .lazy import LazyLayers, RemoteLayer
+    from .lazy import LazyError, LazyLayers, RemoteLayer
 
     if not command.strip():
         raise ProfileUnavailable("the profile command is empty: give the start-up to record, "
@@ -102,9 +102,13 @@ def record_profile(
     sockdir = Path(tempfile.mkdtemp(prefix="prof-", dir=_short_dir()))
     loader = LazyLayers(workdir / "fuse", workdir / "cache", socket_path=sockdir / "s", read_deadline_s=120.0)
     try:
-        loader.start()
-        meta_path = loader.attach(meta, prefetch_all=True)
-        data_path = loader.attach(data, prefetch_metadata=False, extents_of=meta.digest)
+        try:
+            loader.start()
+            meta_path = loader.attach(meta, prefetch_all=True)
+            data_path = loader.attach(data, prefetch_metadata=False, extents_of=meta.digest)
+        except (LazyError, OSError) as exc:  # no FUSE here, the registry refusing ranges...
+            raise ProfileUnavailable(f"the lazy form could not be loaded from the registry to run the profile: "
+                                     f"{exc}", reason="loader") from exc  # fmt: skip
         # the same fetches as on an edge that has worked out the files' extents (a miss fetches
         # the rest of its file): wait for them, so the profile does not depend on a race
         deadline = time.monotonic() + 60
