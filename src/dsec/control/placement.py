@@ -189,24 +189,26 @@ SAMPLE_FIRST_ABOVE = 16
 """With more edges than this, :func:`place` samples edges before it filters them all."""
 
 
-def _sample_feasible(
-    edges: Sequence[EdgeView], demand: Demand, k: int, rng: random.Random, exclude: frozenset[str],
+def sample_edges(
+    edges: Sequence[EdgeView], demand: Demand, k: int, rng: random.Random, exclude: frozenset[str], *,
+    ok: Callable[[EdgeView, Demand], bool], tries: int,
 ) -> list[EdgeView] | None:
-    """k distinct edges drawn uniformly from the first tier of :func:`feasible` by testing random
-    edges (a few draws when most fit), or None when the draws did not find k of them (the
-    caller then filters every edge). The draws follow a random permutation, so the k found are
-    a uniformly random k-subset of the tier, as ``rng.sample(feasible(...), k)`` would be."""
+    """k distinct edges, drawn uniformly at random in at most ``tries`` draws, that are not
+    excluded, pass ``ok`` and hold the demand's layers (when it names any); None when the draws
+    did not find k of them (the caller then filters every edge). The draws follow a random
+    permutation, so the k found are a uniformly random k-subset of the edges that qualify, as
+    ``rng.sample([...qualifying...], k)`` would be."""
     n = len(edges)
     seen: set[int] = set()
     found: list[EdgeView] = []
     draw = rng.random
-    for _ in range(3 * k + 8):
+    for _ in range(tries):
         i = int(draw() * n)  # uniform over 0..n-1 (cheaper than randrange)
         if i in seen:
             continue
         seen.add(i)
         e = edges[i]
-        if e.id in exclude or not fits(e, demand):
+        if e.id in exclude or not ok(e, demand):
             continue
         if demand.layers and not has_layers(e, demand.layers):
             continue  # the first tier holds the layers; the others are the fallback's business
@@ -214,6 +216,14 @@ def _sample_feasible(
         if len(found) == k:
             return found
     return None
+
+
+def _sample_feasible(
+    edges: Sequence[EdgeView], demand: Demand, k: int, rng: random.Random, exclude: frozenset[str],
+) -> list[EdgeView] | None:
+    """k distinct edges drawn uniformly from the first tier of :func:`feasible` by testing random
+    edges (a few draws when most fit), or None (:func:`sample_edges`)."""
+    return sample_edges(edges, demand, k, rng, exclude, ok=fits, tries=3 * k + 8)
 
 
 def place(

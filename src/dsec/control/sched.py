@@ -36,7 +36,7 @@ from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from dsec.control.iam import Amount
-from dsec.control.placement import Demand, EdgeView, Room, fits, has_layers, place
+from dsec.control.placement import Demand, EdgeView, Room, fits, has_layers, place, sample_edges
 
 PRIORITIES: dict[str, int] = {"background": 100, "training": 200, "evaluation": 300}
 """Named priorities (``priority`` accepts a name or an integer 0..1000)."""
@@ -346,22 +346,9 @@ def _candidates(edges: Sequence[EdgeView], demand: Demand, n: int, rng: random.R
     """Up to ``n`` random edges that preemption could make room on (holding the image's
     layers when any does): drawn at random first, every edge filtered when the draws come short."""
     if len(edges) > 2 * n:
-        seen: set[int] = set()
-        found: list[EdgeView] = []
-        draw, size = rng.random, len(edges)
-        for _ in range(2 * n + 8):
-            i = int(draw() * size)
-            if i in seen:
-                continue
-            seen.add(i)
-            e = edges[i]
-            if e.id in exclude or not _could_hold(e, demand):
-                continue
-            if demand.layers and not has_layers(e, demand.layers):
-                continue
-            found.append(e)
-            if len(found) == n:
-                return found
+        found = sample_edges(edges, demand, n, rng, exclude, ok=_could_hold, tries=2 * n + 8)
+        if found is not None:
+            return found
     cands = [e for e in edges if e.id not in exclude and _could_hold(e, demand)]
     if demand.layers:
         local = [e for e in cands if has_layers(e, demand.layers)]
