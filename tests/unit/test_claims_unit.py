@@ -169,3 +169,31 @@ def test_host_routes_are_read_from_the_kernel_table(tmp_path: Path) -> None:
     assert claims.host_routes(table) == [(ipaddress.IPv4Network("192.168.0.0/24"), "eth0"),
                                          (ipaddress.IPv4Network("10.213.13.1/32"), "dsec-ab1200001")]
     assert claims.host_routes(tmp_path / "absent") == []
+
+
+def test_the_files_of_killed_holders_are_swept_by_the_next_runtime_and_held_ones_stay(tmp_path: Path) -> None:
+    code = ("import sys, time; from pathlib import Path; from dsec.backends.container import claims; "
+            "claims.claim_runtime(Path(sys.argv[1]), sys.argv[2]); print('held', flush=True); time.sleep(60)")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path), name], stdout=subprocess.PIPE, text=True)
+             for name in ("killed-a", "alive-b")]
+    try:
+        for p in procs:
+            assert p.stdout is not None and p.stdout.readline().strip() == "held"
+        procs[0].send_signal(signal.SIGKILL)
+        procs[0].wait()
+        # SIGKILL lets no holder unlink its files: they stay, unlocked
+        assert (tmp_path / "runtime-killed-a").exists()
+        got = claims.claim_runtime(tmp_path, "third-c")
+        left = sorted(os.listdir(tmp_path))
+        assert "runtime-killed-a" not in left and f"nettag-{claims.net_tag('killed-a')}" not in left
+        assert "runtime-alive-b" in left and "runtime-third-c" in left  # held ones stay
+        with pytest.raises(HostError, match="alive-b"):
+            claims.claim_runtime(tmp_path, "alive-b")
+        for c in got:
+            c.release()
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGKILL)
+            p.wait()
+            if p.stdout is not None:
+                p.stdout.close()

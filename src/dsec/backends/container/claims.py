@@ -15,7 +15,8 @@ links, tables and routes are host-wide) locked with ``flock``:
   it (addresses are then claimed from the kernel one /32 route at a time).
 
 The kernel drops a lock when its holder dies, so a crashed owner never blocks the next
-one. The last holder unlinks its file before it lets go, so nothing accumulates; a locker
+one. The last holder unlinks its file before it lets go, and a runtime that starts removes
+the files of holders that died without letting go (SIGKILL), so nothing accumulates; a locker
 checks that the file it locked is still the one at the path (else it lost a race with
 such an unlink and tries again). Every lock is taken with LOCK_NB: a held claim is an
 error that names its holder, never a wait. Only this module reads /proc/net/route.
@@ -157,9 +158,39 @@ def net_tag(runtime: str) -> str:
     return hashlib.sha256(runtime.encode()).hexdigest()[:4]
 
 
+def sweep_dead(claims_dir: Path) -> int:
+    """Remove the claim files no process holds: those of holders that died without releasing
+    (SIGKILL), which cannot unlink their own. Each is unlinked while locked by us, as a release
+    does, so a process that opened it meanwhile sees it was removed and tries again. Returns
+    how many went."""
+    n = 0
+    try:
+        names = os.listdir(claims_dir)
+    except OSError:
+        return 0
+    for name in names:
+        path = claims_dir / name
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if Claim(path, fd).intact():
+                path.unlink()
+                n += 1
+        except OSError:  # held (BlockingIOError) or gone: leave it
+            pass
+        finally:
+            os.close(fd)
+    return n
+
+
 def claim_runtime(claims_dir: Path, name: str) -> list[Claim]:
     """The claims of runtime ``name``: its name and its network tag. HostError, naming the
-    holder, when another process on this host has either."""
+    holder, when another process on this host has either. Claim files of dead holders are
+    swept first (:func:`sweep_dead`)."""
+    sweep_dead(claims_dir)
     got: list[Claim] = []
     try:
         for path, what in ((claims_dir / f"runtime-{name}", f"runtime name {name!r}"),
