@@ -11,7 +11,7 @@ import contextlib
 import errno
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -156,6 +156,25 @@ class RuntimeCgroups:
             for d in reversed(made):
                 self._rmdir(d)
             raise HostError(f"cannot set up cgroups for {sandbox_id}: {exc}", sandbox_id=sandbox_id) from exc
+        return made
+
+    def make_children(self, sandbox_id: str, controller: str, names: Sequence[str]) -> list[Path]:
+        """Child cgroups of one controller below the sandbox's own (a backend's own division of
+        its sandbox, e.g. FnCall's per-slot memory cgroups): charged to and bounded by the
+        sandbox's, removed with it (:meth:`remove`). Made afresh: an existing one is an error."""
+        parent = self.parents[controller] / sandbox_id
+        made: list[Path] = []
+        try:
+            for name in names:
+                if not name or "/" in name or name.startswith("."):
+                    raise ValueError(f"cgroup name {name!r}")
+                d = parent / name
+                d.mkdir()
+                made.append(d)
+        except OSError as exc:
+            for d in reversed(made):
+                self._rmdir(d)
+            raise HostError(f"cannot make cgroups below {parent}: {exc}", sandbox_id=sandbox_id) from exc
         return made
 
     def pids(self, sandbox_id: str) -> list[int]:

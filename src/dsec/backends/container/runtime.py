@@ -1713,6 +1713,13 @@ class ContainerRuntime(BackendBase):
         out += [("layer_mount", m, False) for m in problems] + [("layer_mount", m, True) for m in repairs]
         return out
 
+    def child_cgroups(self, sandbox_id: str, controller: str, names: Sequence[str]) -> list[Path]:
+        """Make child cgroups of ``controller`` below the running sandbox's own (charged to it,
+        bounded by it, removed with it); their host paths. For a backend that divides a
+        sandbox of its own (FnCall: a memory cgroup per call slot)."""
+        self._running(sandbox_id)
+        return self.cgroups.make_children(sandbox_id, controller, names)
+
     # ----- files and sessions -----
 
     def files(self, sandbox_id: str, *, platform: bool = False) -> SandboxFiles:

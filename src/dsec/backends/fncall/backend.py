@@ -12,7 +12,7 @@ from __future__ import annotations
 import builtins
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from dsec.backends.base import (
     UNSET,
@@ -74,7 +74,11 @@ class FnCallBackend(BackendBase):
     async def start(self) -> None:
         host = self._host
         if host is None and self._ctx is not None:
-            host = self._ctx.backends.get("container")
+            container = self._ctx.backends.get("container")
+            if container is not None and not callable(getattr(container, "child_cgroups", None)):
+                raise HostError("the fncall backend needs a container backend that gives a sandbox child cgroups "
+                                "(a memory cgroup per call slot)", backend="fncall")
+            host = cast("WorkerHost | None", container)
         if host is None:
             raise HostError("the fncall backend runs its workers in the container backend: configure one "
                             "(kind: container) before it", backend="fncall")

@@ -21,6 +21,7 @@ import contextlib
 import json
 import logging
 import os
+import socket
 import struct
 import time
 from collections.abc import Mapping, Sequence
@@ -82,6 +83,8 @@ class WorkerHost(Protocol):
                             env: Mapping[str, str] | None = None, cwd: str = "/", user: int | str = 0) -> Any: ...
 
     def files(self, sandbox_id: str) -> Any: ...
+
+    def child_cgroups(self, sandbox_id: str, controller: str, names: Sequence[str]) -> list[Path]: ...
 
 
 def image_ref(image: ImageRef | str) -> ImageRef:
@@ -197,34 +200,44 @@ class Worker:
         program = await asyncio.to_thread(PROGRAM.read_bytes)
         await asyncio.to_thread(host.files(self.sandbox_id).write, PROGRAM_PATH, program, mode=0o644,
                                 make_parents=True)
-        in_r, in_w = os.pipe2(os.O_CLOEXEC)
+        slots = self.cfg.concurrency + self.cfg.spare
+        cg_fds, cg_hello = await asyncio.to_thread(self._slot_cgroups, self.sandbox_id, slots)
+        # The supervisor's stdin is a socket: the slots' cgroup files travel over it as fds.
+        to_host, to_worker = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
         try:
-            self._proc = await host.start_process(
-                self.sandbox_id, [self.cfg.python, "-I", PROGRAM_PATH, "supervise"], stdin=in_r, stdout=out_w,
-                stderr=err_w, env={"PYTHONDONTWRITEBYTECODE": "1"}, cwd="/", user=0)
-        except BaseException:
-            for fd in (in_w, out_r, err_r):
-                os.close(fd)
-            raise
+            try:
+                self._proc = await host.start_process(
+                    self.sandbox_id, [self.cfg.python, "-I", PROGRAM_PATH, "supervise"], stdin=to_worker.fileno(),
+                    stdout=out_w, stderr=err_w, env={"PYTHONDONTWRITEBYTECODE": "1"}, cwd="/", user=0)
+            except BaseException:
+                to_host.close()
+                for fd in (out_r, err_r):
+                    os.close(fd)
+                raise
+            finally:
+                to_worker.close()
+                for fd in (out_w, err_w):
+                    os.close(fd)
+            for i in range(0, len(cg_fds), 240):  # SCM_RIGHTS carries at most 253 fds a message
+                chunk = cg_fds[i : i + 240]
+                socket.send_fds(to_host, [_frame({"op": "fds", "n": len(chunk)})], chunk)
         finally:
-            for fd in (in_r, out_w, err_w):
+            for fd in cg_fds:
                 os.close(fd)
         loop = asyncio.get_running_loop()
         self._frames, _ = await loop.connect_read_pipe(lambda: _Frames(self), open(out_r, "rb", buffering=0))  # noqa: SIM115 - the transport owns and closes it
         err_reader = asyncio.StreamReader(limit=1 << 20)
         await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(err_reader),
                                      open(err_r, "rb", buffering=0))  # noqa: SIM115 - the transport owns and closes it
-        transport, protocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin,
-                                                            open(in_w, "wb", buffering=0))  # noqa: SIM115 - the transport owns and closes it
+        transport, protocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin, to_host)
         self._writer = asyncio.StreamWriter(transport, protocol, None, loop)
         self._ready = loop.create_future()
         self._stderr_task = asyncio.create_task(self._read_stderr(err_reader))
-        slots = self.cfg.concurrency + self.cfg.spare
         await self._send({
             "op": "hello", "preload": list(self.cfg.preload), "slots": slots, "uid_base": cfg.call_uid_base,
-            "env": CALL_ENV,
+            "env": CALL_ENV, "cgroup": cg_hello,
             "limits": {"nproc": cfg.call_processes, "fsize": cfg.call_file_size, "nofile": cfg.call_nofile},
         })
         try:
@@ -237,6 +250,30 @@ class Worker:
         log.info("fncall worker %s for %s ready in %.2f s (python %s, preload %.2f s, lockdown %.2f s)",
                  self.sandbox_id, image_label(self.image), time.monotonic() - self.started_at,
                  self.info.get("python"), self.info.get("preload_s", 0.0), self.info.get("lockdown_s", 0.0))
+
+    def _slot_cgroups(self, sandbox_id: str, slots: int) -> tuple[list[int], dict[str, Any] | None]:
+        """A memory cgroup per slot below the worker sandbox's (blocking: run in a thread), and
+        its files opened for the supervisor: ``cgroup.procs`` (a call process joins it before
+        it drops to its uid), ``memory.limit_in_bytes`` and, with swap accounting,
+        ``memory.memsw.limit_in_bytes`` (set per call to its ``memory``). Returns the fds, slot
+        by slot, and what the hello frame says of them."""
+        limit = self.pool.config.call_memory
+        dirs = self.pool.host.child_cgroups(sandbox_id, "memory", [f"fncall-slot-{i}" for i in range(slots)])
+        files = ["cgroup.procs", "memory.limit_in_bytes"]
+        if (dirs[0] / "memory.memsw.limit_in_bytes").exists():
+            files.append("memory.memsw.limit_in_bytes")
+        fds: list[int] = []
+        try:
+            for d in dirs:
+                for name in files[1:]:  # memory first: memory <= memory+swap at every step
+                    (d / name).write_text(str(limit))
+                fds += [os.open(d / name, os.O_WRONLY | os.O_CLOEXEC) for name in files]
+        except OSError as exc:
+            for fd in fds:
+                os.close(fd)
+            raise ImageError(f"cannot set up the memory cgroups of fncall worker {sandbox_id}: {exc}",
+                             image=image_label(self.image)) from exc
+        return fds, {"files": files, "limit": limit}
 
     async def stop(self, reason: str) -> None:
         """Fail what is in flight, stop reading, destroy the sandbox. Idempotent."""
@@ -288,16 +325,18 @@ class Worker:
         if self._writer is None:
             raise FnCallWorkerLost(f"fncall worker {self.sandbox_id} is gone", worker=self.sandbox_id or "",
                                    reason=self.reason or "stopped")
-        h = json.dumps(header, separators=(",", ":")).encode()
-        self._writer.write(_U32.pack(4 + len(h) + len(payload)) + _U32.pack(len(h)) + h + payload)
+        self._writer.write(_frame(header, payload))
         await self._writer.drain()
 
     def _lost(self, why: str) -> None:
         """The channel from the supervisor closed or carried garbage: the worker is gone."""
         if self.state == "dead":
             return
-        tail = self.stderr_tail()[-1000:]
-        self._die(why + (f"; its log: {tail}" if tail else ""))
+        # Callers get the reason; the worker's log (tracebacks, scratch paths: what one call
+        # did) stays with the operator.
+        log.warning("fncall worker %s for %s lost: %s; its log:\n%s", self.sandbox_id, image_label(self.image), why,
+                    self.stderr_tail()[-4000:])
+        self._die(why)
         if self._frames is not None:
             self._frames.close()
 
@@ -348,9 +387,10 @@ class Worker:
                 try:
                     header, body = await fut
                 except TimeoutError:
+                    sid = self.sandbox_id or ""  # stop() clears it
                     await self.stop(f"no answer {guard:.1f} s after a call was sent")
-                    raise FnCallWorkerLost(f"fncall worker {self.sandbox_id} did not answer a call",
-                                           reason="unresponsive", worker=self.sandbox_id or "") from None
+                    raise FnCallWorkerLost(f"fncall worker {sid} did not answer a call within {guard:.1f} s",
+                                           reason="unresponsive", worker=sid) from None
                 finally:
                     timer.cancel()
         except asyncio.CancelledError:
@@ -651,6 +691,11 @@ class FnCallPool:
         self.stats.failures[exc.code] = self.stats.failures.get(exc.code, 0) + 1
 
 
+def _frame(header: Mapping[str, Any], payload: bytes = b"") -> bytes:
+    h = json.dumps(header, separators=(",", ":")).encode()
+    return _U32.pack(4 + len(h) + len(payload)) + _U32.pack(len(h)) + h + payload
+
+
 def _expire(fut: asyncio.Future[Any]) -> None:
     if not fut.done():
         fut.set_exception(TimeoutError())
@@ -662,9 +707,20 @@ def _labels(rec: Any) -> dict[str, str]:
 
 
 def _outcome(h: Mapping[str, Any], body: bytes, limits: _Limits, worker: str, duration: float) -> FnOutcome:
-    kind = h.get("kind")
+    """A worker's answer as the caller's outcome. Total: the payload is the call's own bytes
+    (a call can forge its result frame), so anything malformed in it is that call's
+    ``ProtocolError``, never an exception out of here (which would fail a whole batch)."""
     common: dict[str, Any] = {"stdout": str(h.get("stdout", "")), "stderr": str(h.get("stderr", "")),
                               "worker": worker, "duration_s": round(duration, 6)}
+    try:
+        return _outcome_of(h, body, limits, common)
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
+        return FnCallError(f"the call's result could not be read: {type(exc).__name__}", exc_type="ProtocolError",
+                           exc_message="bad result", traceback="", **common)
+
+
+def _outcome_of(h: Mapping[str, Any], body: bytes, limits: _Limits, common: dict[str, Any]) -> FnOutcome:
+    kind = h.get("kind")
     if kind == "value":
         try:
             value = json.loads(body)
@@ -673,15 +729,24 @@ def _outcome(h: Mapping[str, Any], body: bytes, limits: _Limits, worker: str, du
                                exc_message="bad result", traceback="", **common)
         return FnResult(value=value, run_s=float(h.get("run_s", 0.0)), **common)
     if kind == "error":
-        d = json.loads(body) if body[:1] == b"{" else {"exc_type": "Error", "message": body.decode(errors="replace")}
+        d: Any = None
+        with contextlib.suppress(ValueError):
+            d = json.loads(body)
+        if not isinstance(d, dict):
+            return FnCallError("the call wrote an error result that is not a JSON object", exc_type="ProtocolError",
+                               exc_message="bad error result", traceback="", **common)
         exc_type, msg = str(d.get("exc_type", "Error")), str(d.get("message", ""))
         return FnCallError(f"{exc_type}: {msg}" if msg else exc_type, exc_type=exc_type, exc_message=msg,
                            traceback=str(d.get("traceback", "")), **common)
     if kind == "timeout":
+        if h.get("queued"):
+            return FnCallTimeout(f"the call waited {limits.timeout} s for a free slot on its worker and did not run",
+                                 timeout=limits.timeout, reason="queued", **common)
         return FnCallTimeout(f"the call ran longer than {limits.timeout} s and was killed with every process it "
                              "started", timeout=limits.timeout, reason="timeout", **common)
     if kind == "oom":
-        how = ("was killed by the kernel: the worker ran out of memory" if h.get("signal")
+        how = ("was killed by the kernel: it ran out of memory" if h.get("signal")
+               else f"could not be limited to its {limits.memory} bytes of memory" if h.get("detail")
                else f"ran out of its {limits.memory} bytes of memory (MemoryError)")
         return FnCallOOM(f"the call {how}", memory=limits.memory, **common)
     if kind == "output":
@@ -704,4 +769,3 @@ def _outcome(h: Mapping[str, Any], body: bytes, limits: _Limits, worker: str, du
                            exc_message=f"exit status {code}", exit_code=code, traceback="", **common)
     return FnCallError(f"unknown answer {kind!r} from the worker", exc_type="ProtocolError", exc_message=str(kind),
                        traceback="", **common)
-

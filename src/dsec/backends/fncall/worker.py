@@ -67,6 +67,7 @@ import socket
 import stat
 import struct
 import sys
+import termios
 import threading
 import time
 from collections import deque
@@ -82,6 +83,17 @@ RESULT_HEAD = struct.Struct(">IBd")
 MAX_FRAME = 1 << 30
 LATE_EXIT_S = 0.5
 """A call answered early whose process has not exited this long after is killed."""
+KILLER_OFFSET = 1024
+"""Slot ``i`` runs calls as ``uid_base + i`` and kills them as ``uid_base + KILLER_OFFSET + i``."""
+TRANSIENT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EAGAIN, errno.ENOMEM, errno.EMFILE,
+                              errno.ENFILE})
+"""A slot's new process that fails with one of these (a call filled the disk, ran the pids or
+memory out) is forked again when the call is gone, never counted against the worker."""
+MAX_START_FAILURES = 20
+"""A slot whose new process fails this many times in a row for another reason gives up the worker."""
+UID_SPAN = 2 * KILLER_OFFSET
+"""Uids from ``uid_base`` that belong to calls and their kill helpers (none may own a file)."""
+WATCH_S = 1.0
 
 PR_SET_PDEATHSIG = 1
 PR_SET_DUMPABLE = 4
@@ -95,6 +107,12 @@ K_VALUE = 0x56  # "V": the JSON value follows
 K_ERROR = 0x45  # "E": {exc_type, message, traceback}
 K_OOM = 0x4D  # "M": MemoryError under the call's memory cap
 K_TOO_LARGE = 0x4F  # "O": the JSON result is larger than the output cap
+RESULT_KINDS = {K_VALUE: "value", K_ERROR: "error", K_OOM: "oom", K_TOO_LARGE: "output"}
+
+
+def protocol_error(message: str) -> bytes:
+    """An error payload for a call that broke the result protocol (it is the call's own failure)."""
+    return json.dumps({"exc_type": "ProtocolError", "message": message, "traceback": ""}).encode()
 
 
 def _now() -> float:
@@ -331,8 +349,9 @@ def recv_msg(sock: socket.socket) -> tuple[str | None, list[int]]:
 
 
 def proc_uids(uids: set[int], skip: set[int]) -> dict[int, int]:
-    """Live (not zombie) processes whose real uid is in ``uids``: pid -> uid. ``skip``:
-    pids whose uid the caller already knows."""
+    """Processes with a live task whose uids (any of real, effective, saved, filesystem)
+    meet ``uids``: pid -> uid. A zombie leader whose other threads still run counts (it is
+    a zombie only in name: :func:`_dead`). ``skip``: pids whose uid the caller knows."""
     out: dict[int, int] = {}
     for name in os.listdir("/proc"):
         if not name.isdigit():
@@ -341,23 +360,34 @@ def proc_uids(uids: set[int], skip: set[int]) -> dict[int, int]:
         if pid in skip:
             continue
         try:
-            state, ids = _status(_read(f"/proc/{pid}/status"))
+            state, ids, threads = _status(_read(f"/proc/{pid}/status"))
         except OSError:
             continue
         hit = ids & uids
-        if hit and state not in (b"Z", b"X"):
+        if hit and not _dead(state, threads):
             out[pid] = min(hit)
     return out
 
 
-def _status(data: bytes) -> tuple[bytes, set[int]]:
-    """A /proc/<pid>/status's state letter and uids (real, effective, saved, filesystem)."""
+def _status(data: bytes) -> tuple[bytes, set[int], int]:
+    """A /proc/<pid>/status's state letter, uids (real, effective, saved, filesystem) and
+    thread count (0 when it does not say)."""
     i = data.find(b"\nState:")
     j = data.find(b"\nUid:")
     if i < 0 or j < 0:
-        return b"", set()
+        return b"", set(), 0
     state = data[i + 7 : i + 16].split()[:1]
-    return (state[0] if state else b""), {int(x) for x in data[j + 5 : data.find(b"\n", j + 5)].split()}
+    k = data.find(b"\nThreads:")
+    threads = int(data[k + 9 : data.find(b"\n", k + 9)]) if k >= 0 else 0
+    return (state[0] if state else b""), {int(x) for x in data[j + 5 : data.find(b"\n", j + 5)].split()}, threads
+
+
+def _dead(state: bytes, threads: int) -> bool:
+    """Nothing of this process runs: a zombie (or dead) whose thread group is empty. A leader
+    that ended with the raw ``exit`` system call (not ``exit_group``) is a zombie while its
+    other threads run on as its uid: ``Threads:`` still counts them (it is 1 for a true zombie,
+    whose leader alone waits to be reaped)."""
+    return state in (b"Z", b"X") and threads <= 1
 
 
 def _read(path: str) -> bytes:
@@ -501,7 +531,10 @@ def _traceback(e: BaseException) -> str:
     tb = e.__traceback__
     while tb is not None and tb.tb_frame.f_code.co_filename != "<fncall>":
         tb = tb.tb_next
-    return "".join(traceback.format_exception(type(e), e, tb))
+    # A line over 2,000 characters (the exception's own line repeats its message, which travels
+    # apart) keeps its head: the frames are what a traceback is read for.
+    return "".join(x if len(x) <= 2000 else x[:1000] + "[...]\n"
+                   for x in traceback.format_exception(type(e), e, tb))
 
 
 class Kit:
@@ -532,15 +565,21 @@ class Kit:
         seed = getattr(getattr(rnd, "_inst", None), "seed", None)
         self.random: Any = rnd if forker.armed and rnd is not None and seed not in forker.hooks else None
         self.tempfile: Any = sys.modules.get("tempfile")
+        self.procs: list[int] = []  # per slot: its memory cgroup's cgroup.procs (zygote_main)
 
 
-def call_child(uid: int, scratch: str, fds: list[int], kit: Kit) -> None:
+def call_child(uid: int, scratch: str, fds: list[int], kit: Kit, slot: int) -> None:
     """The call process: set up as the slot's uid, say ready, run one request, exit.
 
     The zygote already holds what every call shares and a fork inherits: no_new_privs, the
     IPC seccomp filter, RLIMIT_CORE and RLIMIT_MSGQUEUE 0 (zygote_main)."""
     req_r, res_w, out_w, err_w = fds
     try:
+        if kit.procs:
+            # Into the slot's memory cgroup first, while still root: what the call's processes
+            # hold (pages, memfds, pipe buffers, page cache) is bounded by the call's `memory`.
+            # The fd is closed below with every other: the call cannot move itself out.
+            os.write(kit.procs[slot], b"0")
         kit.forker.child()
         if kit.signals:
             signal.set_wakeup_fd(-1)
@@ -588,7 +627,7 @@ def call_child(uid: int, scratch: str, fds: list[int], kit: Kit) -> None:
         os.write(res_w, b"R")
     except BaseException as e:
         try:
-            os.write(res_w, (f"F{type(e).__name__}: {e}").encode()[:4000])
+            os.write(res_w, (f"F{getattr(e, 'errno', None) or 0} {type(e).__name__}: {e}").encode()[:4000])
         finally:
             os._exit(4)
     # Ready: block until the supervisor hands over one request.
@@ -672,9 +711,26 @@ def handle(data: bytes, *, limit: bool) -> bytes:
         except BaseException:
             tb = ""
         kind = K_ERROR
-        payload = json.dumps({"exc_type": _exc_name(type(e)), "message": message[:cap],
-                              "traceback": tb[-cap:]}).encode()
+        payload = error_payload(_exc_name(type(e)), message, tb, cap)
     return RESULT_HEAD.pack(9 + len(payload), kind, ran) + payload
+
+
+CUT = "[...]"
+
+
+def error_payload(exc_type: str, message: str, tb: str, cap: int) -> bytes:
+    """The JSON of an exception in at most ``cap`` bytes: the longer of the message (its head
+    kept) and the traceback (its tail kept) is halved until it fits, marked where cut. An
+    exception is never reported as output over the cap, whatever its message's size."""
+    exc_type = exc_type[:100]  # <= 600 bytes of JSON: the cap is at least 1 KiB
+    while True:
+        payload = json.dumps({"exc_type": exc_type, "message": message, "traceback": tb}).encode()
+        if len(payload) <= cap or len(message) + len(tb) <= 4 * len(CUT):
+            return payload
+        if len(message) >= len(tb):
+            message = message[: len(message) // 2] + CUT
+        else:
+            tb = CUT + tb[-(len(tb) // 2) :]
 
 
 # ----------------------------------------------------------------- zygote ----
@@ -730,6 +786,7 @@ def zygote_main(cfg: dict[str, Any]) -> None:
         load_filter(ipc_filter())
         info["fork"] = "libc" if forker.arm() else "os.fork"
         kit = Kit(dict(cfg["limits"]), forker, signals=eager)
+        kit.procs = [int(fd) for fd in cfg.get("cgroup_procs") or []]
     except OSError as e:
         send_msg(ctl, "E" + json.dumps({"module": "(seccomp, limits)", "error": str(e)}))
         os._exit(2)
@@ -819,7 +876,7 @@ def _serve(ctl: socket.socket, forker: Forker, kit: Kit, wake_r: int) -> None:
                     send_msg(ctl, f"P {slot_b.decode()} -{e.errno}")
                     continue
                 if pid == 0:
-                    call_child(int(uid_b), scratch.decode(), fds, kit)  # closes every other fd first
+                    call_child(int(uid_b), scratch.decode(), fds, kit, int(slot_b))  # closes every other fd first
                     os._exit(6)  # not reached
                 for fd_ in fds:
                     close(fd_)
@@ -836,8 +893,9 @@ def _serve(ctl: socket.socket, forker: Forker, kit: Kit, wake_r: int) -> None:
                     except ChildProcessError:
                         status = 0  # reaped before, and not reported then: it was 0
                 send_msg(ctl, f"X {pid} {status}")
-            elif op == b"K":
-                _kill_uid(ctl, int(data[2:]), eager)
+            elif op == b"K":  # K uid killer
+                uid_b, _, killer_b = data[2:].partition(b" ")
+                _kill_uid(ctl, int(uid_b), int(killer_b), eager)
             elif op == b"Z":  # reaped above
                 send_msg(ctl, "z " + data[2:].decode())
             else:
@@ -855,9 +913,20 @@ def _fds(anc: list[tuple[int, int, bytes]]) -> list[int]:
     return fds
 
 
-def _kill_uid(ctl: socket.socket, uid: int, eager: bool) -> None:
+KILLER_WAIT_S = 2.0
+"""How long the zygote waits for a kill helper before it kills the helper itself."""
+
+
+def _kill_uid(ctl: socket.socket, uid: int, killer: int, eager: bool) -> None:
     """Kill every process of ``uid`` from a helper that takes the uid (kill(-1) is atomic
-    against fork); answered with "k uid" once the helper is gone."""
+    against fork); answered with "k uid" once the helper is gone.
+
+    The helper's real and saved uid are ``killer`` (a uid no call runs as), its effective
+    uid is ``uid``: the kernel lets it signal every process whose real or saved uid is
+    ``uid`` (its effective uid matches theirs) and nothing else, while a process of ``uid``
+    cannot signal it (neither of the helper's real and saved uids is one of theirs). So a
+    leftover that spins ``kill(-1, SIGSTOP)`` cannot stop the helper that kills it. The
+    zygote never waits for it unbounded all the same."""
     try:
         pid = os.fork()
     except OSError:
@@ -867,14 +936,28 @@ def _kill_uid(ctl: socket.socket, uid: int, eager: bool) -> None:
         try:
             ctl.detach()
             os.setgroups([])
-            os.setresgid(uid, uid, uid)
-            os.setresuid(uid, uid, uid)
-            os.kill(-1, signal.SIGKILL)  # every process of this uid but this one, at once
+            os.setresgid(killer, killer, killer)
+            os.setresuid(killer, uid, killer)
+            os.kill(-1, signal.SIGKILL)  # every process of this uid, at once
         except BaseException:
             pass
         os._exit(0)
-    with contextlib.suppress(ChildProcessError):
-        os.waitpid(pid, 0)
+    deadline = _now() + KILLER_WAIT_S
+    while True:
+        try:
+            done, _status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            break
+        if done:
+            break
+        if _now() > deadline:
+            _log(f"the kill helper for uid {uid} did not end in {KILLER_WAIT_S} s: killed")
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+            break
+        time.sleep(0.0005)
     _reap(ctl, eager)
     send_msg(ctl, f"k {uid}")
 
@@ -908,15 +991,21 @@ class Call:
         "limits",
         "out",
         "payload",
+        "requeue",
         "res",
         "status",
         "t0",
         "timer",
+        "tries",
+        "wire",
         "written",
     )
 
     def __init__(self, cid: Any, limits: dict[str, Any], payload: bytes) -> None:
         self.id = cid
+        self.wire = b""
+        self.requeue = False
+        self.tries = 0
         self.t0 = _now()
         self.limits = limits
         self.payload = payload
@@ -931,18 +1020,34 @@ class Call:
         self.done = False
         self.written = 0
 
+    def retry(self) -> None:
+        """Back to the queue, as if it had not been sent (its process never took it)."""
+        self.tries += 1
+        self.requeue = self.exited = False
+        self.written = 0
+        self.status = None
+        self.out.clear()
+        self.err.clear()
+        self.res.clear()
+
 
 class Slot:
     __slots__ = (
         "call",
+        "cg",
+        "cg_limit",
         "err_r",
+        "failing_since",
+        "fails",
         "index",
+        "killer",
         "live",
         "out_r",
         "pid",
         "pidfd",
         "ready_buf",
         "reaped",
+        "req_peek",
         "req_w",
         "res_r",
         "scratch",
@@ -953,9 +1058,10 @@ class Slot:
         "wreg",
     )
 
-    def __init__(self, index: int, uid: int) -> None:
+    def __init__(self, index: int, uid: int, killer: int) -> None:
         self.index = index
         self.uid = uid
+        self.killer = killer  # the real uid of the helper that kills the slot's processes (_kill_uid)
         self.state = "idle"  # idle -> forking -> ready -> busy -> sweeping -> cleaning -> idle
         self.pid = 0
         self.live = False  # a process runs (or is unreaped) at pid: it has not been seen to exit
@@ -963,11 +1069,15 @@ class Slot:
         self.wreg = False  # req_w is registered for writing (the request did not fit the pipe)
         self.pidfd = -1
         self.reaped = False  # the zygote was asked to reap what a sweep killed ("Z")
-        self.req_w = self.res_r = self.out_r = self.err_r = -1
+        self.req_w = self.res_r = self.out_r = self.err_r = self.req_peek = -1
         self.scratch = ""
         self.call: Call | None = None
         self.ready_buf = b""
         self.sweeps = 0
+        self.fails = 0  # its new process failed to start, in a row
+        self.failing_since = 0.0
+        self.cg: tuple[int, int, int] | None = None  # fds: cgroup.procs, memory limit, memory+swap limit
+        self.cg_limit = 0  # the memory limit last written
 
 
 class Supervisor:
@@ -996,6 +1106,18 @@ class Supervisor:
         self.info: dict[str, Any] = {}
         self.started: dict[str, Any] = {}
         self.dying = False
+        self.cleaner_thread = threading.Thread(target=self.cleaner, daemon=True, name="cleaner")
+        self.cleaner_failed = ""
+        self.fdq: deque[int] = deque()  # fds that came with the host's frames, in order
+        self.stdin_sock: socket.socket | None = None
+        self.cg_fds: list[int] = []
+
+    def watch(self) -> None:
+        """Every WATCH_S: the worker's own machinery still works (its cleaner thread lives),
+        or the worker is given up and the host starts another."""
+        if not self.cleaner_thread.is_alive():
+            self.fatal("the cleaner thread is gone")
+        self.timer(WATCH_S, self.watch)
 
     # -- plumbing --
 
@@ -1047,6 +1169,8 @@ class Supervisor:
     # -- start --
 
     def run(self) -> None:
+        if stat.S_ISSOCK(os.fstat(0).st_mode):
+            self.stdin_sock = socket.socket(fileno=0)
         os.set_blocking(0, False)
         os.set_blocking(1, False)
         self.sel.register(0, selectors.EVENT_READ, self.on_stdin)
@@ -1072,19 +1196,23 @@ class Supervisor:
         t = time.perf_counter()
         uid_lo = int(cfg["uid_base"])
         nslots = int(cfg["slots"])
-        counts = lockdown(uid_lo, uid_lo + max(nslots, 1024))
+        if not 0 < nslots <= KILLER_OFFSET:
+            raise ValueError(f"{nslots} slots: 1..{KILLER_OFFSET}")
+        counts = lockdown(uid_lo, uid_lo + UID_SPAN)
         os.makedirs(SCRATCH_ROOT, exist_ok=True)
         os.chown(SCRATCH_ROOT, 0, 0)
         os.chmod(SCRATCH_ROOT, 0o711)
         for name in os.listdir(SCRATCH_ROOT):  # a previous supervisor's leftovers
             _rmtree(os.path.join(SCRATCH_ROOT, name))
         lock_s = time.perf_counter() - t
-        self.slots = [Slot(i, uid_lo + i) for i in range(nslots)]
+        self.slots = [Slot(i, uid_lo + i, uid_lo + KILLER_OFFSET + i) for i in range(nslots)]
+        procs = self.take_cgroups(cfg.get("cgroup"))
         a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         a.set_inheritable(False)
         b.set_inheritable(True)
         zcfg = {"ctl_fd": b.fileno(), "supervisor": os.getpid(), "preload": list(cfg.get("preload") or []),
-                "env": dict(cfg["env"]), "limits": dict(cfg["limits"]), "report_exits": not self.pidfd_ok}
+                "env": dict(cfg["env"]), "limits": dict(cfg["limits"]), "report_exits": not self.pidfd_ok,
+                "cgroup_procs": procs}
         self.children_ok = os.path.exists(f"/proc/self/task/{os.getpid()}/children")
         env = dict(cfg["env"])  # the calls' environment: they inherit the zygote's
         pid = os.fork()  # exec right away: the zygote starts from a fresh interpreter, not this one
@@ -1097,18 +1225,51 @@ class Supervisor:
             finally:
                 os._exit(127)
         b.close()
+        for fd in procs:  # the zygote's call processes join their slot's cgroup; we never do
+            os.close(fd)
         self.zygote = pid
         a.setblocking(False)
         self.ctl = a
         self.sel.register(a.fileno(), selectors.EVENT_READ, self.on_ctl)
         self.started = {"lockdown_s": round(lock_s, 4), "lockdown": counts}
-        threading.Thread(target=self.cleaner, daemon=True).start()  # after the fork above
+        self.cleaner_thread.start()  # after the fork above
+        self.timer(WATCH_S, self.watch)
+
+    def take_cgroups(self, cg: dict[str, Any] | None) -> list[int]:
+        """Give each slot its memory cgroup's files, from the fds the host sent before hello
+        (``files`` of each slot in turn, opened by the host: a cgroup v1 file checks the
+        opener's credentials, so no cgroupfs is mounted in the sandbox). Returns the slots'
+        ``cgroup.procs`` fds, for the zygote to inherit. None: no cgroups (memory is then
+        bounded by RLIMIT_AS alone)."""
+        if not cg:
+            return []
+        files = [str(f) for f in cg["files"]]
+        k = len(files)
+        if "cgroup.procs" not in files or "memory.limit_in_bytes" not in files:
+            raise ValueError(f"cgroup files {files}: cgroup.procs and memory.limit_in_bytes are needed")
+        if len(self.cg_fds) != k * len(self.slots):
+            raise ValueError(f"{len(self.cg_fds)} cgroup fds for {len(self.slots)} slots of {k} files")
+        procs = []
+        for s in self.slots:
+            got = {name: self.cg_fds[s.index * k + j] for j, name in enumerate(files)}
+            s.cg = (-1, got["memory.limit_in_bytes"], got.get("memory.memsw.limit_in_bytes", -1))
+            s.cg_limit = int(cg["limit"])
+            os.set_inheritable(got["cgroup.procs"], True)
+            procs.append(got["cgroup.procs"])
+        self.cg_fds = []
+        return procs
 
     # -- host frames --
 
     def on_stdin(self, _ev: int) -> None:
         try:
-            data = os.read(0, 1 << 20)
+            if self.stdin_sock is None:
+                data = os.read(0, 1 << 20)
+            else:  # a socket: fds may come with the bytes (the slots' cgroup files)
+                data, anc, _flags, _addr = self.stdin_sock.recvmsg(1 << 20, socket.CMSG_SPACE(253 * 4))
+                for fd in _fds(anc):
+                    os.set_inheritable(fd, False)
+                    self.fdq.append(fd)
         except BlockingIOError:
             return
         if not data:
@@ -1128,7 +1289,12 @@ class Supervisor:
 
     def on_frame(self, h: dict[str, Any], payload: bytes) -> None:
         op = h.get("op")
-        if op == "hello":
+        if op == "fds":  # fds for the next frames (the slots' cgroup files): sent before hello
+            n = int(h["n"])
+            if n > len(self.fdq):
+                self.fatal(f"a frame said {n} fds came with it; {len(self.fdq)} did")
+            self.cg_fds.extend(self.fdq.popleft() for _ in range(n))
+        elif op == "hello":
             try:
                 self.hello(h)
             except Exception as e:
@@ -1209,8 +1375,9 @@ class Supervisor:
         try:
             send_msg(self.ctl, f"F {s.index} {s.uid} {s.scratch}", (req_r, res_w, out_w, err_w))
         finally:
-            for fd in (req_r, res_w, out_w, err_w):
+            for fd in (res_w, out_w, err_w):
                 os.close(fd)
+            s.req_peek = req_r  # kept: what is still in the pipe tells whether its process took a request
         self.sel.register(s.res_r, selectors.EVENT_READ, lambda ev, s=s: self.on_res(s))
 
     def forked(self, s: Slot, pid: int) -> None:
@@ -1229,6 +1396,9 @@ class Supervisor:
     def fork_failed(self, s: Slot, err: int) -> None:
         _log(f"fork for slot {s.index} failed: {os.strerror(err)}; retrying")
         self.close_req(s)
+        if s.req_peek >= 0:
+            os.close(s.req_peek)
+            s.req_peek = -1
         for fd in (s.res_r, s.out_r, s.err_r):
             if fd >= 0:
                 with contextlib.suppress(KeyError):
@@ -1250,18 +1420,41 @@ class Supervisor:
                 continue
             slot.state = "busy"
             slot.call = call
+            if not self.set_memory(slot, int(call.limits["memory"])):
+                call.killed = "memory"  # answered as out of memory once its process is gone
+                self.kill(slot, "memory")
+                continue
             lim = {"memory": int(call.limits["memory"]), "cap": call.cap,
                    "cpu": None if call.limits.get("timeout") is None else int(float(call.limits["timeout"])) + 2}
-            call.payload = json.dumps(lim).encode() + b"\n" + call.payload
+            call.wire = json.dumps(lim).encode() + b"\n" + call.payload
             self.sel.register(slot.out_r, selectors.EVENT_READ, lambda ev, s=slot: self.on_out(s, s.out_r))
             self.sel.register(slot.err_r, selectors.EVENT_READ, lambda ev, s=slot: self.on_out(s, s.err_r))
             self.feed(slot)
+
+    def set_memory(self, s: Slot, limit: int) -> bool:
+        """The slot's memory cgroup limit (and memory+swap) for its next call, written only when
+        it changes. False when the kernel refuses it (the slot already holds more)."""
+        if s.cg is None or s.cg_limit == limit:
+            return True
+        _procs, lim, sw = s.cg
+        text = b"%d" % limit
+        order = (lim, sw) if limit < s.cg_limit else (sw, lim)  # memory <= memory+swap at every step
+        try:
+            for fd in order:
+                if fd >= 0:
+                    os.pwrite(fd, text, 0)
+        except OSError as e:
+            _log(f"slot {s.index}: cannot set its memory limit to {limit}: {e}")
+            s.cg_limit = -1  # unknown: written in full next time
+            return False
+        s.cg_limit = limit
+        return True
 
     def feed(self, s: Slot) -> None:
         call = s.call
         if call is None or s.req_w < 0:
             return
-        view = memoryview(call.payload)[call.written :]
+        view = memoryview(call.wire)[call.written :]
         try:
             while view:
                 n = os.write(s.req_w, view)
@@ -1291,16 +1484,19 @@ class Supervisor:
             return
         if s.state == "forking":
             s.ready_buf += data
-            if s.ready_buf[:1] == b"R":
+            if s.ready_buf[:1] == b"R" and len(s.ready_buf) == 1:
                 s.state = "ready"
-                if len(s.ready_buf) > 1:
-                    self.fatal("a call process wrote before its request")
+                s.fails = 0
+                s.failing_since = 0.0
                 if not self.ready_sent and all(x.state == "ready" for x in self.slots):
                     self.ready_sent = True
                     self.send({"op": "ready", "protocol": PROTOCOL, "slots": len(self.slots), **self.info})
                 self.dispatch()
-            elif s.ready_buf[:1] == b"F" or not data:
-                self.fatal("a call process failed to start: {}".format(s.ready_buf[1:].decode("utf-8", "replace")))
+            elif s.ready_buf[:1] == b"F" or not data or len(s.ready_buf) > 1:
+                text = s.ready_buf[1:].decode("utf-8", "replace")
+                err, _, why = text.partition(" ")
+                self.start_failed(s, f"its new process failed to start: {why or text or 'no word'}",
+                                  transient=err.isdigit() and int(err) in TRANSIENT_ERRNOS)
             return
         call = s.call
         if not data:
@@ -1310,7 +1506,7 @@ class Supervisor:
             return
         call.res += data
         if len(call.res) > call.cap + 64 and call.killed is None:
-            self.kill(s, "output")
+            self.kill(s, "result")  # a result frame is at most the cap and its head
             return
         if self.result_complete(call):
             self.answer_early(s)
@@ -1354,8 +1550,9 @@ class Supervisor:
             call.killed = why
         with contextlib.suppress(OSError):
             os.killpg(s.pid, signal.SIGKILL)  # the call did setsid: its group is its pid
-        with contextlib.suppress(OSError):
-            os.kill(s.pid, signal.SIGKILL)
+        if s.live:  # not a pid that may have been reused
+            with contextlib.suppress(OSError):
+                os.kill(s.pid, signal.SIGKILL)
 
     def exited(self, s: Slot, pid: int) -> None:
         if pid != s.pid:
@@ -1366,10 +1563,12 @@ class Supervisor:
                 self.sel.unregister(s.pidfd)
             os.close(s.pidfd)
             s.pidfd = -1
-        if s.state == "forking":
-            self.fatal(f"a call process exited before it was ready (status {self.statuses.get(pid)})")
-        if s.state == "ready":
-            self.fatal(f"a waiting call process exited (status {self.statuses.get(pid)})")
+        if s.state in ("forking", "ready"):
+            # Killed by the memory cgroup's OOM killer while it waited (every call process
+            # has oom_score_adj 1000), or it could not start: the slot's own trouble.
+            self.start_failed(s, f"its {'waiting' if s.state == 'ready' else 'new'} process exited before a "
+                                 f"call (status {self.statuses.get(pid)})", transient=True)
+            return
         call = s.call
         if call is not None and not call.exited:
             call.exited = True
@@ -1393,10 +1592,28 @@ class Supervisor:
                 s.waited = True
                 send_msg(self.ctl, f"W {s.pid}")  # answered with "X pid status"
             return
+        if call.killed is None and not self.result_complete(call) and self.never_took(s, call) and call.tries < 3:
+            # Its process died before it had read its request (the OOM killer took it while it
+            # waited, a moment before the call came): the call never ran; it runs on another.
+            call.requeue = True
         s.state = "sweeping"
         s.sweeps = 0
         s.reaped = False
         self.sweep(s)
+
+    @staticmethod
+    def never_took(s: Slot, call: Call) -> bool:
+        """The slot's process did not read all of its request (so none of the call's code ran)."""
+        if call.written < len(call.wire):
+            return True
+        if s.req_peek < 0:
+            return False
+        try:
+            buf = array.array("i", [0])
+            fcntl.ioctl(s.req_peek, termios.FIONREAD, buf, True)
+        except OSError:
+            return False
+        return buf[0] > 0
 
     def known_pids(self, s: Slot) -> set[int]:
         known = {os.getpid(), self.zygote}
@@ -1411,7 +1628,9 @@ class Supervisor:
         subreaper of their orphans: so each one is a child of the call's process (while that
         lives), a child of the zygote, or below one of those. So there are none if the call's
         process has no children and every other child of the zygote is a live slot's process,
-        a zombie (which runs nothing), or a process none of whose uids is this slot's (the
+        a zombie whose threads have all ended (which runs nothing: a leader that ended alone
+        with the raw ``exit`` leaves its threads running, :func:`_dead`), or a process none of
+        whose uids is this slot's (the
         process of a call of another slot, a fork for another slot still root, an orphan of
         another call: none can have a descendant of this uid). A zombie's children were handed
         to the zygote when it died, possibly after the zygote's list was read: so while a read
@@ -1436,12 +1655,14 @@ class Supervisor:
                 for pid in {int(x) for x in _read(z).split()} - seen:
                     seen.add(pid)
                     try:
-                        state, uids = _status(_read(f"/proc/{pid}/status"))
+                        state, uids, threads = _status(_read(f"/proc/{pid}/status"))
                     except (FileNotFoundError, ProcessLookupError):
-                        state, uids = b"X", set()  # gone since: as a zombie, its children may move
+                        state, uids, threads = b"X", set(), 1  # gone since: as a zombie, its children may move
                     if state in (b"Z", b"X"):
                         zombies = True
-                    elif s.uid in uids or not uids:
+                    if _dead(state, threads):
+                        continue
+                    if s.uid in uids or not uids:  # a live process, or a zombie leader whose threads run
                         return False
                 if not zombies:
                     return True
@@ -1490,10 +1711,11 @@ class Supervisor:
         if left:
             s.sweeps += 1
             if s.sweeps > 400:
-                self.fatal(f"cannot kill the processes of uid {s.uid}: {sorted(left)}")
+                _log(f"cannot kill the processes of uid {s.uid}: {sorted(left)}")
+                self.fatal(f"the processes a call left could not be killed (slot {s.index})")
             assert self.ctl is not None
             if s.sweeps % 2 == 1:
-                send_msg(self.ctl, f"K {s.uid}")  # answered with "k", which sweeps again
+                send_msg(self.ctl, f"K {s.uid} {s.killer}")  # answered with "k", which sweeps again
             else:
                 self.timer(0.005, lambda: self.sweep(s))
             return
@@ -1505,9 +1727,17 @@ class Supervisor:
             return
         call = s.call
         s.call = None
-        if call is not None and not call.done:
+        if call is not None and call.requeue:
+            call.retry()
+            self.queue.appendleft(call)
+            call = None
+            self.dispatch()  # on another slot that is ready (this one is not)
+        elif call is not None and not call.done:
             self.drain_output(s, call)
         self.close_req(s)
+        if s.req_peek >= 0:
+            os.close(s.req_peek)
+            s.req_peek = -1
         for fd in (s.res_r, s.out_r, s.err_r):
             if fd >= 0:
                 with contextlib.suppress(KeyError):
@@ -1523,13 +1753,48 @@ class Supervisor:
         s.state = "cleaning"
         try:
             os.rmdir(s.scratch)  # left empty, as most calls leave it: no need for the thread
+        except FileNotFoundError:
+            pass  # its process failed before it made it
         except OSError:
+            if not self.cleaner_thread.is_alive():
+                self.fatal("the cleaner thread is gone")
             with self.clean_cv:
                 self.cleanups.append((s, s.scratch))
                 self.clean_cv.notify()
             return
+        self.refork(s)
+
+    def refork(self, s: Slot) -> None:
+        """The slot is clean: fork its next process (after a pause if its last ones failed)."""
         s.state = "idle"
-        self.prefork(s)
+        if not s.fails:
+            self.prefork(s)
+        else:
+            self.timer(min(0.05 * 2 ** min(s.fails - 1, 6), 2.0), lambda: self.prefork(s) if s.state == "idle" else None)
+
+    def start_failed(self, s: Slot, why: str, *, transient: bool) -> None:
+        """A slot's new process could not get ready, or died waiting for a call: a call filled
+        the disk (no room for the scratch directory), ran the pids out, or the OOM killer took
+        it. That is the slot's trouble, never its neighbours': its process is killed, the
+        slot swept and forked again after a pause. Only a slot that keeps failing for another
+        reason gives up the worker."""
+        if s.state not in ("forking", "ready"):
+            return
+        s.fails += 1
+        if not s.failing_since:
+            s.failing_since = _now()
+        if not transient and s.fails >= MAX_START_FAILURES:
+            _log(f"slot {s.index}: {why}")
+            self.fatal(f"slot {s.index} could not start a call process {s.fails} times in a row")
+        if s.fails in (1, 10) or s.fails % 100 == 0:
+            _log(f"slot {s.index}: {why}; forking it again ({s.fails} in a row)")
+        if s.live:
+            self.kill(s, "restart")
+        s.call = None
+        s.state = "sweeping"
+        s.sweeps = 0
+        s.reaped = False
+        self.sweep(s)
 
     def respond(self, s: Slot | None, call: Call, status: int | None = None) -> None:
         call.done = True
@@ -1539,16 +1804,33 @@ class Supervisor:
         payload = b""
         if call.killed == "timeout":
             h["kind"] = "timeout"
+            if s is None:
+                h["queued"] = True  # it waited for a slot all its time and never ran
         elif call.killed == "output":
             h["kind"] = "output"
             h["what"] = "stdout or stderr"
+        elif call.killed == "memory":
+            h["kind"] = "oom"
+            h["detail"] = "its slot could not be limited to the call's memory"
+        elif call.killed == "result":
+            h["kind"] = "output"
+            h["what"] = "result"
         elif self.result_complete(call):
-            n, kind, ran = RESULT_HEAD.unpack_from(call.res, 0)
-            payload = bytes(call.res[RESULT_HEAD.size : 4 + n])
-            h["run_s"] = round(ran, 6)
-            h["kind"] = {K_VALUE: "value", K_ERROR: "error", K_OOM: "oom", K_TOO_LARGE: "output"}.get(kind, "crash")
-            if kind == K_TOO_LARGE:
-                h["what"] = "result"
+            # Every byte of the result pipe is the call's to write: a frame too short for its
+            # head, of an unknown kind or with a non-finite time is that call's own failure.
+            n = U32.unpack_from(call.res, 0)[0]
+            kind = call.res[4] if n >= 1 else -1
+            if n < RESULT_HEAD.size - 4 or kind not in RESULT_KINDS:
+                h["kind"] = "error"
+                payload = protocol_error(f"the call wrote a malformed result frame ({n} bytes after its "
+                                         f"length, kind {kind})")
+            else:
+                ran = RESULT_HEAD.unpack_from(call.res, 0)[2]
+                payload = bytes(call.res[RESULT_HEAD.size : 4 + n])
+                h["run_s"] = round(ran, 6) if 0.0 <= ran < 1e9 else 0.0
+                h["kind"] = RESULT_KINDS[kind]
+                if kind == K_TOO_LARGE:
+                    h["what"] = "result"
         else:
             h["kind"] = "crash"
             if status is not None and os.WIFSIGNALED(status):
@@ -1565,12 +1847,24 @@ class Supervisor:
     # -- cleaning (a thread: removing a large scratch tree must not stall other calls) --
 
     def cleaner(self) -> None:
+        """Remove the scratch trees calls left, one at a time. Whatever a call left (any depth,
+        any number of entries, modes that refuse us) must not end this thread: a tree that
+        cannot be removed is taken from the slot's uid (root's, mode 0700) and left."""
         while True:
             with self.clean_cv:
                 while not self.cleanups:
                     self.clean_cv.wait()
                 s, scratch = self.cleanups.popleft()
-            _rmtree(scratch)
+            try:
+                remove_tree(scratch)
+            except BaseException as e:  # the thread must live on
+                _log(f"could not remove {scratch}: {type(e).__name__}: {e}")
+                try:
+                    os.chown(scratch, 0, 0, follow_symlinks=False)
+                    os.chmod(scratch, 0o700, follow_symlinks=False)
+                except BaseException as e2:
+                    _log(f"could not take {scratch} from its call's uid: {e2}")
+                    self.cleaner_failed = f"{scratch}: {e2}"
             with self.clean_cv:
                 self.cleaned.append(s)
             with contextlib.suppress(BlockingIOError):
@@ -1587,17 +1881,92 @@ class Supervisor:
                 if not self.cleaned:
                     break
                 s = self.cleaned.popleft()
-            s.state = "idle"
-            self.prefork(s)
+            if self.cleaner_failed:  # what a call left is still open to its uid: no call may get it
+                self.fatal("a call's scratch directory could not be removed nor closed to its uid")
+            self.refork(s)
 
 
 def _rmtree(path: str) -> None:
-    import shutil
+    try:
+        remove_tree(path)
+    except OSError as e:
+        _log(f"could not remove {path}: {e}")
 
-    if os.path.lexists(path):
-        shutil.rmtree(path, ignore_errors=True)
-    if os.path.lexists(path):
-        _log(f"could not remove {path}")
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def remove_tree(path: str) -> None:
+    """Remove ``path`` and everything below it, never following a symbolic link.
+
+    Iterative and relative to one open directory at a time (it climbs back with ``..``): a
+    call can leave a tree of any depth (``shutil.rmtree`` recurses, and a path 1,000 levels
+    deep is longer than PATH_MAX), of any width, with modes that refuse writing. Nothing
+    else writes in the tree meanwhile (every process of the call's uid is dead). Raises
+    OSError when something stays."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        os.unlink(path)
+        return
+    fd = os.open(path, _DIR_FLAGS)
+    stack: list[tuple[str, list[str]]] = []  # per level: its name in its parent, the parent's subdirectories to go
+    try:
+        todo = _clear_dir(fd)
+        while True:
+            if todo:
+                name = todo.pop()
+                try:
+                    sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
+                except FileNotFoundError:
+                    continue
+                except PermissionError:  # mode 0 and no CAP_DAC_OVERRIDE: we own it anyway
+                    os.chmod(name, 0o700, dir_fd=fd, follow_symlinks=False)
+                    sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
+                stack.append((name, todo))
+                os.close(fd)
+                fd = sub
+                todo = _clear_dir(fd)
+                continue
+            if not stack:
+                break
+            name, todo = stack.pop()
+            parent = os.open("..", _DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = parent
+            try:
+                os.rmdir(name, dir_fd=fd)
+            except PermissionError:  # a directory the call made read-only
+                os.fchmod(fd, 0o700)
+                os.rmdir(name, dir_fd=fd)
+    finally:
+        os.close(fd)
+    os.rmdir(path)
+
+
+def _clear_dir(fd: int) -> list[str]:
+    """Unlink every entry of the open directory that is not a directory; its subdirectories."""
+    subdirs: list[str] = []
+    fixed = False
+    with os.scandir(fd) as it:
+        entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+    for name, is_dir in entries:
+        if is_dir:
+            subdirs.append(name)
+            continue
+        try:
+            os.unlink(name, dir_fd=fd)
+        except FileNotFoundError:
+            pass
+        except PermissionError:
+            if fixed:
+                raise
+            os.fchmod(fd, 0o700)  # a directory the call made read-only
+            fixed = True
+            os.unlink(name, dir_fd=fd)
+    return subdirs
 
 
 def main(argv: list[str]) -> None:
