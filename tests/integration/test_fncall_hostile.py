@@ -388,3 +388,24 @@ def test_a_lost_worker_tells_callers_why_not_its_log(rtx: RuntimeHarness, py_ima
         assert "None" not in str(info.value) and info.value.fields["worker"], str(info.value)
     finally:
         rtx.run(p.close())
+
+
+# ------------------------------------------------------------ channels across time --
+
+TALK = ("import socket\ndef main():\n    s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen()\n"
+        "    c = socket.create_connection(s.getsockname()); a, _ = s.accept()\n"
+        "    a.sendall(b'x'); c.recv(1)\n    port = s.getsockname()[1]\n    c.close(); a.close(); s.close()\n"
+        "    return port\n")
+LISTEN = ("def main(port):\n    seen = []\n    for name in ('/proc/net/tcp', '/proc/net/tcp6'):\n"
+          "        try:\n            lines = open(name).read().splitlines()[1:]\n        except OSError:\n"
+          "            continue\n        for ln in lines:\n            f = ln.split()\n"
+          "            if int(f[1].split(':')[1], 16) == port or int(f[2].split(':')[1], 16) == port:\n"
+          "                seen.append(ln)\n    return seen\n")
+
+
+def test_a_closed_loopback_connection_leaves_nothing_for_later_calls(rtx: RuntimeHarness, pool: FnCallPool) -> None:
+    """A connection a call closed stayed in TIME_WAIT in /proc/net/tcp for a minute, readable by
+    the calls after it (ports, a channel across time). Workers keep no TIME_WAIT sockets."""
+    port = run(rtx, pool, TALK).value
+    assert isinstance(port, int) and port > 0
+    assert run(rtx, pool, LISTEN, port).value == []

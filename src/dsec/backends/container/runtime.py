@@ -23,6 +23,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import secrets
 import signal
 import socket
@@ -1713,12 +1714,27 @@ class ContainerRuntime(BackendBase):
         out += [("layer_mount", m, False) for m in problems] + [("layer_mount", m, True) for m in repairs]
         return out
 
-    def child_cgroups(self, sandbox_id: str, controller: str, names: Sequence[str]) -> list[Path]:
+    def child_cgroups(self, sandbox_id: str, controller: str, names: Sequence[str]) -> builtins.list[Path]:
         """Make child cgroups of ``controller`` below the running sandbox's own (charged to it,
         bounded by it, removed with it); their host paths. For a backend that divides a
         sandbox of its own (FnCall: a memory cgroup per call slot)."""
         self._running(sandbox_id)
         return self.cgroups.make_children(sandbox_id, controller, names)
+
+    def set_net_sysctls(self, sandbox_id: str, values: Mapping[str, str]) -> None:
+        """Write ``net.*`` sysctls of the running sandbox's own network namespace from the host
+        (root inside cannot: /proc/sys is read-only there). Blocking: a thread of its own."""
+        bad = [k for k in values if not re.fullmatch(r"net(\.[a-z0-9_]+)+", k)]
+        if bad:
+            raise InvalidSpec(f"not a net.* sysctl: {', '.join(bad)}", field="sysctls")
+        rec = self._running(sandbox_id)
+        from dsec.backends.container import netfilter
+
+        fd = os.open(f"/proc/{rec.init_pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            netfilter.in_netns(fd, lambda: netfilter.write_sysctls(values.items()))
+        finally:
+            os.close(fd)
 
     # ----- files and sessions -----
 

@@ -75,7 +75,8 @@ class FnCallBackend(BackendBase):
         host = self._host
         if host is None and self._ctx is not None:
             container = self._ctx.backends.get("container")
-            if container is not None and not callable(getattr(container, "child_cgroups", None)):
+            if container is not None and not all(callable(getattr(container, m, None))
+                                                 for m in ("child_cgroups", "set_net_sysctls")):
                 raise HostError("the fncall backend needs a container backend that gives a sandbox child cgroups "
                                 "(a memory cgroup per call slot)", backend="fncall")
             host = cast("WorkerHost | None", container)

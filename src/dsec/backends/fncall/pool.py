@@ -63,6 +63,8 @@ CALL_ENV: Final = {
     "MKL_NUM_THREADS": "1",
     "PYTHONDONTWRITEBYTECODE": "1",
 }
+WORKER_NET_SYSCTLS: Final = {"net.ipv4.tcp_max_tw_buckets": "0"}
+"""Of each worker sandbox's network namespace (its loopback, shared by its calls)."""
 _U32 = struct.Struct(">I")
 _MAX_FRAME: Final = (1 << 30) + (1 << 20)
 """A frame from a worker longer than this is a broken worker (its own cap is 1 GiB)."""
@@ -85,6 +87,8 @@ class WorkerHost(Protocol):
     def files(self, sandbox_id: str) -> Any: ...
 
     def child_cgroups(self, sandbox_id: str, controller: str, names: Sequence[str]) -> list[Path]: ...
+
+    def set_net_sysctls(self, sandbox_id: str, values: Mapping[str, str]) -> None: ...
 
 
 def image_ref(image: ImageRef | str) -> ImageRef:
@@ -201,6 +205,10 @@ class Worker:
         await asyncio.to_thread(host.files(self.sandbox_id).write, PROGRAM_PATH, program, mode=0o644,
                                 make_parents=True)
         slots = self.cfg.concurrency + self.cfg.spare
+        # Calls share the worker's loopback: a connection a call closed would stay in TIME_WAIT
+        # in /proc/net/tcp for a minute, readable by the calls after it (a channel across
+        # time). None is kept: both ends of a loopback connection close together anyway.
+        await asyncio.to_thread(host.set_net_sysctls, self.sandbox_id, WORKER_NET_SYSCTLS)
         cg_fds, cg_hello = await asyncio.to_thread(self._slot_cgroups, self.sandbox_id, slots)
         # The supervisor's stdin is a socket: the slots' cgroup files travel over it as fds.
         to_host, to_worker = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
