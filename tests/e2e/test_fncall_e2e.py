@@ -123,6 +123,30 @@ def test_a_batch_in_one_request(edge: Any) -> None:
     assert isinstance(outs[50], FnCallError) and outs[50].exc_type == "ZeroDivisionError"
 
 
+FORGED_ERROR = ("import os, stat, struct\ndef main():\n"
+                "    fd = next(f for f in range(3, 64) if os.path.exists(f'/proc/self/fd/{f}')"
+                " and stat.S_ISFIFO(os.fstat(f).st_mode))\n"
+                "    body = b'this is not json'\n"
+                "    os.write(fd, struct.pack('>IBd', 9 + len(body), 0x45, 0.0) + body)\n"
+                "    os._exit(0)\n")
+
+
+def test_a_forged_result_in_a_batch_fails_that_call_alone(edge: Any) -> None:
+    """An error frame whose payload is not JSON gave an HTTP 500 for one call, and in a batch the
+    edge dropped the connection with every other call's result (issue 22)."""
+    async def go() -> tuple[Any, list[Any]]:
+        async with AsyncClient(edge.url, edge.admin_token()) as c:
+            with pytest.raises(FnCallError) as one:
+                await c.fncall(IMAGE, FORGED_ERROR, timeout=20)
+            calls = [FnCall("def main(i):\n    return i * i", (i,)) for i in range(20)]
+            return one.value, await c.fncall_many(IMAGE, [*calls, FORGED_ERROR], timeout=20)
+
+    single, outs = run(go())
+    assert single.exc_type == "ProtocolError"
+    assert [o.value for o in outs[:20]] == [i * i for i in range(20)]
+    assert isinstance(outs[20], FnCallError) and outs[20].exc_type == "ProtocolError"
+
+
 def test_the_sync_client_has_the_same_calls(edge: Any) -> None:
     with Client(edge.url, edge.admin_token()) as c:
         assert c.fncall(IMAGE, "'sync'").value == "sync"
