@@ -31,6 +31,8 @@ class BackendContext:
     """The edge's layer store, shared by its backends."""
     backends: dict[str, Backend]
     """The edge's other backends, by kind (FnCall runs its workers in the container backend)."""
+    max_sandboxes: int | None = None
+    """The edge's configured capacity (``EdgeConfig.max_sandboxes``), None when not set."""
 
 
 def build(config: Any, ctx: BackendContext) -> Backend:
@@ -42,7 +44,7 @@ def build(config: Any, ctx: BackendContext) -> Backend:
         return ContainerRuntime(
             name=ctx.name, state_dir=ctx.state_dir, run_dir=ctx.run_dir, layer_store=ctx.store, id_prefix=ctx.id_prefix,
             zram_size=config.zram_size, reclaim_method=config.reclaim_method, uppers_path=config.uppers_path,
-            network=config.network,
+            network=config.network, shrinker_reserve=_shrinker_reserve(config, ctx),
         )
     if kind == "gvisor":
         from dsec.backends.gvisor.backend import GVisorBackend
@@ -54,3 +56,11 @@ def build(config: Any, ctx: BackendContext) -> Backend:
 
         return FnCallBackend.from_context(config, ctx)
     raise ValueError(f"no backend of kind {kind!r}")
+
+
+def _shrinker_reserve(config: Any, ctx: BackendContext) -> int:
+    if config.shrinker_reserve is not None:
+        return int(config.shrinker_reserve)
+    from dsec.backends.container.shrinkers import ids_for
+
+    return ids_for(ctx.max_sandboxes or 0)

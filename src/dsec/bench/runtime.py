@@ -558,12 +558,19 @@ class _Idlers:
 
 async def _dsec_side(rootfs: Path, work: Path, *, n_lat: int, n_keep: int, n_exec: int, host: set[str],
                      say: Progress, debian: Path | None = None) -> dict[str, Any]:
+    from dsec.backends.container import shrinkers
     from dsec.backends.container.runtime import ContainerRuntime
     from dsec.images.build import build_from_dir
     from dsec.spec import ImageRef, Resources, SandboxSpec
 
     out: dict[str, Any] = {}
-    async with ContainerRuntime(name="bench", state_dir=work / "state", run_dir=work / "run") as rt:
+    # As an edge whose max_sandboxes is the N it keeps (EdgeConfig.max_sandboxes): the reserve
+    # is made at start, before any sandbox (dsec.backends.container.shrinkers).
+    reserve = shrinkers.ids_for(n_keep)
+    out["shrinker_reserve_ids"] = reserve
+    out["shrinker_reserved_before"] = shrinkers.reserved()
+    async with ContainerRuntime(name="bench", state_dir=work / "state", run_dir=work / "run",
+                                shrinker_reserve=reserve) as rt:
         layer = await asyncio.to_thread(build_from_dir, rt.store, rootfs, name="bench-busybox", tag="latest", kind="base")
         spec = SandboxSpec(
             image=ImageRef(base=layer.digest),
@@ -836,6 +843,8 @@ def run(*, quick: bool = False, n_keep: int | None = None, order: Sequence[str] 
     nodes = _possible_nodes()
     hwm0 = shrinker_id_hwm()
     results["shrinkers_before"] = hwm0
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        results["uptime_s"] = round(float(Path("/proc/uptime").read_text().split()[0]))
     free = info["MemAvailable"] - headroom_bytes(info["MemTotal"])
     want = n_keep if n_keep is not None else (QUICK_N if quick else FULL_N)
     cap = fit_n(max(want, FULL_N), free, lambda n: mib_per_sandbox(n, hwm_ids=hwm0 or 0, nodes=nodes))

@@ -27,8 +27,9 @@ log = logging.getLogger("dsec.edge.backends")
 
 class EdgeBackends:
     def __init__(self, configs: list[Any], *, runtime: str, state_dir: Path, run_dir: Path, edge_id: str,
-                 registry: Any = None) -> None:
+                 registry: Any = None, max_sandboxes: int | None = None) -> None:
         self._configs = {c.kind: c for c in configs}
+        self._max_sandboxes = max_sandboxes
         self._registry_config = registry
         self.registry: Any = None
         """The store's :class:`~dsec.images.remote.RegistryLayers` when a registry is configured."""
@@ -94,7 +95,8 @@ class EdgeBackends:
         for kind, cfg in self._configs.items():
             if kind not in self.by_kind:
                 ctx = BackendContext(name=self.name_for(kind), state_dir=self._state_dir, run_dir=self._run_dir,
-                                     id_prefix=self._edge_id, store=self.store, backends=self.by_kind)
+                                     id_prefix=self._edge_id, store=self.store, backends=self.by_kind,
+                                     max_sandboxes=self._max_sandboxes)
                 self.by_kind[kind] = build(cfg, ctx)
 
     async def start(self) -> None:

@@ -192,7 +192,8 @@ class EdgeService:
                 b = b.model_copy(update={"network": net.model_copy(update={"blocked": platform_blocked(config)})})
             configs.append(b)
         self.backends = EdgeBackends(configs, runtime=config.runtime, state_dir=config.state_dir,
-                                     run_dir=config.run_dir, edge_id=config.edge_id, registry=config.registry)
+                                     run_dir=config.run_dir, edge_id=config.edge_id, registry=config.registry,
+                                     max_sandboxes=config.max_sandboxes)
         self._store_cache: tuple[float, tuple[int, int]] = (float("-inf"), (1 << 62, 1 << 62))
         self.budgets: Budgets | None = None
         self.admission: Admission = Admission(Budgets(0, 0.0, 0, 0))

@@ -24,6 +24,11 @@ class ContainerConfig(BaseModel):
     uppers_path: Path | None = None
     """An existing btrfs mount for writable layers on disk; default the runtime's own image
     in ``state_dir/uppers`` (docs/RUNTIME.md, "Writable layer on disk")."""
+    shrinker_reserve: Annotated[int, Field(ge=0, le=90_000)] | None = None
+    """Memory-cgroup shrinker ids to reserve once per boot at start, so that the kernel never
+    reallocates every memory cgroup's shrinker table while the node fills (docs/RUNTIME.md,
+    "Shrinker reserve"). None: 3 per sandbox of the edge's ``max_sandboxes`` (+1,024), none
+    when that is not set; 0: none."""
     network: NetworkConfig | None = None
     """Sandbox networking: named permissions, always-blocked ranges, the prepared-namespace
     pool (docs/EDGE.md, "Network"). None: every sandbox is loopback-only and a create or

@@ -27,6 +27,7 @@ import re
 import secrets
 import signal
 import socket
+import subprocess
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -312,6 +313,7 @@ class ContainerRuntime(BackendBase):
         network: NetworkConfig | None = None,
         uppers_path: Path | str | None = None,
         uppers_image_size: int = 0,
+        shrinker_reserve: int = 0,
     ) -> None:
         """``zram_size`` (bytes, 0: none) sets up a zram swap device at ``start()`` for
         paused sandboxes' memory (docs/SNAPSHOTS.md, "Pause"); ``reclaim_method`` is how
@@ -322,6 +324,8 @@ class ContainerRuntime(BackendBase):
         image ``<state_dir>/uppers/<name>.img`` of ``uppers_image_size`` bytes (0: 80 % of
         its disk's free space) mounted at ``<run_dir>/<name>/uppers``; ``uppers_path`` is
         an existing btrfs mount to use instead."""
+        self.shrinker_reserve = shrinker_reserve
+        """Shrinker ids to reserve at start (:mod:`shrinkers`): 0, none."""
         if not NAME_RE.match(name):
             raise InvalidSpec(f"runtime name {name!r} must match {NAME_RE.pattern}", field="name")
         self.name = name
@@ -428,6 +432,14 @@ class ContainerRuntime(BackendBase):
         from dsec.images.mounts import LayerMounts
 
         check_host()
+        if self.shrinker_reserve:  # before any sandbox: the reserve is cheap only while few memcgs exist
+            from dsec.backends.container import shrinkers
+
+            try:
+                await asyncio.to_thread(shrinkers.reserve, self.shrinker_reserve)
+            except (OSError, subprocess.SubprocessError) as exc:
+                log.warning("shrinker reserve of %d ids failed (creates may slow as the node fills): %s",
+                            self.shrinker_reserve, exc)
         # First: another process with this name would share every resource below.
         self._claims = await asyncio.to_thread(claims.claim_runtime, self.claims_dir, self.name)
         try:
