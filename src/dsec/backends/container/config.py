@@ -27,7 +27,7 @@ class ContainerConfig(BaseModel):
     shrinker_reserve: Annotated[int, Field(ge=0, le=90_000)] | None = None
     """Memory-cgroup shrinker ids to reserve once per boot at start, so that the kernel never
     reallocates every memory cgroup's shrinker table while the node fills (docs/RUNTIME.md,
-    "Shrinker reserve"). None: 3 per sandbox of the edge's ``max_sandboxes`` (+1,024), none
+    "Shrinker reserve"). None: 3 per sandbox of the edge's ``max_sandboxes`` (+64), none
     when that is not set; 0: none."""
     network: NetworkConfig | None = None
     """Sandbox networking: named permissions, always-blocked ranges, the prepared-namespace

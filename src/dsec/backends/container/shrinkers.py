@@ -34,8 +34,10 @@ from typing import Final
 
 SUPERBLOCKS_PER_SANDBOX: Final = 3
 """Memcg-aware shrinkers a container sandbox holds: overlay, proc, mqueue (docs/RUNTIME.md)."""
-HOST_MARGIN: Final = 1024
-"""Ids for the host's own superblocks and other runtimes' beside ours."""
+HOST_MARGIN: Final = 64
+"""One unit of 64 ids. The mark a node reaches is its actual peak (the host's superblocks and 3 per
+sandbox): a reserve above it would only make every table bigger, and a few reallocations at the
+very end cost nothing."""
 MOUNT_MAX: Final = 90_000
 """Below ``fs.mount-max`` (100,000 by default): one child's namespace holds at most this."""
 RECORD: Final = Path("/run/dsec/shrinker-reserve")
