@@ -120,7 +120,7 @@ def _podman(work: Path, n: int, say: Say) -> dict[str, Any]:
     """``podman run --rm`` of the same busybox rootfs, imported as an image (no registry)."""
     podman = shutil.which("podman")
     if podman is None:
-        say("cli: podman is not installed: no podman_run_wall_ms (apt-get install podman to get it)")
+        say("cli: BASELINE NOT MEASURED: podman is not installed (apt-get install podman)")
         return {"podman_run_wall_ms": None, "podman_note": "podman not installed"}
     from dsec.images.busybox import build_busybox_rootfs
 
@@ -130,19 +130,24 @@ def _podman(work: Path, n: int, say: Say) -> dict[str, Any]:
     image = "localhost/dsec-bench-busybox:latest"
     imp = subprocess.run([podman, "import", str(tar), image], capture_output=True, text=True, timeout=300)
     if imp.returncode != 0:
-        say(f"cli: podman import failed: {imp.stderr.strip()[-300:]}")
+        say(f"cli: BASELINE NOT MEASURED: podman import failed: {imp.stderr.strip()[-300:]}")
         return {"podman_run_wall_ms": None, "podman_note": "podman import failed"}
     # runc where installed: Debian's podman defaults to crun, which refuses a cgroup v1 /
     # hybrid host ("cgroups in hybrid mode not supported"); the issue's figure was runc's too.
     runtime = "runc" if shutil.which("runc") else "crun"
-    argv = [podman, "--runtime", runtime, "run", "--rm", "--network", "none", image, "/bin/true"]
+    # Explicit rlimits: podman copies its own hard limits into the container's spec by default,
+    # and setting them there needs CAP_SYS_RESOURCE, which root lacks on some hosts (this VM:
+    # "error setting rlimits ... operation not permitted"). The values are a sandbox's own.
+    argv = [podman, "--runtime", runtime, "run", "--rm", "--network", "none", "--ulimit", "nofile=4096:4096",
+            "--ulimit", "nproc=4096:4096", image, "/bin/true"]
     try:
         say(f"cli: podman --runtime {runtime} run --rm {image} /bin/true, {n} runs")
         try:
             lat = _wall_ms(argv, dict(os.environ), n)
         except RuntimeError as exc:
-            say(f"cli: podman cannot run here: {str(exc)[-300:]}")
-            return {"podman_run_wall_ms": None, "podman_note": f"podman --runtime {runtime} failed on this host"}
+            say(f"cli: BASELINE NOT MEASURED: podman --runtime {runtime} cannot run here: {str(exc)[-300:]}")
+            return {"podman_run_wall_ms": None, "podman_note": f"podman --runtime {runtime} failed on this host: "
+                                                               f"{str(exc)[-200:]}"}
         return {"podman_run_wall_ms": percentile(lat, 50), "podman_run_p90_ms": percentile(lat, 90),
                 "podman_runtime": runtime}
     finally:
