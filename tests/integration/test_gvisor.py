@@ -285,6 +285,130 @@ def test_a_timeout_kills_what_left_the_session_and_was_orphaned(gv: GVHarness, s
     assert gv.job_cgroups(sb.id) == []
 
 
+# ------------------------------------------------ commands under attack ----
+# Issue 22: in gVisor 20240729 a command could unshare a user namespace, gain every capability
+# over a mount namespace it owned, mount the sentry's cgroupfs there and move itself out of
+# its cgroup; a root command could also kill or stop pid 1 and its own helper. Commands now
+# run under a seccomp filter dsec-gvexec installs right before execve, and are killed by their
+# own UTS namespace, which nothing under that filter can leave.
+
+
+@pytest.fixture(scope="module")
+def gvabuse(dsec_base: Path) -> Path:
+    from dsec.bench.abuse_gvisor import build_gvabuse
+
+    built = build_gvabuse(dsec_base / "gvabuse")
+    if built is None:
+        pytest.skip("the static attack program could not be built (gcc -static)")
+    return built
+
+
+def _attack(gv: GVHarness, sid: str, gvabuse: Path) -> str:
+    from dsec.bench.abuse_gvisor import GVABUSE_PATH
+
+    gv.b.files(sid).write(GVABUSE_PATH, gvabuse.read_bytes(), mode=0o755)
+    return GVABUSE_PATH
+
+
+def _ops(gv: GVHarness, sid: str, prog: str, ops: list[str], user: str) -> dict[str, tuple[int, str]]:
+    from dsec.bench.abuse_gvisor import parse_ops
+
+    r = gv.sh(sid, [prog, *ops], user=user)
+    got = parse_ops(r.stdout.decode(), ops)
+    assert set(got) == set(ops), r  # every op ran and said how it ended
+    return got
+
+
+def test_a_user_namespace_does_not_take_a_command_out_of_its_cgroup(gv: GVHarness, sb: Any, gvabuse: Path) -> None:
+    """unshare(CLONE_NEWUSER), mount the sentry's cgroupfs in a mount namespace it owns, write its
+    pid to the root cgroup.procs, setsid and double fork, then run past the timeout. Before the
+    fix root's sleeper outlived the timeout every time (uid 1000's write got EACCES)."""
+    prog = _attack(gv, sb.id, gvabuse)
+    for user, marker in (("root", "3201"), ("1000:1000", "3202")):
+        with pytest.raises(ExecTimeout) as ei:
+            gv.sh(sb.id, [prog, f"cgroup_escape={marker}", "pause"], user=user, timeout=2.0)
+        out = ei.value.result.stdout.decode()
+        assert "detached" in out.split("\n"), out  # the attack ran to its end either way
+        ps = gv.ok(sb.id, "ps -o pid,stat,user,args")
+        assert f"sleep {marker}" not in ps, f"{user}: outlived its timeout\n{out}\n{ps}"
+        assert "step move_to_root 0 OK" not in out, out
+    assert gv.job_cgroups(sb.id) == []
+
+
+def test_commands_cannot_make_or_enter_namespaces_or_mount(gv: GVHarness, sb: Any, gvabuse: Path) -> None:
+    prog = _attack(gv, sb.id, gvabuse)
+    refused = ["unshare_user", "unshare_mnt", "unshare_pid", "unshare_net", "unshare_uts", "unshare_cgroup",
+               "clone_newuser", "clone_newns", "clone_newpid", "setns_net", "setns_init_mnt", "setns_parent_mnt",
+               "mount_cgroup", "mount_tmpfs", "umount_proc", "fsopen", "open_tree"]
+    for user in ("root", "1000"):
+        got = _ops(gv, sb.id, prog, [*refused, "clone3_newuser", "clone3_plain", "fork", "clone_plain"], user)
+        assert {o: got[o] for o in refused} == dict.fromkeys(refused, (-1, "EPERM")), (user, got)
+        # clone3's flags are in memory a filter cannot read: ENOSYS, and libc falls back to clone
+        assert got["clone3_newuser"] == got["clone3_plain"] == (-1, "ENOSYS"), (user, got)
+        assert got["fork"][0] > 0 and got["clone_plain"][0] > 0, (user, got)
+        assert "Seccomp:\t2" in gv.ok(sb.id, "grep Seccomp /proc/self/status", user=user)
+    # A command's own children are under the filter too (inherited across fork and execve).
+    r = gv.sh(sb.id, "sh -c 'unshare -U true' && echo unshared; true")
+    assert b"unshared" not in r.stdout, r
+
+
+def test_a_root_command_that_races_into_another_cgroup_is_still_killed(gv: GVHarness, sb: Any,
+                                                                         gvabuse: Path) -> None:
+    """gVisor lets root reopen another process's /proc/<pid>/fd links: a root command spinning
+    on them while other commands start moves into a cgroup a helper held open for a moment
+    (measured: within 3-100 starts). It is still killed at its timeout: kill goes by the
+    command's UTS namespace. Before, it lived on whenever the race was won (not every run)."""
+    prog = _attack(gv, sb.id, gvabuse)
+
+    async def race() -> tuple[Any, int]:
+        attack = asyncio.ensure_future(gv.b.exec(sb.id, [prog, "fd_race=4:3211", "pause"], timeout=5.0))
+        starts = 0
+        while not attack.done():
+            await gv.b.exec(sb.id, ["true"])
+            starts += 1
+        with contextlib.suppress(ExecTimeout):
+            await attack
+        return attack, starts
+
+    attack, starts = gv.run(race())
+    assert starts > 0 and isinstance(attack.exception(), ExecTimeout), attack
+    out = attack.exception().result.stdout.decode()
+    ps = gv.ok(sb.id, "ps -o pid,stat,user,args")
+    assert "sleep 3211" not in ps, f"outlived its timeout ({'moved' if 'moved via' in out else 'never moved'})\n{out}\n{ps}"
+    assert gv.job_cgroups(sb.id) == []
+
+
+def test_a_command_that_stops_or_kills_its_helper_is_still_ended(gv: GVHarness, sb: Any) -> None:
+    """The helper reports a command's end; root may signal it. A stopped helper is continued by
+    the timeout's kill and reports; a killed one gets its command killed before the end is
+    reported (before: the first stayed stopped for good, the second's command ran on)."""
+    with pytest.raises(ExecTimeout):
+        gv.sh(sb.id, "kill -STOP $PPID; (setsid sleep 3221 >/dev/null 2>&1 &) ; sleep 3222", timeout=1.5)
+    r = gv.sh(sb.id, "kill -KILL $PPID; (setsid sleep 3223 >/dev/null 2>&1 &) ; sleep 3224", timeout=30)
+    assert r.timed_out is None, r
+    ps = gv.ok(sb.id, "ps -o pid,stat,user,args")
+    assert not [ln for ln in ps.splitlines() if "sleep 322" in ln], ps
+    assert not [ln for ln in ps.splitlines() if "dsec-gvexec run" in ln and ln.split()[1].startswith("T")], ps
+    assert gv.job_cgroups(sb.id) == []
+    # Other users cannot signal a helper (root's) at all.
+    assert gv.ok(sb.id, "kill -STOP $PPID 2>/dev/null; kill -KILL $PPID 2>/dev/null; echo here", user="1000") == "here\n"
+
+
+def test_no_command_can_kill_or_stop_pid_1(gv: GVHarness, gvabuse: Path) -> None:
+    """gVisor delivers SIGKILL and SIGSTOP to a pid namespace's init from inside it: before, a
+    root `kill -9 1` ended the whole sandbox, and SIGIO redirected to pid 1 with F_SETSIG did too."""
+    with gv.sandbox() as rec:
+        prog = _attack(gv, rec.id, gvabuse)
+        ops = ["kill=1:9", "kill=1:19", "tkill_init", "tgkill_init", "sigqueue_init", "pidfd_kill_init",
+               "sigio_init=9", "sigio_init=19"]
+        assert _ops(gv, rec.id, prog, ops, "root") == dict.fromkeys(ops, (-1, "EPERM"))
+        gv.sh(rec.id, "kill -9 1; kill -STOP 1; true")
+        assert gv.b.get(rec.id).state.value == "running"
+        init = [ln for ln in gv.ok(rec.id, "ps -o pid,stat,args").splitlines() if ln.split()[0] == "1"]
+        assert init and init[0].split()[1] == "S", init
+        assert gv.ok(rec.id, "echo alive") == "alive\n"
+
+
 def test_sessions_keep_state_and_survive_a_timeout(gv: GVHarness, sb: Any) -> None:
     sess = gv.run(gv.b.open_session(sb.id))
     try:

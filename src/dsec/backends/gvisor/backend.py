@@ -8,7 +8,10 @@ is an overlay of the node's shared EROFS layers under a writable upper of ours (
 
 What stands between a sandbox and the host: the sentry (gVisor's kernel in user space,
 systrap platform) answers the sandbox's system calls; the sentry and the gofer run in
-their own namespaces under seccomp; the sandbox has no network but loopback.
+their own namespaces under seccomp; the sandbox has no network but loopback. Inside, every
+command runs under a seccomp filter of our helper's (no namespaces, no mounts, no signals to
+pid 1), in a cgroup and a UTS namespace of its own by which a timeout finds all it started
+(docs/GVISOR.md).
 
 Crash safety: a record is written before any host resource is made, and every resource
 is named after the backend and the sandbox, so ``start()`` after a SIGKILL re-adopts the
@@ -97,8 +100,17 @@ HELPER_CAPS: Final = ",".join((*bundles.CAPABILITIES, "CAP_SYS_ADMIN"))
 """``runsc exec --cap`` of the helper's run and kill modes: the container's capabilities (what
 the command gets, as root) and CAP_SYS_ADMIN, which the helper keeps only to mount cgroupfs in a
 mount namespace of its own; the command never has it."""
+_HELPER_STAGES: Final = {
+    "fork": "the helper could not fork it",
+    "cgroup": "its own cgroup could not be made",
+    "namespace": "its own UTS namespace could not be made",
+    "creds": "user {user!r} could not be set",
+    "seccomp": "its seccomp filter could not be installed",
+}
+"""The helper's steps before the command runs (native/dsec-gvexec.c), as ``ExecError.stage``."""
 ISOLATION: Final = ("gVisor application kernel (runsc, systrap): the sandbox's system calls are served by "
-                    "the sentry in user space, not the host kernel; loopback-only network")
+                    "the sentry in user space, not the host kernel; commands under a seccomp filter (no "
+                    "namespaces, mounts or signals to pid 1); loopback-only network")
 
 
 def _proc_start(pid: int, *, zombie: bool = False) -> int:
@@ -714,18 +726,20 @@ class GVisorBackend(BackendBase):
         if rec.state is SandboxState.PAUSED:
             with contextlib.suppress(SandboxStateError):
                 await self.resume(rec.id)
-        if proc.inner_pid <= 0:
-            return
-        # Everything in the command's cgroup, however it detached (setsid, orphaned), and of
-        # its session and their descendants; the helper (spared) lives to report its end.
-        await self._helper_exec(rec, "kill", proc.cgroup, str(proc.inner_pid), str(proc.inner_pid), cgroups=True)
+        if proc.inner_pid <= 0 or not self._sentry_alive(rec):
+            return  # never started, or the sandbox is gone with it
+        # Everything in the command's UTS namespace and cgroup, however it detached (setsid,
+        # orphaned), and of its session and their descendants; the helper (spared) lives to
+        # report its end.
+        await self._helper_exec(rec, "kill", proc.cgroup, proc.namespace, str(proc.inner_pid), str(proc.inner_pid),
+                                cgroups=True)
 
     async def kill_children(self, proc: Command) -> None:
         """Kill what a session's shell started, not the shell (the session lives on)."""
         rec = self._sandboxes.get(proc.sandbox_id)
         if rec is not None and proc.command_pid > 0 and rec.state is SandboxState.RUNNING:
-            await self._helper_exec(rec, "kill", proc.cgroup, str(proc.inner_pid), str(proc.inner_pid),
-                                    str(proc.command_pid), cgroups=True)
+            await self._helper_exec(rec, "kill", proc.cgroup, proc.namespace, str(proc.inner_pid),
+                                    str(proc.inner_pid), str(proc.command_pid), cgroups=True)
 
     async def exec(self, sandbox_id: str, cmd: str | Sequence[str], *, env: Mapping[str, str] | None = None,
                    cwd: str = "/", user: int | str = 0, stdin: bytes | None = None,
@@ -752,8 +766,8 @@ class GVisorBackend(BackendBase):
             if stage == "cwd":
                 raise ExecError(f"working directory {cwd!r} does not exist in sandbox {sandbox_id} "
                                 f"({os.strerror(err)})", sandbox_id=sandbox_id, stage="cwd", errno=err)
-            if stage in ("cgroup", "creds"):
-                what = "its own cgroup could not be made" if stage == "cgroup" else f"user {user!r} could not be set"
+            if stage in _HELPER_STAGES:
+                what = _HELPER_STAGES[stage].format(user=user)
                 raise ExecError(f"cannot run {argv[0]!r} in sandbox {sandbox_id}: {what} ({os.strerror(err)})",
                                 sandbox_id=sandbox_id, stage=stage, errno=err)
             hint = "not found in the sandbox's PATH" if err == 2 else os.strerror(err)

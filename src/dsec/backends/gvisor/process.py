@@ -8,9 +8,12 @@ pipe of ours) its own pid, which is the command's session id, then the exact wai
 pipes, passed through runsc to the sentry as they are.
 
 Killing the tree (timeouts, cancellation) is a second ``runsc exec`` of the helper as
-root: ``kill <cgroup> <helper> <helper>`` stops every process of the command's cgroup,
-however it detached (setsid, orphaned), and of its session and their descendants, then
-kills them, so nothing forks its way out.
+root: ``kill <cgroup> <uts ns> <helper> <helper>`` stops every process of the command's
+UTS namespace (its own; the command's seccomp filter keeps everything it starts there,
+however it detached: setsid, orphaned, another cgroup), of its cgroup and of its session and
+their descendants, then kills them, so nothing forks its way out. A helper that dies
+without reporting (a root command may kill it) gets its command killed the same way before
+the end is reported: nothing of a command runs on unwatched.
 
 Owns: :class:`Command` (the process handle); its output is collected as every backend's is
 (:func:`dsec.backends.common.output.collect`). Never blocks the loop; never signals a host
@@ -51,9 +54,11 @@ class CommandExit:
     utime_s: float = 0.0
     stime_s: float = 0.0
     error: tuple[int, str] | None = None
-    """(errno, stage) when it could not start: stage "cwd" or "exec"."""
+    """(errno, stage) when it could not start: "cwd", "exec", or the helper's own steps ("fork",
+    "cgroup", "namespace", "creds", "seccomp")."""
     lost: bool = False
-    """The helper never reported: runsc could not start it, or the sandbox died."""
+    """The helper never reported: runsc could not start it, the sandbox died, or the helper was
+    killed (by its own command: root may; then the command is killed too, before this is known)."""
     runsc: Exit | None = None
 
 
@@ -72,6 +77,9 @@ class Command:
         self.start_latency_s = 0.0
         self.inner_pid = 0
         self.command_pid = 0
+        self.uts_ns = 0
+        """The command's own UTS namespace (its inode inside the sandbox): nothing it starts can
+        leave it (its seccomp filter), so a kill finds them all by it."""
         self._runsc = runsc_exec
         self._killer = killer
         self._kill_task: asyncio.Task[None] | None = None
@@ -97,8 +105,10 @@ class Command:
             if not self.started.done():
                 self.started.set_result(None)
             return
-        # The helper runs as the command's user: a command that ptraces it could write here.
-        # Lines are parsed defensively and few are kept; a lie only misreports its own command.
+        # Lines are parsed defensively and few are kept: the helper is root's and not dumpable
+        # (no command can ptrace it), but a root command of the same sandbox can write here
+        # (gVisor skips the ptrace check on /proc/<pid>/fd: docs/GVISOR.md), so a lie
+        # misreports a command of that sandbox, never anything beyond it.
         self._buf += chunk[: max(0, 4096 - len(self._buf))]
         while b"\n" in self._buf:
             line, _, rest = bytes(self._buf).partition(b"\n")
@@ -107,8 +117,8 @@ class Command:
             if not words or len(self._lines) >= MAX_STATUS_LINES or not all(_is_int(w) for w in words[1:2]):
                 continue
             self._lines.append(words)
-            if words[0] == "P" and len(words) == 3 and _is_int(words[2]) and not self.inner_pid:
-                self.inner_pid, self.command_pid = int(words[1]), int(words[2])
+            if words[0] == "P" and len(words) == 4 and all(_is_int(w) for w in words[2:]) and not self.inner_pid:
+                self.inner_pid, self.command_pid, self.uts_ns = int(words[1]), int(words[2]), int(words[3])
                 self.start_latency_s = time.monotonic() - self.started_at
             if words[0] in ("P", "E") and not self.started.done():
                 self.started.set_result(None)
@@ -130,6 +140,13 @@ class Command:
             outcome = self._outcome(ex)
         except (ValueError, IndexError):  # nothing the helper says may keep exited unresolved
             outcome = CommandExit(ex.code, ex.signal, lost=True, runsc=ex)
+        if outcome.lost and self.inner_pid > 0:
+            # The helper started the command and then never reported: killed, by the command
+            # itself (root may), or with the sandbox. What it started would run on unwatched,
+            # past any timeout: it is killed before the end is reported (nothing to do if the
+            # sandbox is gone).
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._killer(self, True), KILL_GRACE_S)
         self.exited.set_result(outcome)
 
     def _outcome(self, ex: Exit) -> CommandExit:
@@ -156,6 +173,11 @@ class Command:
     def cgroup(self) -> str:
         """The command's cgroup inside the sandbox, ``<helper pid>.<token>`` ("-": none known)."""
         return f"{self.inner_pid}.{self.cgroup_token}" if self.inner_pid > 0 and self.cgroup_token else "-"
+
+    @property
+    def namespace(self) -> str:
+        """The command's UTS namespace for the helper's kill ("-": none known)."""
+        return str(self.uts_ns) if self.uts_ns > 0 else "-"
 
     @property
     def running(self) -> bool:

@@ -15,54 +15,65 @@
  *   run UID GID TOKEN CWD ARGV...
  *                        Started by runsc as root with the container's capabilities plus
  *                        CAP_SYS_ADMIN; fd 3 is the host's status pipe. Starts the command
- *                        (a vfork-like clone) in a cgroup of its own, "<own pid>.TOKEN"
- *                        (below), as UID:GID (no supplementary groups) with the capabilities
- *                        runsc would have given that user, in CWD. Writes one line per event:
- *                          "P <own pid> <command pid>"          started
+ *                        (a vfork-like clone) in a cgroup of its own, "<own pid>.TOKEN", and
+ *                        a UTS namespace of its own (below), as UID:GID (no supplementary
+ *                        groups) with the capabilities runsc would have given that user, in
+ *                        CWD, under a seccomp filter. Writes one line per event:
+ *                          "P <own pid> <command pid> <uts ns>"   started
  *                          "E <errno> <stage>"                  could not start (fork, cgroup,
- *                                                               creds, cwd, exec)
+ *                                                               namespace, creds, cwd, seccomp,
+ *                                                               exec)
  *                          "X <code> <utime us> <stime us>"      exited
  *                          "K <signal> <utime us> <stime us>"    killed by a signal
  *                        It blocks the catchable signals a command may send its own group
  *                        (`kill 0`), so it lives to report; it leads the command's session;
  *                        it removes the cgroup once the command has ended, if nothing of it
  *                        is left (else a later helper does, once the rest has ended).
- *   kill CG ROOT [KEEP...]
- *                        SIGKILL, except the KEEPs, pid 1 and itself, every process of cgroup
- *                        CG and, as well, every process of session or process group ROOT and
- *                        every descendant of ROOT, of a KEEP or of one of those. All are stopped
- *                        first (SIGSTOP) and both read again until no new one appears, so
- *                        nothing forks its way out; then it waits until CG holds nothing but
- *                        the KEEPs and removes it if empty. Runs as root with CAP_SYS_ADMIN
- *                        too. CG "-" (or no cgroupfs): the walk alone. (A command:
- *                        `kill CG H H`; a session's command, the shell S living on:
- *                        `kill CG H H S`.)
+ *   kill CG NS ROOT [KEEP...]
+ *                        SIGKILL, except the KEEPs, pid 1 and itself, every process of UTS
+ *                        namespace NS, of cgroup CG and, as well, of session or process group
+ *                        ROOT and every descendant of ROOT, of a KEEP or of one of those. All
+ *                        are stopped first (SIGSTOP) and all read again until no new one
+ *                        appears, so nothing forks its way out; then they are killed and the
+ *                        KEEPs continued (SIGCONT: a command may have stopped its helper); it
+ *                        waits until CG holds nothing but the KEEPs and removes it if empty.
+ *                        Runs as root with CAP_SYS_ADMIN too. CG "-" (or no cgroupfs), NS "-":
+ *                        without them. (A command: `kill CG NS H H`; a session's command, the
+ *                        shell S living on: `kill CG NS H H S`.)
  *   count                One line "<uid> <processes>" per user: how close each is to
  *                        RLIMIT_NPROC (the sandbox's pids limit) after a failed fork.
  *
- * Per-command cgroups. gVisor's sentry implements cgroupfs; its "job" hierarchy (gVisor's
- * own controller: an id, no accounting) always exists, held by the sentry. A command's
- * processes all stay in dsec/<cgroup> of that hierarchy whatever they do (setsid, double
- * forks, orphans): leaving takes a write to a cgroupfs file, and a command has no cgroupfs
- * mounted and cannot mount one (no CAP_SYS_ADMIN, root's commands neither). The helper
- * mounts the hierarchy only in a private mount namespace of its own; the command, born
- * there, joins its cgroup, goes back to the container's namespace (setns) and gives up
- * CAP_SYS_ADMIN before it execs. The helper drops CAP_SYS_ADMIN too and is not dumpable
- * (gVisor then refuses /proc/<helper>/root and cwd to others).
+ * What binds a command. Its child, before execve: joins its cgroup, goes back to the
+ * container's mount namespace, unshares a UTS namespace of its own (a copy: same host and
+ * domain name, which no command can change, lacking CAP_SYS_ADMIN; the cheapest namespace
+ * there is, and one that shows in /proc/<pid>/ns/uts), becomes UID:GID without
+ * CAP_SYS_ADMIN, and installs a seccomp filter (no_new_privs) that refuses unshare, setns,
+ * clone with any namespace flag (clone3: ENOSYS, so libc falls back to clone, whose flags a
+ * filter can read), the whole mount family, and signals to pid 1 (below). gVisor runs the
+ * filter in the sentry for the command and everything it starts; nothing can remove it. So
+ * a command's processes can never leave its UTS namespace, whatever else they do (setsid,
+ * double forks, orphans reparented to pid 1, a cgroup move), and kill finds them all by it.
+ * (Without the filter, gVisor 20240729 let a command unshare a user namespace, gain every
+ * capability over a mount namespace it owned, mount the sentry's cgroupfs there and move
+ * itself out of its cgroup: issue 22.)
  *
- * The one way out, for root only: gVisor (20240729) lets a process follow another one's
- * /proc/<pid>/fd links without the ptrace check Linux makes, so while a helper holds a
- * cgroupfs file open, a root process (CAP_DAC_OVERRIDE; the files are root's, 0644) that
- * races for it can reopen it and move itself (measured: a root process spinning on /proc
- * did within a few starts of other commands). Hence: cgroupfs is held open only for the
- * few calls that need it, and never while the helper's own command runs (a command needs
- * another command's helper to race), and kill also walks the session, group and
- * descendants, which such a process escapes only if it also left its session and was
- * orphaned.
+ * Per-command cgroups. gVisor's sentry implements cgroupfs; its "job" hierarchy (gVisor's
+ * own controller: an id, no accounting) always exists, held by the sentry. The helper mounts
+ * it only in a private mount namespace of its own; the command, born there, joins its
+ * cgroup and leaves that namespace before it execs. The helper drops CAP_SYS_ADMIN too and
+ * is not dumpable (gVisor then refuses /proc/<helper>/root and cwd, and ptrace, to others).
+ * gVisor (20240729) lets a process follow another one's /proc/<pid>/fd links without the
+ * ptrace check Linux makes, so while a helper holds a cgroupfs file open, a root process
+ * (CAP_DAC_OVERRIDE; the files are root's, 0644) that races for it can reopen it and move
+ * itself to another cgroup (measured: within a few starts of other commands). That no
+ * longer lets it outlive its command's kill (the UTS namespace does not change), but it
+ * is why cgroupfs is held open only for the few calls that need it, never while the
+ * helper's own command runs.
  *
  * Must never: write to fd 3 in "kill" modes, follow symlinks outside /proc, block on
  * anything but wait(2) (and kill's bounded wait for its victims to go), hold cgroupfs open
- * while its command runs, or exec a command that holds CAP_SYS_ADMIN or sees cgroupfs.
+ * while its command runs, or exec a command that holds CAP_SYS_ADMIN, sees cgroupfs, shares
+ * a UTS namespace with anything but its own descendants or runs without the filter.
  */
 #define _GNU_SOURCE
 #include <dirent.h>
@@ -158,6 +169,18 @@ static int become(uid_t uid, gid_t gid) {
     return 0;
 }
 
+/* The inode of PID's UTS namespace (0: our own), from its "uts:[N]" link; -1 if unreadable. */
+static long uts_ns(int pid) {
+    char path[48], link[64];
+    if (pid) snprintf(path, sizeof path, "/proc/%d/ns/uts", pid);
+    else strcpy(path, "/proc/self/ns/uts");
+    ssize_t n = readlink(path, link, sizeof link - 1);
+    if (n <= 0) return -1;
+    link[n] = 0;
+    long v;
+    return sscanf(link, "uts:[%ld]", &v) == 1 && v > 0 ? v : -1;
+}
+
 /* ---- the job hierarchy, seen from a private mount namespace ---- */
 
 /* Mount the job hierarchy at CG_MOUNT in a mount namespace of our own (private: nothing
@@ -240,6 +263,119 @@ static int cg_pids(const char *name, int *out, int max) {
     return n;
 }
 
+/* ---- the command's seccomp filter ---- */
+
+/* Classic BPF by hand (musl ships no kernel headers). gVisor implements seccomp for the
+ * sandbox's processes: the sentry runs the filter on every system call of the command and
+ * of everything it starts (a filter is inherited across fork and execve, and cannot be
+ * removed). */
+struct sock_filter { uint16_t code; uint8_t jt, jf; uint32_t k; };
+struct sock_fprog { unsigned short len; struct sock_filter *filter; };
+#define BPF_LD_W_ABS 0x20  /* BPF_LD | BPF_W | BPF_ABS */
+#define BPF_JEQ_K 0x15     /* BPF_JMP | BPF_JEQ | BPF_K */
+#define BPF_JGE_K 0x35     /* BPF_JMP | BPF_JGE | BPF_K */
+#define BPF_JSET_K 0x45    /* BPF_JMP | BPF_JSET | BPF_K */
+#define BPF_RET_K 0x06     /* BPF_RET | BPF_K */
+#define RET_ALLOW 0x7fff0000u
+#define RET_ERRNO(e) (0x00050000u | ((e) & 0xffff))
+#define SECCOMP_MODE_FILTER_ 2
+#define DATA_NR 0     /* struct seccomp_data: int nr; u32 arch; u64 ip; u64 args[6] */
+#define DATA_ARCH 4
+#define DATA_ARG0_LO 16  /* little endian: the low half of args[0] */
+#define DATA_ARG1_LO 24
+#define DATA_ARG2_LO 32
+#if defined(__x86_64__)
+#define AUDIT_ARCH_ 0xc000003eu
+#elif defined(__aarch64__)
+#define AUDIT_ARCH_ 0xc00000b7u
+#else
+#error "dsec-gvexec: no seccomp arch for this machine"
+#endif
+/* clone(2)'s namespace flags (and CLONE_NEWTIME's bit, which in clone's flags is part of the
+ * exit signal: no valid signal has it, so refusing it costs nothing). */
+#define NS_FLAGS (0x00020000u /* NEWNS */ | 0x02000000u /* NEWCGROUP */ | 0x04000000u /* NEWUTS */ | \
+                  0x08000000u /* NEWIPC */ | 0x10000000u /* NEWUSER */ | 0x20000000u /* NEWPID */ | \
+                  0x40000000u /* NEWNET */ | 0x00000080u /* NEWTIME */)
+
+/* What a command may never do, whatever its user: make or enter a namespace (in a user
+ * namespace of its own it has every capability over what it then makes: gVisor 20240729
+ * let root mount its cgroupfs there and leave its cgroup), or mount anything. EPERM, as the
+ * container backend's filter answers. */
+static const uint32_t DENIED[] = {
+    SYS_unshare, SYS_setns, SYS_mount, SYS_umount2, SYS_pivot_root, SYS_open_tree, SYS_move_mount,
+    SYS_fsopen, SYS_fsconfig, SYS_fsmount, SYS_fspick, SYS_mount_setattr,
+};
+/* Nor signal pid 1, our init: gVisor delivers SIGKILL and SIGSTOP to a pid namespace's init
+ * from inside it (Linux drops them), so root's `kill -9 1` ended the whole sandbox and
+ * `kill -STOP 1` left orphans unreaped. The calls whose first argument names a target
+ * process: EPERM when it is 1 (a pidfd of pid 1 is refused at pidfd_open). Every other
+ * signal init blocks; the two it cannot block could also come as SIGIO (F_SETOWN 1 and
+ * F_SETSIG): fcntl F_SETSIG with SIGKILL or SIGSTOP is refused too. */
+static const uint32_t TO_PID[] = {
+    SYS_kill, SYS_tkill, SYS_tgkill, SYS_rt_sigqueueinfo, SYS_rt_tgsigqueueinfo, SYS_pidfd_open,
+};
+#define NDENIED (sizeof DENIED / sizeof DENIED[0])
+#define NTO_PID (sizeof TO_PID / sizeof TO_PID[0])
+#define F_SETSIG_ 10
+/* arch check 3, load nr 1, x32 1, clone3 1, denied, clone 1, to pid, fcntl 1, allow 1, clone's
+ * flags 2, pid 1 check 2, F_SETSIG check 5, returns 3 */
+#define FILTER_LEN (3 + 1 + 1 + 1 + NDENIED + 1 + NTO_PID + 1 + 1 + 2 + 2 + 5 + 3)
+static struct sock_filter filter[FILTER_LEN];
+
+static struct sock_filter op(uint16_t code, uint32_t k, int at, int jt, int jf) {
+    /* jt/jf are absolute instruction indices (or -1: the next one); BPF wants offsets */
+    struct sock_filter f = {code, (uint8_t)(jt < 0 ? 0 : jt - at - 1), (uint8_t)(jf < 0 ? 0 : jf - at - 1), k};
+    return f;
+}
+
+/* Built once, in the helper, before the command is cloned (it shares our memory); -1 if the
+ * layout above is wrong (then no command runs). */
+static int filter_build(void) {
+    const int ALLOW = FILTER_LEN - 3, EPERM_ = FILTER_LEN - 2, ENOSYS_ = FILTER_LEN - 1;
+    const int FCNTL = FILTER_LEN - 8, PID1 = FILTER_LEN - 10, CLONE_FLAGS = FILTER_LEN - 12;
+    int n = 0;
+    filter[n] = op(BPF_LD_W_ABS, DATA_ARCH, n, -1, -1); n++;
+    filter[n] = op(BPF_JEQ_K, AUDIT_ARCH_, n, n + 2, -1); n++;  /* another ABI: no call at all */
+    filter[n] = op(BPF_RET_K, RET_ERRNO(ENOSYS), n, -1, -1); n++;
+    filter[n] = op(BPF_LD_W_ABS, DATA_NR, n, -1, -1); n++;
+#if defined(__x86_64__)
+    filter[n] = op(BPF_JGE_K, 0x40000000u, n, ENOSYS_, -1); n++;  /* the x32 ABI's numbers */
+#else
+    filter[n] = op(BPF_JEQ_K, 0xffffffffu, n, ENOSYS_, -1); n++;   /* a slot kept: same length */
+#endif
+    /* clone3's flags are in memory a filter cannot read: ENOSYS makes libc fall back to clone */
+    filter[n] = op(BPF_JEQ_K, SYS_clone3, n, ENOSYS_, -1); n++;
+    for (size_t i = 0; i < NDENIED; i++, n++) filter[n] = op(BPF_JEQ_K, DENIED[i], n, EPERM_, -1);
+    filter[n] = op(BPF_JEQ_K, SYS_clone, n, CLONE_FLAGS, -1); n++;
+    for (size_t i = 0; i < NTO_PID; i++, n++) filter[n] = op(BPF_JEQ_K, TO_PID[i], n, PID1, -1);
+    filter[n] = op(BPF_JEQ_K, SYS_fcntl, n, FCNTL, -1); n++;
+    filter[n] = op(BPF_RET_K, RET_ALLOW, n, -1, -1); n++;
+    if (n != CLONE_FLAGS) return -1;
+    filter[n] = op(BPF_LD_W_ABS, DATA_ARG0_LO, n, -1, -1); n++;
+    filter[n] = op(BPF_JSET_K, NS_FLAGS, n, EPERM_, ALLOW); n++;
+    filter[n] = op(BPF_LD_W_ABS, DATA_ARG0_LO, n, -1, -1); n++;  /* a pid_t: the low half */
+    filter[n] = op(BPF_JEQ_K, 1, n, EPERM_, ALLOW); n++;
+    if (n != FCNTL) return -1;
+    filter[n] = op(BPF_LD_W_ABS, DATA_ARG1_LO, n, -1, -1); n++;
+    filter[n] = op(BPF_JEQ_K, F_SETSIG_, n, -1, ALLOW); n++;
+    filter[n] = op(BPF_LD_W_ABS, DATA_ARG2_LO, n, -1, -1); n++;
+    filter[n] = op(BPF_JEQ_K, SIGKILL, n, EPERM_, -1); n++;
+    filter[n] = op(BPF_JEQ_K, SIGSTOP, n, EPERM_, ALLOW); n++;
+    if (n != ALLOW) return -1;
+    filter[n++] = op(BPF_RET_K, RET_ALLOW, ALLOW, -1, -1);
+    filter[n++] = op(BPF_RET_K, RET_ERRNO(EPERM), EPERM_, -1, -1);
+    filter[n++] = op(BPF_RET_K, RET_ERRNO(ENOSYS), ENOSYS_, -1, -1);
+    return 0;
+}
+
+/* The last step before execve: no_new_privs (a filter needs it without CAP_SYS_ADMIN, and
+ * nothing the command execs may gain privileges) and the filter. */
+static int confine(void) {
+    struct sock_fprog prog = {FILTER_LEN, filter};
+    if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) return -1;
+    return prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER_, &prog, 0, 0);
+}
+
 /* ---- run ---- */
 
 static const int DEAF[] = {SIGHUP, SIGINT, SIGQUIT, SIGPIPE, SIGTERM, SIGUSR1, SIGUSR2, SIGTSTP, SIGTTIN, SIGTTOU, SIGALRM};
@@ -266,6 +402,14 @@ static int command_start(void *arg) {
         say('E', errno, 0, 0, 0, "cgroup");
         _exit(123);
     }
+    /* A UTS namespace of its own (a copy of the container's names, which no command can
+     * change): what the command and everything it starts can never leave (the filter below),
+     * the identity kill goes by. */
+    long ns = unshare(CLONE_NEWUTS) < 0 ? -1 : uts_ns(0);
+    if (ns < 0) {
+        say('E', errno, 0, 0, 0, "namespace");
+        _exit(123);
+    }
     sigset_t none;
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, NULL); /* dispositions are runsc's defaults: we change none */
@@ -274,9 +418,13 @@ static int command_start(void *arg) {
         _exit(127);
     }
     /* Said before the command runs: nothing of it can have written a line of its own first. */
-    say('P', (long)getppid(), (long)getpid(), 0, 2, NULL);
+    say('P', (long)getppid(), (long)getpid(), ns, 3, NULL);
     if (chdir(c->cwd) < 0) {
         say('E', errno, 0, 0, 0, "cwd");
+        _exit(127);
+    }
+    if (confine() < 0) { /* never run a command unconfined */
+        say('E', errno, 0, 0, 0, "seccomp");
         _exit(127);
     }
     execvp(c->argv[0], c->argv);
@@ -308,6 +456,11 @@ static int do_run(uid_t uid, gid_t gid, const char *token, const char *cwd, char
     }
     /* Before the command runs, so that nothing of it can race us for a cgroupfs descriptor. */
     cg_sweep();
+    if (filter_build() < 0) {
+        say('E', EINVAL, 0, 0, 0, "seccomp");
+        rmdir(path);
+        return 123;
+    }
     /* vfork-like: we wait, suspended, until the command has joined its cgroup and exec'd.
      * Under systrap a fork copies our address space into a new stub process only for the
      * exec to drop it: fork, exec and exit of /bin/true took ~16 ms here, this ~6.5 ms. */
@@ -338,7 +491,8 @@ static int do_run(uid_t uid, gid_t gid, const char *token, const char *cwd, char
 
 /* ---- kill ---- */
 
-struct proc { int pid, ppid, pgrp, sid, uid; };
+struct proc { int pid, ppid, pgrp, sid, uid; long ns; };
+static int want_ns; /* scan() reads each process's UTS namespace (kill with NS) */
 static struct proc procs[MAXP];
 static int victims[MAXP];
 static int nvictims;
@@ -366,7 +520,7 @@ static int scan(void) {
         int ppid, pgrp, sid;
         if (!p || sscanf(p + 1, " %c %d %d %d", &state, &ppid, &pgrp, &sid) != 4) continue;
         if (state == 'Z' || state == 'X') continue;
-        procs[n++] = (struct proc){(int)pid, ppid, pgrp, sid, (int)sb.st_uid};
+        procs[n++] = (struct proc){(int)pid, ppid, pgrp, sid, (int)sb.st_uid, want_ns ? uts_ns((int)pid) : 0};
     }
     closedir(d);
     return n;
@@ -390,11 +544,11 @@ static int stop(int pid, const int *keep, int nkeep) {
     return 1;
 }
 
-/* One round over the cgroup (when there is one) and the walk: every process of session or
- * process group ROOT, ROOT's children and the descendants of the KEEPs and of the victims.
- * The walk alone misses an orphan that left the session; the cgroup alone would miss a root
- * process that moved itself out (see the top): a command's process escapes only both. */
-static int stop_round(const char *cg, int root, const int *keep, int nkeep) {
+/* One round over the cgroup (when there is one), the UTS namespace (when there is one) and
+ * the walk: every process of session or process group ROOT, ROOT's children and the
+ * descendants of the KEEPs and of the victims. The namespace alone is enough (a command
+ * cannot leave it); the cgroup and the walk are kept for a command started without one. */
+static int stop_round(const char *cg, long ns, int root, const int *keep, int nkeep) {
     int grew = 0;
     if (cg) {
         int n = cg_pids(cg, members, MAXP);
@@ -404,7 +558,7 @@ static int stop_round(const char *cg, int root, const int *keep, int nkeep) {
     for (int i = 0; i < n; i++) {
         struct proc *p = &procs[i];
         int member = p->sid == root || p->pgrp == root || p->pid == root || p->ppid == root ||
-                     in(keep, nkeep, p->ppid) || in(victims, nvictims, p->ppid);
+                     in(keep, nkeep, p->ppid) || in(victims, nvictims, p->ppid) || (ns > 0 && p->ns == ns);
         if (member) grew |= stop(p->pid, keep, nkeep);
     }
     return grew;
@@ -415,16 +569,20 @@ static void nap_ms(long ms) {
     nanosleep(&ts, NULL);
 }
 
-/* All stopped until a round finds no new one, then killed; then wait (up to ~5 s) for the
- * cgroup to hold nothing but the KEEPs, and remove it if it holds nothing. */
-static int do_kill(const char *cg, int root, const int *keep, int nkeep) {
+/* All stopped until a round finds no new one, then killed, and the KEEPs continued (a
+ * command may have stopped its helper, which must live on to report); then wait (up to
+ * ~5 s) for the cgroup to hold nothing but the KEEPs, and remove it if it holds nothing. */
+static int do_kill(const char *cg, long ns, int root, const int *keep, int nkeep) {
     if (strcmp(cg, "-") == 0) cg = NULL;
     else if (!cg_name_ok(cg)) return 2;
     self_pid = getpid();
     prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
-    if (cg && cg_mount() < 0) cg = NULL; /* no cgroupfs: the walk alone */
-    for (int round = 0; round < 1000 && stop_round(cg, root, keep, nkeep); round++) {}
+    want_ns = ns > 0;
+    if (cg && cg_mount() < 0) cg = NULL; /* no cgroupfs: the namespace and the walk */
+    for (int round = 0; round < 1000 && stop_round(cg, ns, root, keep, nkeep); round++) {}
     for (int i = 0; i < nvictims; i++) kill(victims[i], SIGKILL);
+    for (int i = 0; i < nkeep; i++)
+        if (keep[i] > 1 && keep[i] != self_pid) kill(keep[i], SIGCONT);
     for (long waited = 0; cg && waited < 5000; waited += 2) {
         int n = cg_pids(cg, members, MAXP), left = 0;
         if (n < 0) break; /* no such cgroup (any more): all of it has ended */
@@ -477,13 +635,18 @@ int main(int argc, char **argv) {
         }
         return do_run((uid_t)uid, (gid_t)gid, argv[4], argv[5], argv + 6);
     }
-    if (argc >= 4 && !strcmp(argv[1], "kill")) {
+    if (argc >= 5 && !strcmp(argv[1], "kill")) {
         static int keep[64];
         int nkeep = 0;
-        for (int i = 4; i < argc && nkeep < 64; i++) keep[nkeep++] = atoi(argv[i]);
-        return do_kill(argv[2], atoi(argv[3]), keep, nkeep);
+        long ns = 0;
+        if (strcmp(argv[3], "-") != 0 && number(argv[3], 1L << 62, &ns) < 0) {
+            fprintf(stderr, "dsec-gvexec kill: bad NS\n");
+            return 2;
+        }
+        for (int i = 5; i < argc && nkeep < 64; i++) keep[nkeep++] = atoi(argv[i]);
+        return do_kill(argv[2], ns, atoi(argv[4]), keep, nkeep);
     }
     if (argc == 2 && !strcmp(argv[1], "count")) return do_count();
-    fprintf(stderr, "usage: dsec-gvexec init | run UID GID TOKEN CWD ARGV... | kill CG ROOT [KEEP...] | count\n");
+    fprintf(stderr, "usage: dsec-gvexec init | run UID GID TOKEN CWD ARGV... | kill CG NS ROOT [KEEP...] | count\n");
     return 2;
 }
