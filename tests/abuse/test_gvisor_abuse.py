@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from conftest import RT_PREFIX
-from dsec.bench.abuse_cases import Check, Outcome
+from dsec.bench.abuse_cases import Check, Outcome, outcomes_json
 from dsec.bench.abuse_gvisor import (
     GVISOR_CASES,
     GVisorCase,
@@ -115,4 +115,6 @@ def test_gvisor_outcomes_sit_beside_the_containers() -> None:
     assert flat["neighbour_ratio_gvisor_a"] == 2.0 and flat["neighbour_samples_gvisor_b"] == 30
     assert flat["gvisor_cases_total"] == 2 and flat["gvisor_cases_contained"] == 1
     assert flat["gvisor_cases_not_contained"] == "gvisor_b" and flat["gvisor_neighbour_p50_quiet_ms"] == 40.0
-    assert not [k for k in flat if k.startswith("cases_") or k.startswith("neighbour_p50")], flat
+    assert flat["gvisor_neighbour_ratio_min_samples"] == 20
+    container_keys = outcomes_json([Outcome("fork_bomb", [Check("x", True)])], 4.0)
+    assert not set(flat) & set(container_keys), set(flat) & set(container_keys)

@@ -1355,6 +1355,7 @@ async def run_gvisor_suite(work: Path, *, quick: bool = True, only: Sequence[str
     from dsec.backends.gvisor.config import GVisorConfig
     from dsec.images import LocalLayerStore, build_busybox
 
+    work = work / "dsec-gvabuse"  # layer mounts must have "dsec" in their path (the leak checks find them by it)
     store = LocalLayerStore(work / "state" / "layers")
     layer = await asyncio.to_thread(build_busybox, store, name="gvabuse-busybox", tag="latest")
     helper = await asyncio.to_thread(build_gvabuse, work / "cache")
@@ -1374,5 +1375,5 @@ def gvisor_outcomes_json(outcomes: Sequence[Outcome], baseline_p50_ms: float | N
     per case ``case_gvisor_<x>``, ``neighbour_ratio_gvisor_<x>`` and ``neighbour_samples_gvisor_<x>``
     (the names carry the prefix already), the totals as ``gvisor_cases_total`` and the like."""
     flat = outcomes_json(outcomes, baseline_p50_ms)
-    per_case = ("case_", "neighbour_ratio_", "neighbour_samples_")
-    return {k if k.startswith(per_case) else f"gvisor_{k}": v for k, v in flat.items()}
+    per_case = {f"{p}{o.name}" for o in outcomes for p in ("case_", "neighbour_ratio_", "neighbour_samples_")}
+    return {k if k in per_case else f"gvisor_{k}": v for k, v in flat.items()}
