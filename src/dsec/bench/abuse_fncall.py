@@ -1387,6 +1387,74 @@ def main(tag, seconds):
 """
 
 
+SRC["climb_setup"] = """\
+import os, socket
+def main(tag, depth, width, targets):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.connect('\\0' + tag)
+    bname = s.recv(256).decode()
+    os.umask(0)
+    os.chmod('.', 0o755)
+    # The cleaner takes a directory's subdirectories last-made first: 'srv' is entered before
+    # the targets, which stay on its list for later, relative to wherever it then is.
+    for t in targets:
+        os.makedirs('mnt/' + t)
+    holder = 'mnt/srv/' + bname
+    os.makedirs(holder + '/x')
+    for d in ('mnt', 'mnt/srv', holder, holder + '/x'):
+        os.chmod(d, 0o777)
+    fd = os.open(holder + '/x', os.O_RDONLY | os.O_DIRECTORY)
+    for i in range(depth):
+        for k in range(width):
+            os.close(os.open('f%d' % k, os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=fd))
+        if i == 3:
+            os.close(os.open('c', os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd))
+        os.mkdir('d', 0o755, dir_fd=fd)
+        nfd = os.open('d', os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+        os.close(fd)
+        fd = nfd
+    os.close(fd)
+    s.sendall(os.path.abspath(holder).encode())
+    s.recv(8)
+    return os.getcwd()
+"""
+
+SRC["climb_racer"] = """\
+import os, socket, time
+def main(tag, seconds):
+    me = os.getcwd()
+    here = os.open('.', os.O_RDONLY | os.O_DIRECTORY)
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind('\\0' + tag)
+    srv.listen(1)
+    srv.settimeout(seconds)
+    c, _ = srv.accept()
+    c.sendall(os.path.basename(me).encode())
+    holder_path = c.recv(4096).decode()
+    holder = os.open(holder_path, os.O_RDONLY | os.O_DIRECTORY)
+    x = os.open('x', os.O_RDONLY | os.O_DIRECTORY, dir_fd=holder)
+    c.sendall(b'ok')
+    c.close()
+    end = time.monotonic() + seconds
+    moved = ''
+    while time.monotonic() < end:  # until the cleaner is inside x's chain (the canary at level 3 went)
+        try:
+            os.stat('d/d/d/c', dir_fd=x)
+        except FileNotFoundError:
+            try:
+                os.rename('x', 'x', src_dir_fd=holder, dst_dir_fd=here)  # x now lives in our own scratch dir
+                moved = 'moved'
+            except OSError as e:
+                moved = 'rename: %s' % e
+            break
+        except OSError:
+            pass
+    time.sleep(2.0)
+    return [moved, os.path.exists(me)]
+"""
+
+
 # ----------------------------------------------------------------- the edge ----
 
 
@@ -1627,6 +1695,8 @@ class FnAttack:
         self.quick = quick
         self.load = load
         self.lost: list[FnCallWorkerLost] = []
+        self.tainted = False
+        """The case damaged the worker beyond what the closing checks see: replaced after them."""
 
     def check(self, what: str, ok: bool, detail: Any = "") -> bool:
         self.outcome.checks.append(Check(what, ok, detail))
@@ -2082,6 +2152,40 @@ async def _cleanup_race(a: FnAttack) -> None:
     a.check("the attack ran", isinstance(opened, FnResult) and isinstance(raced, FnResult),
             f"{_desc(opened)}; racer {_desc(raced)}")
     a.check(f"{2 * a.slots} later calls that leave files run and succeed", not bad, bad)
+
+
+@fncase("cleaner_climbs_out",
+        attack="a call builds mnt/srv/<its partner's scratch name>/x/<400 levels of 50 files> with the dirs on the way "
+               "open to others, and 'mnt/opt' made before 'mnt/srv'; the partner, a concurrent call, waits until the "
+               "cleaner is inside x's chain and moves x into its own scratch dir: a cleaner that climbs back with '..' "
+               "comes out in the partner's scratch dir, then /fncall, then /, and goes on there with the names it "
+               "listed before (rmdir /srv, clear /opt, rmdir /mnt)",
+        asserts="nothing outside the first call's scratch dir is removed (/srv, /mnt, /opt/dsec-fncall/worker.py, the "
+                "partner's own scratch dir all stay)",
+        defence="the cleaner never resolves '..' (it keeps each parent's fd open) or checks that '..' is the directory "
+                "it came from (same device and inode), and no other uid can write in a scratch dir being removed")
+async def _climb(a: FnAttack) -> None:
+    tag = f"dsec-climb-{secrets.token_hex(4)}"
+    view = a.view()
+    paths = ("/opt/dsec-fncall/worker.py", "/srv", "/mnt", "/opt")
+    before = {p: view.mode(p) for p in paths} if view else {}
+    digest = view.digest(paths[0]) if view else ""
+    racer = asyncio.ensure_future(a.call(SRC["climb_racer"], tag, 10.0, timeout=30))
+    await asyncio.sleep(0.5)
+    setup = await a.call(SRC["climb_setup"], tag, 400, 50, ["opt"], timeout=30)
+    raced = await racer
+    await asyncio.sleep(1.0)
+    view = a.view()
+    after = {p: view.mode(p) for p in paths} if view else {}
+    a.check("the attack ran (the partner moved x while the cleaner was inside it)",
+            isinstance(setup, FnResult) and _value(raced, [""])[0] == "moved", f"{_desc(setup)}; {_desc(raced)}")
+    a.check("the partner's own scratch dir was not removed by another call's cleanup",
+            _value(raced, [None, True])[1] is True, _desc(raced))
+    damaged = before != after or (view is not None and view.digest(paths[0]) != digest)
+    a.check("nothing outside the scratch dir was removed (/srv, /mnt, /opt and the worker program stay)", not damaged,
+            f"{before} -> {after}")
+    if damaged:  # the worker's own files are gone: the cases after this one get a new worker
+        a.tainted = True
 
 
 # -- memory --------------------------------------------------------------------------
@@ -2599,6 +2703,9 @@ async def run_fncall_case(pool: FnCallPool, image: ImageRef | str, c: FnCase, *,
         await _after(a, c, workers0, restarts0)
     except Exception as exc:
         out.error = out.error or f"the closing checks raised {type(exc).__name__}: {exc}"[:2000]
+    if a.tainted:
+        for w in list(pool.workers()):
+            await w.stop("replaced by the abuse suite: a case damaged its files")
     return out
 
 
