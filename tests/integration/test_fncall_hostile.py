@@ -409,3 +409,61 @@ def test_a_closed_loopback_connection_leaves_nothing_for_later_calls(rtx: Runtim
     port = run(rtx, pool, TALK).value
     assert isinstance(port, int) and port > 0
     assert run(rtx, pool, LISTEN, port).value == []
+
+
+HANDER = r'''
+import array, os, socket, time
+def main(name, mib):
+    fd = os.memfd_create("gift")
+    chunk = b"x" * (1 << 20)
+    for _ in range(mib):
+        os.write(fd, chunk)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    deadline = time.time() + 5
+    while True:
+        try:
+            s.connect("\0" + name)
+            break
+        except OSError:
+            if time.time() > deadline:
+                return "no taker"
+            time.sleep(0.01)
+    s.sendmsg([b"x"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+    s.recv(1)
+    return "handed"
+'''
+TAKER = r'''
+import array, os, socket, time
+def main(name, hold):
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind("\0" + name)
+    srv.listen()
+    c, _ = srv.accept()
+    msg, anc, _f, _a = c.recvmsg(1, socket.CMSG_SPACE(4))
+    c.send(b"k")
+    time.sleep(hold)  # holds the memfd its giver's slot was charged for
+    return len(anc)
+'''
+EATER = "def main(mib):\n    b = bytearray(mib << 20)\n    return len(b) >> 20\n"
+
+
+def test_a_charge_handed_to_a_concurrent_call_does_not_starve_the_givers_slot(rtx: RuntimeHarness,
+                                                                               pool: FnCallPool) -> None:
+    """A call hands a memfd its slot's cgroup paid for to a concurrent call, which holds it after
+    the giver ended: the giver's slot stays charged. Its next calls still get their own
+    ``memory`` (the limit is the call's memory on top of what the slot holds)."""
+    name = f"dsec-gift-{os.getpid()}"
+
+    async def scene() -> list[Any]:
+        taker = asyncio.ensure_future(pool.call(IMAGE, TAKER, [name, 6.0], memory=64 * MiB, timeout=20))
+        await asyncio.sleep(0.3)
+        gave = await pool.call(IMAGE, HANDER, [name, 24], memory=32 * MiB, timeout=20)
+        eaters = await pool.call_many(IMAGE, [FnCall(EATER, (20,)) for _ in range(3 * SLOTS)], memory=32 * MiB,
+                                      timeout=20)
+        return [gave, *eaters, await taker]
+
+    outs = rtx.run(scene(), timeout=120)
+    assert isinstance(outs[0], FnResult) and outs[0].value == "handed", outs[0]
+    bad = [o for o in outs[1:-1] if not (isinstance(o, FnResult) and o.value == 20)]
+    assert not bad, bad
+    assert isinstance(outs[-1], FnResult) and outs[-1].value == 1, outs[-1]

@@ -270,12 +270,14 @@ class Worker:
         files = ["cgroup.procs", "memory.limit_in_bytes"]
         if (dirs[0] / "memory.memsw.limit_in_bytes").exists():
             files.append("memory.memsw.limit_in_bytes")
+        files.append("memory.usage_in_bytes")
         fds: list[int] = []
         try:
             for d in dirs:
-                for name in files[1:]:  # memory first: memory <= memory+swap at every step
+                for name in files[1:-1]:  # memory first: memory <= memory+swap at every step
                     (d / name).write_text(str(limit))
-                fds += [os.open(d / name, os.O_WRONLY | os.O_CLOEXEC) for name in files]
+                fds += [os.open(d / name, (os.O_RDONLY if name.startswith("memory.usage") else os.O_WRONLY)
+                                | os.O_CLOEXEC) for name in files]
         except OSError as exc:
             for fd in fds:
                 os.close(fd)

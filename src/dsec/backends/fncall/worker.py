@@ -67,7 +67,6 @@ import socket
 import stat
 import struct
 import sys
-import termios
 import threading
 import time
 from collections import deque
@@ -94,6 +93,8 @@ MAX_START_FAILURES = 20
 UID_SPAN = 2 * KILLER_OFFSET
 """Uids from ``uid_base`` that belong to calls and their kill helpers (none may own a file)."""
 WATCH_S = 1.0
+HELD_STEP = 4 << 20
+"""A slot's memory limit is the call's ``memory`` plus what the slot holds, rounded up to this."""
 
 PR_SET_PDEATHSIG = 1
 PR_SET_DUMPABLE = 4
@@ -573,7 +574,7 @@ def call_child(uid: int, scratch: str, fds: list[int], kit: Kit, slot: int) -> N
 
     The zygote already holds what every call shares and a fork inherits: no_new_privs, the
     IPC seccomp filter, RLIMIT_CORE and RLIMIT_MSGQUEUE 0 (zygote_main)."""
-    req_r, res_w, out_w, err_w = fds
+    req_r, res_w, out_w, err_w, go_w = fds
     try:
         if kit.procs:
             # Into the slot's memory cgroup first, while still root: what the call's processes
@@ -588,12 +589,14 @@ def call_child(uid: int, scratch: str, fds: list[int], kit: Kit, slot: int) -> N
         os.dup2(kit.devnull, 0)
         os.dup2(out_w, 1)
         os.dup2(err_w, 2)
-        lo, hi = sorted((req_r, res_w))
-        os.closerange(3, lo)  # nothing of the zygote's stays open in a call (close_range(2))
-        os.closerange(lo + 1, hi)
-        os.closerange(hi + 1, 1 << 20)
+        a, b, c = sorted((req_r, res_w, go_w))
+        os.closerange(3, a)  # nothing of the zygote's stays open in a call (close_range(2))
+        os.closerange(a + 1, b)
+        os.closerange(b + 1, c)
+        os.closerange(c + 1, 1 << 20)
         os.set_inheritable(req_r, False)
         os.set_inheritable(res_w, False)
+        os.set_inheritable(go_w, False)
         os.mkdir(scratch, 0o700)
         os.chown(scratch, uid, uid)
         adj = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
@@ -634,6 +637,11 @@ def call_child(uid: int, scratch: str, fds: list[int], kit: Kit, slot: int) -> N
     try:
         data = read_all(req_r)
         os.close(req_r)
+        # "From here the call's code may run": a process killed before this byte (the OOM
+        # killer took it as it waited, as the request came) never ran its call, which the
+        # supervisor then runs on another slot (Supervisor.never_took).
+        os.write(go_w, b"g")
+        os.close(go_w)
     except BaseException:
         os._exit(5)
     frame = handle(data, limit=True)
@@ -1039,6 +1047,7 @@ class Slot:
         "err_r",
         "failing_since",
         "fails",
+        "go_r",
         "index",
         "killer",
         "live",
@@ -1047,7 +1056,6 @@ class Slot:
         "pidfd",
         "ready_buf",
         "reaped",
-        "req_peek",
         "req_w",
         "res_r",
         "scratch",
@@ -1069,14 +1077,14 @@ class Slot:
         self.wreg = False  # req_w is registered for writing (the request did not fit the pipe)
         self.pidfd = -1
         self.reaped = False  # the zygote was asked to reap what a sweep killed ("Z")
-        self.req_w = self.res_r = self.out_r = self.err_r = self.req_peek = -1
+        self.req_w = self.res_r = self.out_r = self.err_r = self.go_r = -1
         self.scratch = ""
         self.call: Call | None = None
         self.ready_buf = b""
         self.sweeps = 0
         self.fails = 0  # its new process failed to start, in a row
         self.failing_since = 0.0
-        self.cg: tuple[int, int, int] | None = None  # fds: cgroup.procs, memory limit, memory+swap limit
+        self.cg: tuple[int, int, int, int] | None = None  # fds: cgroup.procs, memory limit, memory+swap limit, usage
         self.cg_limit = 0  # the memory limit last written
 
 
@@ -1252,7 +1260,8 @@ class Supervisor:
         procs = []
         for s in self.slots:
             got = {name: self.cg_fds[s.index * k + j] for j, name in enumerate(files)}
-            s.cg = (-1, got["memory.limit_in_bytes"], got.get("memory.memsw.limit_in_bytes", -1))
+            s.cg = (-1, got["memory.limit_in_bytes"], got.get("memory.memsw.limit_in_bytes", -1),
+                    got.get("memory.usage_in_bytes", -1))
             s.cg_limit = int(cg["limit"])
             os.set_inheritable(got["cgroup.procs"], True)
             procs.append(got["cgroup.procs"])
@@ -1364,6 +1373,7 @@ class Supervisor:
     def prefork(self, s: Slot) -> None:
         assert self.ctl is not None
         req_r, s.req_w = os.pipe2(os.O_CLOEXEC)
+        s.go_r, go_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)  # one byte in an empty pipe: never blocks
         s.res_r, res_w = os.pipe2(os.O_CLOEXEC)
         s.out_r, out_w = os.pipe2(os.O_CLOEXEC)
         s.err_r, err_w = os.pipe2(os.O_CLOEXEC)
@@ -1373,11 +1383,10 @@ class Supervisor:
         s.state = "forking"
         s.ready_buf = b""
         try:
-            send_msg(self.ctl, f"F {s.index} {s.uid} {s.scratch}", (req_r, res_w, out_w, err_w))
+            send_msg(self.ctl, f"F {s.index} {s.uid} {s.scratch}", (req_r, res_w, out_w, err_w, go_w))
         finally:
-            for fd in (res_w, out_w, err_w):
+            for fd in (req_r, res_w, out_w, err_w, go_w):
                 os.close(fd)
-            s.req_peek = req_r  # kept: what is still in the pipe tells whether its process took a request
         self.sel.register(s.res_r, selectors.EVENT_READ, lambda ev, s=s: self.on_res(s))
 
     def forked(self, s: Slot, pid: int) -> None:
@@ -1396,9 +1405,9 @@ class Supervisor:
     def fork_failed(self, s: Slot, err: int) -> None:
         _log(f"fork for slot {s.index} failed: {os.strerror(err)}; retrying")
         self.close_req(s)
-        if s.req_peek >= 0:
-            os.close(s.req_peek)
-            s.req_peek = -1
+        if s.go_r >= 0:
+            os.close(s.go_r)
+            s.go_r = -1
         for fd in (s.res_r, s.out_r, s.err_r):
             if fd >= 0:
                 with contextlib.suppress(KeyError):
@@ -1431,22 +1440,38 @@ class Supervisor:
             self.sel.register(slot.err_r, selectors.EVENT_READ, lambda ev, s=slot: self.on_out(s, s.err_r))
             self.feed(slot)
 
-    def set_memory(self, s: Slot, limit: int) -> bool:
-        """The slot's memory cgroup limit (and memory+swap) for its next call, written only when
-        it changes. False when the kernel refuses it (the slot already holds more)."""
-        if s.cg is None or s.cg_limit == limit:
+    def set_memory(self, s: Slot, memory: int) -> bool:
+        """The slot's memory cgroup limit (and memory+swap) for its next call: the call's own
+        ``memory`` on top of what the slot's cgroup holds already (its waiting process's pages,
+        and what an earlier call of the slot left charged there: page cache, or a memfd it
+        handed to a concurrent call, which holds it until that call ends), in 4 MiB steps so
+        that it is written only when that changes. False when the kernel refuses it."""
+        if s.cg is None:
             return True
-        _procs, lim, sw = s.cg
+        _procs, lim, sw, usage = s.cg
+        held = 0
+        if usage >= 0:
+            try:
+                held = int(os.pread(usage, 32, 0))
+            except (OSError, ValueError):
+                held = 0
+        limit = memory + ((held + HELD_STEP - 1) // HELD_STEP) * HELD_STEP
+        if s.cg_limit == limit:
+            return True
         text = b"%d" % limit
-        order = (lim, sw) if limit < s.cg_limit else (sw, lim)  # memory <= memory+swap at every step
-        try:
-            for fd in order:
-                if fd >= 0:
-                    os.pwrite(fd, text, 0)
-        except OSError as e:
-            _log(f"slot {s.index}: cannot set its memory limit to {limit}: {e}")
-            s.cg_limit = -1  # unknown: written in full next time
-            return False
+        down, up = (lim, sw), (sw, lim)  # memory <= memory+swap at every step
+        orders = [down if limit < s.cg_limit else up] if s.cg_limit >= 0 else [down, up]
+        for i, order in enumerate(orders):
+            try:
+                for fd in order:
+                    if fd >= 0:
+                        os.pwrite(fd, text, 0)
+                break
+            except OSError as e:
+                if i == len(orders) - 1:
+                    _log(f"slot {s.index}: cannot set its memory limit to {limit}: {e}")
+                    s.cg_limit = -1  # unknown: both orders are tried next time
+                    return False
         s.cg_limit = limit
         return True
 
@@ -1603,17 +1628,16 @@ class Supervisor:
 
     @staticmethod
     def never_took(s: Slot, call: Call) -> bool:
-        """The slot's process did not read all of its request (so none of the call's code ran)."""
+        """The slot's dead process never got as far as running its call's code: it did not say
+        "g" after reading its request (call_child)."""
         if call.written < len(call.wire):
             return True
-        if s.req_peek < 0:
+        if s.go_r < 0:
             return False
         try:
-            buf = array.array("i", [0])
-            fcntl.ioctl(s.req_peek, termios.FIONREAD, buf, True)
+            return os.read(s.go_r, 1) != b"g"  # EOF: it died before the byte
         except OSError:
             return False
-        return buf[0] > 0
 
     def known_pids(self, s: Slot) -> set[int]:
         known = {os.getpid(), self.zygote}
@@ -1735,9 +1759,9 @@ class Supervisor:
         elif call is not None and not call.done:
             self.drain_output(s, call)
         self.close_req(s)
-        if s.req_peek >= 0:
-            os.close(s.req_peek)
-            s.req_peek = -1
+        if s.go_r >= 0:
+            os.close(s.go_r)
+            s.go_r = -1
         for fd in (s.res_r, s.out_r, s.err_r):
             if fd >= 0:
                 with contextlib.suppress(KeyError):
