@@ -24,19 +24,27 @@ from conftest import RuntimeHarness, edge_config, running_edge
 from dsec.backends.fncall.config import FnCallConfig, FnCallImage
 from dsec.backends.fncall.pool import LABEL, FnCallPool
 from dsec.bench import fncall as bench
-from dsec.bench.abuse_fncall import FNCALL_CASES, SRC, FnCase, FnEdge, run_fncall_case
-from dsec.spec import ImageRef, Resources
+from dsec.bench.abuse_cases import CASES, Check, Outcome
+from dsec.bench.abuse_fncall import (
+    FNCALL_CASES,
+    SRC,
+    FnCase,
+    FnEdge,
+    fncall_outcomes_json,
+    run_fncall_case,
+    suite_config,
+)
+from dsec.spec import ImageRef
 
-MiB = 1 << 20
 CACHE = Path(os.environ.get("DSEC_STATE_DIR", "/var/lib/dsec")) / "cache"
 IMAGE = ImageRef(base="pyfn:test")
-WORKER = Resources(cpu=2.0, memory=1024 * MiB, pids=1024, disk=64 * MiB, nofile=4096)
 
 
 def _fncall_config() -> FnCallConfig:
-    return FnCallConfig(images=(FnCallImage(image=IMAGE, preload=("numpy",), concurrency=4, spare=2,
-                                            resources=WORKER),),
-                        call_timeout_s=20, answer_grace_s=5)
+    cfg: FnCallConfig = suite_config(IMAGE)
+    (img,) = cfg.images
+    assert isinstance(img, FnCallImage) and img.concurrency == 4 and img.spare == 2
+    return cfg
 
 
 def _have_layer() -> bool:
@@ -125,3 +133,15 @@ def test_the_issue_s_findings_each_have_a_case() -> None:
                 "setuid_attempts", "process_tricks", "fork_bomb", "cpu_spin_past_timeout", "fd_exhaustion",
                 "result_pipe_games", "stdout_after_result"}
     assert required <= {c.name for c in FNCALL_CASES}, required - {c.name for c in FNCALL_CASES}
+
+
+def test_the_flat_json_prefixes_every_key_and_meets_no_container_key() -> None:
+    outs = [Outcome(c.name, [Check("x", i % 2 == 0)], neighbour_p50_ms=2.0, neighbour_execs=30)
+            for i, c in enumerate(FNCALL_CASES)]
+    flat = fncall_outcomes_json(outs, 1.0)
+    assert flat["fncall_cases_total"] == len(FNCALL_CASES)
+    assert flat["case_fncall_fork_bomb"] in (True, False) and "case_fork_bomb" not in flat
+    container_keys = {f"case_{c.name}" for c in CASES} | {"cases_total", "cases_contained", "cases_not_contained"}
+    assert not container_keys & set(flat)
+    assert all(k.startswith(("fncall_", "case_fncall_", "neighbour_ratio_fncall_", "neighbour_samples_fncall_"))
+               for k in flat), sorted(flat)

@@ -2733,6 +2733,88 @@ async def run_fncall_cases(pool: FnCallPool, image: ImageRef | str, *, cases: Se
     return outs
 
 
+SUITE_WORKER: dict[str, Any] = {"cpu": 2.0, "memory": 1024 * MiB, "pids": 1024, "disk": 64 * MiB, "nofile": 4096}
+"""The suite's worker sandbox: a small disk, so that the disk cases reach its quota quickly."""
+
+
+def suite_config(image: ImageRef) -> Any:
+    """The pool the suite runs against: numpy preloaded, 4 calls in flight, 2 spare, a small worker."""
+    from dsec.backends.fncall.config import FnCallConfig, FnCallImage
+    from dsec.spec import Resources
+
+    return FnCallConfig(images=(FnCallImage(image=image, preload=("numpy",), concurrency=4, spare=2,
+                                            resources=Resources(**SUITE_WORKER)),),
+                        call_timeout_s=20, answer_grace_s=5)
+
+
+async def quiet_baseline(pool: FnCallPool, image: ImageRef | str, seconds: float = 2.0) -> float | None:
+    """The neighbour calls' p50 with nothing else running (ms)."""
+    from dsec.backends.fncall.pool import image_ref
+
+    load = CallLoad(pool, image_ref(image))
+    load.start()
+    await asyncio.sleep(seconds)
+    await load.stop()
+    return percentile(load.samples, 50) if load.samples else None
+
+
+def run_fncall_suite(work: Any, *, quick: bool = True, only: Sequence[str] | None = None,
+                     say: Progress = print) -> tuple[list[Outcome], float | None]:
+    """The whole FnCall red team on its own (``dsec bench abuse``): an edge of its own under
+    ``work`` (container + fncall backends, the Debian python3+numpy layer of ``dsec bench
+    fncall``, cached under $DSEC_STATE_DIR/cache), the cases run on the edge's loop against its
+    pool and routes, everything destroyed at the end. Needs root. The outcomes and the
+    neighbour calls' quiet p50 (for :func:`fncall_outcomes_json`). Blocking."""
+    from pathlib import Path
+
+    from dsec.backends.container.config import ContainerConfig
+    from dsec.bench.fncall import python_layer
+    from dsec.edge.config import EdgeConfig
+    from dsec.edge.testing import EdgeThread, prepare_busybox
+    from dsec.images.store import LocalLayerStore
+    from dsec.spec import ImageRef
+
+    work = Path(work) / "dsec-fnabuse"  # layer mounts must have "dsec" in their path (the leak checks find them by it)
+    cache = Path(os.environ.get("DSEC_STATE_DIR", "/var/lib/dsec")) / "cache"
+    state = work / "state"
+    store = LocalLayerStore(state / "layers")
+    try:
+        ref = python_layer(store, cache, name="pyfn", tag="abuse", say=say)
+    finally:
+        store.close()
+    prepare_busybox(state)
+    image = ImageRef(base=ref)
+    cfg = EdgeConfig(edge_id="fnabuse", cluster_key=secrets.token_bytes(32), port=0, state_dir=state,
+                     run_dir=work / "run", destroy_on_shutdown=True, runtime_name=f"fnab{os.getpid() % 100000}",
+                     backends=[ContainerConfig(), suite_config(image)])
+    cases = [c for c in FNCALL_CASES if not only or c.name in only]
+    edge = EdgeThread(cfg).start()
+    try:
+        pool = edge.service.backends.by_kind["fncall"].pool
+        fe = FnEdge(edge.url, edge.admin_token())
+        baseline = edge.call(quiet_baseline(pool, image), timeout=120)
+        outs = edge.call(run_fncall_cases(pool, image, cases=cases, edge=fe, quick=quick, say=say),
+                         timeout=600 * max(len(cases), 1))
+        return outs, baseline
+    finally:
+        edge.stop(destroy_all=True)
+
+
+def fncall_outcomes_json(outcomes: Sequence[Outcome], baseline_p50_ms: float | None) -> dict[str, Any]:
+    """The flat JSON of the FnCall cases, beside the container's in ``dsec bench abuse``: per
+    case ``case_fncall_<x>``, ``neighbour_ratio_fncall_<x>``, ``neighbour_samples_fncall_<x>``
+    (the neighbours are calls: their p50 during the case over the quiet one), the totals as
+    ``fncall_cases_total`` and the like. Case names get the prefix here: some are the
+    container suite's too (``fork_bomb``)."""
+    from dsec.bench.abuse_cases import outcomes_json
+
+    named = [Outcome(f"fncall_{o.name}", o.checks, o.error, o.skipped, o.seconds, o.neighbour_p50_ms,
+                     o.neighbour_execs) for o in outcomes]
+    flat = outcomes_json(named, baseline_p50_ms)
+    per_case = {f"{p}{o.name}" for o in named for p in ("case_", "neighbour_ratio_", "neighbour_samples_")}
+    return {k if k in per_case else f"fncall_{k}": v for k, v in flat.items()}
+
+
 def fncall_case_named(name: str) -> FnCase:
     for c in FNCALL_CASES:
         if c.name == name:
@@ -2741,5 +2823,6 @@ def fncall_case_named(name: str) -> FnCase:
 
 
 __all__ = ["FNCALL_CASES", "SRC", "CallLoad", "FnAttack", "FnCase", "FnEdge", "WorkerView", "fncall_case_named",
-           "run_fncall_case", "run_fncall_cases"]
+           "fncall_outcomes_json", "quiet_baseline", "run_fncall_case", "run_fncall_cases", "run_fncall_suite",
+           "suite_config"]
 
