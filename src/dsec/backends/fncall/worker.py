@@ -93,6 +93,8 @@ MAX_START_FAILURES = 20
 UID_SPAN = 2 * KILLER_OFFSET
 """Uids from ``uid_base`` that belong to calls and their kill helpers (none may own a file)."""
 WATCH_S = 1.0
+RETRY_CLEAN_S = 2.0
+"""A scratch tree that could not be removed (moved under the cleaner) is tried again this much later."""
 HELD_STEP = 4 << 20
 """A slot's memory limit is the call's ``memory`` plus what the slot holds, rounded up to this."""
 
@@ -1116,6 +1118,7 @@ class Supervisor:
         self.dying = False
         self.cleaner_thread = threading.Thread(target=self.cleaner, daemon=True, name="cleaner")
         self.cleaner_failed = ""
+        self.retry: deque[tuple[float, str]] = deque()  # (when, scratch tree set aside)
         self.fdq: deque[int] = deque()  # fds that came with the host's frames, in order
         self.stdin_sock: socket.socket | None = None
         self.cg_fds: list[int] = []
@@ -1870,25 +1873,44 @@ class Supervisor:
 
     # -- cleaning (a thread: removing a large scratch tree must not stall other calls) --
 
+    def clean_one(self, scratch: str) -> None:
+        """Remove one scratch tree; one that cannot be removed now (moved under us, or held by a
+        concurrent call that opened it) is taken from its call's uid (root's, 0700: no call
+        can reach into it by path any more) and tried again later, when the calls that may
+        hold a directory of it open have ended."""
+        try:
+            remove_tree(scratch)
+            return
+        except BaseException as e:  # the thread must live on
+            _log(f"could not remove {scratch} now: {type(e).__name__}: {e}")
+        try:
+            os.chown(scratch, 0, 0, follow_symlinks=False)
+            os.chmod(scratch, 0o700, follow_symlinks=False)
+        except FileNotFoundError:
+            return
+        except BaseException as e2:
+            _log(f"could not take {scratch} from its call's uid: {e2}")
+            self.cleaner_failed = f"{scratch}: {e2}"
+            return
+        with self.clean_cv:
+            self.retry.append((_now() + RETRY_CLEAN_S, scratch))
+
     def cleaner(self) -> None:
         """Remove the scratch trees calls left, one at a time. Whatever a call left (any depth,
         any number of entries, modes that refuse us) must not end this thread: a tree that
         cannot be removed is taken from the slot's uid (root's, mode 0700) and left."""
         while True:
             with self.clean_cv:
-                while not self.cleanups:
-                    self.clean_cv.wait()
-                s, scratch = self.cleanups.popleft()
-            try:
-                remove_tree(scratch)
-            except BaseException as e:  # the thread must live on
-                _log(f"could not remove {scratch}: {type(e).__name__}: {e}")
-                try:
-                    os.chown(scratch, 0, 0, follow_symlinks=False)
-                    os.chmod(scratch, 0o700, follow_symlinks=False)
-                except BaseException as e2:
-                    _log(f"could not take {scratch} from its call's uid: {e2}")
-                    self.cleaner_failed = f"{scratch}: {e2}"
+                while not self.cleanups and not (self.retry and self.retry[0][0] <= _now()):
+                    self.clean_cv.wait(RETRY_CLEAN_S if self.retry else None)
+                due = self.retry.popleft()[1] if self.retry and self.retry[0][0] <= _now() else None
+                item = self.cleanups.popleft() if due is None else None
+            if due is not None:
+                self.clean_one(due)  # a tree set aside before: no slot waits for it
+                continue
+            assert item is not None
+            s, scratch = item
+            self.clean_one(scratch)
             with self.clean_cv:
                 self.cleaned.append(s)
             with contextlib.suppress(BlockingIOError):
@@ -1925,8 +1947,11 @@ def remove_tree(path: str) -> None:
 
     Iterative and relative to one open directory at a time (it climbs back with ``..``): a
     call can leave a tree of any depth (``shutil.rmtree`` recurses, and a path 1,000 levels
-    deep is longer than PATH_MAX), of any width, with modes that refuse writing. Nothing
-    else writes in the tree meanwhile (every process of the call's uid is dead). Raises
+    deep is longer than PATH_MAX), of any width, with modes that refuse writing. The tree
+    may still change under it: a call can open its directories to every uid and a concurrent
+    call (another slot, alive) can move one of them elsewhere while this runs, so every
+    ``..`` is checked to be the directory it came down from (device and inode, as fts does);
+    if not, it stops there and raises, having touched nothing outside the tree. Raises
     OSError when something stays."""
     try:
         st = os.lstat(path)
@@ -1936,6 +1961,11 @@ def remove_tree(path: str) -> None:
         os.unlink(path)
         return
     fd = os.open(path, _DIR_FLAGS)
+    top = os.fstat(fd)
+    if (top.st_dev, top.st_ino) != (st.st_dev, st.st_ino):
+        os.close(fd)
+        raise OSError(errno.ESTALE, f"{path} changed while it was opened")
+    ids = [(top.st_dev, top.st_ino)]  # the directories from the top down to the one open
     stack: list[tuple[str, list[str]]] = []  # per level: its name in its parent, the parent's subdirectories to go
     try:
         todo = _clear_dir(fd)
@@ -1949,7 +1979,9 @@ def remove_tree(path: str) -> None:
                 except PermissionError:  # mode 0 and no CAP_DAC_OVERRIDE: we own it anyway
                     os.chmod(name, 0o700, dir_fd=fd, follow_symlinks=False)
                     sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
+                sst = os.fstat(sub)
                 stack.append((name, todo))
+                ids.append((sst.st_dev, sst.st_ino))
                 os.close(fd)
                 fd = sub
                 todo = _clear_dir(fd)
@@ -1957,9 +1989,13 @@ def remove_tree(path: str) -> None:
             if not stack:
                 break
             name, todo = stack.pop()
+            ids.pop()
             parent = os.open("..", _DIR_FLAGS, dir_fd=fd)
+            pst = os.fstat(parent)
             os.close(fd)
             fd = parent
+            if (pst.st_dev, pst.st_ino) != ids[-1]:
+                raise OSError(errno.EXDEV, f"a directory below {path} was moved out of it while it was removed")
             try:
                 os.rmdir(name, dir_fd=fd)
             except PermissionError:  # a directory the call made read-only
