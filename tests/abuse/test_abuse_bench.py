@@ -45,3 +45,23 @@ def test_cases_are_complete() -> None:
     assert required <= names, required - names
     for c in CASES:
         assert c.attack and c.asserts and c.defence, c.name
+
+
+def test_the_totals_cover_every_suite_run() -> None:
+    """``dsec bench abuse`` reports the container, FnCall and gVisor suites side by side and one
+    verdict over all of them (issue 22)."""
+    from dsec.bench.abuse import SUITES, _totals
+
+    assert SUITES == ("container", "fncall", "gvisor")
+    res = {"cases_total": 3, "cases_contained": 3, "cases_not_contained": "",
+           "fncall_cases_total": 40, "fncall_cases_contained": 39, "fncall_cases_not_contained": "fncall_x",
+           "gvisor_cases_total": 18, "gvisor_cases_contained": 18, "gvisor_cases_not_contained": ""}
+    _totals(res, list(SUITES))
+    assert res["all_cases_total"] == 61 and res["all_cases_contained"] == 60
+    assert res["all_contained"] is False and res["all_cases_not_contained"] == "fncall_x"
+    ok = {"cases_total": 2, "cases_contained": 2, "gvisor_cases_total": 1, "gvisor_cases_contained": 1}
+    _totals(ok, ["container", "gvisor"])
+    assert ok["all_contained"] is True and ok["all_cases_total"] == 3
+    none: dict[str, object] = {}
+    _totals(none, ["fncall"])
+    assert none["all_contained"] is False  # nothing ran is no verdict

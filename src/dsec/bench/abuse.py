@@ -189,11 +189,7 @@ async def _run(work: Path, *, quick: bool, k: int, only: list[str] | None, say: 
                             continue
                         o = await run_case(lab, c, load=load)
                         outcomes.append(o)
-                        verdict = "skipped" if o.skipped else ("contained" if o.contained else "NOT CONTAINED")
-                        ratio = (f"{o.neighbour_p50_ms / baseline:.2f}x" if o.neighbour_p50_ms and baseline else "-")
-                        say(f"  {c.name:<24} {verdict:<14} neighbours {ratio:>6}  ({o.seconds:.1f}s)")
-                        for f in o.failures()[:5]:
-                            say(f"      {f}")
+                        _say_outcomes([o], baseline, say)
                     end_baseline = await load.baseline(quiet_s / 2)
                     results["neighbour_p50_quiet_end_ms"] = end_baseline
                 finally:
@@ -211,8 +207,82 @@ async def _run(work: Path, *, quick: bool, k: int, only: list[str] | None, say: 
     return results
 
 
+SUITES = ("container", "fncall", "gvisor")
+"""The red-team suites, each against its backend: the container's cases (this module's
+:data:`CASES`), FnCall's (:mod:`dsec.bench.abuse_fncall`) and gVisor's (:mod:`dsec.bench.abuse_gvisor`)."""
+
+
+def _say_outcomes(outcomes: list[Outcome], baseline: float | None, say: Progress) -> None:
+    for o in outcomes:
+        verdict = "skipped" if o.skipped else ("contained" if o.contained else "NOT CONTAINED")
+        ratio = (f"{o.neighbour_p50_ms / baseline:.2f}x" if o.neighbour_p50_ms and baseline else "-")
+        say(f"  {o.name:<32} {verdict:<14} neighbours {ratio:>6}  ({o.seconds:.1f}s)")
+        for f in o.failures()[:5]:
+            say(f"      {f}")
+
+
+async def _gvisor_part(work: Path, *, quick: bool, only: list[str] | None, say: Progress) -> dict[str, Any]:
+    import shutil
+
+    from dsec.bench.abuse_gvisor import GVISOR_CASES, gvisor_outcomes_json, run_gvisor_suite
+
+    names = [c.name for c in GVISOR_CASES if not only or c.name in only]
+    if not names:
+        return {}
+    if shutil.which("runsc") is None:
+        say("gvisor: SUITE NOT RUN: runsc is not installed (scripts/setup.sh installs it)")
+        return {"gvisor_note": "runsc not installed", "gvisor_cases_total": 0}
+    say(f"gvisor: {len(names)} cases against the gVisor backend")
+    outcomes, baseline = await run_gvisor_suite(work, quick=quick, only=names, say=say)
+    _say_outcomes(outcomes, baseline, say)
+    return gvisor_outcomes_json(outcomes, baseline)
+
+
+def _fncall_part(work: Path, *, quick: bool, only: list[str] | None, say: Progress) -> dict[str, Any]:
+    from dsec.bench.abuse_fncall import FNCALL_CASES, fncall_outcomes_json, run_fncall_suite
+
+    names = [c.name for c in FNCALL_CASES if not only or c.name in only or f"fncall_{c.name}" in only]
+    if not names:
+        return {}
+    say(f"fncall: {len(names)} cases against a FnCall worker (its neighbours are calls on the same worker)")
+    outcomes, baseline = run_fncall_suite(work, quick=quick, only=names, say=say)
+    _say_outcomes(outcomes, baseline, say)
+    return fncall_outcomes_json(outcomes, baseline)
+
+
+def _totals(results: dict[str, Any], suites: list[str]) -> None:
+    """All suites together: what a reader checks first."""
+    prefix = {"container": "", "fncall": "fncall_", "gvisor": "gvisor_"}
+    total = contained = 0
+    missing: list[str] = []
+    for suite in suites:
+        t = results.get(f"{prefix[suite]}cases_total")
+        if t is None:
+            continue
+        total += int(t)
+        contained += int(results.get(f"{prefix[suite]}cases_contained") or 0)
+        if results.get(f"{prefix[suite]}cases_not_contained"):
+            missing.append(str(results[f"{prefix[suite]}cases_not_contained"]))
+    results["all_cases_total"] = total
+    results["all_cases_contained"] = contained
+    results["all_contained"] = total > 0 and total == contained
+    results["all_cases_not_contained"] = ",".join(missing)
+
+
 def run(*, quick: bool = False, k_neighbours: int | None = None, only: list[str] | None = None,
-        say: Progress = print) -> dict[str, Any]:
+        suites: list[str] | None = None, say: Progress = print) -> dict[str, Any]:
     k = k_neighbours if k_neighbours is not None else (2 if quick else 4)
+    chosen = list(suites or SUITES)
+    bad = [x for x in chosen if x not in SUITES]
+    if bad:
+        raise ValueError(f"unknown suite {', '.join(bad)}: choose from {', '.join(SUITES)}")
+    results: dict[str, Any] = {"suites": ",".join(chosen)}
     with tempfile.TemporaryDirectory(prefix="dsec-bench-abuse-") as tmp:
-        return asyncio.run(_run(Path(tmp), quick=quick, k=k, only=only, say=say))
+        if "container" in chosen and (not only or any(c.name in only for c in CASES)):
+            results.update(asyncio.run(_run(Path(tmp), quick=quick, k=k, only=only, say=say)))
+        if "fncall" in chosen:
+            results.update(_fncall_part(Path(tmp), quick=quick, only=only, say=say))
+        if "gvisor" in chosen:
+            results.update(asyncio.run(_gvisor_part(Path(tmp), quick=quick, only=only, say=say)))
+    _totals(results, chosen)
+    return results

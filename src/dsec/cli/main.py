@@ -266,11 +266,15 @@ def bench_sched(quick: bool, json_path: Path | None, seed: int) -> None:
 @click.option("-k", "--neighbours", "k", type=click.IntRange(1, 64), default=None,
               help="Neighbour sandboxes running a steady exec workload (default 4; 2 with --quick).")
 @click.option("--case", "only", multiple=True, help="Run only this case (repeatable).")
-def bench_abuse(quick: bool, json_path: Path | None, k: int | None, only: tuple[str, ...]) -> None:
-    """Abuse suite: each attack contained? neighbours' exec p50 during it vs quiet; network/stage figures."""
+@click.option("--suite", "suites", multiple=True, type=click.Choice(["container", "fncall", "gvisor"]),
+              help="Run only this red-team suite (repeatable; default all three).")
+def bench_abuse(quick: bool, json_path: Path | None, k: int | None, only: tuple[str, ...],
+                suites: tuple[str, ...]) -> None:
+    """Abuse suites (container, FnCall, gVisor): each attack contained? neighbours' exec p50 during it vs
+    quiet; network/stage figures."""
     from dsec.bench.abuse import run
 
-    results = run(quick=quick, k_neighbours=k, only=list(only) or None,
+    results = run(quick=quick, k_neighbours=k, only=list(only) or None, suites=list(suites) or None,
                   say=lambda m: console.print(f"[dim]{m}[/dim]", highlight=False))
     _report("dsec bench abuse", results, json_path)
 
