@@ -104,7 +104,7 @@ def _param(c: FnCase) -> Any:
 @pytest.mark.parametrize("case", [_param(c) for c in FNCALL_CASES])
 def test_fncall_case_is_contained(rtx: RuntimeHarness, pool: FnCallPool, request: pytest.FixtureRequest,
                                   case: FnCase) -> None:
-    edge = request.getfixturevalue("fn_edge") if case.needs_edge or case.name == "forged_result_frames" else None
+    edge = request.getfixturevalue("fn_edge") if case.needs_edge or case.uses_edge else None
     out = rtx.run(run_fncall_case(pool, IMAGE, case, edge=edge, quick=True), timeout=900)
     print(out.report())
     if out.skipped:
@@ -131,7 +131,8 @@ def test_the_issue_s_findings_each_have_a_case() -> None:
                 "tcp_time_wait", "concurrent_proc_peek", "signal_concurrent_calls", "attack_the_machinery",
                 "ipc_and_keyrings", "write_outside_scratch", "globals_and_environment", "limits_and_priority",
                 "setuid_attempts", "process_tricks", "fork_bomb", "cpu_spin_past_timeout", "fd_exhaustion",
-                "result_pipe_games", "stdout_after_result"}
+                "result_pipe_games", "stdout_after_result", "awkward_values", "cleaner_climbs_out",
+                "memory_charge_outlives_call", "output_amplification"}
     assert required <= {c.name for c in FNCALL_CASES}, required - {c.name for c in FNCALL_CASES}
 
 

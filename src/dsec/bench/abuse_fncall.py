@@ -289,27 +289,32 @@ FORGED: dict[str, str] = {
     "short_frame": "struct.pack('>I', 3) + b'abc'",
     "zero_length": "struct.pack('>I', 0)",
     "kind_only": "struct.pack('>I', 1) + b'V'",
-    "error_not_json": "struct.pack('>IBd', 9 + 9, 0x45, 0.0) + b'{not json'",
-    "error_not_utf8": "struct.pack('>IBd', 9 + 4, 0x45, 0.0) + b'{\\xff\\xfe}'",
-    "error_deep_json": "struct.pack('>IBd', 9 + 200009, 0x45, 0.0) + b'{\"a\":' + b'[' * 100000 + b']' * 100000 + b'}'",
-    "error_not_object": "struct.pack('>IBd', 9 + 7, 0x45, 0.0) + b'[1,2,3]'",
-    "value_not_json": "struct.pack('>IBd', 9 + 6, 0x56, 0.0) + b'\\xff\\xfe!@#$'",
-    "value_deep_json": "struct.pack('>IBd', 9 + 200000, 0x56, 0.0) + b'[' * 100000 + b']' * 100000",
-    "unknown_kind": "struct.pack('>IBd', 9 + 2, 0x00, 0.0) + b'{}'",
+    "error_not_json": "F(0x45, b'{not json')",
+    "error_not_utf8": "F(0x45, b'{\\xff\\xfe}')",
+    "error_deep_json": "F(0x45, b'{\"a\":' + b'[' * 100000 + b']' * 100000 + b'}')",
+    "error_not_object": "F(0x45, b'[1,2,3]')",
+    "error_huge_int": "F(0x45, b'{\"exc_type\":' + b'7' * 5000 + b'}')",
+    "value_not_json": "F(0x56, b'\\xff\\xfe!@#$')",
+    "value_deep_json": "F(0x56, b'[' * 100000 + b']' * 100000)",
+    "value_huge_int": "F(0x56, b'7' * 5000)",
+    "value_surrogate": "F(0x56, b'\"\\\\ud800\"')",
+    "unknown_kind": "F(0x00, b'{}')",
     "huge_length": "struct.pack('>I', 0xFFFFFFF0) + b'x' * 64",
     "truncated": "struct.pack('>IBd', 100, 0x56, 0.0) + b'\"abc'",
     "garbage": "bytes(range(256)) * 4",
-    "nan_time": "struct.pack('>IBd', 9 + 1, 0x56, float('nan')) + b'1'",
-    "two_frames": "struct.pack('>IBd', 9 + 1, 0x56, 0.0) + b'1' + struct.pack('>I', 3) + b'abc'",
+    "nan_time": "F(0x56, b'1', float('nan'))",
+    "two_frames": "F(0x56, b'1') + struct.pack('>I', 3) + b'abc'",
 }
 """Forged result frames (Python expressions of bytes), each written to the call's own result pipe."""
 
-FORGED_WELL_FORMED = {"nan_time", "two_frames"}
+FORGED_WELL_FORMED = {"nan_time", "two_frames", "value_surrogate"}
 """Forged frames that are well formed: the call may get the value it forged (docs/FNCALL.md)."""
 
 for _name, _expr in FORGED.items():
     SRC[f"forge_{_name}"] = _RES_FD + (
         "import os, struct, sys\n"
+        "def F(kind, payload, ran=0.0):\n"
+        "    return struct.pack('>IBd', 9 + len(payload), kind, ran) + payload\n"
         "def main():\n"
         f"    data = {_expr}\n"
         "    fd = _res_fd()\n"
@@ -1466,6 +1471,34 @@ def main(tag, seconds):
 """
 
 
+SRC["awkward_values"] = """\
+def main(kind, depth):
+    if kind == 'surrogate_value':
+        return ['\\ud800', '\\udfff']
+    if kind == 'surrogate_key':
+        return {'\\ud800': 1}
+    if kind == 'surrogate_error':
+        raise ValueError('\\udfff')
+    if kind == 'surrogate_print':
+        import sys
+        sys.stdout.buffer.write(b'\\xed\\xa0\\x80\\n')
+        return 1
+    if kind == 'nested':
+        v = 1
+        for _ in range(depth):
+            v = [v]
+        return v
+    if kind == 'nested_error':
+        v = 1
+        for _ in range(depth):
+            v = [v]
+        raise ValueError(v)
+    if kind == 'nan':
+        return [float('nan'), float('inf')]
+    return kind
+"""
+
+
 # ----------------------------------------------------------------- the edge ----
 
 
@@ -1759,10 +1792,21 @@ class FnAttack:
         async with httpx.AsyncClient(timeout=timeout) as h:
             r = await h.post(self.edge.url + path, json=body, headers={"authorization": f"Bearer {self.edge.token}"})
         try:
-            doc = r.json()
-        except ValueError:
-            doc = r.text[:500]
+            doc = json.loads(r.content)
+        except (ValueError, RecursionError) as exc:
+            doc = f"undecodable: {type(exc).__name__}: {exc}; {r.text[:300]}"
         return r.status_code, doc
+
+    async def sdk_many(self, calls: Sequence[FnCall], **limits: Any) -> list[Any] | Exception:
+        """The calls through the SDK's ``fncall_many`` (the edge's batch route), as a client would."""
+        from dsec.sdk import AsyncClient
+
+        assert self.edge is not None
+        try:
+            async with AsyncClient(self.edge.url, self.edge.token) as c:
+                return list(await c.fncall_many(self.image, list(calls), **limits))
+        except Exception as exc:
+            return exc
 
 
 FnCaseFn = Callable[[FnAttack], Awaitable[None]]
@@ -1781,7 +1825,9 @@ class FnCase:
     heavy: bool = False
     """Long or heavy on the machine: ``slow`` in tests."""
     needs_edge: bool = False
-    """Uses an edge's HTTP routes too (skipped without one)."""
+    """Needs an edge's HTTP routes (skipped without one)."""
+    uses_edge: bool = False
+    """Uses an edge's HTTP routes too when there is one."""
     replaces_worker: bool = False
     """The case replaces a worker on purpose (no 'no worker replaced' check)."""
     known_bug: str | None = None
@@ -1915,7 +1961,7 @@ _NORMAL = "def main(i):\n    return ['ok', i]"
         asserts="each such call gets its own typed FnCallFailed (never FnCallWorkerLost, never another exception); "
                 "every other call of a batch gets its own value; the routes answer 200 with a typed error",
         defence="every byte from a call is untrusted: the supervisor and the pool parse a call's frame as that call's "
-                "data, a malformed one is that call's crash")
+                "data, a malformed one is that call's crash", uses_edge=True)
 async def _forged(a: FnAttack) -> None:
     names = [*FORGED, "stream"]
     alone_bad: list[str] = []
@@ -1967,6 +2013,52 @@ async def _forged(a: FnAttack) -> None:
                 http_bad.append(f"{name} (batch): the edge's worker changed {worker_before} -> {res[1].get('worker')}")
     a.check("through the edge: every malformed frame is HTTP 200 with a typed error, a batch keeps the others' "
             "values, the edge's worker is never replaced", not http_bad, http_bad)
+
+
+_AWKWARD = [("surrogate_value", 0), ("surrogate_key", 0), ("surrogate_error", 0), ("surrogate_print", 0),
+            ("nested", 900), ("nested", 960), ("nested", 985), ("nested_error", 900), ("nan", 0)]
+
+
+@fncase("awkward_values",
+        attack="calls return (not forge) values a JSON writer may refuse: lone surrogates in a value, a key and an "
+               "exception's message, surrogate bytes on stdout, lists nested 900-985 deep (just under the call's own "
+               "recursion limit, over the pool's or the edge's once they sit deeper in the stack), NaN and Infinity; "
+               "alone, in a pool batch and through the edge's routes",
+        asserts="each is its own call's value or typed failure; a batch keeps the other calls' values; the routes "
+                "answer 200",
+        defence="what the pool decodes and the edge encodes cannot fail on a call's data (or fails that call alone, "
+                "typed)", uses_edge=True)
+async def _awkward(a: FnAttack) -> None:
+    bad: list[str] = []
+    for kind, depth in _AWKWARD:
+        out = await a.call(SRC["awkward_values"], kind, depth, timeout=15)
+        if not (isinstance(out, FnResult) or _typed_failure(out)):
+            bad.append(f"{kind} {depth}: {_desc(out)}")
+        outs = await a.many([FnCall(SRC["awkward_values"], (kind, depth)), FnCall(_NORMAL, (1,))], timeout=15)
+        if not isinstance(outs, list) or _value(outs[1]) != ["ok", 1]:
+            bad.append(f"{kind} {depth} in a batch: {_desc(outs) if not isinstance(outs, list) else _desc(outs[1])}")
+    a.check("each awkward value is its own call's outcome, alone and in a batch", not bad, bad)
+    if a.edge is None:
+        return
+    http_bad: list[str] = []
+    for kind, depth in _AWKWARD:
+        status, doc = await a.http("/v1/fncall", {"image": _image_name(a.image), "source": SRC["awkward_values"],
+                                                  "args": [kind, depth], "timeout": 15})
+        if status != 200 or not isinstance(doc, dict):
+            http_bad.append(f"{kind} {depth}: HTTP {status} {str(doc)[:200]}")
+        status, doc = await a.http("/v1/fncall/batch", {
+            "image": _image_name(a.image), "timeout": 15,
+            "calls": [{"source": SRC["awkward_values"], "args": [kind, depth]}, {"source": _NORMAL, "args": [1]}]})
+        res = doc.get("results") if isinstance(doc, dict) else None
+        if status != 200 or not isinstance(res, list) or len(res) != 2 or res[1].get("value") != ["ok", 1]:
+            http_bad.append(f"{kind} {depth} (batch): HTTP {status} {str(doc)[:200]}")
+    a.check("through the edge: HTTP 200 for each, a batch keeps the other call's value", not http_bad, http_bad)
+    sdk_bad: list[str] = []
+    for kind, depth in _AWKWARD:
+        outs = await a.sdk_many([FnCall(SRC["awkward_values"], (kind, depth)), FnCall(_NORMAL, (1,))], timeout=15)
+        if not isinstance(outs, list) or _value(outs[1]) != ["ok", 1]:
+            sdk_bad.append(f"{kind} {depth}: {_desc(outs) if not isinstance(outs, list) else _desc(outs[1])}")
+    a.check("through the SDK's fncall_many: the other call of each batch gets its value", not sdk_bad, sdk_bad)
 
 
 def _image_name(image: ImageRef) -> Any:
