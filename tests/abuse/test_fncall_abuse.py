@@ -132,7 +132,7 @@ def test_the_issue_s_findings_each_have_a_case() -> None:
                 "ipc_and_keyrings", "write_outside_scratch", "globals_and_environment", "limits_and_priority",
                 "setuid_attempts", "process_tricks", "fork_bomb", "cpu_spin_past_timeout", "fd_exhaustion",
                 "result_pipe_games", "stdout_after_result", "awkward_values", "cleaner_climbs_out",
-                "memory_charge_outlives_call", "output_amplification"}
+                "memory_charge_outlives_call", "output_amplification", "net_counters_across_time"}
     assert required <= {c.name for c in FNCALL_CASES}, required - {c.name for c in FNCALL_CASES}
 
 

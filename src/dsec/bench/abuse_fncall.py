@@ -1499,6 +1499,48 @@ def main(kind, depth):
 """
 
 
+SRC["net_counters"] = """\
+def main():
+    out = {}
+    try:
+        with open('/proc/net/snmp') as f:
+            lines = f.read().splitlines()
+        for i in range(0, len(lines) - 1, 2):
+            names, values = lines[i].split(), lines[i + 1].split()
+            if names[0] in ('Tcp:', 'Udp:'):
+                for n, v in zip(names[1:], values[1:]):
+                    out[names[0][:-1] + '.' + n] = int(v)
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        with open('/proc/net/dev') as f:
+            for line in f:
+                if line.strip().startswith('lo:'):
+                    out['lo.rx_packets'] = int(line.split(':', 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return out
+"""
+
+SRC["net_signal"] = """\
+import socket
+def main(k):
+    srv = socket.socket()
+    srv.bind(('127.0.0.1', 0))
+    srv.listen(64)
+    for _ in range(k):
+        c = socket.create_connection(('127.0.0.1', srv.getsockname()[1]))
+        s, _ = srv.accept()
+        s.close()
+        c.close()
+    u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    u.bind(('127.0.0.1', 0))
+    for _ in range(k):
+        u.sendto(b'x', u.getsockname())
+    return k
+"""
+
+
 # ----------------------------------------------------------------- the edge ----
 
 
@@ -2541,6 +2583,24 @@ async def _time_wait(a: FnAttack) -> None:
     a.check("the attack ran", isinstance(atk, FnResult), _desc(atk))
     a.check("a later call sees none of the earlier call's connections in /proc/net/tcp",
             isinstance(seen, FnResult) and not seen.value, _desc(seen))
+
+
+@fncase("net_counters_across_time",
+        attack="a call opens 137 loopback TCP connections and sends 137 UDP datagrams; calls before and after it read "
+               "the network namespace's counters (/proc/net/snmp Tcp/Udp, /proc/net/dev lo)",
+        asserts="a later call cannot read off what an earlier call did (the counters' difference is not 137)",
+        defence="/proc/net of the worker masked from calls (or documented as a channel across time)")
+async def _net_counters(a: FnAttack) -> None:
+    k = 137
+    before = await a.call(SRC["net_counters"], timeout=15)
+    atk = await a.call(SRC["net_signal"], k, timeout=30)
+    after = await a.call(SRC["net_counters"], timeout=15)
+    b, c = _value(before, {}), _value(after, {})
+    diffs = {n: c[n] - b[n] for n in ("Tcp.ActiveOpens", "Tcp.PassiveOpens", "Udp.OutDatagrams", "Udp.InDatagrams")
+             if n in b and n in c}
+    a.check("the attack ran", _value(atk) == k, _desc(atk))
+    a.check(f"a later call cannot read off the earlier call's {k} connections and datagrams",
+            not any(v == k for v in diffs.values()), diffs)
 
 
 @fncase("concurrent_proc_peek",
