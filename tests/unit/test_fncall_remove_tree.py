@@ -85,3 +85,16 @@ def test_the_cleaner_sets_a_tree_it_cannot_remove_aside_and_tries_again(tmp_path
     assert [p for _, p in sup.retry] == [str(tree)]
     st = tree.stat()
     assert (st.st_uid, st.st_mode & 0o777) == (0, 0o700)
+
+
+def test_the_host_inotify_limit_is_raised_not_lowered(tmp_path: Path) -> None:
+    """Every sandbox's inotify instances count against host root's limit (128 on Debian): one
+    call or sandbox holding 128 took inotify from all (issue 22's red team)."""
+    from dsec.backends.container.hostcheck import INOTIFY_INSTANCES, tune_inotify
+
+    f = tmp_path / "max_user_instances"
+    f.write_text("128\n")
+    assert tune_inotify(f) == INOTIFY_INSTANCES and int(f.read_text()) == INOTIFY_INSTANCES
+    f.write_text(f"{INOTIFY_INSTANCES * 4}\n")
+    assert tune_inotify(f) is None and int(f.read_text()) == INOTIFY_INSTANCES * 4
+    assert tune_inotify(tmp_path / "missing") is None

@@ -84,7 +84,12 @@ class _Service(Protocol):
 
 
 def _dumps(value: Any) -> bytes:
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+    try:
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        # A call's value may hold lone surrogates ("\ud800": valid JSON escapes, which Python
+        # reads into a str no UTF-8 can hold): escaped, the answer stays JSON and a 200.
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=True).encode()
 
 
 def _allowed(claims: Claims) -> Claims:

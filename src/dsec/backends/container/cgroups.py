@@ -95,6 +95,9 @@ class RuntimeCgroups:
         check_host()
         if tune_host:
             favor_dynmods()
+            from dsec.backends.container.hostcheck import tune_inotify
+
+            tune_inotify()
         for ctrl, path in self.parents.items():
             path.mkdir(parents=True, exist_ok=True)
             if ctrl == "memory":

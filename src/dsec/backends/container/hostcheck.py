@@ -39,3 +39,30 @@ def features() -> dict[str, int]:
     from dsec.backends.container.stages import landlock_abi
 
     return {"landlock_abi": landlock_abi()}
+
+
+INOTIFY_INSTANCES = 1 << 16
+"""The host's fs.inotify.max_user_instances at least (tune_inotify)."""
+
+
+def tune_inotify(path: Path = Path("/proc/sys/fs/inotify/max_user_instances")) -> int | None:
+    """Raise the host's inotify instance limit to :data:`INOTIFY_INSTANCES` when it is lower;
+    returns the value set (None: left as it was).
+
+    Every sandbox's user namespace is made by host root, and the kernel charges an inotify
+    instance made anywhere below it to every level up to the host's: to host root's own 128
+    (Debian's default), shared by all sandboxes and by the host's root daemons. One sandbox
+    (or one FnCall call) holding 128 instances took inotify from every other sandbox on the
+    node. The kernel accounts each instance's memory to its cgroup, and a sandbox's open
+    files bound how many it holds: the host-wide count is not the bound that matters."""
+    try:
+        current = int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    if current >= INOTIFY_INSTANCES:
+        return None
+    try:
+        path.write_text(str(INOTIFY_INSTANCES))
+    except OSError:
+        return None
+    return INOTIFY_INSTANCES

@@ -362,7 +362,12 @@ class Worker:
         if op == "result":
             p = self.pending.pop(int(header["id"]), None)
             if p is not None and not p.future.done():
-                p.future.set_result((header, payload))
+                # stdout and stderr are raw bytes at the head of the payload (worker.py, respond)
+                n_out, n_err = int(header.get("out", 0)), int(header.get("err", 0))
+                view = memoryview(payload)
+                header["stdout"] = str(view[:n_out], "utf-8", "replace")
+                header["stderr"] = str(view[n_out : n_out + n_err], "utf-8", "replace")
+                p.future.set_result((header, bytes(view[n_out + n_err :])))
         elif op == "ready":
             if self._ready is not None and not self._ready.done():
                 self._ready.set_result(header)

@@ -73,7 +73,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-PROTOCOL = 1
+PROTOCOL = 2
 SCRATCH_ROOT = "/fncall"
 """Root-owned, mode 0711: calls can enter their own scratch directory but list nothing."""
 U32 = struct.Struct(">I")
@@ -93,10 +93,13 @@ MAX_START_FAILURES = 20
 UID_SPAN = 2 * KILLER_OFFSET
 """Uids from ``uid_base`` that belong to calls and their kill helpers (none may own a file)."""
 WATCH_S = 1.0
+SPARE_PREFIX = "spare-"
+SPARES_PER_SLOT = 4
+"""Scratch directories made ahead per slot: what a slot can start with while a call holds the disk full."""
 RETRY_CLEAN_S = 2.0
 """A scratch tree that could not be removed (moved under the cleaner) is tried again this much later."""
 HELD_STEP = 4 << 20
-"""A slot's memory limit is the call's ``memory`` plus what the slot holds, rounded up to this."""
+"""A slot's memory limit is the call's ``memory`` plus what the slot holds, rounded down to this."""
 
 PR_SET_PDEATHSIG = 1
 PR_SET_DUMPABLE = 4
@@ -599,7 +602,12 @@ def call_child(uid: int, scratch: str, fds: list[int], kit: Kit, slot: int) -> N
         os.set_inheritable(req_r, False)
         os.set_inheritable(res_w, False)
         os.set_inheritable(go_w, False)
-        os.mkdir(scratch, 0o700)
+        if os.path.basename(scratch).startswith(SPARE_PREFIX):
+            st = os.lstat(scratch)  # made ahead by the supervisor: root's, 0700, empty
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != 0 or stat.S_IMODE(st.st_mode) != 0o700:
+                raise OSError(errno.EPERM, f"{scratch} is not a spare scratch directory")
+        else:
+            os.mkdir(scratch, 0o700)
         os.chown(scratch, uid, uid)
         adj = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
         try:  # the cgroup's OOM killer takes a call before the zygote or supervisor
@@ -1119,6 +1127,9 @@ class Supervisor:
         self.cleaner_thread = threading.Thread(target=self.cleaner, daemon=True, name="cleaner")
         self.cleaner_failed = ""
         self.retry: deque[tuple[float, str]] = deque()  # (when, scratch tree set aside)
+        self.spares: deque[str] = deque()  # scratch directories made ahead (make_spares)
+        self.spares_wanted = 0
+        self.spares_due = 0.0  # when the cleaner may try to make spares again
         self.fdq: deque[int] = deque()  # fds that came with the host's frames, in order
         self.stdin_sock: socket.socket | None = None
         self.cg_fds: list[int] = []
@@ -1143,9 +1154,16 @@ class Supervisor:
         if t is not None:
             t[2] = None
 
-    def send(self, header: dict[str, Any], payload: bytes = b"") -> None:
+    def send(self, header: dict[str, Any], *payload: bytes | bytearray) -> None:
+        """One frame; the payload's parts are appended as they are (no joined copy: a result
+        can carry three times the output cap)."""
         h = json.dumps(header, separators=(",", ":")).encode()
-        self.outbuf += U32.pack(4 + len(h) + len(payload)) + U32.pack(len(h)) + h + payload
+        out = self.outbuf
+        out += U32.pack(4 + len(h) + sum(len(x) for x in payload))
+        out += U32.pack(len(h))
+        out += h
+        for part in payload:
+            out += part
         self.flush()
 
     def flush(self) -> None:
@@ -1217,6 +1235,8 @@ class Supervisor:
             _rmtree(os.path.join(SCRATCH_ROOT, name))
         lock_s = time.perf_counter() - t
         self.slots = [Slot(i, uid_lo + i, uid_lo + KILLER_OFFSET + i) for i in range(nslots)]
+        self.spares_wanted = SPARES_PER_SLOT * nslots
+        self.make_spares()
         procs = self.take_cgroups(cfg.get("cgroup"))
         a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         a.set_inheritable(False)
@@ -1382,7 +1402,12 @@ class Supervisor:
         s.err_r, err_w = os.pipe2(os.O_CLOEXEC)
         for fd in (s.req_w, s.res_r, s.out_r, s.err_r):  # our ends only: the call's stay blocking
             fcntl.fcntl(fd, fcntl.F_SETFL, os.O_NONBLOCK)  # a new pipe end has no other status flag
-        s.scratch = f"{SCRATCH_ROOT}/{s.index}-{os.urandom(8).hex()}"
+        try:  # made ahead (the cleaner thread keeps some): a full disk cannot stop a slot
+            s.scratch = self.spares.popleft()
+        except IndexError:
+            s.scratch = f"{SCRATCH_ROOT}/{s.index}-{os.urandom(8).hex()}"
+        with self.clean_cv:
+            self.clean_cv.notify()  # to make another
         s.state = "forking"
         s.ready_buf = b""
         try:
@@ -1458,7 +1483,7 @@ class Supervisor:
                 held = int(os.pread(usage, 32, 0))
             except (OSError, ValueError):
                 held = 0
-        limit = memory + ((held + HELD_STEP - 1) // HELD_STEP) * HELD_STEP
+        limit = memory + (held // HELD_STEP) * HELD_STEP  # rounded down: never more than its memory
         if s.cg_limit == limit:
             return True
         text = b"%d" % limit
@@ -1826,8 +1851,12 @@ class Supervisor:
     def respond(self, s: Slot | None, call: Call, status: int | None = None) -> None:
         call.done = True
         self.cancel(call.timer)
-        h: dict[str, Any] = {"op": "result", "id": call.id, "stdout": call.out.decode("utf-8", "replace"),
-                             "stderr": call.err.decode("utf-8", "replace"), "call_s": round(_now() - call.t0, 6)}
+        # stdout and stderr travel as raw bytes at the head of the payload, their sizes in the
+        # header: as JSON strings they were escaped (a NUL is six bytes), and a call printing
+        # control characters to its cap made a frame six times the cap, which ran the
+        # supervisor out of memory (every call on the worker lost).
+        h: dict[str, Any] = {"op": "result", "id": call.id, "out": len(call.out), "err": len(call.err),
+                             "call_s": round(_now() - call.t0, 6)}
         payload = b""
         if call.killed == "timeout":
             h["kind"] = "timeout"
@@ -1869,7 +1898,7 @@ class Supervisor:
                     h["kind"] = "timeout"
             elif status is not None and os.WIFEXITED(status):
                 h["exit_code"] = os.WEXITSTATUS(status)
-        self.send(h, payload)
+        self.send(h, call.out, call.err, payload)
 
     # -- cleaning (a thread: removing a large scratch tree must not stall other calls) --
 
@@ -1895,6 +1924,19 @@ class Supervisor:
         with self.clean_cv:
             self.retry.append((_now() + RETRY_CLEAN_S, scratch))
 
+    def make_spares(self) -> None:
+        """Scratch directories made ahead (root's, 0700, empty: no call can enter one before it
+        is given to a slot's process, which chowns it to its uid). A call that fills the
+        worker's disk and holds it must not keep the other slots from starting their next
+        process (a directory needs room); while it does, they use these. Best effort."""
+        while len(self.spares) < self.spares_wanted:
+            path = f"{SCRATCH_ROOT}/{SPARE_PREFIX}{os.urandom(8).hex()}"
+            try:
+                os.mkdir(path, 0o700)
+            except OSError:
+                return  # no room now: the next wake-up tries again
+            self.spares.append(path)
+
     def cleaner(self) -> None:
         """Remove the scratch trees calls left, one at a time. Whatever a call left (any depth,
         any number of entries, modes that refuse us) must not end this thread: a tree that
@@ -1902,13 +1944,19 @@ class Supervisor:
         while True:
             with self.clean_cv:
                 while not self.cleanups and not (self.retry and self.retry[0][0] <= _now()):
-                    self.clean_cv.wait(RETRY_CLEAN_S if self.retry else None)
+                    short = len(self.spares) < self.spares_wanted
+                    if short and self.spares_due <= _now():
+                        break  # make spares (again: a full disk refused them before)
+                    self.clean_cv.wait(RETRY_CLEAN_S if (self.retry or short) else None)
                 due = self.retry.popleft()[1] if self.retry and self.retry[0][0] <= _now() else None
-                item = self.cleanups.popleft() if due is None else None
+                item = self.cleanups.popleft() if due is None and self.cleanups else None
+            self.make_spares()
+            if len(self.spares) < self.spares_wanted:
+                self.spares_due = _now() + RETRY_CLEAN_S  # no room: not before then
             if due is not None:
                 self.clean_one(due)  # a tree set aside before: no slot waits for it
+            if item is None:
                 continue
-            assert item is not None
             s, scratch = item
             self.clean_one(scratch)
             with self.clean_cv:
