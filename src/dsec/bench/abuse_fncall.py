@@ -2200,7 +2200,10 @@ async def _disk_fill(a: FnAttack) -> None:
                "while neighbour calls that write nothing keep coming",
         asserts="the neighbours, which need no disk, keep running and succeeding",
         defence="a call's disk is its own (a quota per call or per slot), or a slot's next process needs no new space "
-                "(documented as shared otherwise: then this case's expectation changes)")
+                "(documented as shared otherwise: then this case's expectation changes)",
+        known_bug="the disk is shared by a worker's calls (docs/FNCALL.md): the other slots start on scratch "
+                  "directories made ahead, 4 a slot, then wait for room; a per-slot btrfs subvolume with its own "
+                  "qgroup limit, made by the host, would make a call's disk its own")
 async def _disk_held(a: FnAttack) -> None:
     w = a.worker()
     quota = w.cfg.resources.disk if w is not None else 64 * MiB
@@ -2589,7 +2592,9 @@ async def _time_wait(a: FnAttack) -> None:
         attack="a call opens 137 loopback TCP connections and sends 137 UDP datagrams; calls before and after it read "
                "the network namespace's counters (/proc/net/snmp Tcp/Udp, /proc/net/dev lo)",
         asserts="a later call cannot read off what an earlier call did (the counters' difference is not 137)",
-        defence="/proc/net of the worker masked from calls (or documented as a channel across time)")
+        defence="/proc/net of the worker masked from calls (or documented as a channel across time)",
+        known_bug="the network namespace's counters are read by every call (docs/FNCALL.md, shared): masking "
+                  "/proc/net in worker sandboxes needs a per-sandbox mask in the container runtime")
 async def _net_counters(a: FnAttack) -> None:
     k = 137
     before = await a.call(SRC["net_counters"], timeout=15)
@@ -2610,7 +2615,10 @@ async def _net_counters(a: FnAttack) -> None:
         asserts="the concurrent call learns nothing of the secret; environ, maps, cwd, fd and mem of other calls are "
                 "refused",
         defence="one uid per slot (ptrace access checks); /proc of other uids' processes hidden (hidepid) or a "
-                "call's argv documented as visible")
+                "call's argv documented as visible",
+        known_bug="a program's command line is world-readable in /proc, as on any Linux host (docs/FNCALL.md): "
+                  "hidepid=invisible,gid=0 on the workers' /proc, a mount option the container runtime does not "
+                  "offer yet, would hide other calls' processes from a call")
 async def _peek(a: FnAttack) -> None:
     secret = f"PEEK-{secrets.token_hex(8)}"
     victim = asyncio.ensure_future(a.call(SRC["peek_victim"], secret, 3.0, timeout=20))

@@ -565,8 +565,8 @@ class FnCallPool:
 
     async def close(self) -> None:
         self.closing = True
-        for t in list(self._restarts):
-            t.cancel()
+        # A restart under way is let finish its stop of the dead worker (cancelled mid-destroy
+        # it left the sandbox half destroyed); with `closing` set it starts no other.
         for ip in self.images.values():
             for t in list(ip.tasks):
                 t.cancel()

@@ -714,6 +714,9 @@ def handle(data: bytes, *, limit: bool) -> bytes:
         payload = json.dumps(value, default=_jsonable, separators=(",", ":")).encode()
         if len(payload) > cap:
             kind, payload = K_TOO_LARGE, json.dumps({"size": len(payload)}).encode()
+        elif payload.count(b"[") + payload.count(b"{") > MAX_DEPTH and json_depth(payload) > MAX_DEPTH:
+            raise TypeError(f"the result is nested more than {MAX_DEPTH} levels deep: JSON readers "
+                            "(the SDK's among them) cannot all read it back")
     except MemoryError:
         ran = time.perf_counter() - t0
         reserve.close()
@@ -731,6 +734,29 @@ def handle(data: bytes, *, limit: bool) -> bytes:
         kind = K_ERROR
         payload = error_payload(_exc_name(type(e)), message, tb, cap)
     return RESULT_HEAD.pack(9 + len(payload), kind, ran) + payload
+
+
+MAX_DEPTH = 256
+"""Deepest nesting of lists and objects a result may have (a reader's stack must hold it)."""
+_JSON_TOKENS = None
+
+
+def json_depth(data: bytes) -> int:
+    """The deepest nesting of ``[``/``{`` in a JSON text (brackets inside strings skipped)."""
+    global _JSON_TOKENS
+    import re
+
+    if _JSON_TOKENS is None:
+        _JSON_TOKENS = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]')
+    depth = deepest = 0
+    for m in _JSON_TOKENS.finditer(data):
+        c = m.group()[:1]
+        if c in (b"[", b"{"):
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c in (b"]", b"}"):
+            depth -= 1
+    return deepest
 
 
 CUT = "[...]"
