@@ -21,6 +21,9 @@ def test_the_reserve_raises_the_mark_once_and_leaves_nothing(tmp_path: Path, mon
     before = shrinker_id_hwm()
     if before is None:
         pytest.skip("the shrinker mark cannot be read on this kernel (< 6.7 or no memory cgroup)")
+    if before > 20_000:
+        pytest.skip(f"this boot's shrinker mark is already {before} ids: raising it would mount that many "
+                    "superblocks (the mark only falls at reboot; a freshly booted CI machine runs this)")
     monkeypatch.setattr(shrinkers, "RECORD", tmp_path / "shrinker-reserve")
     assert shrinkers.reserve(0) == 0 and shrinkers.reserved() == 0
     want = before + 2048

@@ -123,6 +123,7 @@ def expected_create(req: CreateRequest) -> dict[str, Any]:
         "lowers": [str(p) for p in req.lowers],
         "cgroups": [str(p) for p in req.cgroups],
         "net_fd": ident(req.net_fd),
+        "hidepid": int(req.hide_pids),
     }
 
 
@@ -174,6 +175,15 @@ def test_create_agrees(binary: Path, fds: list[int], upper: Path | None, cgroups
                        with_net: bool) -> None:
     req = create_req(upper=upper, cgroups=cgroups, net_fd=fds[0] if with_net else None)
     assert parse(binary, req)["create"] == expected_create(req)
+
+
+def test_create_hidepid_agrees_and_takes_only_1(binary: Path) -> None:
+    req = create_req(hide_pids=True)
+    assert ("hidepid", "1") in req.encode()
+    assert parse(binary, req)["create"] == expected_create(req)
+    assert "hidepid" not in dict(create_req().encode())
+    msg = refused(binary, "create", [*create_req().encode(), ("hidepid", "yes")])
+    assert msg == "create: hidepid takes 1"
 
 
 def test_create_lists_at_and_over_their_caps(binary: Path) -> None:

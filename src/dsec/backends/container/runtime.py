@@ -699,10 +699,13 @@ class ContainerRuntime(BackendBase):
         raise AssertionError("unreachable")
 
     async def create(
-        self, spec: SandboxSpec, *, sandbox_id: str | None = None, edge: EdgeMeta | None = None
+        self, spec: SandboxSpec, *, sandbox_id: str | None = None, edge: EdgeMeta | None = None,
+        hide_pids: bool = False,
     ) -> ContainerRecord:
         """Start a sandbox of ``spec`` (idempotent per ``sandbox_id``); ``edge`` is kept with
-        its record for the edge (never read here)."""
+        its record for the edge (never read here). ``hide_pids``: its /proc shows a process
+        only to the same uid and to the sandbox's root (a backend that runs mutually
+        untrusted uids in one sandbox: FnCall's workers)."""
         if spec.backend != self.kind:
             raise InvalidSpec(f"spec.backend is {spec.backend!r}; this is the {self.kind} backend", field="backend")
         check_spec(self.capabilities, spec)
@@ -738,7 +741,7 @@ class ContainerRuntime(BackendBase):
                     sandbox_id=sid, stage=self.stage_dir, uid_base=rec.uid_base, uid_count=UID_RANGE,
                     disk=res.disk, inodes=max(16384, res.disk // 8192), devskel=self.devskel_dir,
                     empty=self.empty_dir, upper=upper, lowers=tuple(lowers), cgroups=tuple(cg_dirs),
-                    net_fd=lease.fd if lease else None))
+                    net_fd=lease.fd if lease else None, hide_pids=hide_pids))
                 os.close(spawned.pidfd)
                 rec.init_pid = spawned.pid
                 rec.init_start = _proc_start_time(spawned.pid)

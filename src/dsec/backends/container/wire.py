@@ -227,6 +227,10 @@ class CreateRequest:
     upper: Path | None = None
     """The writable layer's directory on the disk store; None: a tmpfs (memory medium)."""
     net_fd: int | None = None
+    hide_pids: bool = False
+    """The sandbox's /proc shows a process only to its own uid and to the sandbox's root
+    (``hidepid=invisible,gid=<root's host gid>``): FnCall's workers, whose calls are uids of
+    their own that must not read each other's command lines."""
 
     def encode(self) -> Fields:
         op = self.OP
@@ -248,6 +252,7 @@ class CreateRequest:
             *([("upper", _abs("upper", self.upper))] if self.upper is not None else []),
             *(("lower", _abs("lower", p)) for p in self.lowers),
             *(("cg", _abs("cg", p)) for p in self.cgroups),
+            *([("hidepid", "1")] if self.hide_pids else []),
         ]
         return _checked(op, fields)
 

@@ -77,7 +77,7 @@ class WorkerHost(Protocol):
     @property
     def sandboxes(self) -> Mapping[str, Any]: ...
 
-    async def create(self, spec: SandboxSpec, *, sandbox_id: str | None = None) -> Any: ...
+    async def create(self, spec: SandboxSpec, *, sandbox_id: str | None = None, hide_pids: bool = False) -> Any: ...
 
     async def destroy(self, sandbox_id: str) -> bool: ...
 
@@ -199,7 +199,9 @@ class Worker:
         self.started_at = time.monotonic()
         spec = SandboxSpec(image=self.image, resources=self.cfg.resources,
                            labels={LABEL: "worker", LABEL_POOL: self.pool.name})
-        rec = await host.create(spec)
+        # hide_pids: a call sees in /proc only its own uid's processes (not another call's
+        # command lines); the supervisor and zygote, root, see all.
+        rec = await host.create(spec, hide_pids=True)
         self.sandbox_id = str(rec.id)
         program = await asyncio.to_thread(PROGRAM.read_bytes)
         await asyncio.to_thread(host.files(self.sandbox_id).write, PROGRAM_PATH, program, mode=0o644,

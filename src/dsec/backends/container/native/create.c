@@ -102,7 +102,7 @@ void create_args_init(struct create_args *a, const struct create_req *c) {
         .id = c->id, .lowers = (char **)c->lowers, .cgs = (char **)c->cgs,
         .uid_base = strtoul(c->uid_base, NULL, 10), .disk = strtoull(c->disk, NULL, 10),
         .inodes = strtoull(c->inodes, NULL, 10), .upper = c->upper, .devskel = c->devskel, .empty = c->empty,
-        .userns_fd = -1, .go_fd = -1, .report_fd = -1, .net_fd = -1};
+        .hidepid = c->hidepid != NULL, .userns_fd = -1, .go_fd = -1, .report_fd = -1, .net_fd = -1};
 }
 
 void do_create(struct req *r) {

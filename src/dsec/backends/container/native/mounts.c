@@ -203,7 +203,12 @@ int sandbox_root(struct create_args *a) {
     trace("template");
     /* /proc: fresh, with kernel knobs read-only and host-revealing files masked. */
     if (ensure_dir("r/proc", ub, ub, 0555) < 0) child_fail(rfd, "proc", "mkdir /proc");
-    if (mount("proc", "r/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) < 0)
+    /* hidepid: a process is shown only to its own uid (ptrace's read check) and to the
+     * sandbox root's group, given as its host gid: this mount is made in the host's user
+     * namespace, where proc reads gid= (the sandbox maps its ids 0.. to uid_base..). */
+    char procopts[64];
+    snprintf(procopts, sizeof procopts, "hidepid=invisible,gid=%lu", a->uid_base);
+    if (mount("proc", "r/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, a->hidepid ? procopts : NULL) < 0)
         child_fail(rfd, "proc", "mount proc");
     static const char *ro_proc[] = {"sys", "sysrq-trigger", "irq", "bus", "fs", "driver", NULL};
     for (int i = 0; ro_proc[i]; i++) {

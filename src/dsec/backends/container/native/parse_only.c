@@ -79,6 +79,7 @@ static void print_create(const struct create_req *c) {
     j_key("lowers"); j_strs(a.lowers);
     j_key("cgroups"); j_strs(a.cgs);
     j_key("net_fd"); j_fd(c->net_fd);
+    j_key("hidepid"); printf("%d", a.hidepid);
     j_close();
 }
 

@@ -182,18 +182,20 @@ enum op req_op(struct req *r, struct parse_err *e) {
 
 /* create: id, stage (the template's mountpoint), uid_base, uid_count, disk, inodes, devskel,
  * empty, upper (optional: no upper is the memory medium), lower (1..MAX_LAYERS, top first),
- * cg (0..MAX_CGROUPS); at most one fd, a prepared network namespace. */
+ * cg (0..MAX_CGROUPS), hidepid (optional, "1"); at most one fd, a prepared network namespace. */
 int parse_create(struct req *r, struct create_req *c, struct parse_err *e) {
     c->id = req_get(r, "id"); c->stage = req_get(r, "stage");
     c->uid_base = req_get(r, "uid_base"); c->uid_count = req_get(r, "uid_count");
     c->disk = req_get(r, "disk"); c->inodes = req_get(r, "inodes");
     c->upper = req_get(r, "upper"); c->devskel = req_get(r, "devskel"); c->empty = req_get(r, "empty");
+    c->hidepid = req_get(r, "hidepid");
     c->net_fd = r->nfds >= 1 ? r->fds[0] : -1;
     if ((c->nlowers = req_all(r, "lower", c->lowers, MAX_LAYERS)) < 0 ||
         (c->ncgs = req_all(r, "cg", c->cgs, MAX_CGROUPS)) < 0)
         return refuse(e, "create takes at most %d layers and %d cgroups", MAX_LAYERS, MAX_CGROUPS);
     if (!c->id || !c->stage || !c->uid_base || !c->uid_count || !c->disk || !c->inodes || !c->devskel || !c->empty)
         return refuse(e, "create needs id, stage, uid_base, uid_count, disk, inodes, devskel, empty");
+    if (c->hidepid && strcmp(c->hidepid, "1") != 0) return refuse(e, "create: hidepid takes 1");
     return 0;
 }
 

@@ -170,6 +170,7 @@ struct req {
 
 struct create_args {
     const char *id, *upper, *devskel, *empty;
+    int hidepid; /* /proc: hidepid=invisible, the sandbox root's group exempt */
     char **lowers;
     char **cgs;
     unsigned long uid_base;
@@ -213,7 +214,7 @@ enum op { OP_NONE, OP_BAD, OP_CREATE, OP_EXEC, OP_PING };
 
 /* create.  Strings point into the request; lists are NULL-terminated. */
 struct create_req {
-    const char *id, *stage, *uid_base, *uid_count, *disk, *inodes, *upper, *devskel, *empty;
+    const char *id, *stage, *uid_base, *uid_count, *disk, *inodes, *upper, *devskel, *empty, *hidepid;
     char *lowers[MAX_LAYERS + 1], *cgs[MAX_CGROUPS + 1];
     int nlowers, ncgs;
     int net_fd; /* fd 0 of the request: a prepared network namespace; -1: none (one from the pool) */
