@@ -298,8 +298,11 @@ def test_a_tree_too_deep_for_rmtree_does_not_stop_the_cleaner(rtx: RuntimeHarnes
     scratch = Path(f"/proc/{rtx.rt.sandboxes[sid].init_pid}/root/fncall")
 
     def only_fresh() -> bool:  # empty scratch directories: the waiting call processes' and the spares
-        dirs = list(scratch.iterdir())
-        return len(dirs) <= SLOTS * (1 + SPARES_PER_SLOT) and not any(any(d.iterdir()) for d in dirs)
+        try:  # the cleaner may remove an entry between the listing and its read: read again
+            dirs = list(scratch.iterdir())
+            return len(dirs) <= SLOTS * (1 + SPARES_PER_SLOT) and not any(any(d.iterdir()) for d in dirs)
+        except FileNotFoundError:
+            return False
 
     assert wait_until(only_fresh, timeout=30), sorted(p.name for p in scratch.iterdir())
     assert one_worker(pool) == sid and pool.stats.restarts == restarts
