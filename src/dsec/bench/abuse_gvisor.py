@@ -56,6 +56,7 @@ from dsec.bench.abuse_cases import (
     kmsg_records,
     outcomes_json,
 )
+from dsec.bench.abuse_helper import build_static
 from dsec.bench.stats import percentile
 from dsec.errors import DsecError, ExecTimeout, FileAccessError
 from dsec.spec import ImageRef, Resources, SandboxSpec
@@ -456,23 +457,7 @@ int main(int argc, char **argv) {
 
 def build_gvabuse(cache: Path) -> Path | None:
     """The attack program (``gcc -static``), built once per source hash; None without a compiler."""
-    digest = hashlib.sha256(GVABUSE_C.encode()).hexdigest()[:16]
-    out = cache / f"dsec-gvabuse-{digest}"
-    if out.exists():
-        return out
-    gcc = shutil.which("gcc") or shutil.which("cc")
-    if gcc is None:
-        return None
-    cache.mkdir(parents=True, exist_ok=True)
-    src = cache / f"dsec-gvabuse-{digest}.c"
-    src.write_text(GVABUSE_C)
-    tmp = out.with_suffix(f".tmp{os.getpid()}")
-    proc = subprocess.run([gcc, "-static", "-O1", "-o", str(tmp), str(src)], capture_output=True, text=True,
-                          check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"building the gVisor attack program failed:\n{proc.stderr[-4000:]}")
-    tmp.rename(out)
-    return out
+    return build_static(GVABUSE_C, cache, "dsec-gvabuse", "the gVisor attack program")
 
 
 def parse_ops(text: str, ops: Sequence[str]) -> dict[str, tuple[int, str]]:

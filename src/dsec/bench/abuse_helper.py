@@ -13,8 +13,10 @@ run on the host.
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 
 HELPER_PATH = "/usr/bin/dsec-abuse"
@@ -484,22 +486,28 @@ int main(int argc, char **argv) {
 """
 
 
-def build_helper(cache: Path) -> Path | None:
-    """The helper binary (``gcc -static``), built once per source hash; None without a compiler."""
-    digest = hashlib.sha256(HELPER_C.encode()).hexdigest()[:16]
-    out = cache / f"dsec-abuse-{digest}"
+def build_static(source: str, cache: Path, stem: str, what: str, flags: Sequence[str] = ()) -> Path | None:
+    """``source`` built with ``gcc -static`` into ``cache/<stem>-<source hash>``, once per source;
+    None without a compiler. Shared by the attack programs of every red-team suite."""
+    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+    out = cache / f"{stem}-{digest}"
     if out.exists():
         return out
     gcc = shutil.which("gcc") or shutil.which("cc")
     if gcc is None:
         return None
     cache.mkdir(parents=True, exist_ok=True)
-    src = cache / f"dsec-abuse-{digest}.c"
-    src.write_text(HELPER_C)
-    tmp = out.with_suffix(".tmp")
-    proc = subprocess.run([gcc, "-static", "-O1", "-pthread", "-o", str(tmp), str(src)],
+    src = cache / f"{stem}-{digest}.c"
+    src.write_text(source)
+    tmp = out.with_suffix(f".tmp{os.getpid()}")
+    proc = subprocess.run([gcc, "-static", "-O1", *flags, "-o", str(tmp), str(src)],
                           capture_output=True, text=True, check=False)
     if proc.returncode != 0:
-        raise RuntimeError(f"building the abuse helper failed:\n{proc.stderr[-4000:]}")
+        raise RuntimeError(f"building {what} failed:\n{proc.stderr[-4000:]}")
     tmp.rename(out)
     return out
+
+
+def build_helper(cache: Path) -> Path | None:
+    """The helper binary (``gcc -static``), built once per source hash; None without a compiler."""
+    return build_static(HELPER_C, cache, "dsec-abuse", "the abuse helper", ["-pthread"])
