@@ -112,6 +112,8 @@ def test_fncall_case_is_contained(rtx: RuntimeHarness, pool: FnCallPool, request
     # Every case checks something that can fail, and the worker checks always run.
     assert len(out.checks) >= 5, out.report()
     assert out.contained, out.report()
+    # A case that shows a documented channel reports what it saw of it; no other case notes anything.
+    assert bool(out.notes) == bool(case.documented), out.report()
 
 
 def test_every_case_is_described_and_its_sources_compile() -> None:

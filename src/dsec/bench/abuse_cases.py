@@ -83,6 +83,8 @@ class Outcome:
     seconds: float = 0.0
     neighbour_p50_ms: float | None = None
     neighbour_execs: int = 0
+    notes: list[str] = field(default_factory=list)
+    """What the case saw of a channel the docs name as shared (reported, never a verdict)."""
 
     @property
     def contained(self) -> bool:
@@ -101,6 +103,7 @@ class Outcome:
         if self.error:
             lines.append(f"  error: {self.error}")
         lines += [f"  [{'ok' if c.ok else 'FAIL'}] {c.what}{': ' + str(c.detail) if c.detail else ''}" for c in self.checks]
+        lines += [f"  [note] {n}" for n in self.notes]
         return "\n".join(lines)
 
 
@@ -1524,6 +1527,7 @@ def outcomes_json(outcomes: Sequence[Outcome], baseline_p50_ms: float | None) ->
     res["neighbour_p50_ratio_max_case"] = top[1] if top else None
     res["neighbour_ratio_min_samples"] = MIN_RATIO_SAMPLES
     res["cases_not_contained"] = ",".join(o.name for o in ran if not o.contained)
+    res["cases_with_documented_channel"] = ",".join(o.name for o in ran if o.notes)
     return res
 
 

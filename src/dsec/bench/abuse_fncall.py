@@ -698,13 +698,13 @@ def main():
 """
 
 SRC["read_net_tcp"] = """\
-def main(port):
-    hexport = ':%04X' % port
+def main(*ports):
+    hexports = [':%04X ' % port for port in ports]
     seen = []
-    for table in ('/proc/net/tcp', '/proc/net/tcp6'):
+    for table in ('/proc/net/tcp', '/proc/net/tcp6', '/proc/net/udp', '/proc/net/udp6'):
         try:
             with open(table) as f:
-                seen += [ln.strip() for ln in f if hexport + ' ' in ln]
+                seen += [ln.strip() for ln in f if any(h in ln for h in hexports)]
         except OSError:
             pass
     return seen
@@ -1540,7 +1540,7 @@ def main(k):
     u.bind(('127.0.0.1', 0))
     for _ in range(k):
         u.sendto(b'x', u.getsockname())
-    return k
+    return [k, srv.getsockname()[1], u.getsockname()[1]]
 """
 
 
@@ -1791,6 +1791,10 @@ class FnAttack:
         self.outcome.checks.append(Check(what, ok, detail))
         return bool(ok)
 
+    def note(self, what: str) -> None:
+        """What the case saw of the documented channel it shows (its ``documented``)."""
+        self.outcome.notes.append(what)
+
     def _note(self, out: Any) -> None:
         if isinstance(out, FnCallWorkerLost):
             self.lost.append(out)
@@ -1877,6 +1881,9 @@ class FnCase:
     """The case replaces a worker on purpose (no 'no worker replaced' check)."""
     known_bug: str | None = None
     """Set while the case is known to get through (a tracked bug): tests mark it xfail(strict)."""
+    documented: str | None = None
+    """A channel the docs name as shared, which the case shows and does not count as a breach: what it
+    checks is that nothing beyond that channel gets through."""
 
 
 FNCALL_CASES: list[FnCase] = []
@@ -2202,11 +2209,9 @@ async def _disk_fill(a: FnAttack) -> None:
         attack="a call fills the worker's disk quota and holds it for 20 s, longer than its neighbours' timeout (15 s), "
                "while neighbour calls that write nothing keep coming",
         asserts="the neighbours, which need no disk, keep running and succeeding",
-        defence="a call's disk is its own (a quota per call or per slot), or a slot's next process needs no new space "
-                "(documented as shared otherwise: then this case's expectation changes)",
-        known_bug="the disk is shared by a worker's calls (docs/FNCALL.md): the other slots start on scratch "
-                  "directories made ahead, 4 a slot, then wait for room; a per-slot btrfs subvolume with its own "
-                  "qgroup limit, made by the host, would make a call's disk its own")
+        defence="a slot's next process needs no new space: a slot whose scratch directory cannot be made takes one "
+                "of the spares made ahead, and a spare its call left empty goes back to the spares (root's, 0700, "
+                "checked empty), so the spares last while the disk is held")
 async def _disk_held(a: FnAttack) -> None:
     w = a.worker()
     quota = w.cfg.resources.disk if w is not None else 64 * MiB
@@ -2593,22 +2598,29 @@ async def _time_wait(a: FnAttack) -> None:
 
 @fncase("net_counters_across_time",
         attack="a call opens 137 loopback TCP connections and sends 137 UDP datagrams; calls before and after it read "
-               "the network namespace's counters (/proc/net/snmp Tcp/Udp, /proc/net/dev lo)",
-        asserts="a later call cannot read off what an earlier call did (the counters' difference is not 137)",
-        defence="/proc/net of the worker masked from calls (or documented as a channel across time)",
-        known_bug="the network namespace's counters are read by every call (docs/FNCALL.md, shared): masking "
-                  "/proc/net in worker sandboxes needs a per-sandbox mask in the container runtime")
+               "the network namespace's counters (/proc/net/snmp Tcp/Udp, /proc/net/dev lo) and its socket tables",
+        asserts="a later call finds none of the earlier call's sockets (/proc/net/tcp, tcp6, udp, udp6); the "
+                "namespace's aggregate counters move by what the earlier call did, the channel across time "
+                "docs/FNCALL.md names as shared",
+        defence="sockets end with their call (no TIME_WAIT kept: the worker's tcp_max_tw_buckets is 0); the "
+                "counters are documented, not closed: a network namespace per call would reset them, at +6 to "
+                "9 ms of CPU per call on this kernel (measured: create and destroy), twice a call's own cost",
+        documented="the network namespace's counters (/proc/net/snmp, /proc/net/dev) are the worker's, read by "
+                   "every call: how many connections and datagrams earlier calls made (docs/FNCALL.md, shared)")
 async def _net_counters(a: FnAttack) -> None:
     k = 137
     before = await a.call(SRC["net_counters"], timeout=15)
     atk = await a.call(SRC["net_signal"], k, timeout=30)
+    got = _value(atk, [0, 0, 0])
+    seen = await a.call(SRC["read_net_tcp"], *got[1:], timeout=15)
     after = await a.call(SRC["net_counters"], timeout=15)
     b, c = _value(before, {}), _value(after, {})
     diffs = {n: c[n] - b[n] for n in ("Tcp.ActiveOpens", "Tcp.PassiveOpens", "Udp.OutDatagrams", "Udp.InDatagrams")
              if n in b and n in c}
-    a.check("the attack ran", _value(atk) == k, _desc(atk))
-    a.check(f"a later call cannot read off the earlier call's {k} connections and datagrams",
-            not any(v == k for v in diffs.values()), diffs)
+    a.check("the attack ran", isinstance(got, list) and got[0] == k, _desc(atk))
+    a.check("a later call finds none of the earlier call's sockets (ports in /proc/net/tcp, tcp6, udp, udp6)",
+            isinstance(seen, FnResult) and not seen.value, _desc(seen))
+    a.note(f"documented channel: the counters moved by {diffs} (the earlier call's {k})")
 
 
 @fncase("concurrent_proc_peek",
@@ -2988,7 +3000,7 @@ def fncall_outcomes_json(outcomes: Sequence[Outcome], baseline_p50_ms: float | N
     from dsec.bench.abuse_cases import outcomes_json
 
     named = [Outcome(f"fncall_{o.name}", o.checks, o.error, o.skipped, o.seconds, o.neighbour_p50_ms,
-                     o.neighbour_execs) for o in outcomes]
+                     o.neighbour_execs, o.notes) for o in outcomes]
     flat = outcomes_json(named, baseline_p50_ms)
     per_case = {f"{p}{o.name}" for o in named for p in ("case_", "neighbour_ratio_", "neighbour_samples_")}
     return {k if k in per_case else f"fncall_{k}": v for k, v in flat.items()}

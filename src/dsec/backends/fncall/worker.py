@@ -1829,6 +1829,9 @@ class Supervisor:
             if not call.done:
                 self.respond(s, call, status)
         s.state = "cleaning"
+        if os.path.basename(s.scratch).startswith(SPARE_PREFIX) and self.recycle(s.scratch):
+            self.refork(s)
+            return
         try:
             os.rmdir(s.scratch)  # left empty, as most calls leave it: no need for the thread
         except FileNotFoundError:
@@ -1841,6 +1844,28 @@ class Supervisor:
                 self.clean_cv.notify()
             return
         self.refork(s)
+
+    def recycle(self, scratch: str) -> bool:
+        """A spare its call left empty goes back to the spares, root's again: while a call holds
+        the disk full no new directory can be made, and a slot whose calls need no disk must
+        keep serving them on the spares it has (4 would last 4 calls). The call's uid is gone
+        (swept), and once the directory is root's and 0700 no other uid can add to it: empty
+        then is empty for the next call."""
+        if len(self.spares) >= self.spares_wanted:
+            return False  # the cleaner made its replacement meanwhile: removed as any other
+        try:
+            os.chown(scratch, 0, 0, follow_symlinks=False)
+            st = os.lstat(scratch)
+            if not stat.S_ISDIR(st.st_mode):
+                return False
+            os.chmod(scratch, 0o700)
+            with os.scandir(scratch) as it:
+                if next(it, None) is not None:
+                    return False
+        except OSError:
+            return False
+        self.spares.append(scratch)
+        return True
 
     def refork(self, s: Slot) -> None:
         """The slot is clean: fork its next process (after a pause if its last ones failed)."""
