@@ -200,6 +200,10 @@ async def _close_compat(app: FastAPI) -> None:
     service = getattr(app.state, "sandboxfusion", None)
     if service is not None:
         await service.aclose()
+    front = getattr(app.state, "e2b", None)
+    if front is not None:
+        app.state.e2b = None
+        await front.aclose()
 
 
 def create_app(config: ControlConfig, *, control: Control | None = None) -> FastAPI:
@@ -249,6 +253,10 @@ def create_app(config: ControlConfig, *, control: Control | None = None) -> Fast
     # SandboxFusion's HTTP API under /sandboxfusion (dsec/compat/sandboxfusion, docs/COMPAT.md)
     app.state.sandboxfusion = sandboxfusion_routes.install(app, config.sandboxfusion)
     app.add_middleware(BodyLimit)  # JSON bodies stop at 16 MiB (dsec/httplimits.py), fast routes too
+    if config.e2b.enabled:  # outermost: E2B's uploads are not JSON (dsec/compat/e2b, docs/COMPAT.md)
+        from dsec.compat.e2b.middleware import E2BMiddleware
+
+        app.add_middleware(E2BMiddleware, config=config.e2b)
     app.include_router(membership_router(operator))  # /v1/edges/join, tokens, GET/DELETE /v1/edges/{id}
 
     # ------------------------------------------------------------ errors ----

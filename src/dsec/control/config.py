@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_serializer, field_validator
 
 from dsec.auth import parse_key
+from dsec.compat.e2b.config import E2BConfig
 from dsec.compat.sandboxfusion.config import SandboxFusionConfig
 from dsec.spec.api import NAME_PATTERN, Quota
 
@@ -150,6 +151,8 @@ class ControlConfig(_Config):
     log_level: str = "warning"
     sandboxfusion: SandboxFusionConfig = SandboxFusionConfig()
     """SandboxFusion's HTTP API under ``/sandboxfusion`` (docs/COMPAT.md)."""
+    e2b: E2BConfig = E2BConfig()
+    """E2B's REST API and sandbox plane on this listener (docs/COMPAT.md, "E2B")."""
 
     @field_validator("cluster_key", mode="before")
     @classmethod

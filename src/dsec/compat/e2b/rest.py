@@ -1,0 +1,425 @@
+"""E2B's REST API (the ``api`` plane) over DSec's SDK, with the caller's own project token.
+
+An E2B API key is a DSec project token (keys.py), so creates count against that project's
+quota and go through placement and edge admission like any other; the front is a client
+of the control plane it is served by (``AsyncClient`` to this replica), as the
+SandboxFusion API is. E2B's sandbox is a DSec sandbox labelled ``dsec.compat=e2b``; its
+template, metadata and size live in labels (metadata keys are encoded to fit label keys),
+its ``envVars`` in a file the create's setup writes into it (rooms.py ``ENVS_PATH``).
+
+Answers are E2B's: JSON camelCase, errors ``{"code": <status>, "message": ...}`` with the
+status the clients map (401, 404, 409, 429 + ``Retry-After``, 400), ``x-next-token`` paging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import hashlib
+import json
+import logging
+import re
+import time
+from collections import OrderedDict
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qsl
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from dsec.compat.e2b import keys
+from dsec.compat.e2b.config import E2BConfig, E2BTemplate
+from dsec.compat.e2b.rooms import ENVS_PATH, USER_UID
+from dsec.errors import (
+    AuthError,
+    Backpressure,
+    DsecError,
+    Forbidden,
+    ImageError,
+    InvalidSpec,
+    NotFound,
+    QuotaExceeded,
+    SandboxNotFound,
+)
+
+if TYPE_CHECKING:
+    from dsec.sdk.client import AsyncClient
+    from dsec.spec.api import SandboxInfo
+
+log = logging.getLogger("dsec.compat.e2b")
+
+MiB = 1024 * 1024
+COMPAT_LABEL = ("dsec.compat", "e2b")
+L_TEMPLATE = "e2b/template"
+L_CPU, L_MEM, L_DISK = "e2b/cpu", "e2b/memory-mb", "e2b/disk-mb"
+META_PLAIN = "e2b.m/"
+META_HEX = "e2b.x/"
+_PLAIN_KEY = re.compile(r"^[a-z0-9][a-z0-9._-]{0,56}$")
+CLIENT_ID = "dsec"
+DEFAULT_TIMEOUT_S = 300
+SETUP = (
+    "grep -q '^user:' /etc/passwd 2>/dev/null || echo 'user:x:1000:1000:user:/home/user:/bin/bash' >> /etc/passwd; "
+    "grep -q '^user:' /etc/group 2>/dev/null || echo 'user:x:1000:' >> /etc/group; "
+    f"mkdir -p /home/user {ENVS_PATH.rsplit('/', 1)[0]} && chown {USER_UID}:{USER_UID} /home/user && "
+    f"printf '%s' \"$E2B_ENVS\" > {ENVS_PATH}"
+)
+"""Run as root once per create: E2B's ``user`` (uid 1000, home /home/user) and the sandbox's envVars."""
+
+
+class E2BError(Exception):
+    """An answer in E2B's error shape."""
+
+    def __init__(self, status: int, message: str, *, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.retry_after = retry_after
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    """One table: what goes wrong, as E2B's API answers it."""
+    if isinstance(exc, E2BError):
+        status, message, retry = exc.status, exc.message, exc.retry_after
+    elif isinstance(exc, AuthError):
+        status, message, retry = 401, exc.message, None
+    elif isinstance(exc, Forbidden):
+        status, message, retry = 403, exc.message, None
+    elif isinstance(exc, SandboxNotFound | NotFound):
+        status, message, retry = 404, exc.message, None
+    elif isinstance(exc, QuotaExceeded):
+        status, message, retry = 429, exc.message, 5.0
+    elif isinstance(exc, Backpressure):
+        status, message, retry = (503 if exc.http_status == 503 else 429), exc.message, float(getattr(exc, "retry_after", 1.0) or 1.0)
+    elif isinstance(exc, ImageError | InvalidSpec):
+        status, message, retry = 400, exc.message, None
+    elif isinstance(exc, DsecError):
+        status, message, retry = (exc.http_status if 400 <= exc.http_status < 600 else 500), \
+            f"{exc.code}: {exc.message}", None
+    else:
+        log.exception("E2B API call failed", exc_info=exc)
+        status, message, retry = 500, f"internal error: {type(exc).__name__}", None
+    headers = {"Retry-After": str(max(1, round(retry)))} if retry is not None else None
+    return JSONResponse({"code": status, "message": message}, status_code=status, headers=headers)
+
+
+def rfc3339(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).isoformat().replace("+00:00", "Z")
+
+
+# ------------------------------------------------------------ metadata ----
+
+
+def metadata_labels(metadata: Mapping[str, Any]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for k, v in metadata.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise E2BError(400, f"metadata {k!r}: keys and values must be strings")
+        if len(v) > 253 or "\0" in v:
+            raise E2BError(400, f"metadata {k!r}: the value is longer than 253 characters")
+        if _PLAIN_KEY.match(k):
+            out[META_PLAIN + k] = v
+        elif len(k.encode()) * 2 <= 57:
+            out[META_HEX + k.encode().hex()] = v
+        else:
+            raise E2BError(400, f"metadata key {k!r}: at most 57 lowercase characters (a-z 0-9 . _ -) or 28 bytes "
+                                "otherwise")
+    if len(out) > 56:
+        raise E2BError(400, "at most 56 metadata entries")
+    return out
+
+
+def metadata_of(labels: Mapping[str, str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for k, v in labels.items():
+        if k.startswith(META_PLAIN):
+            out[k[len(META_PLAIN):]] = v
+        elif k.startswith(META_HEX):
+            with contextlib.suppress(ValueError, UnicodeDecodeError):
+                out[bytes.fromhex(k[len(META_HEX):]).decode()] = v
+    return out
+
+
+# ------------------------------------------------------------ service ----
+
+
+class E2BApi:
+    """The REST handlers. ``control_url``: where this replica's own API answers."""
+
+    def __init__(self, config: E2BConfig, key: bytes, control_url: Any) -> None:
+        self.config = config
+        self._key = key
+        self._control_url = control_url
+        self._clients: OrderedDict[str, AsyncClient] = OrderedDict()
+        self.deadlines: dict[str, tuple[float, str]] = {}
+        """E2B ``endAt`` set by ``set_timeout``/``connect`` earlier than the DSec TTL, with the token to kill by."""
+        self.created = 0
+        self.errors = 0
+
+    # ------------------------------------------------------------ helpers ----
+
+    def client(self, token: str) -> AsyncClient:
+        from dsec.sdk.client import AsyncClient
+
+        h = hashlib.sha256(token.encode()).hexdigest()
+        got = self._clients.get(h)
+        if got is None:
+            got = AsyncClient(self._control_url(), token, timeout=120.0, lease_ahead=0)
+            self._clients[h] = got
+            while len(self._clients) > self.config.max_clients:
+                _, old = self._clients.popitem(last=False)
+                asyncio.get_running_loop().create_task(old.aclose())
+        else:
+            self._clients.move_to_end(h)
+        return got
+
+    async def token(self, request: Request) -> str:
+        key = request.headers.get("x-api-key")
+        if not key:
+            auth = request.headers.get("authorization", "")
+            key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+        if not key:
+            raise AuthError("no API key: send X-API-KEY: e2b_... (`dsec env e2b` prints one)")
+        token = keys.dsec_token_of(key)
+        await request.app.state.ctl.auth.project(token)  # 401/403 now
+        return token
+
+    def template(self, template_id: str) -> E2BTemplate:
+        got = self.config.templates.get(template_id)
+        if got is None:
+            names = ", ".join(sorted(self.config.templates))
+            raise E2BError(404, f"template '{template_id}' not found (this DSec serves {names}: ControlConfig.e2b.templates)")
+        return got
+
+    def sandbox_json(self, info: SandboxInfo, *, detail: bool = False, listed: bool = False) -> dict[str, Any]:
+        labels = info.labels
+        out: dict[str, Any] = {
+            "templateID": labels.get(L_TEMPLATE, "base"), "sandboxID": info.id, "clientID": CLIENT_ID,
+            "envdVersion": self.config.envd_version, "alias": labels.get(L_TEMPLATE, "base"),
+        }
+        if not listed:
+            out["envdAccessToken"] = keys.mint_envd_token(self._key, info.id, info.project or "")
+        if detail or listed:
+            end = info.expires_at or (info.created_at + DEFAULT_TIMEOUT_S)
+            early = self.deadlines.get(info.id)
+            if early is not None:
+                end = min(end, early[0])
+            out.update({
+                "startedAt": rfc3339(info.created_at), "endAt": rfc3339(end),
+                "cpuCount": int(float(labels.get(L_CPU, "1"))), "memoryMB": int(labels.get(L_MEM, "1024")),
+                "diskSizeMB": int(labels.get(L_DISK, "1024")), "metadata": metadata_of(labels),
+                "state": "paused" if info.state.value == "paused" else "running",
+            })
+        return out
+
+    async def _info(self, client: AsyncClient, sandbox_id: str) -> SandboxInfo:
+        from dsec.control.validate import is_sandbox_id
+        from dsec.spec import SandboxState
+
+        if not is_sandbox_id(sandbox_id):
+            raise E2BError(404, f"sandbox {sandbox_id!r} not found")
+        info = await client.info(sandbox_id)
+        if info.state in (SandboxState.STOPPED, SandboxState.STOPPING, SandboxState.LOST) \
+                or info.labels.get(COMPAT_LABEL[0]) != COMPAT_LABEL[1]:
+            raise E2BError(404, f"sandbox {sandbox_id} not found")
+        return info
+
+    # ------------------------------------------------------------ routes ----
+
+    async def create(self, request: Request) -> Response:
+        from dsec.spec import ImageRef, Resources, SandboxSpec
+
+        token = await self.token(request)
+        body = await _json_body(request)
+        template_id = body.get("templateID") or "base"
+        if not isinstance(template_id, str):
+            raise E2BError(400, "templateID must be a string")
+        tpl = self.template(template_id)
+        timeout = body.get("timeout", DEFAULT_TIMEOUT_S)
+        if not isinstance(timeout, int | float) or isinstance(timeout, bool) or timeout <= 0:
+            raise E2BError(400, f"timeout must be a positive number of seconds, not {timeout!r}")
+        if timeout > self.config.max_timeout_s:
+            raise E2BError(400, f"timeout {timeout:g} s is longer than this server allows ({self.config.max_timeout_s:g} s)")
+        metadata = body.get("metadata") or {}
+        env_vars = body.get("envVars") or {}
+        if not isinstance(metadata, dict) or not isinstance(env_vars, dict) \
+                or not all(isinstance(k, str) and isinstance(v, str) for k, v in env_vars.items()):
+            raise E2BError(400, "metadata and envVars must be objects of strings")
+        base, toolkits = tpl.base, tpl.toolkits
+        image = metadata.get(self.config.image_metadata_key)
+        if isinstance(image, str) and image:
+            base, toolkits = image, ()
+        labels = {COMPAT_LABEL[0]: COMPAT_LABEL[1], L_TEMPLATE: template_id[:253], L_CPU: f"{tpl.cpu:g}",
+                  L_MEM: str(tpl.memory_mb), L_DISK: str(tpl.disk_mb), **metadata_labels(metadata)}
+        spec = SandboxSpec(image=ImageRef(base=base, toolkits=toolkits),
+                           resources=Resources(cpu=tpl.cpu, memory=tpl.memory_mb * MiB, disk=tpl.disk_mb * MiB),
+                           backend=self.config.backend)
+        request_id = request.headers.get("idempotency-key") or None
+        client = self.client(token)
+        try:
+            # The DSec lifetime leaves room for set_timeout to extend; E2B's own end is the front's deadline.
+            ttl = min(self.config.max_timeout_s, max(float(timeout), self.config.lifetime_floor_s))
+            sb = await client.create(spec, labels=labels, ttl_s=ttl, request_id=request_id)
+        except ImageError as exc:
+            raise E2BError(400, f"template '{template_id}': image {base} cannot be had: {exc.message}") from None
+        try:
+            res = await sb.exec(["/bin/sh", "-c", SETUP], env={"E2B_ENVS": json.dumps(env_vars)}, timeout=60)
+            if res.exit_code != 0:
+                raise E2BError(500, f"sandbox {sb.id}: its E2B setup failed: {res.stderr_text.strip()[:300]}")
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await sb.close()
+            raise
+        if ttl > timeout:
+            self.deadlines[sb.id] = (time.time() + float(timeout), token)
+        self.created += 1
+        return JSONResponse(self.sandbox_json(sb.info), status_code=201)
+
+    async def get(self, request: Request) -> Response:
+        client = self.client(await self.token(request))
+        info = await self._info(client, request.path_params["sandbox_id"])
+        return JSONResponse(self.sandbox_json(info, detail=True))
+
+    async def list(self, request: Request) -> Response:
+        client = self.client(await self.token(request))
+        q = request.query_params
+        want: dict[str, str] = {COMPAT_LABEL[0]: COMPAT_LABEL[1]}
+        if q.get("metadata"):
+            want.update(metadata_labels(dict(parse_qsl(q["metadata"], keep_blank_values=True))))
+        states = {s for s in ",".join(q.getlist("state")).split(",") if s} or {"running", "paused"}
+        bad = states - {"running", "paused"}
+        if bad:
+            raise E2BError(400, f"state {sorted(bad)[0]!r}: running or paused")
+        items = [i for i in await client.list(labels=want)
+                 if ("paused" if i.state.value == "paused" else "running" if i.state.value in ("running", "creating")
+                     else "") in states]
+        if q.get("template"):
+            items = [i for i in items if i.labels.get(L_TEMPLATE) == q["template"]]
+        items.sort(key=lambda i: (i.created_at, i.id))
+        after = q.get("nextToken")
+        if after:
+            try:
+                ts_s, last = base64.urlsafe_b64decode(after + "=" * (-len(after) % 4)).decode().split("|", 1)
+                ts = float(ts_s)
+            except (ValueError, binascii.Error, UnicodeDecodeError):
+                raise E2BError(400, "nextToken: not a token this server gave") from None
+            items = [i for i in items if (i.created_at, i.id) > (ts, last)]
+        try:
+            limit = max(1, min(1000, int(q.get("limit") or 100)))
+        except ValueError:
+            raise E2BError(400, "limit must be an integer") from None
+        page, rest = items[:limit], items[limit:]
+        headers = {}
+        if rest:
+            last_item = page[-1]
+            headers["x-next-token"] = base64.urlsafe_b64encode(
+                f"{last_item.created_at!r}|{last_item.id}".encode()).decode().rstrip("=")
+        return JSONResponse([self.sandbox_json(i, listed=True) for i in page], headers=headers)
+
+    async def kill(self, request: Request) -> Response:
+        client = self.client(await self.token(request))
+        sid = request.path_params["sandbox_id"]
+        await self._info(client, sid)
+        await client.delete(sid)
+        self.deadlines.pop(sid, None)
+        await request.app.state.e2b.rooms.forget(sid)
+        return Response(status_code=204)
+
+    async def set_timeout(self, request: Request) -> Response:
+        token = await self.token(request)
+        client = self.client(token)
+        sid = request.path_params["sandbox_id"]
+        info = await self._info(client, sid)
+        body = await _json_body(request)
+        timeout = body.get("timeout")
+        if not isinstance(timeout, int | float) or isinstance(timeout, bool) or timeout < 0:
+            raise E2BError(400, "timeout must be a number of seconds")
+        self._deadline(info, token, float(timeout))
+        return Response(status_code=204)
+
+    def _deadline(self, info: SandboxInfo, token: str, timeout: float) -> None:
+        end = time.time() + timeout
+        if info.expires_at is not None and end > info.expires_at + 1.0:
+            raise E2BError(400, f"sandbox {info.id} cannot live past its DSec lifetime "
+                                f"({rfc3339(info.expires_at)}; the timeout given to create)")
+        self.deadlines[info.id] = (end, token)
+
+    async def reap(self, forget: Any) -> None:
+        """Kill the sandboxes whose E2B timeout (set after the create) passed; runs forever."""
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.time()
+            for sid, (end, token) in list(self.deadlines.items()):
+                if end <= now:
+                    self.deadlines.pop(sid, None)
+                    with contextlib.suppress(Exception):
+                        await self.client(token).delete(sid)
+                    with contextlib.suppress(Exception):
+                        await forget(sid)
+
+    async def pause(self, request: Request) -> Response:
+        client = self.client(await self.token(request))
+        sid = request.path_params["sandbox_id"]
+        info = await self._info(client, sid)
+        if info.state.value == "paused":
+            raise E2BError(409, f"sandbox {sid} is already paused")
+        sb = await client.connect(sid)
+        await sb.pause()
+        return Response(status_code=204)
+
+    async def connect(self, request: Request) -> Response:
+        token = await self.token(request)
+        client = self.client(token)
+        sid = request.path_params["sandbox_id"]
+        info = await self._info(client, sid)
+        body = await _json_body(request, allow_empty=True)
+        status = 200
+        if info.state.value == "paused":
+            sb = await client.connect(sid)
+            await sb.resume()
+            info = await client.info(sid)
+            status = 201
+        timeout = body.get("timeout")
+        if isinstance(timeout, int | float) and not isinstance(timeout, bool) and timeout > 0:
+            with contextlib.suppress(E2BError):  # connect never shortens below what remains... nor fails on it
+                if info.expires_at is None or time.time() + timeout <= info.expires_at:
+                    current = self.deadlines.get(sid)
+                    if current is None or current[0] < time.time() + timeout:
+                        self._deadline(info, token, float(timeout))
+        return JSONResponse(self.sandbox_json(info), status_code=status)
+
+    async def metrics(self, request: Request) -> Response:
+        client = self.client(await self.token(request))
+        await self._info(client, request.path_params["sandbox_id"])
+        return JSONResponse([])
+
+    async def template_alias(self, request: Request) -> Response:
+        await self.token(request)
+        name = request.path_params["alias"]
+        if name not in self.config.templates:
+            raise E2BError(404, f"template '{name}' not found")
+        return JSONResponse({"templateID": name, "public": True})
+
+    async def aclose(self) -> None:
+        for c in self._clients.values():
+            with contextlib.suppress(Exception):
+                await c.aclose()
+        self._clients.clear()
+
+
+async def _json_body(request: Request, *, allow_empty: bool = False) -> dict[str, Any]:
+    raw = await request.body()
+    if not raw.strip():
+        if allow_empty:
+            return {}
+        raise E2BError(400, "the request has no JSON body")
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise E2BError(400, f"malformed JSON body: {exc}") from None
+    if not isinstance(body, dict):
+        raise E2BError(400, "the JSON body must be an object")
+    return body

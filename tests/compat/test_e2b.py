@@ -1,0 +1,273 @@
+"""E2B's released clients (``e2b``, ``e2b-code-interpreter``) unchanged against DSec.
+
+One ``dsec up`` (a subprocess, real sandboxes) and the four variables ``dsec env e2b``
+prints; every call below is the released client's own. docs/COMPAT.md, "E2B".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import subprocess
+import sys
+import threading
+import uuid
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from e2b_up import e2b_up
+
+pytestmark = [pytest.mark.root, pytest.mark.timeout(900)]
+
+E2B_VARS = ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY", "E2B_DOMAIN")
+
+
+@pytest.fixture(scope="module")
+def up() -> Iterator[dict[str, str]]:
+    with e2b_up() as env, pytest.MonkeyPatch.context() as mp:
+        for k in E2B_VARS:
+            mp.setenv(k, env[k])
+        yield env
+
+
+@pytest.fixture
+def sandbox(up: dict[str, str]) -> Iterator[object]:
+    from e2b import Sandbox
+
+    sb = Sandbox.create(envs={"SANDBOX_VAR": "from-create"})
+    try:
+        yield sb
+    finally:
+        sb.kill()
+
+
+# ------------------------------------------------------------ lifecycle ----
+
+
+def test_lifecycle_create_info_list_paging_timeout_kill(up: dict[str, str]) -> None:
+    from e2b import Sandbox, SandboxQuery
+    from e2b.exceptions import NotFoundException
+
+    run = uuid.uuid4().hex[:12]
+    a = Sandbox.create(metadata={"run": run, "who": "a"}, envs={"GREETING": "hi"}, timeout=120)
+    b = Sandbox.create(metadata={"run": run, "who": "b", "Odd Key": "x y"})
+    try:
+        info = a.get_info()
+        assert info.sandbox_id == a.sandbox_id and info.template_id == "base"
+        assert info.metadata == {"run": run, "who": "a"}
+        assert info.state.value == "running" and info.envd_version
+        assert 100 <= (info.end_at - info.started_at).total_seconds() <= 125
+        assert b.get_info().metadata["Odd Key"] == "x y"
+        # envVars of the create reach every command
+        assert a.commands.run("echo $GREETING").stdout == "hi\n"
+
+        seen: list[str] = []
+        pager = Sandbox.list(query=SandboxQuery(metadata={"run": run}), limit=1)
+        while pager.has_next:
+            page = pager.next_items()
+            assert len(page) <= 1
+            seen += [s.sandbox_id for s in page]
+        assert sorted(seen) == sorted([a.sandbox_id, b.sandbox_id])
+        only_b = Sandbox.list(query=SandboxQuery(metadata={"run": run, "who": "b"})).next_items()
+        assert [s.sandbox_id for s in only_b] == [b.sandbox_id]
+
+        a.set_timeout(60)
+        assert (a.get_info().end_at - a.get_info().started_at).total_seconds() < 100
+        assert a.is_running()
+    finally:
+        assert a.kill() is True
+        b.kill()
+    with pytest.raises(NotFoundException):
+        Sandbox.get_info(a.sandbox_id)
+    assert Sandbox.kill(a.sandbox_id) is False
+    assert not a.is_running()
+
+
+def test_an_unknown_template_and_a_bad_key_are_refused(up: dict[str, str]) -> None:
+    from e2b import Sandbox
+    from e2b.exceptions import AuthenticationException, SandboxException
+
+    with pytest.raises(SandboxException, match="not found"):
+        Sandbox.create(template="no-such-template")
+    with pytest.raises(AuthenticationException):
+        Sandbox.create(api_key="e2b_" + "00" * 20)
+    with pytest.raises(AuthenticationException):
+        Sandbox.create(api_key="not-an-e2b-key")
+
+
+# ------------------------------------------------------------ commands ----
+
+
+def test_commands_output_exit_codes_cwd_envs_users(sandbox: object) -> None:
+    from e2b.sandbox.commands.command_handle import CommandExitException
+
+    sb = sandbox
+    r = sb.commands.run("echo out; echo err >&2; exit 0")  # type: ignore[attr-defined]
+    assert (r.stdout, r.stderr, r.exit_code) == ("out\n", "err\n", 0)
+    with pytest.raises(CommandExitException) as exc:
+        sb.commands.run("echo partial; exit 7")  # type: ignore[attr-defined]
+    assert exc.value.exit_code == 7 and exc.value.stdout == "partial\n"
+    assert sb.commands.run("pwd; whoami; echo $HOME").stdout == "/home/user\nuser\n/home/user\n"  # type: ignore[attr-defined]
+    assert sb.commands.run("pwd; whoami", cwd="/tmp", user="root").stdout == "/tmp\nroot\n"  # type: ignore[attr-defined]
+    r = sb.commands.run("echo $A-$SANDBOX_VAR", envs={"A": "1"})  # type: ignore[attr-defined]
+    assert r.stdout == "1-from-create\n"
+
+
+def test_commands_timeout_streaming_background_stdin_connect_list(sandbox: object) -> None:
+    from e2b.exceptions import TimeoutException
+    from e2b.sandbox.commands.command_handle import CommandExitException
+
+    sb = sandbox
+    with pytest.raises(TimeoutException):
+        sb.commands.run("sleep 30", timeout=1)  # type: ignore[attr-defined]
+
+    chunks: list[str] = []
+    sb.commands.run("for i in 1 2 3; do echo line$i; sleep 0.3; done", on_stdout=chunks.append)  # type: ignore[attr-defined]
+    assert "".join(chunks) == "line1\nline2\nline3\n" and len(chunks) == 3  # one chunk as each line came
+
+    bg = sb.commands.run("sleep 600", background=True)  # type: ignore[attr-defined]
+    assert bg.pid in [p.pid for p in sb.commands.list()]  # type: ignore[attr-defined]
+    assert sb.commands.kill(bg.pid) is True  # type: ignore[attr-defined]
+    with pytest.raises(CommandExitException):
+        bg.wait()
+    assert sb.commands.kill(bg.pid) is False  # type: ignore[attr-defined]
+
+    cat = sb.commands.run("cat", background=True, stdin=True)  # type: ignore[attr-defined]
+    again = sb.commands.connect(cat.pid)  # type: ignore[attr-defined]  # sees what comes after it (as envd)
+    sb.commands.send_stdin(cat.pid, "to stdin\n")  # type: ignore[attr-defined]
+    sb.commands.close_stdin(cat.pid)  # type: ignore[attr-defined]
+    assert again.wait().stdout == "to stdin\n"
+    assert cat.wait().stdout == "to stdin\n"
+
+
+def test_pty_input_resize_kill(sandbox: object) -> None:
+    from e2b.sandbox.commands.command_handle import PtySize
+
+    sb = sandbox
+    out = bytearray()
+    got = threading.Event()
+
+    def on_pty(data: bytes) -> None:
+        out.extend(data)
+        if b"size=40 100" in out:
+            got.set()
+
+    term = sb.pty.create(PtySize(rows=30, cols=90))  # type: ignore[attr-defined]
+    waiter = threading.Thread(target=_wait_quiet, args=(term, on_pty), daemon=True)
+    waiter.start()
+    sb.pty.resize(term.pid, PtySize(rows=40, cols=100))  # type: ignore[attr-defined]
+    sb.pty.send_stdin(term.pid, b"echo size=$(stty size)\n")  # type: ignore[attr-defined]
+    assert got.wait(30), bytes(out)
+    assert sb.pty.kill(term.pid) is True  # type: ignore[attr-defined]
+    waiter.join(30)
+    assert not waiter.is_alive()
+
+
+def _wait_quiet(handle: object, on_pty: object) -> None:
+    with contextlib.suppress(Exception):  # killed: CommandExitException
+        handle.wait(on_pty=on_pty)  # type: ignore[attr-defined]
+
+
+# ------------------------------------------------------------ files ----
+
+
+def test_files_write_read_list_exists_mkdir_rename_remove_url(sandbox: object) -> None:
+    sb = sandbox
+    blob = bytes(range(256)) * 4096  # 1 MiB, every byte value
+    sb.files.write("/home/user/t.txt", "text ✓")  # type: ignore[attr-defined]
+    sb.files.write("notes/b.bin", blob)  # type: ignore[attr-defined]  # relative: under the home
+    sb.files.write("/tmp/obj.bin", io.BytesIO(b"from a file object"))  # type: ignore[attr-defined]  # octet-stream
+    assert sb.files.read("/home/user/t.txt") == "text ✓"  # type: ignore[attr-defined]
+    assert bytes(sb.files.read("/home/user/notes/b.bin", format="bytes")) == blob  # type: ignore[attr-defined]
+    assert b"".join(sb.files.read("/tmp/obj.bin", format="stream")) == b"from a file object"  # type: ignore[attr-defined]
+    assert sb.commands.run("stat -c %U /home/user/notes/b.bin").stdout == "user\n"  # type: ignore[attr-defined]
+
+    names = {e.path for e in sb.files.list("/home/user", depth=2)}  # type: ignore[attr-defined]
+    assert {"/home/user/t.txt", "/home/user/notes", "/home/user/notes/b.bin"} <= names
+    assert {e.name for e in sb.files.list("/home/user")} >= {"t.txt", "notes"}  # type: ignore[attr-defined]
+    assert sb.files.exists("/home/user/t.txt") and not sb.files.exists("/home/user/nope")  # type: ignore[attr-defined]
+    assert sb.files.make_dir("/home/user/d/e") is True  # type: ignore[attr-defined]
+    assert sb.files.make_dir("/home/user/d/e") is False  # type: ignore[attr-defined]
+    moved = sb.files.rename("/home/user/t.txt", "/home/user/d/t2.txt")  # type: ignore[attr-defined]
+    assert moved.path == "/home/user/d/t2.txt" and not sb.files.exists("/home/user/t.txt")  # type: ignore[attr-defined]
+    sb.files.remove("/home/user/d")  # type: ignore[attr-defined]
+    assert not sb.files.exists("/home/user/d/t2.txt")  # type: ignore[attr-defined]
+
+    url = sb.download_url("/home/user/notes/b.bin")  # type: ignore[attr-defined]
+    assert httpx.get(url, timeout=30).content == blob
+    up_url = sb.upload_url("/home/user/up.txt")  # type: ignore[attr-defined]
+    r = httpx.post(up_url, files={"file": ("up.txt", b"uploaded")}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert sb.files.read("/home/user/up.txt") == "uploaded"  # type: ignore[attr-defined]
+
+
+def test_files_errors_are_typed(sandbox: object) -> None:
+    from e2b.exceptions import NotFoundException
+
+    sb = sandbox
+    with pytest.raises(NotFoundException):
+        sb.files.read("/home/user/missing.txt")  # type: ignore[attr-defined]
+    with pytest.raises(NotFoundException):
+        sb.files.list("/no/such/dir")  # type: ignore[attr-defined]
+
+
+def test_watch_dir(sandbox: object) -> None:
+    from e2b import FilesystemEventType
+
+    sb = sandbox
+    sb.files.make_dir("/home/user/w")  # type: ignore[attr-defined]
+    watcher = sb.files.watch_dir("/home/user/w")  # type: ignore[attr-defined]
+    sb.files.write("/home/user/w/new.txt", "x")  # type: ignore[attr-defined]
+    events = []
+    for _ in range(40):
+        events += watcher.get_new_events()
+        if any(e.type == FilesystemEventType.CREATE and e.name == "new.txt" for e in events):
+            break
+        threading.Event().wait(0.25)
+    watcher.stop()
+    assert any(e.type == FilesystemEventType.CREATE and e.name == "new.txt" for e in events), events
+
+
+# ------------------------------------------------------------ access ----
+
+
+def test_access_tokens_and_a_killed_sandbox_on_the_envd_plane(up: dict[str, str]) -> None:
+    from e2b import Sandbox
+    from e2b.exceptions import SandboxException
+
+    a = Sandbox.create()
+    b = Sandbox.create()
+    try:
+        url = up["E2B_SANDBOX_URL"] + "/process.Process/List"
+        hdr = {"E2b-Sandbox-Id": a.sandbox_id, "E2b-Sandbox-Port": "49983", "Content-Type": "application/json"}
+        # b's token does not open a
+        r = httpx.post(url, json={}, headers={**hdr, "X-Access-Token": b._envd_access_token}, timeout=10)
+        assert r.status_code in (401, 403), r.text
+        r = httpx.post(url, json={}, headers=hdr, timeout=10)
+        assert r.status_code == 401, r.text
+        r = httpx.post(url, json={}, headers={**hdr, "X-Access-Token": a._envd_access_token}, timeout=10)
+        assert r.status_code == 200 and r.json() == {}, r.text
+    finally:
+        a.kill()
+        b.kill()
+    with pytest.raises(SandboxException) as exc:
+        a.commands.run("true")
+    assert "not running" in str(exc.value) or "was not found" in str(exc.value), exc.value
+    r = httpx.get(up["E2B_SANDBOX_URL"] + "/files", params={"path": "/etc/hostname"},
+                  headers={"E2b-Sandbox-Id": a.sandbox_id, "X-Access-Token": a._envd_access_token}, timeout=10)
+    assert r.status_code == 502 and "was not found" in r.json()["message"], r.text
+
+
+def test_without_the_sandbox_url_the_client_fails_fast(up: dict[str, str]) -> None:
+    """With E2B_SANDBOX_URL unset, envd traffic goes to <port>-<id>.dsec.invalid: no DNS, no request."""
+    code = ("import os\nfrom e2b import Sandbox\n"
+            "sb = Sandbox.create()\n"
+            "try:\n    sb.commands.run('true', request_timeout=20)\n    print('REACHED')\n"
+            "except Exception as e:\n    print('FAILED', type(e).__name__)\n"
+            "finally:\n    sb.kill()\n")
+    env = {**os.environ, **{k: up[k] for k in E2B_VARS}}
+    env.pop("E2B_SANDBOX_URL")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert "FAILED" in out.stdout and "REACHED" not in out.stdout, out.stdout + out.stderr
