@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,10 +43,11 @@ def toolchains() -> Any:
 
 
 def client_env(url: str, dsec_token: str) -> dict[str, str]:
-    from dsec.compat.e2b.keys import api_key_of
-
-    return {"E2B_API_URL": url, "E2B_SANDBOX_URL": url, "E2B_API_KEY": api_key_of(dsec_token),
-            "E2B_DOMAIN": "dsec.invalid"}
+    """What ``dsec env e2b`` prints (the command itself, run as a user would)."""
+    out = subprocess.run([sys.executable, "-m", "dsec.cli.main", "env", "e2b", "--shell", "dotenv"],
+                         env={**os.environ, "DSEC_URL": url, "DSEC_TOKEN": dsec_token}, capture_output=True,
+                         text=True, timeout=60, check=True).stdout
+    return dict(line.split("=", 1) for line in out.splitlines() if line)
 
 
 @contextlib.contextmanager

@@ -271,3 +271,69 @@ def test_without_the_sandbox_url_the_client_fails_fast(up: dict[str, str]) -> No
     env.pop("E2B_SANDBOX_URL")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert "FAILED" in out.stdout and "REACHED" not in out.stdout, out.stdout + out.stderr
+
+
+# ------------------------------------------------------------ code interpreter ----
+
+
+def test_run_code_state_errors_and_contexts(up: dict[str, str]) -> None:
+    from e2b_code_interpreter import Sandbox as CodeSandbox
+
+    sb = CodeSandbox.create()  # template code-interpreter-v1: the jupyter toolchain
+    try:
+        assert sb.run_code("x = 41").error is None
+        ex = sb.run_code("print('hello'); x + 1")
+        assert ex.text == "42" and ex.logs.stdout == ["hello\n"]
+        err = sb.run_code("1 / 0")
+        assert err.error is not None and err.error.name == "ZeroDivisionError" and "division by zero" in err.error.traceback
+        ctx = sb.create_code_context()
+        other = sb.run_code("'x' in dir()", context=ctx)
+        assert other.text == "False"  # a fresh kernel: no x there
+        assert ctx.id in [c.id for c in sb.list_code_contexts()]
+        sb.remove_code_context(ctx)
+        assert ctx.id not in [c.id for c in sb.list_code_contexts()]
+        assert sb.run_code("x").text == "41"  # the default context kept its state
+    finally:
+        sb.kill()
+
+
+# ------------------------------------------------------------ pause, reconnect ----
+
+
+def test_pause_then_connect_from_another_process(up: dict[str, str]) -> None:
+    from e2b import Sandbox
+
+    sb = Sandbox.create(timeout=600)
+    try:
+        sb.files.write("/home/user/kept.txt", "still here")
+        bg = sb.commands.run("sleep 900", background=True)
+        assert sb.beta_pause() is True
+        assert Sandbox.get_info(sb.sandbox_id).state.value == "paused"
+        code = ("import sys\nfrom e2b import Sandbox\n"
+                "sb = Sandbox.connect(sys.argv[1])\n"
+                "print(sb.files.read('/home/user/kept.txt'))\n"
+                "print(sb.commands.run('cat /proc/[0-9]*/comm | grep -qx sleep && echo alive').stdout.strip())\n")
+        env = {**os.environ, **{k: up[k] for k in E2B_VARS}}
+        out = subprocess.run([sys.executable, "-c", code, sb.sandbox_id], env=env, capture_output=True, text=True,
+                             timeout=120)
+        assert out.stdout.split() == ["still", "here", "alive"], out.stdout + out.stderr
+        assert Sandbox.get_info(sb.sandbox_id).state.value == "running"
+        assert bg.pid in [p.pid for p in sb.commands.list()]
+    finally:
+        sb.kill()
+
+
+def test_dsec_env_e2b_prints_the_four_lines(up: dict[str, str]) -> None:
+    from dsec.compat.e2b.keys import dsec_token_of
+
+    out = subprocess.run([sys.executable, "-m", "dsec.cli.main", "env", "e2b"], capture_output=True, text=True,
+                         env={**os.environ, "DSEC_URL": up["DSEC_URL"], "DSEC_TOKEN": up["DSEC_TOKEN"]}, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = dict(line.removeprefix("export ").split("=", 1) for line in out.stdout.splitlines())
+    assert lines["E2B_API_URL"] == lines["E2B_SANDBOX_URL"] == up["DSEC_URL"]
+    assert lines["E2B_DOMAIN"] == "dsec.invalid"
+    assert lines["E2B_API_KEY"].startswith("e2b_") and all(c in "0123456789abcdef" for c in lines["E2B_API_KEY"][4:])
+    assert dsec_token_of(lines["E2B_API_KEY"]) == up["DSEC_TOKEN"]
+    bad = subprocess.run([sys.executable, "-m", "dsec.cli.main", "env", "e2b"], capture_output=True, text=True,
+                         env={k: v for k, v in os.environ.items() if k != "DSEC_TOKEN"}, timeout=60)
+    assert bad.returncode == 1 and "no API token" in bad.stderr

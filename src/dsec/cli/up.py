@@ -382,6 +382,13 @@ def load_edge_overrides(path: Path) -> dict[str, Any]:
     return data
 
 
+def ccfg_e2b(cluster: Cluster) -> bool:
+    """Whether the control plane serves E2B's clients (``ControlConfig.e2b.enabled``)."""
+    cfg = getattr(getattr(cluster.control, "control", None), "config", None)
+    e2b = getattr(cfg, "e2b", None)
+    return bool(getattr(e2b, "enabled", False))
+
+
 READY_FILE = "up.ready"
 """Written (the process's pid) once every edge has registered: the all-in-one takes sandboxes."""
 
@@ -417,6 +424,9 @@ async def run_foreground(data_dir: Path, *, port: int, edges: int, host: str, sa
     if sf is not None:
         say(f"SandboxFusion API: export SANDBOX_FUSION_ENDPOINT={cluster.url}{sf.config.prefix}/"
             f"$(cat {admin_token_path(cluster.data_dir)}) (any project token; docs/COMPAT.md)")
+    if ccfg_e2b(cluster):
+        say(f"E2B clients: eval \"$(DSEC_URL={cluster.url} DSEC_TOKEN=$(cat {admin_token_path(cluster.data_dir)}) "
+            "dsec env e2b)\" (docs/COMPAT.md, \"E2B\")")
     ready = cluster.data_dir / READY_FILE
     ready.write_text(f"{os.getpid()}\n")  # `dsec up --detach` returns once this names its child
     try:

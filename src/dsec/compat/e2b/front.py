@@ -98,7 +98,7 @@ class E2BFront:
 
     async def _resolve(self, headers: Headers) -> Room:
         sid = headers.get("e2b-sandbox-id")
-        token = headers.get("x-access-token")
+        token = headers.get("x-access-token") or headers.get("e2b-traffic-access-token")
         if not sid and token:
             sid = keys.verify_envd_token(self.key, token).sandbox_id
         if not sid:
@@ -175,7 +175,8 @@ class E2BFront:
     async def sandbox_plane(self, scope: dict[str, Any], receive: Any, send: Any, sid: str | None,
                             port: int) -> None:
         path = scope.get("path", "")
-        token = _header(scope, b"x-access-token")
+        # code-interpreter's context calls send only E2B-Traffic-Access-Token (the API's trafficAccessToken)
+        token = _header(scope, b"x-access-token") or _header(scope, b"e2b-traffic-access-token")
         if port not in (ENVD_PORT, JUPYTER_PORT):
             await _json_error(502, f"The sandbox {sid} port {port} is not open: DSec's E2B front serves envd "
                                    f"({ENVD_PORT}) and code-interpreter ({JUPYTER_PORT})")(scope, receive, send)

@@ -201,7 +201,9 @@ class E2BApi:
             "envdVersion": self.config.envd_version, "alias": labels.get(L_TEMPLATE, "base"),
         }
         if not listed:
-            out["envdAccessToken"] = keys.mint_envd_token(self._key, info.id, info.project or "")
+            # one token for both: code-interpreter's context calls carry only the traffic token
+            out["envdAccessToken"] = out["trafficAccessToken"] = keys.mint_envd_token(self._key, info.id,
+                                                                                      info.project or "")
         if detail or listed:
             end = info.expires_at or (info.created_at + DEFAULT_TIMEOUT_S)
             early = self.deadlines.get(info.id)
@@ -366,8 +368,8 @@ class E2BApi:
         info = await self._info(client, sid)
         if info.state.value == "paused":
             raise E2BError(409, f"sandbox {sid} is already paused")
-        sb = await client.connect(sid)
-        await sb.pause()
+        # through the control plane, which records the state (the SDK's handle asks the edge alone)
+        await client._call("POST", f"/v1/sandboxes/{sid}/pause")
         return Response(status_code=204)
 
     async def connect(self, request: Request) -> Response:
@@ -378,8 +380,7 @@ class E2BApi:
         body = await _json_body(request, allow_empty=True)
         status = 200
         if info.state.value == "paused":
-            sb = await client.connect(sid)
-            await sb.resume()
+            await client._call("POST", f"/v1/sandboxes/{sid}/resume")
             info = await client.info(sid)
             status = 201
         timeout = body.get("timeout")
