@@ -224,6 +224,19 @@ def bench_compat(quick: bool, json_path: Path | None, phases: tuple[str, ...]) -
     _report("dsec bench compat", results, json_path)
 
 
+@bench.command("e2b")
+@click.option("--quick", is_flag=True, help="10 sequential calls of each kind and 64 creates at once instead of 40 "
+                                            "and 256.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the flat JSON here.")
+def bench_e2b(quick: bool, json_path: Path | None) -> None:
+    """E2B's released clients against DSec's E2B front, beside DSec's SDK in the same run: create, commands.run,
+    run_code, a 1 MiB files.write, 256 AsyncSandboxes at once (docs/COMPAT.md, "E2B")."""
+    from dsec.bench.e2b import run
+
+    results = run(quick=quick, say=lambda m: console.print(f"[dim]{m}[/dim]", highlight=False))
+    _report("dsec bench e2b", results, json_path)
+
+
 @bench.command("cluster")
 @click.option("--quick", is_flag=True, help="3,000 creates per phase instead of 20,000.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the flat JSON here.")

@@ -61,7 +61,7 @@ class E2BFront:
         self.api = E2BApi(config, self.key, control_url)
         # Only its edge pools are used: sandbox handles made from envd tokens (rooms.py).
         self._data = AsyncClient(control_url(), "dsk_e2b-front-data-path", lease_ahead=0, timeout=120.0)
-        self.rooms = Rooms(self.key, ctl.directory.url, self._data)
+        self.rooms = Rooms(self.key, ctl.directory.url, self._data, self.api.setups)
         self.envd_apps = envd.apps(self._resolve, config.default_user)
         from dsec.compat.e2b.interpreter import Interpreter
 
@@ -110,6 +110,8 @@ class E2BFront:
             self._reaper.cancel()
             with contextlib.suppress(BaseException):
                 await self._reaper
+        for task in list(self.api.setups.values()):
+            task.cancel()
         await self.rooms.aclose()
         await self.api.aclose()
         await self._data.aclose()

@@ -156,6 +156,8 @@ class E2BApi:
         self._clients: OrderedDict[str, AsyncClient] = OrderedDict()
         self.deadlines: dict[str, tuple[float, str]] = {}
         """E2B ``endAt`` set by ``set_timeout``/``connect`` earlier than the DSec TTL, with the token to kill by."""
+        self.setups: dict[str, asyncio.Task[None]] = {}
+        """Creates whose in-sandbox setup (user, envVars) is still running: envd calls wait for it."""
         self.created = 0
         self.errors = 0
 
@@ -267,18 +269,31 @@ class E2BApi:
             sb = await client.create(spec, labels=labels, ttl_s=ttl, request_id=request_id)
         except ImageError as exc:
             raise E2BError(400, f"template '{template_id}': image {base} cannot be had: {exc.message}") from None
-        try:
-            res = await sb.exec(["/bin/sh", "-c", SETUP], env={"E2B_ENVS": json.dumps(env_vars)}, timeout=60)
-            if res.exit_code != 0:
-                raise E2BError(500, f"sandbox {sb.id}: its E2B setup failed: {res.stderr_text.strip()[:300]}")
-        except BaseException:
-            with contextlib.suppress(Exception):
-                await sb.close()
-            raise
+        # The setup runs beside the answer: the sandbox's first envd call waits for it (rooms.py),
+        # so a create costs what DSec's does plus the front's hop.
+        task = asyncio.get_running_loop().create_task(self._setup(sb, env_vars), name=f"e2b-setup-{sb.id}")
+        self.setups[sb.id] = task
+        sid = sb.id
+        task.add_done_callback(lambda _t: self._setup_done(sid))
         if ttl > timeout:
             self.deadlines[sb.id] = (time.time() + float(timeout), token)
         self.created += 1
         return JSONResponse(self.sandbox_json(sb.info), status_code=201)
+
+    async def _setup(self, sb: Any, env_vars: dict[str, str]) -> None:
+        try:
+            res = await sb.exec(["/bin/sh", "-c", SETUP], env={"E2B_ENVS": json.dumps(env_vars)}, timeout=60)
+            if res.exit_code != 0:
+                raise DsecError(f"sandbox {sb.id}: its E2B setup failed: {res.stderr_text.strip()[:300]}")
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await sb.close()
+            raise
+
+    def _setup_done(self, sandbox_id: str) -> None:
+        task = self.setups.get(sandbox_id)
+        if task is not None and task.done() and (task.cancelled() or task.exception() is None):
+            self.setups.pop(sandbox_id, None)  # a failed one stays: its sandbox's calls say why
 
     async def get(self, request: Request) -> Response:
         client = self.client(await self.token(request))

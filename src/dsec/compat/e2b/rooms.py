@@ -174,8 +174,10 @@ class Room:
 class Rooms:
     """Rooms by sandbox id, made on the first request that proves its access token."""
 
-    def __init__(self, key: bytes, edge_url: Callable[[str], Awaitable[str | None]], client: AsyncClient) -> None:
+    def __init__(self, key: bytes, edge_url: Callable[[str], Awaitable[str | None]], client: AsyncClient,
+                 setups: dict[str, asyncio.Task[None]] | None = None) -> None:
         self._key = key
+        self._setups = setups if setups is not None else {}
         self._edge_url = edge_url
         self._client = client
         """Carries every data-path call (its edge connection pools); it never calls the control plane."""
@@ -189,6 +191,9 @@ class Rooms:
         if not access_token:
             raise AuthError(f"no X-Access-Token for sandbox {sandbox_id} (the API's envdAccessToken)")
         claims = keys.verify_envd_token(self._key, access_token, sandbox_id)
+        setup = self._setups.get(sandbox_id)
+        if setup is not None:
+            await asyncio.shield(setup)  # the create's setup: user and envVars before any process
         room = self._rooms.get(sandbox_id)
         if room is not None and room.envd_token == access_token:
             self._refresh(room)
