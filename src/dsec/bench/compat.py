@@ -87,7 +87,8 @@ def toolchain_cache() -> Path:
 
 
 @contextlib.contextmanager
-def all_in_one(work: Path, say: Say = _quiet, label: str = "compat") -> Iterator[tuple[str, str, int]]:
+def all_in_one(work: Path, say: Say = _quiet, label: str = "compat",
+               extra: Sequence[str] = ()) -> Iterator[tuple[str, str, int]]:
     """``dsec up`` on ``work`` (its layers already there); yields (url, admin token, its pid)
     once every edge has registered; stopped with Ctrl-C (which destroys its sandboxes)."""
     from dsec.cli.up import READY_FILE
@@ -97,7 +98,7 @@ def all_in_one(work: Path, say: Say = _quiet, label: str = "compat") -> Iterator
         port = int(sock.getsockname()[1])
     log = open(work / "up.log", "wb")  # noqa: SIM115 - closed below
     proc = subprocess.Popen([sys.executable, "-m", "dsec.cli.main", "up", "--data-dir", str(work), "--port",
-                             str(port)], stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+                             str(port), *extra], stdout=log, stderr=log, stdin=subprocess.DEVNULL)
     try:
         ready = work / READY_FILE
         deadline = time.monotonic() + 120
