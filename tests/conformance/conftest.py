@@ -72,10 +72,6 @@ KINDS: dict[str, Callable[[], Any]] = {"container": _container_config, "gvisor":
 """Each backend kind and how to make its (default) config; skips when the host cannot run it."""
 
 KNOWN_BUGS: dict[tuple[str, str], str] = {
-    ("container", "test_a_child_id_that_names_a_live_sandbox_is_refused"): (
-        "ContainerRuntime.fork creates each child with create(sandbox_id=...), which is idempotent per id: "
-        "a child id naming a live sandbox (even the parent's own) returns that sandbox as a 'child' "
-        "(fork records 'forked' on the parent and lists it among its children) instead of refusing the fork"),
 }
 """Backend bugs this suite found, by (kind, case): those cases are expected to fail (strict: once
 fixed they pass, and the run says to drop the entry)."""

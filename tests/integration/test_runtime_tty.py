@@ -13,7 +13,7 @@ import pytest
 
 from conftest import RuntimeHarness, mountinfo_lines
 from dsec.backends.base import TtySize, set_tty_size
-from dsec.backends.container.runtime import Process
+from dsec.backends.container.procs import Process
 from dsec.errors import InvalidSpec
 
 pytestmark = pytest.mark.root

@@ -275,7 +275,7 @@ def test_image_must_sit_on_the_snapshots_lineage(snap: RuntimeHarness) -> None:
         s = h.run(h.rt.snapshot(rec.id, name="lineage"))
         ok = SandboxSpec(image=ImageRef(base="busybox:test", toolkits=("lineage",)))
         wrong = SandboxSpec(image=ImageRef(base="ws:test", toolkits=("lineage",)))
-        assert h.rt._layers_for(ok.image) == [s.digest, *s.parents]
+        assert h.rt.layers_for(ok.image) == [s.digest, *s.parents]
         with pytest.raises(InvalidSpec):
             h.run(h.rt.create(wrong))
 

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.root
 
 def _refused(h: RuntimeHarness, op: str, fields: list[tuple[str, str]], fds: list[int] | None = None) -> SpawnError:
     async def go() -> SpawnError:
-        spawner = await h.rt._ensure_spawner()
+        spawner = await h.rt.ensure_spawner()
         with pytest.raises(SpawnError) as ei:
             await spawner.spawn(op, fields, fds or [])
         return ei.value
@@ -47,7 +47,7 @@ def test_lists_over_their_cap_are_refused(rtx: RuntimeHarness) -> None:
 
 def test_requests_too_big_for_the_wire_are_refused(rtx: RuntimeHarness) -> None:
     async def oversized() -> None:
-        spawner = await rtx.rt._ensure_spawner()
+        spawner = await rtx.rt.ensure_spawner()
         await spawner.spawn("create", [("pad", "x" * (600 * 1024))])
 
     with pytest.raises(InvalidSpec, match="request too large"):  # refused before it is sent

@@ -146,24 +146,25 @@ def test_state_graph_shape() -> None:
 
 
 def test_runtime_refuses_illegal_moves(tmp_path) -> None:
-    from dsec.backends.container.runtime import ContainerRecord, ContainerRuntime
+    from dsec.backends.container.records import ContainerRecord
+    from dsec.backends.container.runtime import ContainerRuntime
 
     rt = ContainerRuntime(name="unit", state_dir=tmp_path / "state", run_dir=tmp_path / "run")
     spec = SandboxSpec(image=ImageRef(base="busybox"))
     rec = ContainerRecord(id="sb-unit", state=SandboxState.STOPPED, spec=spec, created_at=0.0, slot=0)
     with pytest.raises(SandboxStateError) as ei:
-        rt._move(rec, SandboxState.RUNNING, save=False)
+        rt.move(rec, SandboxState.RUNNING, save=False)
     assert ei.value.sandbox_id == "sb-unit" and ei.value.state == "stopped"
     assert rec.state is SandboxState.STOPPED and rec.events == []
     rec = ContainerRecord(id="sb-unit", state=SandboxState.CREATING, spec=spec, created_at=0.0, slot=0)
-    rt._move(rec, SandboxState.RUNNING, save=False)
+    rt.move(rec, SandboxState.RUNNING, save=False)
     assert rec.state is SandboxState.RUNNING
     assert rec.events[-1]["event"] == "state" and rec.events[-1]["state"] == "running"
 
 
 def test_record_json_round_trip() -> None:
     from dsec.backends.base import EdgeMeta
-    from dsec.backends.container.runtime import ContainerRecord
+    from dsec.backends.container.records import ContainerRecord
 
     spec = SandboxSpec(image=ImageRef(base="busybox:1", toolkits=("py:3",)), env={"A": "b"})
     edge = EdgeMeta.lifecycle(100.0, 60.0, 5.0, labels={"k": "v"}, task="t", project="p", request_id="r1")
@@ -178,7 +179,7 @@ def test_record_json_round_trip() -> None:
 
 def test_record_written_before_typed_edge_part_reads() -> None:
     """Records saved by an older edge keep their owner data in ``meta.edge``: still read."""
-    from dsec.backends.container.runtime import ContainerRecord
+    from dsec.backends.container.records import ContainerRecord
 
     spec = SandboxSpec(image=ImageRef(base="busybox:1"))
     old = {"id": "sb-o", "state": "running", "spec": spec.model_dump(mode="json"), "slot": 3, "layers": [],

@@ -17,16 +17,64 @@ import contextlib
 import os
 import secrets
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 from dsec.backends.common.fdio import read_chunk
 from dsec.backends.common.fdio import set_done as _set_done
 from dsec.backends.common.output import BoundedCapture, start_piped
 from dsec.errors import ExecTimeout, InvalidSpec, SessionClosed
-from dsec.spec.results import ExecResult
+from dsec.spec.results import ExecResult, LimitHit
 
-if TYPE_CHECKING:
-    from dsec.backends.container.runtime import ContainerRuntime, Process
+
+class ShellExit(Protocol):
+    exit_code: int | None
+    signal: int | None
+
+
+class ShellProcess(Protocol):
+    """The session's shell as its backend started it."""
+
+    pid: int
+    exited: asyncio.Future[Any]
+    """Done when the shell exits; its result has ``exit_code`` and ``signal``."""
+
+    def kill(self, *, tree: bool = True) -> None: ...
+
+
+class SessionHost(Protocol):
+    """What a session needs of its sandbox, and nothing more: each backend's sandbox object
+    (or a small adapter) provides it, so sessions are written once for every backend."""
+
+    async def start_process(self, argv: Sequence[str], *, stdin: int, stdout: int, stderr: int,
+                            env: Mapping[str, str] | None = None, cwd: str = "/",
+                            user: int | str = 0) -> ShellProcess: ...
+
+    def wake(self) -> bool:
+        """Resume the sandbox if it is paused (a session's command resumes it, as exec does)."""
+        ...
+
+    def limit_baseline(self) -> object | None:
+        """What a command starts from, for :meth:`limit_hit` (None: the sandbox is gone)."""
+        ...
+
+    def limit_hit(self, before: Any, *, exit_code: int | None, sig: int | None, timed_out: str | None,
+                  timeout_s: float | None, truncated: bool, output_cap: int,
+                  output: tuple[bytes, ...]) -> LimitHit | None:
+        """Which limit ended a command (``ExecResult.limit``); None when none did or the sandbox is gone."""
+        ...
+
+    def kill_command(self, shell: ShellProcess) -> None:
+        """Kill what the shell runs now (its descendants), never the shell."""
+        ...
+
+    def touch(self) -> None:
+        """Record activity (the idle watchdog's clock)."""
+        ...
+
+    def drop_session(self, session_id: str) -> object:
+        """Forget the session (it closed)."""
+        ...
 
 _SHELL = "if command -v bash >/dev/null 2>&1; then exec bash --noprofile --norc; else exec sh; fi"
 
@@ -50,13 +98,15 @@ class _Stream:
 
 
 class Session:
-    def __init__(self, runtime: ContainerRuntime, sandbox_id: str, session_id: str) -> None:
-        self.runtime = runtime
+    """One persistent shell in a sandbox, of any backend (through its :class:`SessionHost`)."""
+
+    def __init__(self, host: SessionHost, sandbox_id: str, session_id: str) -> None:
+        self.host = host
         self.sandbox_id = sandbox_id
         self.id = session_id
         self._nonce = secrets.token_hex(8)
         self._seq = 0
-        self._proc: Process | None = None
+        self._proc: ShellProcess | None = None
         self._stdin = -1
         self._fds: list[int] = []
         self._streams: dict[int, _Stream] = {}
@@ -67,8 +117,8 @@ class Session:
         """Why the runtime ended the session (e.g. a stage switch), for the next run's error."""
 
     async def start(self, *, env: dict[str, str] | None = None, cwd: str = "/", user: int | str = 0) -> None:
-        proc, in_w, out_r, err_r = await start_piped(lambda i, o, e: self.runtime.start_process(
-            self.sandbox_id, ["/bin/sh", "-c", _SHELL], stdin=i, stdout=o, stderr=e, env=env, cwd=cwd, user=user))
+        proc, in_w, out_r, err_r = await start_piped(lambda i, o, e: self.host.start_process(
+            ["/bin/sh", "-c", _SHELL], stdin=i, stdout=o, stderr=e, env=env, cwd=cwd, user=user))
         self._proc = proc
         self._stdin = in_w
         loop = asyncio.get_running_loop()
@@ -96,7 +146,9 @@ class Session:
         stream.feed(data)
 
     async def run(self, command: str, *, timeout: float | None = 600.0, output_cap: int = 256 * 1024) -> ExecResult:
-        """Run ``command`` in the session's shell and return its output and exit status."""
+        """Run ``command`` in the session's shell and return its output and exit status.
+        A paused sandbox is resumed first, as for exec."""
+        self.host.wake()
         if "\0" in command:
             raise InvalidSpec("command contains a NUL byte", field="command")
         async with self._lock:
@@ -117,8 +169,7 @@ class Session:
                 f"printf '\\n%s\\n' '{marker.decode()}' >&2\n"
             ).encode()
             started = time.monotonic()
-            rec = self.runtime.sandboxes.get(self.sandbox_id)
-            before = None if rec is None else self.runtime.limit_baseline(rec)
+            before = self.host.limit_baseline()
             try:
                 await self._write(script)
             except BrokenPipeError:
@@ -167,8 +218,8 @@ class Session:
             so.feed(out)
             se.feed(err)
             stdout, stderr = so.value(), se.value()
-            hit = None if rec is None else self.runtime.limit_hit(
-                rec, before, exit_code=rc, sig=sig, timed_out="timeout" if timed_out else None, timeout_s=timeout,
+            hit = None if before is None else self.host.limit_hit(
+                before, exit_code=rc, sig=sig, timed_out="timeout" if timed_out else None, timeout_s=timeout,
                 truncated=so.truncated or se.truncated, output_cap=output_cap, output=(stderr, stdout),
             )
             result = ExecResult(
@@ -177,7 +228,7 @@ class Session:
                 duration_s=time.monotonic() - started, start_latency_s=0.0,
                 timed_out="timeout" if timed_out else None, limit=hit,
             )
-            self.runtime.last_activity[self.sandbox_id] = time.monotonic()
+            self.host.touch()
             if timed_out:
                 raise ExecTimeout(
                     f"session command ran longer than {timeout} s; its processes were killed, the session lives on",
@@ -229,10 +280,8 @@ class Session:
         return data, rc
 
     def _kill_command(self) -> None:
-        from dsec.backends.container.runtime import kill_tree
-
         if self._proc is not None:
-            kill_tree(self._proc.pid, include_root=False)
+            self.host.kill_command(self._proc)
 
     async def _write(self, data: bytes) -> None:
         view = memoryview(data)
@@ -251,9 +300,7 @@ class Session:
 
     async def close(self) -> None:
         """Kill the shell and everything it started. Idempotent."""
-        box = self.runtime.sandbox_state(self.sandbox_id)
-        if box is not None:
-            box.drop_session(self.id)
+        self.host.drop_session(self.id)
         if self._proc is not None and not self._proc.exited.done():
             self._proc.kill(tree=True)
             with contextlib.suppress(Exception):
@@ -270,3 +317,6 @@ class Session:
             with contextlib.suppress(OSError):
                 os.close(self._stdin)
             self._stdin = -1
+
+
+__all__ = ["Session", "SessionHost", "ShellExit", "ShellProcess"]

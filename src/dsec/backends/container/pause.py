@@ -43,9 +43,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, Literal
 
 from dsec.backends.common import cgroupfs
-from dsec.backends.container.sessions import Session
 from dsec.errors import HostError
-from dsec.spec.results import ExecResult
 
 if TYPE_CHECKING:
     from dsec.backends.container.cgroups import RuntimeCgroups
@@ -223,19 +221,10 @@ def reclaim(cg: RuntimeCgroups, sandbox_id: str, method: str = "pageout+force_em
                         seconds=time.perf_counter() - t0)
 
 
-class ResumingSession(Session):
-    """A session whose commands resume a paused sandbox first (the runtime hands these out)."""
-
-    async def run(self, command: str, *, timeout: float | None = 600.0, output_cap: int = 256 * 1024) -> ExecResult:
-        self.runtime.wake(self.sandbox_id)
-        return await super().run(command, timeout=timeout, output_cap=output_cap)
-
-
 __all__ = [
     "RECLAIM_METHODS",
     "ReclaimMethod",
     "ReclaimStats",
-    "ResumingSession",
     "freeze",
     "freezer_state",
     "memory_usage",

@@ -18,24 +18,19 @@ import asyncio
 import builtins
 import collections
 import contextlib
-import dataclasses
 import itertools
 import json
 import logging
 import os
-import re
 import secrets
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Final
 
 from dsec.backends.base import (
-    UNSET,
     BackendBase,
     Capabilities,
     Capability,
@@ -43,36 +38,37 @@ from dsec.backends.base import (
     EdgeMeta,
     GroupOutcome,
     HostFinding,
-    OutputCallback,
     SandboxRecord,
-    TtySize,
     Usage,
-    _Unset,
     check_spec,
-    command_line,
 )
 from dsec.backends.common import cgroupfs
-from dsec.backends.common.command import UID_RANGE, check_argv, command_env, user_ids
+from dsec.backends.common.command import UID_RANGE
 from dsec.backends.common.fdio import set_done as _set_done
 from dsec.backends.common.layers import SharedLayers
 from dsec.backends.common.layers import stack as stack_layers
 from dsec.backends.common.names import ID_RE, NAME_RE
-from dsec.backends.common.output import check_exec, check_timed_out, collect, start_piped
+from dsec.backends.common.sessions import Session
 from dsec.backends.container import cgroups, claims, wire
-from dsec.backends.container import limits as limit_evidence
 from dsec.backends.container import pause as pausing
 from dsec.backends.container import snapshot as snapshots
 from dsec.backends.container import stages as staging
 from dsec.backends.container.fsops import SandboxFiles
 from dsec.backends.container.network import Lease, NetworkConfig, NetworkManager
-from dsec.backends.container.sandbox import LiveSandbox, RecordView
-from dsec.backends.container.sessions import Session
-from dsec.backends.container.spawner import ChildExit, Spawner, SpawnError
+from dsec.backends.container.procs import (
+    Process,
+    pid_alive,
+    proc_identity,
+    proc_start_time,
+    reap,
+)
+from dsec.backends.container.records import UID_SLOTS, ContainerRecord
+from dsec.backends.container.sandbox import ContainerSandbox, PauseResult, RecordView, open_netns
+from dsec.backends.container.spawner import Spawner, SpawnError
 from dsec.backends.container.uppers import UpperStore, UpperUsage
 from dsec.backends.container.zram import ZramStats, ZramSwap
 from dsec.errors import (
     DsecError,
-    ExecError,
     HostError,
     InvalidSpec,
     LayerNotFound,
@@ -83,205 +79,19 @@ from dsec.errors import (
 from dsec.images.layer import Layer, LayerKind
 from dsec.images.mounts import IDLE_PIN_GRACE_S
 from dsec.spec import ImageRef, NetworkPolicy, SandboxSpec, SandboxState, can_move
-from dsec.spec.results import ExecResult, LimitHit
+from dsec.spec.results import ExecResult
 
 log = logging.getLogger("dsec.runtime")
 
-UID_FIRST_BASE: Final = 1 << 24  # well above any host account
-UID_SLOTS: Final = 60000
 CLAIM_PREFIX: Final = ".claim-"
 """A uid slot's file staged before it is linked into place (``.claim-<pid>-<sandbox id>``)."""
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 LAYER_RELEASE_GRACE_S: Final = IDLE_PIN_GRACE_S
 """A layer's pin outlives its last sandbox this long (a create/destroy loop pays no index write)."""
 LAYER_REMOVAL_POLL_S: Final = 1.0
 """How often an idle, still mounted layer is looked up in the store: a removed one is unmounted."""
 
-
-
-@dataclass(slots=True, kw_only=True)
-class ContainerRecord(SandboxRecord):
-    """The container backend's record: the neutral part plus its uid slot, layers, init
-    process and network."""
-
-    slot: int = -1
-    layers: list[str] = field(default_factory=list)
-    init_pid: int = 0
-    init_start: int = 0
-    net: dict[str, Any] | None = None
-    """Its network when it has one beyond loopback: slot, ip, ifname, policy (JSON)."""
-    disk_full: bool = False
-    """Its writable layer was full when last looked at (:meth:`ContainerRuntime.disk_room`);
-    not saved: it only tells the next command's limit verdict where it started from."""
-
-    backend: ClassVar[str] = "container"
-
-    @property
-    def uid_base(self) -> int:
-        return UID_FIRST_BASE + self.slot * UID_RANGE
-
-    def current_policy(self) -> NetworkPolicy | None:
-        pol = (self.net or {}).get("policy")
-        return None if pol is None else NetworkPolicy.model_validate(pol)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "backend": self.backend,
-            "state": self.state.value,
-            "spec": _spec_json(self.spec),
-            "slot": self.slot,
-            "layers": self.layers,
-            "created_at": self.created_at,
-            "init_pid": self.init_pid,
-            "init_start": self.init_start,
-            "reason": self.reason,
-            "edge": self.edge.to_json(),
-            "stage": self.stage,
-            "net": self.net,
-        }
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> ContainerRecord:
-        edge = d.get("edge")
-        if edge is None:  # written before records had a typed edge part
-            edge = (d.get("meta") or {}).get("edge")
-        return cls(
-            id=d["id"],
-            state=SandboxState(d["state"]),
-            spec=SandboxSpec.model_validate(d["spec"]),
-            slot=int(d["slot"]),
-            layers=list(d["layers"]),
-            created_at=float(d["created_at"]),
-            init_pid=int(d.get("init_pid", 0)),
-            init_start=int(d.get("init_start", 0)),
-            reason=str(d.get("reason", "")),
-            edge=EdgeMeta.from_json(edge),
-            stage=d.get("stage"),
-            net=d.get("net"),
-        )
-
-
-_SPEC_JSON: dict[int, tuple[SandboxSpec, dict[str, Any]]] = {}
-
-
-def _spec_json(spec: SandboxSpec) -> dict[str, Any]:
-    """model_dump is ~100 us; specs are immutable and usually shared by many sandboxes."""
-    hit = _SPEC_JSON.get(id(spec))
-    if hit is not None and hit[0] is spec:
-        return hit[1]
-    if len(_SPEC_JSON) > 256:
-        _SPEC_JSON.clear()
-    dumped = spec.model_dump(mode="json")
-    _SPEC_JSON[id(spec)] = (spec, dumped)
-    return dumped
-
-
-
-def _is_paused(rec: ContainerRecord) -> bool:
-    """(A function, so type checkers do not keep a narrowing across awaits that change the state.)"""
-    return rec.state is SandboxState.PAUSED
-
-
-def _proc_start_time(pid: int) -> int:
-    """Start time (clock ticks since boot) of ``pid``: with the pid, a unique process identity."""
-    return _proc_identity(pid)[0]
-
-
-def _proc_identity(pid: int) -> tuple[int, bool]:
-    """(start time, exited): an exited process that is not reaped yet (a zombie) still has one."""
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        data = f.read()
-    fields = data[data.rindex(b")") + 2 :].split()
-    return int(fields[19]), fields[0] in (b"Z", b"X")
-
-
-def _children_tree(pid: int) -> list[int]:
-    """All descendants of ``pid`` (host pids), read from /proc/*/task/*/children."""
-    out: list[int] = []
-    stack = [pid]
-    while stack:
-        p = stack.pop()
-        try:
-            tasks = os.listdir(f"/proc/{p}/task")
-        except OSError:
-            continue
-        for t in tasks:
-            try:
-                with open(f"/proc/{p}/task/{t}/children") as f:
-                    kids = [int(x) for x in f.read().split()]
-            except OSError:
-                continue
-            out.extend(kids)
-            stack.extend(kids)
-    return out
-
-
-def _reap(pid: int) -> None:
-    """Reap an exited child of ours, if it is one."""
-    with contextlib.suppress(ChildProcessError, OSError):
-        os.waitpid(pid, os.WNOHANG)
-
-
-def kill_tree(pid: int, *, include_root: bool = True) -> None:
-    """SIGKILL a process, its process group and every descendant."""
-    victims = _children_tree(pid)
-    if include_root:
-        with contextlib.suppress(OSError):
-            os.killpg(pid, signal.SIGKILL)
-        victims.append(pid)
-    for v in victims:
-        with contextlib.suppress(OSError):
-            os.kill(v, signal.SIGKILL)
-
-
-@dataclass(slots=True)
-class Process:
-    """A process started inside a sandbox. Its exit arrives through the spawner."""
-
-    sandbox_id: str
-    pid: int
-    exited: asyncio.Future[ChildExit]
-    started_at: float
-
-    track: Path | None = None
-    """The command's own freezer cgroup: every process it started, detached or not."""
-
-    start_latency_s: float = 0.0
-    """From the request to the command's execve (namespaces entered, limits set)."""
-
-    def kill(self, *, tree: bool = True) -> None:
-        """SIGKILL the process; with ``tree``, everything it started (its cgroup, group and descendants)."""
-        if tree:
-            if self.track is not None:
-                cgroups.RuntimeCgroups.kill_tracked_path(self.track)
-            if not self.exited.done():
-                kill_tree(self.pid)
-        elif not self.exited.done():
-            with contextlib.suppress(OSError):
-                os.kill(self.pid, signal.SIGKILL)
-
-
-@dataclass(frozen=True, slots=True)
-class PauseResult:
-    """What :meth:`ContainerRuntime.pause` did."""
-
-    sandbox_id: str
-    freeze_s: float
-    """Seconds until every process was frozen."""
-    reclaim: pausing.ReclaimStats | None
-    """Memory pushed out to swap (None: reclaim skipped, or the sandbox was resumed meanwhile)."""
-    seconds: float
-    """The whole pause."""
 
 
 CAPABILITIES: Final = Capabilities(
@@ -355,7 +165,7 @@ class ContainerRuntime(BackendBase):
         self._repair_gen = 0
         self._last_heal_start = float("-inf")
         self.spawner: Spawner | None = None
-        self._boxes: dict[str, LiveSandbox] = {}
+        self._boxes: dict[str, ContainerSandbox] = {}
         """Every sandbox's live state, its record included (:mod:`sandbox`)."""
         self.sandboxes: RecordView = RecordView(self._boxes)
         """The records, read-only (the Backend protocol's view)."""
@@ -550,7 +360,7 @@ class ContainerRuntime(BackendBase):
     def _record_path(self, sandbox_id: str) -> Path:
         return self.records_dir / f"{sandbox_id}.json"
 
-    def _save(self, rec: ContainerRecord) -> None:
+    def save(self, rec: ContainerRecord) -> None:
         path = self._record_path(rec.id)
         data = json.dumps(rec.to_json()).encode()
         try:
@@ -578,7 +388,7 @@ class ContainerRuntime(BackendBase):
         finally:
             os.close(fd)
 
-    def _move(self, rec: ContainerRecord, dst: SandboxState, *, reason: str = "", save: bool = True) -> None:
+    def move(self, rec: ContainerRecord, dst: SandboxState, *, reason: str = "", save: bool = True) -> None:
         if not can_move(rec.state, dst):
             raise SandboxStateError(
                 f"sandbox {rec.id} cannot go from {rec.state.value} to {dst.value}",
@@ -588,11 +398,11 @@ class ContainerRuntime(BackendBase):
         rec.state = dst
         if reason:
             rec.reason = reason
-        self._event(rec, "state", state=dst.value, reason=reason)
+        self.event(rec, "state", state=dst.value, reason=reason)
         if save:
-            self._save(rec)
+            self.save(rec)
 
-    def _event(self, rec: ContainerRecord, kind: str, **data: Any) -> None:
+    def event(self, rec: ContainerRecord, kind: str, **data: Any) -> None:
         rec.events.append({"t": time.time(), "event": kind, **data})
         if len(rec.events) > 1000:
             del rec.events[:100]
@@ -649,7 +459,7 @@ class ContainerRuntime(BackendBase):
     def _new_id(self) -> str:
         return f"{self.id_prefix}-{secrets.token_hex(6)}"
 
-    async def _ensure_spawner(self, *, check: bool = False) -> Spawner:
+    async def ensure_spawner(self, *, check: bool = False) -> Spawner:
         """The spawner, restarted if it died (sandboxes do not depend on it staying up);
         ``check`` also looks at the process, not only at its socket."""
         old = self.spawner
@@ -681,12 +491,12 @@ class ContainerRuntime(BackendBase):
         skeleton gone, the spawner dead)."""
         for attempt in (0, 1):
             gen, t0 = self._repair_gen, time.monotonic()
-            spawner = await self._ensure_spawner()
+            spawner = await self.ensure_spawner()
             try:
                 return await spawner.send(req)
             except SpawnError as exc:
                 if exc.pid > 0:
-                    _reap(exc.pid)  # our child (CLONE_PARENT), already exited
+                    reap(exc.pid)  # our child (CLONE_PARENT), already exited
                 if attempt or not await self._repaired_since(gen, t0):
                     raise SandboxFailed(
                         f"sandbox {sid} failed to start at step {exc.stage!r}: {exc.detail} ({os.strerror(exc.errno)})",
@@ -709,19 +519,19 @@ class ContainerRuntime(BackendBase):
         if spec.backend != self.kind:
             raise InvalidSpec(f"spec.backend is {spec.backend!r}; this is the {self.kind} backend", field="backend")
         check_spec(self.capabilities, spec)
-        await self._ensure_spawner()
+        await self.ensure_spawner()
         sid = sandbox_id or self._new_id()
         if not ID_RE.match(sid):
             raise InvalidSpec(f"sandbox id {sid!r} must match {ID_RE.pattern}", field="sandbox_id")
         existing = self.sandboxes.get(sid)
         if existing is not None:
             return existing  # idempotent
-        layers = self._layers_for(spec.image)
+        layers = self.layers_for(spec.image)
         policy = spec.effective_network()
         compiled = None if policy is None else await self.net.compile(policy)  # bad names fail first
         rec = ContainerRecord(id=sid, state=SandboxState.CREATING, spec=spec, created_at=time.time(), layers=layers,
                               edge=edge if edge is not None else EdgeMeta())
-        box = self._boxes[sid] = LiveSandbox(rec)
+        box = self._boxes[sid] = ContainerSandbox(rec, self)
         async with box.lock:
             lease: Lease | None = None
             try:
@@ -744,15 +554,15 @@ class ContainerRuntime(BackendBase):
                     net_fd=lease.fd if lease else None, hide_pids=hide_pids))
                 os.close(spawned.pidfd)
                 rec.init_pid = spawned.pid
-                rec.init_start = _proc_start_time(spawned.pid)
-                self._move(rec, SandboxState.RUNNING)
+                rec.init_start = proc_start_time(spawned.pid)
+                self.move(rec, SandboxState.RUNNING)
                 self.last_activity[sid] = time.monotonic()
                 return rec
             except BaseException:
                 if lease is not None and sid not in self.net.sandboxes:
                     self.net.release(lease)  # never handed over to the sandbox's state
                 await self._teardown(rec)
-                self._boxes.pop(sid, None)
+                self._forget(sid)
                 raise
             finally:
                 if lease is not None:
@@ -771,14 +581,14 @@ class ContainerRuntime(BackendBase):
                 # Frozen tasks die only once thawed: kill them frozen, then thaw (no page-in).
                 self.cgroups.kill_all(sandbox_id)
             if rec.state in (SandboxState.RUNNING, SandboxState.FAILED, SandboxState.CREATING, SandboxState.PAUSED):
-                self._move(rec, SandboxState.STOPPING, save=False)  # a cut-short destroy: see docs/RUNTIME.md
+                self.move(rec, SandboxState.STOPPING, save=False)  # a cut-short destroy: see docs/RUNTIME.md
             for sess in box.take_sessions():
                 with contextlib.suppress(Exception):
                     await sess.close()
             left = await self._teardown(rec)
             if not left:
-                self._move(rec, SandboxState.STOPPED, save=False)  # the record file is gone
-            self._boxes.pop(sandbox_id, None)
+                self.move(rec, SandboxState.STOPPED, save=False)  # the record file is gone
+            self._forget(sandbox_id)
             self.last_activity.pop(sandbox_id, None)
             if left:
                 raise HostError(f"sandbox {sandbox_id}: could not remove {left}", sandbox_id=sandbox_id)
@@ -790,7 +600,7 @@ class ContainerRuntime(BackendBase):
         sid = rec.id
         # A networked sandbox's namespace outlives it when we hold an fd: it is reset and
         # goes back to the pool (no veth to make, no namespace teardown: both are slow).
-        keep_netns = self._netns_fd(rec, check=False) if rec.net is not None and rec.init_pid else None
+        keep_netns = open_netns(self, rec, check=False) if rec.net is not None and rec.init_pid else None
         if rec.state is SandboxState.PAUSED or pausing.freezer_state(self.cgroups, sid) not in ("THAWED", ""):
             self.cgroups.kill_all(sid)  # frozen: kill, then thaw, or the init never exits
         if rec.init_pid:
@@ -816,7 +626,7 @@ class ContainerRuntime(BackendBase):
         return left
 
     async def _kill_init(self, rec: ContainerRecord) -> None:
-        fd = self._open_init(rec, check=False)
+        fd = self.open_init(rec, check=False)
         if fd is None:
             return
         try:
@@ -842,7 +652,7 @@ class ContainerRuntime(BackendBase):
         if self.spawner is not None:
             self.spawner.forget_exit(rec.init_pid)
 
-    def _open_init(self, rec: ContainerRecord, *, check: bool = True) -> int | None:
+    def open_init(self, rec: ContainerRecord, *, check: bool = True) -> int | None:
         """A pidfd of the sandbox's init, verified to be that very process (no pid reuse)."""
         try:
             fd = os.pidfd_open(rec.init_pid)
@@ -850,7 +660,7 @@ class ContainerRuntime(BackendBase):
             fd = None
         if fd is not None:
             try:
-                start, exited = _proc_identity(rec.init_pid)
+                start, exited = proc_identity(rec.init_pid)
                 if start == rec.init_start:
                     if not exited:
                         return fd
@@ -861,7 +671,7 @@ class ContainerRuntime(BackendBase):
                 pass
             os.close(fd)
         if check:
-            self._mark_failed(rec, "the sandbox's init process is gone")
+            self.mark_failed(rec, "the sandbox's init process is gone")
             raise SandboxFailed(
                 f"sandbox {rec.id} has failed: its init process is gone", sandbox_id=rec.id, reason="init_exited"
             )
@@ -923,105 +733,12 @@ class ContainerRuntime(BackendBase):
         with contextlib.suppress(RuntimeError):  # no running loop (called from a test): no watch
             asyncio.get_running_loop().call_later(LAYER_REMOVAL_POLL_S, self._unmount_if_removed, digest)
 
-    def update(self, sandbox_id: str, *, spec: SandboxSpec | None = None, edge: EdgeMeta | None = None) -> ContainerRecord:
-        """Change what the record says (not the running sandbox): a warm-pool sandbox taken
-        for a request gets that request's spec (same layers and resources) and edge part."""
-        rec = self._running(sandbox_id)
-        if spec is not None:
-            if spec.resources != rec.spec.resources or self._layers_for(spec.image) != rec.layers:
-                raise InvalidSpec(
-                    f"sandbox {sandbox_id} runs other layers or resources than the new spec", field="spec", sandbox_id=sandbox_id
-                )
-            rec.spec = spec
-        if edge is not None:
-            rec.edge = edge
-        self._save(rec)
-        return rec
-
-    def _check_limits(self, rec: ContainerRecord, counters: limit_evidence.Counters | None = None) -> None:
-        """Turn new OOM kills and pids-limit hits into events (counters are cumulative);
-        ``counters`` when the caller has just read them."""
-        now = counters if counters is not None else limit_evidence.counters(self.cgroups, rec.id)
-        if now is None:
-            return
-        box = self._boxes.get(rec.id)
-        if box is None:
-            return  # destroyed meanwhile
-        seen = box.limits_seen
-        for i, (event, value) in enumerate((("oom", now.oom_kills), ("pids_limit", now.pids_hits))):
-            if value > seen[i]:
-                self._event(rec, event, count=value - seen[i])
-                seen[i] = value
-
-    def limit_baseline(self, rec: ContainerRecord) -> limit_evidence.Baseline:
-        """What a command starts from, for :meth:`limit_hit`: the sandbox's OOM-kill and
-        pids-limit counters now (two small reads) and whether its layer was last seen full."""
-        return limit_evidence.Baseline(limit_evidence.counters(self.cgroups, rec.id), rec.disk_full)
-
-    def limit_hit(
-        self,
-        rec: ContainerRecord,
-        before: limit_evidence.Baseline | None,
-        *,
-        exit_code: int | None,
-        sig: int | None,
-        timed_out: str | None = None,
-        timeout_s: float | None = None,
-        idle_timeout_s: float | None = None,
-        truncated: bool = False,
-        output_cap: int = 0,
-        output: tuple[bytes, ...] = (),
-    ) -> LimitHit | None:
-        """Which limit ended a command that just finished (``ExecResult.limit``), judged from
-        the counters ``before`` it and now (see :mod:`limits`). A failed command's counters
-        are read here and turned into events at once; a succeeded one's are left to
-        :meth:`_check_limits`, off the reply path."""
-        after = disk = None
-        if limit_evidence.failed(exit_code, sig) and timed_out is None:
-            after = limit_evidence.counters(self.cgroups, rec.id)
-            if after is not None:
-                self._check_limits(rec, after)
-            disk = self.disk_room(rec)
-        return limit_evidence.judge(
-            rec.spec.resources, exit_code=exit_code, sig=sig, timed_out=timed_out, timeout_s=timeout_s,
-            idle_timeout_s=idle_timeout_s, truncated=truncated, output_cap=output_cap, before=before, after=after,
-            disk=disk, output=output,
-        )
-
-    def disk_room(self, rec: SandboxRecord) -> DiskRoom | None:
-        """Room left in the sandbox's writable layer under its quota (None: cannot tell);
-        whether it is full is remembered in ``rec.disk_full``."""
-        assert isinstance(rec, ContainerRecord)
-        room = self._measure_disk(rec)
-        if room is not None:
-            rec.disk_full = room.full
-        return room
-
-    def _measure_disk(self, rec: ContainerRecord) -> DiskRoom | None:
-        if rec.spec.resources.disk_medium == "disk":
-            # statvfs of a subvolume shows the whole store: its qgroup holds the quota.
-            try:
-                use = self.uppers.usage(rec.id)
-                seen = self.last_activity.get(rec.id, 0.0)
-                box = self._boxes.get(rec.id)
-                if use.free < limit_evidence.DISK_FULL_BYTES and box is not None and box.disk_commit != seen:
-                    # Looks full: the figures may predate an rm (qgroups update at commits).
-                    # Commit (a few ms) and look again, once per burst of activity: a full
-                    # sandbox left idle costs nothing more.
-                    box.disk_commit = seen
-                    self.uppers.commit()
-                    use = self.uppers.usage(rec.id)
-            except (OSError, ValueError, HostError):
-                return None
-            return DiskRoom(use.free, -1, use.free < limit_evidence.DISK_FULL_BYTES)
-        return limit_evidence.disk_room(rec.init_pid)
-
     def events(self, sandbox_id: str) -> builtins.list[dict[str, Any]]:
         return list(self.get(sandbox_id).events)
 
-    def _mark_failed(self, rec: ContainerRecord, reason: str) -> None:
+    def mark_failed(self, rec: ContainerRecord, reason: str) -> None:
         if can_move(rec.state, SandboxState.FAILED):
-            self._move(rec, SandboxState.FAILED, reason=reason)
+            self.move(rec, SandboxState.FAILED, reason=reason)
 
     # ----- lookups -----
 
@@ -1034,19 +751,21 @@ class ContainerRuntime(BackendBase):
     def list(self) -> builtins.list[ContainerRecord]:
         return [b.rec for b in self._boxes.values()]
 
-    def sandbox_state(self, sandbox_id: str) -> LiveSandbox | None:
+    def _forget(self, sandbox_id: str) -> None:
+        box = self._boxes.pop(sandbox_id, None)
+        if box is not None:
+            box.gone = True
+
+    def sandbox_state(self, sandbox_id: str) -> ContainerSandbox | None:
         """Like :meth:`live`, None for a sandbox that is gone."""
         return self._boxes.get(sandbox_id)
 
     def init_handle(self, rec: ContainerRecord) -> int:
         """A pidfd of the sandbox's init (the caller closes it); SandboxFailed, and the record
         marked failed, if the init is gone."""
-        fd = self._open_init(rec)
+        fd = self.open_init(rec)
         assert fd is not None
         return fd
-
-    def mark_failed(self, rec: ContainerRecord, reason: str) -> None:
-        self._mark_failed(rec, reason)
 
     def layer_path(self, digest: str) -> Path:
         """Where a layer this runtime uses is mounted on the host."""
@@ -1056,127 +775,19 @@ class ContainerRuntime(BackendBase):
         """A fork's layer: removed once no sandbox uses it (:meth:`drop_ephemeral`)."""
         self._mark_ephemeral(digest)
 
-    def event(self, rec: ContainerRecord, kind: str, **data: Any) -> None:
-        """Add to the sandbox's event log."""
-        self._event(rec, kind, **data)
-
-    def live(self, sandbox_id: str) -> LiveSandbox:
-        """The sandbox's live state (lock, sessions, stage switch, pack handshake): what
-        sessions, snapshots and pause use instead of the runtime's private members."""
+    def live(self, sandbox_id: str) -> ContainerSandbox:
+        """The sandbox object (:mod:`sandbox`): its live state and what is done to it."""
         box = self._boxes.get(sandbox_id)
         if box is None:
             raise SandboxNotFound(f"no sandbox {sandbox_id!r} on this node", sandbox_id=sandbox_id)
         return box
 
-    def require_running(self, sandbox_id: str) -> ContainerRecord:
-        """The record of a running sandbox; SandboxNotFound / SandboxStateError otherwise."""
-        return self._running(sandbox_id)
-
-    def _running(self, sandbox_id: str, *, resume: bool = True) -> ContainerRecord:
-        """The record of a running sandbox; a paused one is resumed first (unless ``resume``
-        is False: then it is an error like any other state)."""
-        rec = self.get(sandbox_id)
-        if rec.state is SandboxState.PAUSED and resume:
-            self.wake(sandbox_id)
-        if rec.state is not SandboxState.RUNNING:
-            raise SandboxStateError(
-                f"sandbox {sandbox_id} is {rec.state.value}, not running"
-                + (f" ({rec.reason})" if rec.reason else ""),
-                sandbox_id=sandbox_id,
-                state=rec.state.value,
-            )
-        return rec
-
-    def _live(self, sandbox_id: str) -> ContainerRecord:
-        """The record of a running or paused sandbox (a paused one stays paused)."""
-        rec = self.get(sandbox_id)
-        if rec.state is SandboxState.PAUSED:
-            return rec
-        return self._running(sandbox_id)
-
-    def upper_path(self, sandbox_id: str) -> Path:
-        """The writable layer as the host sees it (through the init's fd 3); a paused sandbox stays paused."""
-        rec = self._live(sandbox_id)
-        return Path(f"/proc/{rec.init_pid}/fd/3/upper")
-
-    def root_path(self, sandbox_id: str) -> Path:
-        rec = self._running(sandbox_id)
-        return Path(f"/proc/{rec.init_pid}/root")
-
     # ----- network -----
-
-    async def set_policy(self, sandbox_id: str, policy: NetworkPolicy | None) -> ContainerRecord:
-        """Replace a sandbox's network policy at once (one nftables transaction); TCP
-        connections the new policy forbids are cut. ``None``: nothing beyond loopback.
-        A loopback-only sandbox gets its veth on the first policy. Works while paused."""
-        compiled = None if policy is None else await self.net.compile(policy)
-        async with self.live(sandbox_id).lock:
-            rec = self._live(sandbox_id)
-            if rec.net is None and policy is None:
-                return rec
-            pidfd = self._netns_fd(rec)
-            assert pidfd is not None
-            try:
-                if rec.net is None:
-                    lease = await self.net.attach(sandbox_id, pidfd)
-                    os.close(lease.fd)
-                    try:
-                        cut = await self.net.apply(sandbox_id, pidfd, lease.info(), policy, compiled=compiled)
-                    except BaseException:
-                        if sandbox_id not in self.net.sandboxes:
-                            self.net.release(lease)
-                        raise
-                    rec.net = lease.info()
-                else:
-                    cut = await self.net.apply(sandbox_id, pidfd, rec.net, policy, compiled=compiled)
-            finally:
-                os.close(pidfd)
-            dumped = None if policy is None else policy.model_dump(mode="json")
-            rec.net = {**rec.net, "policy": dumped}
-            self._save(rec)
-            self._event(rec, "policy_changed", policy=dumped, connections_cut=cut)
-            return rec
-
-    def _netns_fd(self, rec: ContainerRecord, *, check: bool = True) -> int | None:
-        """An fd of the sandbox's network namespace, taken from its verified init."""
-        pidfd = self._open_init(rec, check=check)
-        if pidfd is None:
-            return None
-        fd = -1
-        try:
-            fd = os.open(f"/proc/{rec.init_pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-            signal.pidfd_send_signal(pidfd, 0)  # still that process: the fd is its namespace
-            return fd
-        except OSError:
-            if fd >= 0:
-                os.close(fd)
-            if check:
-                raise SandboxFailed(f"sandbox {rec.id}: its init is gone", sandbox_id=rec.id,
-                                    reason="init exited") from None
-            return None
-        finally:
-            os.close(pidfd)
 
     def netns_fd(self, sandbox_id: str) -> int | None:
         """An fd of a sandbox's network namespace (the caller closes it); None if it is gone."""
         rec = self.sandboxes.get(sandbox_id)
-        return None if rec is None else self._netns_fd(rec, check=False)
-
-    def network_info(self, sandbox_id: str) -> dict[str, Any] | None:
-        """Address, policy and refused-packet counts (as of the last :meth:`collect_denied`);
-        None for a loopback-only sandbox."""
-        rec = self.get(sandbox_id)
-        if rec.net is None:
-            return None
-        st = self.net.sandboxes.get(sandbox_id)
-        return {
-            "ip": rec.net.get("ip"),
-            "ifname": rec.net.get("ifname"),
-            "gateway": self.net.gateway,
-            "policy": rec.net.get("policy"),
-            "denied_packets": st.denied_seen if st else 0,
-            "denied_recent": list(st.denied_recent) if st else [],
-        }
+        return None if rec is None else open_netns(self, rec, check=False)
 
     async def collect_denied(self) -> dict[str, int]:
         """Read every networked sandbox's refused-packet counter; record a ``net_denied``
@@ -1187,7 +798,7 @@ class ContainerRuntime(BackendBase):
             st = self.net.sandboxes.get(sid)
             if rec is None or st is None or rec.state not in (SandboxState.RUNNING, SandboxState.PAUSED):
                 continue
-            pidfd = self._netns_fd(rec, check=False)
+            pidfd = open_netns(self, rec, check=False)
             if pidfd is None:
                 continue
             try:
@@ -1200,318 +811,12 @@ class ContainerRuntime(BackendBase):
             if total > st.denied_seen:
                 grown[sid] = total - st.denied_seen
                 st.denied_seen = total
-                self._event(rec, "net_denied", count=grown[sid], total=total, destinations=dests[-16:])
+                self.event(rec, "net_denied", count=grown[sid], total=total, destinations=dests[-16:])
         return grown
 
     # ----- stages (docs/SECURITY.md, "Stages and Landlock") -----
 
-    def current_stage(self, sandbox_id: str) -> str | None:
-        rec = self.get(sandbox_id)
-        return rec.stage or rec.spec.stage
-
-    async def set_stage(self, sandbox_id: str, name: str) -> ContainerRecord:
-        """Switch the sandbox to stage ``name`` (declared in ``spec.stages``).
-
-        Landlock cannot be changed on a running process, so every process of the
-        sandbox but its init is killed first: commands in flight end with SIGKILL,
-        sessions end (their next ``run`` raises SessionClosed). Then the stage's
-        network policy is applied, the stage recorded (it survives a runtime
-        restart) and a ``stage_changed`` event logged. New commands wait for the
-        switch and start under the new stage's file rules."""
-        rec = self._running(sandbox_id)
-        stage = rec.spec.stages.get(name)
-        if stage is None:
-            known = ", ".join(sorted(rec.spec.stages)) or "none declared"
-            raise InvalidSpec(f"sandbox {sandbox_id} has no stage {name!r} (declared: {known})",
-                              field="stage", sandbox_id=sandbox_id, stages=sorted(rec.spec.stages))
-        if not stage.files.unrestricted and self.landlock_abi < 1:
-            raise HostError("stage file rules need Landlock, which this kernel lacks (CONFIG_SECURITY_LANDLOCK, lsm=landlock)",
-                            sandbox_id=sandbox_id)
-        box = self.live(sandbox_id)
-        gate = await box.begin_stage_switch()  # one switch at a time
-        t0 = time.perf_counter()
-        try:
-            rec = self._running(sandbox_id)
-            old = rec.stage or rec.spec.stage
-            # Starts already sent to the spawner finish first (their child may not be in the cgroup yet).
-            while box.spawning > 0:
-                await asyncio.sleep(0.0005)
-            killed = await self._kill_all_but_init(rec)
-            for sess in box.take_sessions():
-                sess.ended_reason = f"the sandbox switched to stage {name!r}; open a new session"
-                with contextlib.suppress(Exception):
-                    await sess.close()
-            split: builtins.list[str] = []
-            symlinked: builtins.list[str] = []
-            if not stage.files.unrestricted:
-                split, symlinked = await asyncio.to_thread(self._stage_fs_checks, rec, stage.files)
-            await self.set_policy(sandbox_id, stage.network)
-            rec.stage = name
-            self._save(rec)
-            self._event(rec, "stage_changed", **{"from": old, "to": name}, killed=killed, links_split=split,
-                        symlinked_rule_paths=symlinked, seconds=round(time.perf_counter() - t0, 6))
-            self.last_activity[sandbox_id] = time.monotonic()
-            return rec
-        finally:
-            box.end_stage_switch(gate)
-
-    @staticmethod
-    def _stage_fs_checks(rec: ContainerRecord, files: Any) -> tuple[builtins.list[str], builtins.list[str]]:
-        """(files under restricted paths split off their hard links, rule paths that are symlinks)."""
-        root = f"/proc/{rec.init_pid}/root"
-        split = staging.split_hard_links(root, f"/proc/{rec.init_pid}/fd/3/upper", files)
-        named = (*staging.restricted_paths(files), *files.writable)
-        return split, staging.symlinked_paths(root, named)
-
-    async def _kill_all_but_init(self, rec: ContainerRecord) -> int:
-        """SIGKILL every process of the sandbox except its init (frozen first, so none forks
-        meanwhile); returns how many were killed, once they are gone."""
-        sid = rec.id
-        if all(p == rec.init_pid for p in self.cgroups.pids(sid)):
-            return 0  # the init alone never forks, and no start is in flight: nothing can appear
-        await pausing.freeze(self.cgroups, sid)
-        victims = [p for p in self.cgroups.pids(sid) if p != rec.init_pid]
-        try:
-            for pid in victims:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-        finally:
-            pausing.thaw(self.cgroups, sid)
-        deadline = time.monotonic() + 10
-        delay = 0.0002
-        while any(p != rec.init_pid for p in self.cgroups.pids(sid)):
-            if time.monotonic() > deadline:
-                raise HostError(f"sandbox {sid}: processes of the old stage did not die within 10 s", sandbox_id=sid)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.01)
-        return len(victims)
-
-    def _pristine(self, rec: ContainerRecord, pristine: Sequence[str]) -> wire.Pristine:
-        """What the spawner needs for pristine paths: the image layers (never snapshot layers:
-        those hold the agent's own writes) as host mounts, top first, and the paths."""
-        paths = staging.check_pristine(pristine)
-        image = [d for d in rec.layers if self._layer_lineage(d) is None]
-        if not image:
-            raise InvalidSpec(f"sandbox {rec.id} has no image layers to take pristine copies from",
-                              field="pristine", sandbox_id=rec.id)
-        return wire.Pristine(tuple(self._layers.path(d) for d in image), paths)
-
     # ----- running things -----
-
-    async def start_process(
-        self,
-        sandbox_id: str,
-        argv: Sequence[str],
-        *,
-        stdin: int,
-        stdout: int,
-        stderr: int,
-        env: Mapping[str, str] | None = None,
-        cwd: str = "/",
-        user: int | str = 0,
-        seccomp: bool = True,
-        tracked: bool = True,
-        pristine: Sequence[str] = (),
-        tty: TtySize | None = None,
-    ) -> Process:
-        """Start ``argv`` in the sandbox with the given host fds as its stdio.
-
-        ``tracked`` puts the command in its own freezer cgroup so that
-        :meth:`Process.kill` reaches every process it started. The current
-        stage's file rules bind it (Landlock); ``pristine`` paths are the
-        image's own (see :meth:`exec`). With ``tty`` the stdio fds are
-        ignored: use :meth:`start_tty`."""
-        spawner = await self._ensure_spawner()
-        await self.live(sandbox_id).wait_for_stage_switch()  # it kills the old stage's processes
-        rec = self._running(sandbox_id)
-        box = self.live(sandbox_id)
-        check_argv(sandbox_id, argv, cwd)
-        uid, gid = user_ids(user)
-        merged = command_env(rec.spec.env, env)
-        res = rec.spec.resources
-        stage = rec.stage or rec.spec.stage
-        landlock = None if stage is None else staging.landlock(rec.spec.stages[stage].files)
-        image_copies = self._pristine(rec, pristine) if pristine else None  # checked before a cgroup is made
-        cg_dirs = self.cgroups.dirs(sandbox_id)
-        track: Path | None = None
-        if tracked:
-            self._track_seq += 1  # unique across runtime restarts: leftovers of a re-adopted sandbox stay
-            track = self.cgroups.make_track(sandbox_id, f"x{self._boot}{self._track_seq}")
-            cg_dirs = [d for d in cg_dirs if d != self.cgroups.parents["freezer"] / sandbox_id] + [track]
-        init_fd = self._open_init(rec)
-        assert init_fd is not None
-        started = time.monotonic()
-        try:
-            with box.starting():
-                spawned = await spawner.send(wire.ExecRequest(
-                    init_pidfd=init_fd, stdin=stdin, stdout=stdout, stderr=stderr, argv=tuple(argv),
-                    env=tuple(merged.items()), cwd=cwd, uid=uid, gid=gid, seccomp=seccomp, cgroups=tuple(cg_dirs),
-                    rlimits=(wire.Rlimit(7, res.nofile, res.nofile),),  # RLIMIT_NOFILE
-                    landlock=landlock, pristine=image_copies,
-                    init_pid=rec.init_pid if image_copies is not None or tty is not None else None,
-                    # The sandbox's tty group (gid 5 inside) in host ids: devpts takes the mounter's.
-                    tty=None if tty is None else wire.Tty(rec.uid_base + 5, tty.rows, tty.cols)))
-        except SpawnError as exc:
-            if track is not None:
-                self.cgroups.drop_track(track)
-            raise self._exec_error(sandbox_id, argv, cwd, uid, exc) from None
-        except BaseException:
-            if track is not None:
-                self.cgroups.drop_track(track)
-            raise
-        finally:
-            os.close(init_fd)
-        os.close(spawned.pidfd)
-        self.last_activity[sandbox_id] = time.monotonic()
-        self._event(rec, "exec_started", pid=spawned.pid, argv0=argv[0], cmd=command_line(argv))
-        return Process(sandbox_id, spawned.pid, spawner.exit_future(spawned.pid), started, track,
-                       start_latency_s=time.monotonic() - started)
-
-    async def start_tty(
-        self,
-        sandbox_id: str,
-        argv: Sequence[str],
-        *,
-        size: TtySize,
-        env: Mapping[str, str] | None = None,
-        cwd: str = "/",
-        user: int | str = 0,
-    ) -> tuple[Process, int]:
-        """Start ``argv`` on a new pseudo-terminal in the sandbox: a session leader with the
-        pty as its controlling terminal (job control, ^C/^Z as signals to its foreground
-        group). Returns the process and the pty's master (a host fd, non-blocking, the
-        caller's to close): write the keystrokes, read the screen, resize with
-        :func:`set_tty_size`. The sandbox's devpts is mounted on the first call."""
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-        devnull = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
-        try:
-            proc = await self.start_process(
-                sandbox_id, argv, stdin=theirs.fileno(), stdout=devnull, stderr=devnull, env=env, cwd=cwd,
-                user=user, tty=size,
-            )
-            theirs.close()
-            ours.setblocking(False)
-            try:
-                _, fds, _, _ = socket.recv_fds(ours, 8, 1)
-            except OSError:
-                fds = []
-            if not fds:
-                proc.kill()
-                raise ExecError(f"sandbox {sandbox_id}: the terminal's master never arrived", sandbox_id=sandbox_id,
-                                stage="tty")
-            os.set_blocking(fds[0], False)
-            return proc, fds[0]
-        finally:
-            ours.close()
-            theirs.close()
-            os.close(devnull)
-
-    def _exec_error(self, sid: str, argv: Sequence[str], cwd: str, uid: int, exc: SpawnError) -> Exception:
-        if exc.stage == "exec":
-            hint = "not found in the sandbox's PATH" if exc.errno == 2 else os.strerror(exc.errno)
-            return ExecError(f"cannot run {argv[0]!r} in sandbox {sid}: {hint}", sandbox_id=sid, stage="exec", errno=exc.errno)
-        if exc.stage == "cwd":
-            return ExecError(
-                f"working directory {cwd!r} does not exist in sandbox {sid} ({os.strerror(exc.errno)})",
-                sandbox_id=sid, stage="cwd", errno=exc.errno,
-            )
-        if exc.stage == "user":
-            return ExecError(f"user {uid} cannot be used in sandbox {sid}: {exc.detail}", sandbox_id=sid, stage="user")
-        if exc.stage == "pristine":
-            return ExecError(f"pristine paths in sandbox {sid}: {exc.detail} ({os.strerror(exc.errno)})",
-                             sandbox_id=sid, stage="pristine", errno=exc.errno)
-        if exc.stage == "landlock":
-            return ExecError(f"cannot apply the stage's file rules in sandbox {sid}: {exc}",
-                             sandbox_id=sid, stage="landlock", errno=exc.errno)
-        if exc.stage in ("setns", "died"):
-            rec = self.sandboxes.get(sid)
-            if rec is not None:
-                fd = self._open_init(rec, check=False)
-                if fd is None:  # the init is gone: say so in the record, as every other path does
-                    self._mark_failed(rec, "the sandbox's init process is gone")
-                else:
-                    os.close(fd)
-            return SandboxFailed(f"sandbox {sid} is gone: {exc}", sandbox_id=sid, reason=exc.stage)
-        return ExecError(f"cannot start command in sandbox {sid}: {exc}", sandbox_id=sid, stage=exc.stage)
-
-    async def exec(
-        self,
-        sandbox_id: str,
-        cmd: Sequence[str] | str,
-        *,
-        env: Mapping[str, str] | None = None,
-        cwd: str = "/",
-        user: int | str = 0,
-        stdin: bytes | None = None,
-        timeout: float | _Unset | None = UNSET,
-        idle_timeout: float | None = None,
-        on_output: OutputCallback | None = None,
-        output_cap: int | None = None,
-        pristine: Sequence[str] = (),
-    ) -> ExecResult:
-        """Run a command to completion and return its result.
-
-        ``cmd`` is an argv list, or a string run by ``/bin/sh -c``. ``timeout``
-        (default 600 s; ``None`` for none) and ``idle_timeout`` (no output for
-        that long) kill the command's whole process tree, never the sandbox, and
-        raise :class:`ExecTimeout` carrying the partial result. ``on_output`` is
-        called with ("stdout"|"stderr", chunk) as output is produced.
-        ``pristine`` paths are replaced, for this command only, by read-only copies
-        from the sandbox's image layers (docs/SECURITY.md, "Pristine paths").
-        """
-        argv, limit = check_exec(cmd, timeout=timeout, idle_timeout=idle_timeout, output_cap=output_cap)
-        rec = self._running(sandbox_id)
-        cap = output_cap or rec.spec.output_cap
-        before = self.limit_baseline(rec)
-        proc, in_w, out_r, err_r = await start_piped(lambda i, o, e: self.start_process(
-            sandbox_id, argv, stdin=i, stdout=o, stderr=e, env=env, cwd=cwd, user=user, pristine=pristine))
-        return await self._collect(proc, in_w, out_r, err_r, stdin, limit, idle_timeout, on_output, cap, before)
-
-    async def _collect(
-        self,
-        proc: Process,
-        in_w: int,
-        out_r: int,
-        err_r: int,
-        stdin: bytes | None,
-        limit: float | None,
-        idle_timeout: float | None,
-        on_output: OutputCallback | None,
-        cap: int,
-        before: limit_evidence.Baseline | None = None,
-    ) -> ExecResult:
-        """:func:`dsec.backends.common.output.collect`, then what this runtime makes of the
-        result: the limit that ended it, an ``exec_ended`` event, ExecTimeout."""
-        try:
-            got = await collect(proc, in_w, out_r, err_r, stdin, limit, idle_timeout, on_output, cap)
-        except asyncio.CancelledError:
-            rec = self.sandboxes.get(proc.sandbox_id)
-            if rec is not None:
-                self._event(rec, "exec_ended", pid=proc.pid, exit_code=None, signal=signal.SIGKILL,
-                            duration_s=round(time.monotonic() - proc.started_at, 6), cancelled=True)
-            raise
-        finally:
-            if self.spawner is not None:
-                self.spawner.forget_exit(proc.pid)
-            if proc.track is not None:
-                self.cgroups.drop_track(proc.track)  # stays while background jobs run
-        self.last_activity[proc.sandbox_id] = time.monotonic()
-        result = got.result(proc.start_latency_s)
-        rec = self.sandboxes.get(proc.sandbox_id)
-        if rec is not None:
-            result.limit = self.limit_hit(rec, before, exit_code=result.exit_code, sig=result.signal,
-                                          timed_out=result.timed_out, timeout_s=limit, idle_timeout_s=idle_timeout,
-                                          truncated=result.truncated, output_cap=cap,
-                                          output=(result.stderr, result.stdout))
-            self._event(rec, "exec_ended", pid=proc.pid, exit_code=result.exit_code, signal=result.signal,
-                        duration_s=round(result.duration_s, 6), timed_out=result.timed_out,
-                        output_truncated=result.truncated,
-                        limit=None if result.limit is None else result.limit.kind)
-            if not limit_evidence.failed(result.exit_code, result.signal) or result.timed_out:
-                # two cgroup reads: off the reply path
-                asyncio.get_running_loop().call_soon(self._check_limits, rec)
-        check_timed_out(result, proc.sandbox_id, limit=limit, idle_timeout=idle_timeout)
-        return result
 
     # ----- reconcile after a crash -----
 
@@ -1527,23 +832,23 @@ class ContainerRuntime(BackendBase):
                 continue
             alive = False
             if rec.state in (SandboxState.RUNNING, SandboxState.PAUSED) and rec.init_pid:
-                fd = self._open_init(rec, check=False)
+                fd = self.open_init(rec, check=False)
                 if fd is not None:
                     os.close(fd)
                     alive = rec.init_pid in self.cgroups.pids(rec.id)
             if alive:
-                self._boxes[rec.id] = LiveSandbox(rec)
+                self._boxes[rec.id] = ContainerSandbox(rec, self)
                 if rec.net is not None:
                     pol = rec.net.get("policy")
                     self.net.adopt(rec.id, rec.net, None if pol is None else NetworkPolicy.model_validate(pol))
                 self._adopt_freezer(rec)
-                self._event(rec, "adopted")
+                self.event(rec, "adopted")
                 self.last_activity[rec.id] = time.monotonic()
                 adopted.append(rec.id)
                 continue
             # Half-made, stopping or dead: remove every trace.
             if rec.init_pid:
-                fd = self._open_init(rec, check=False)
+                fd = self.open_init(rec, check=False)
                 if fd is None:
                     rec.init_pid = 0
                 else:
@@ -1569,7 +874,7 @@ class ContainerRuntime(BackendBase):
         for slot_file in self.slots_dir.iterdir():
             with contextlib.suppress(OSError, ValueError):
                 if slot_file.name.startswith(CLAIM_PREFIX):
-                    if not _pid_alive(int(slot_file.name[len(CLAIM_PREFIX):].split("-", 1)[0])):
+                    if not pid_alive(int(slot_file.name[len(CLAIM_PREFIX):].split("-", 1)[0])):
                         slot_file.unlink()
                     continue
                 owner = slot_file.read_text().split()
@@ -1643,7 +948,7 @@ class ContainerRuntime(BackendBase):
                     found.append(self._note("spawner", what, repaired=False))
                 else:
                     try:
-                        await self._ensure_spawner(check=True)  # notes the repair
+                        await self.ensure_spawner(check=True)  # notes the repair
                     except (HostError, OSError) as exc:
                         found.append(self._note("spawner", f"{what} and cannot be started again: {exc}",
                                                 repaired=False))
@@ -1682,7 +987,7 @@ class ContainerRuntime(BackendBase):
                 if d == self.records_dir:
                     for rec in self.sandboxes.values():
                         if rec.state is not SandboxState.CREATING:
-                            self._save(rec)
+                            self.save(rec)
                     note = f"; wrote the records of {len(self.sandboxes)} sandboxes again"
                 elif d == self.slots_dir:
                     lost = []
@@ -1729,49 +1034,110 @@ class ContainerRuntime(BackendBase):
         out += [("layer_mount", m, False) for m in problems] + [("layer_mount", m, True) for m in repairs]
         return out
 
-    def child_cgroups(self, sandbox_id: str, controller: str, names: Sequence[str]) -> builtins.list[Path]:
-        """Make child cgroups of ``controller`` below the running sandbox's own (charged to it,
-        bounded by it, removed with it); their host paths. For a backend that divides a
-        sandbox of its own (FnCall: a memory cgroup per call slot)."""
-        self._running(sandbox_id)
-        return self.cgroups.make_children(sandbox_id, controller, names)
+    # ----- what a sandbox reaches of its node (sandbox.Node) -----
 
-    def set_net_sysctls(self, sandbox_id: str, values: Mapping[str, str]) -> None:
-        """Write ``net.*`` sysctls of the running sandbox's own network namespace from the host
-        (root inside cannot: /proc/sys is read-only there). Blocking: a thread of its own."""
-        bad = [k for k in values if not re.fullmatch(r"net(\.[a-z0-9_]+)+", k)]
-        if bad:
-            raise InvalidSpec(f"not a net.* sysctl: {', '.join(bad)}", field="sysctls")
-        rec = self._running(sandbox_id)
-        from dsec.backends.container import netfilter
+    def image_layer_paths(self, rec: ContainerRecord) -> tuple[Path, ...]:
+        """The host mounts of the sandbox's image layers (never snapshot layers: those hold
+        the agent's own writes), top first: where pristine copies come from."""
+        return tuple(self._layers.path(d) for d in rec.layers if self._layer_lineage(d) is None)
 
-        fd = os.open(f"/proc/{rec.init_pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            netfilter.in_netns(fd, lambda: netfilter.write_sysctls(values.items()))
-        finally:
-            os.close(fd)
+    def track_name(self) -> str:
+        """A new command's freezer cgroup name, unique across runtime restarts (leftovers of
+        a re-adopted sandbox stay)."""
+        self._track_seq += 1
+        return f"x{self._boot}{self._track_seq}"
 
-    # ----- files and sessions -----
+    # ----- the Backend protocol, dispatched to the sandbox (sandbox.ContainerSandbox) -----
+
+    async def exec(self, sandbox_id: str, cmd: Sequence[str] | str, **kw: Any) -> ExecResult:
+        """:meth:`ContainerSandbox.exec`."""
+        return await self.live(sandbox_id).exec(cmd, **kw)
+
+    async def start_process(self, sandbox_id: str, argv: Sequence[str], **kw: Any) -> Process:
+        """:meth:`ContainerSandbox.start_process`."""
+        return await self.live(sandbox_id).start_process(argv, **kw)
+
+    async def start_tty(self, sandbox_id: str, argv: Sequence[str], **kw: Any) -> tuple[Process, int]:
+        """:meth:`ContainerSandbox.start_tty`."""
+        return await self.live(sandbox_id).start_tty(argv, **kw)
 
     def files(self, sandbox_id: str, *, platform: bool = False) -> SandboxFiles:
-        """Confined host-side file access (see :mod:`fsops`). It obeys the current stage's
-        file rules like the sandbox's processes do (agents' file tools usually come through
-        here); ``platform=True`` is the platform's own access (fork identity, evaluation
-        set-up), confined to the sandbox root but not to the stage."""
-        rec = self._running(sandbox_id)
-        self.last_activity[sandbox_id] = time.monotonic()
-        stage = rec.stage or rec.spec.stage
-        rules = rec.spec.stages[stage].files if stage is not None and stage in rec.spec.stages else None
-        return SandboxFiles(f"/proc/{rec.init_pid}/root", rec.uid_base, sandbox_id, rules=None if platform else rules)
+        """:meth:`ContainerSandbox.files`."""
+        return self.live(sandbox_id).files(platform=platform)
+
+    async def set_policy(self, sandbox_id: str, policy: NetworkPolicy | None) -> ContainerRecord:
+        """:meth:`ContainerSandbox.set_policy`."""
+        return await self.live(sandbox_id).set_policy(policy)
+
+    def network_info(self, sandbox_id: str) -> dict[str, Any] | None:
+        return self.live(sandbox_id).network_info()
+
+    def current_stage(self, sandbox_id: str) -> str | None:
+        return self.live(sandbox_id).current_stage()
+
+    async def set_stage(self, sandbox_id: str, name: str) -> ContainerRecord:
+        """:meth:`ContainerSandbox.set_stage`."""
+        return await self.live(sandbox_id).set_stage(name)
+
+    async def pause(self, sandbox_id: str, *, reclaim: bool = True) -> PauseResult:
+        """:meth:`ContainerSandbox.pause`."""
+        return await self.live(sandbox_id).pause(reclaim=reclaim)
+
+    async def resume(self, sandbox_id: str) -> ContainerRecord:
+        return await self.live(sandbox_id).resume()
+
+    def wake(self, sandbox_id: str) -> bool:
+        """:meth:`ContainerSandbox.wake`; False for a sandbox that is gone."""
+        box = self._boxes.get(sandbox_id)
+        return False if box is None else box.wake()
+
+    def update(self, sandbox_id: str, *, spec: SandboxSpec | None = None, edge: EdgeMeta | None = None) -> ContainerRecord:
+        return self.live(sandbox_id).update(spec=spec, edge=edge)
+
+    def stats(self, sandbox_id: str) -> dict[str, Any]:
+        return self.live(sandbox_id).stats()
+
+    def usage(self, sandbox_id: str) -> Usage:
+        return self.live(sandbox_id).usage()
+
+    def disk_usage(self, sandbox_id: str) -> UpperUsage:
+        return self.live(sandbox_id).disk_usage()
+
+    def disk_room(self, rec: SandboxRecord) -> DiskRoom | None:
+        box = self._boxes.get(rec.id)
+        return None if box is None else box.disk_room(rec)
+
+    def check_limits(self, rec: SandboxRecord) -> None:
+        box = self._boxes.get(rec.id)
+        if box is not None:
+            box.check_limits(rec)
+
+    def require_running(self, sandbox_id: str) -> ContainerRecord:
+        return self.live(sandbox_id).running()
+
+    def upper_path(self, sandbox_id: str) -> Path:
+        return self.live(sandbox_id).upper_path()
+
+    def root_path(self, sandbox_id: str) -> Path:
+        return self.live(sandbox_id).root_path()
+
+    def child_cgroups(self, sandbox_id: str, controller: str, names: Sequence[str]) -> builtins.list[Path]:
+        return self.live(sandbox_id).child_cgroups(controller, names)
+
+    def set_net_sysctls(self, sandbox_id: str, values: Mapping[str, str]) -> None:
+        self.live(sandbox_id).set_net_sysctls(values)
+
+    # ----- files and sessions -----
 
     async def open_session(
         self, sandbox_id: str, *, env: Mapping[str, str] | None = None, cwd: str = "/", user: int | str = 0
     ) -> Session:
         """A persistent shell; closed with the sandbox at the latest."""
-        self._running(sandbox_id)
-        sess = pausing.ResumingSession(self, sandbox_id, f"sess-{secrets.token_hex(4)}")
+        box = self.live(sandbox_id)
+        box.running()
+        sess = Session(box, sandbox_id, f"sess-{secrets.token_hex(4)}")
         await sess.start(env=dict(env or {}), cwd=cwd, user=user)
-        self.live(sandbox_id).add_session(sess)
+        box.add_session(sess)
         return sess
 
     async def close_session(self, sandbox_id: str, session_id: str) -> bool:
@@ -1788,11 +1154,6 @@ class ContainerRuntime(BackendBase):
         return [] if box is None else list(box.sessions.values())
 
     # ----- introspection -----
-
-    def stats(self, sandbox_id: str) -> dict[str, Any]:
-        rec = self._live(sandbox_id)
-        st = self.cgroups.stats(sandbox_id)
-        return {"id": rec.id, "state": rec.state.value, "init_pid": rec.init_pid, **dataclasses.asdict(st)}
 
     # ----- pause / resume (docs/SNAPSHOTS.md, "Pause") -----
 
@@ -1826,14 +1187,6 @@ class ContainerRuntime(BackendBase):
                 left.append(f"writable layer {self.uppers.path(rec.id)} ({exc})")
         return left
 
-    def disk_usage(self, sandbox_id: str) -> UpperUsage:
-        """Bytes the sandbox's writable layer holds and may hold, on either medium."""
-        rec = self._live(sandbox_id)
-        if rec.spec.resources.disk_medium == "disk":
-            return self.uppers.usage(sandbox_id)
-        st = os.statvfs(f"/proc/{rec.init_pid}/fd/3")
-        return UpperUsage(used=(st.f_blocks - st.f_bfree) * st.f_frsize, limit=st.f_blocks * st.f_frsize)
-
     def _make_cgroups(self, sandbox_id: str, res: Any) -> builtins.list[Path]:
         dirs = self.cgroups.create(sandbox_id, res)
         # With swap on the host, a memory limit alone would let a sandbox grow into swap
@@ -1862,96 +1215,9 @@ class ContainerRuntime(BackendBase):
         resume write no record (a rename on a busy disk costs ms, too much for a group pause)."""
         frozen = pausing.freezer_state(self.cgroups, rec.id) in ("FROZEN", "FREEZING")
         if rec.state is SandboxState.PAUSED and not frozen:
-            self._move(rec, SandboxState.RUNNING, save=False)
+            self.move(rec, SandboxState.RUNNING, save=False)
         elif rec.state is SandboxState.RUNNING and frozen:
-            self._move(rec, SandboxState.PAUSED, save=False)  # paused (or frozen by a snapshot cut short)
-
-    def wake(self, sandbox_id: str) -> bool:
-        """Resume a paused sandbox now (synchronous: a thaw costs ~0.1 ms). False if it was not paused.
-
-        Exec, files and sessions call this, so a paused sandbox resumes on any request;
-        its pages come back from swap as they are touched."""
-        box = self._boxes.get(sandbox_id)
-        if box is None or box.rec.state is not SandboxState.PAUSED:
-            return False
-        if self.wake_gate is not None:
-            self.wake_gate(sandbox_id)  # raises to keep it paused (preempted)
-        rec = box.rec
-        # While a snapshot copies its upper it thaws when the copy is done; the request
-        # goes on and waits for that inside the frozen cgroup.
-        if not box.wake_requested():
-            pausing.thaw(self.cgroups, sandbox_id)
-        self._move(rec, SandboxState.RUNNING, save=False)
-        self._event(rec, "resumed")
-        self.last_activity[sandbox_id] = time.monotonic()
-        return True
-
-    async def pause(self, sandbox_id: str, *, reclaim: bool = True) -> PauseResult:
-        """Freeze every process of the sandbox, then push its memory out to swap.
-
-        Pausing a paused sandbox raises SandboxStateError. Any exec, file or session
-        call resumes it (:meth:`wake`); so does :meth:`resume`. The sandbox's disk
-        (its writable layer is tmpfs, charged to its memory cgroup) goes to swap too.
-        Commands running when it is paused are frozen with it; their timeouts keep
-        counting. A sandbox holding less than ``pause.RECLAIM_MIN`` is only frozen."""
-        t0 = time.perf_counter()
-        freeze_s = await self._freeze(sandbox_id)
-        stats = await self._reclaim_paused(sandbox_id) if reclaim else None
-        elapsed = time.perf_counter() - t0
-        rec = self.sandboxes.get(sandbox_id)
-        if rec is not None:
-            self._event(rec, "paused", freeze_s=round(freeze_s, 6), seconds=round(elapsed, 6),
-                        memory_before=stats.before if stats else None, memory_after=stats.after if stats else None)
-        return PauseResult(sandbox_id, freeze_s, stats, elapsed)
-
-    async def _freeze(self, sandbox_id: str) -> float:
-        """The first half of a pause: state paused, every process frozen. Returns seconds."""
-        rec = self.get(sandbox_id)
-        if rec.state is SandboxState.PAUSED:
-            raise SandboxStateError(f"sandbox {sandbox_id} is already paused", sandbox_id=sandbox_id, state="paused")
-        self._running(sandbox_id, resume=False)
-        async with self.live(sandbox_id).lock:
-            rec = self.get(sandbox_id)
-            if rec.state is SandboxState.PAUSED:
-                raise SandboxStateError(f"sandbox {sandbox_id} is already paused", sandbox_id=sandbox_id, state="paused")
-            self._running(sandbox_id, resume=False)
-            self._open_init_check(rec)
-            # Paused before frozen: a request arriving during the freeze sees "paused" and thaws.
-            self._move(rec, SandboxState.PAUSED, save=False)
-            try:
-                return await pausing.freeze(self.cgroups, sandbox_id)
-            except BaseException:
-                if _is_paused(rec):
-                    with contextlib.suppress(OSError):
-                        pausing.thaw(self.cgroups, sandbox_id)
-                    self._move(rec, SandboxState.RUNNING, save=False)
-                raise
-
-    async def _reclaim_paused(self, sandbox_id: str) -> pausing.ReclaimStats | None:
-        """The second half: push a paused sandbox's memory to swap (None if it was resumed meanwhile)."""
-        box = self._boxes.get(sandbox_id)
-        if box is None or not _is_paused(box.rec):
-            return None
-        rec, gen = box.rec, box.wake_gen
-        async with box.lock:
-            if not _is_paused(rec) or box.wake_gen != gen or self._boxes.get(sandbox_id) is not box:
-                return None
-            return await asyncio.to_thread(pausing.reclaim, self.cgroups, sandbox_id, self.reclaim_method)
-
-    def _open_init_check(self, rec: ContainerRecord) -> None:
-        fd = self._open_init(rec)  # raises SandboxFailed (and marks it failed) if the init is gone
-        if fd is not None:
-            os.close(fd)
-
-    async def resume(self, sandbox_id: str) -> ContainerRecord:
-        """Thaw a paused sandbox. SandboxStateError if it is not paused."""
-        rec = self.get(sandbox_id)
-        if rec.state is not SandboxState.PAUSED:
-            raise SandboxStateError(
-                f"sandbox {sandbox_id} is {rec.state.value}, not paused", sandbox_id=sandbox_id, state=rec.state.value
-            )
-        self.wake(sandbox_id)
-        return rec
+            self.move(rec, SandboxState.PAUSED, save=False)  # paused (or frozen by a snapshot cut short)
 
     async def pause_many(self, sandbox_ids: Sequence[str], *, reclaim: bool = True,
                          concurrency: int = 64) -> GroupOutcome:
@@ -1964,7 +1230,7 @@ class ContainerRuntime(BackendBase):
 
         async def freeze_one(sid: str) -> None:
             try:
-                await self._freeze(sid)
+                await self.live(sid).freeze()
                 frozen.append(sid)
             except SandboxStateError as exc:
                 if getattr(exc, "state", "") == "paused":
@@ -1981,10 +1247,11 @@ class ContainerRuntime(BackendBase):
             async def reclaim_one(sid: str) -> None:
                 async with sem:
                     with contextlib.suppress(OSError):
-                        stats = await self._reclaim_paused(sid)
+                        box = self._boxes.get(sid)
+                        stats = None if box is None else await box.reclaim_paused()
                         rec = self.sandboxes.get(sid)
                         if rec is not None:
-                            self._event(rec, "paused", group=True, memory_before=stats.before if stats else None,
+                            self.event(rec, "paused", group=True, memory_before=stats.before if stats else None,
                                         memory_after=stats.after if stats else None)
 
             await asyncio.gather(*(reclaim_one(s) for s in frozen))
@@ -2029,7 +1296,7 @@ class ContainerRuntime(BackendBase):
             self._lineage[digest] = tuple(layer.parents) if layer.kind is LayerKind.SNAPSHOT else None
         return self._lineage[digest]
 
-    def _layers_for(self, image: ImageRef) -> builtins.list[str]:
+    def layers_for(self, image: ImageRef) -> builtins.list[str]:
         """The digests to stack (top first): :func:`dsec.backends.common.layers.stack`."""
         return stack_layers(image, resolve=self._resolve, kind_of=self._layer_kind, lineage_of=self._layer_lineage,
                             max_layers=wire.MAX_LAYERS)
@@ -2106,6 +1373,11 @@ class ContainerRuntime(BackendBase):
             [None] * children if isinstance(children, int) else builtins.list(children))
         if not 1 <= len(ids) <= 10000:
             raise InvalidSpec("fork needs 1 <= n <= 10000", field="n")
+        taken = [c for c in ids if c is not None and c in self._boxes]
+        if taken or len({c for c in ids if c is not None}) != sum(1 for c in ids if c is not None):
+            # create() is idempotent per id: a live sandbox would come back as a "child".
+            raise InvalidSpec(f"fork children need new, distinct ids: {', '.join(taken) or 'an id given twice'} "
+                              "names a sandbox that exists or repeats", field="children", sandbox_id=sandbox_id)
         metas = builtins.list(edges) if edges is not None else [EdgeMeta() for _ in ids]
         if len(metas) != len(ids):
             raise InvalidSpec(f"fork got {len(ids)} children but {len(metas)} edge parts", field="edges")
@@ -2126,9 +1398,9 @@ class ContainerRuntime(BackendBase):
         if failure is None:
             try:
                 for child in made:
-                    await asyncio.to_thread(snapshots.fresh_identity, self.files(child.id, platform=True))
+                    await asyncio.to_thread(snapshots.fresh_identity, self.live(child.id).files(platform=True))
                     assert isinstance(child, ContainerRecord)
-                    self._event(child, "forked", parent=sandbox_id, layer=layer.digest)
+                    self.event(child, "forked", parent=sandbox_id, layer=layer.digest)
             except Exception as exc:
                 failure = exc
         if failure is not None:
@@ -2138,7 +1410,7 @@ class ContainerRuntime(BackendBase):
             self._maybe_release(layer.digest)
             self.drop_ephemeral(layer.digest)
             raise failure
-        self._event(rec, "fork", children=[c.id for c in made], layer=layer.digest)
+        self.event(rec, "fork", children=[c.id for c in made], layer=layer.digest)
         return made
 
     @staticmethod
@@ -2155,21 +1427,6 @@ class ContainerRuntime(BackendBase):
 
     # ----- the Backend protocol's narrow reads -----
 
-    def usage(self, sandbox_id: str) -> Usage:
-        """Memory, pids, CPU seconds and writable-layer bytes now (blocking reads: call from a thread)."""
-        st = self.stats(sandbox_id)
-        try:
-            disk = self.disk_usage(sandbox_id).used
-        except (OSError, DsecError):
-            disk = 0
-        return Usage(memory_bytes=int(st.get("memory_bytes", 0)), pids=int(st.get("pids", 0)),
-                     cpu_s=cgroups.cpu_seconds(self.cgroups.pids(sandbox_id)), disk_bytes=disk)
-
-    def check_limits(self, rec: SandboxRecord) -> None:
-        """Turn new OOM kills and pids-limit hits into events."""
-        assert isinstance(rec, ContainerRecord)
-        self._check_limits(rec)
-
     def store_space(self) -> tuple[int, int] | None:
         """(free, total) bytes of the disk-medium writable-layer store; None until it is set up."""
         return self.uppers.space() if self.uppers.ready else None
@@ -2180,7 +1437,7 @@ class ContainerRuntime(BackendBase):
 
     def refresh_identity(self, sandbox_id: str) -> None:
         """Give a sandbox started from another's disk its own machine-id (fork does this)."""
-        snapshots.fresh_identity(self.files(sandbox_id, platform=True))
+        snapshots.fresh_identity(self.live(sandbox_id).files(platform=True))
 
 
 def _make_skeletons(skel: Path) -> None:
