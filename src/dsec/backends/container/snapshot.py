@@ -34,10 +34,10 @@ import os
 import secrets
 import shutil
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from dsec.backends.container import pause as pausing
 from dsec.backends.container import wire
@@ -49,7 +49,36 @@ from dsec.images.layer import Layer, LayerKind, check_name, check_tag
 from dsec.spec import SandboxState
 
 if TYPE_CHECKING:
-    from dsec.backends.container.runtime import ContainerRuntime
+    from dsec.backends.container.cgroups import RuntimeCgroups
+    from dsec.backends.container.records import ContainerRecord
+    from dsec.backends.container.sandbox import ContainerSandbox
+    from dsec.backends.container.uppers import UpperUsage
+
+
+class SnapshotNode(Protocol):
+    """What a snapshot uses of its node (the container runtime satisfies it)."""
+
+    name: str
+    run_dir: Path
+    cgroups: RuntimeCgroups
+    reclaim_method: pausing.ReclaimMethod
+    max_layers: int
+    snapshot_compressor: str
+    snapshot_precopy: bool
+    snapshot_scratch: str
+
+    @property
+    def store(self) -> Any: ...
+    @property
+    def sandboxes(self) -> Mapping[str, ContainerRecord]: ...
+    def get(self, sandbox_id: str) -> ContainerRecord: ...
+    def live(self, sandbox_id: str) -> ContainerSandbox: ...
+    def init_handle(self, rec: ContainerRecord) -> int: ...
+    def layer_path(self, digest: str) -> Path: ...
+    def mark_ephemeral(self, digest: str) -> None: ...
+    def mark_failed(self, rec: ContainerRecord, reason: str) -> None: ...
+    def event(self, rec: ContainerRecord, kind: str, **data: Any) -> None: ...
+    def disk_usage(self, sandbox_id: str) -> UpperUsage: ...
 
 MAX_LOWERS: Final = wire.MAX_LAYERS
 """Layers a sandbox can stack (the spawner's cap)."""
@@ -147,7 +176,7 @@ def _tmpfs_of(path: Path) -> bool:
     return fstype == "tmpfs"
 
 
-def ram_scratch_root(rt: ContainerRuntime) -> Path | None:
+def ram_scratch_root(rt: SnapshotNode) -> Path | None:
     """Where the upper is copied while the sandbox is frozen: a tmpfs (memory speed, ~0.2-0.3 s per
     100 MB here, against 1-4 s into this machine's disk), or None if the host offers none."""
     if rt.snapshot_scratch == "store":
@@ -158,7 +187,7 @@ def ram_scratch_root(rt: ContainerRuntime) -> Path | None:
     return None
 
 
-def clean_scratch(rt: ContainerRuntime) -> None:
+def clean_scratch(rt: SnapshotNode) -> None:
     """Remove copies left by a crash (only this runtime copies into its scratch roots)."""
     root = ram_scratch_root(rt)
     if root is not None and root.is_dir():
@@ -174,7 +203,7 @@ def _available_ram() -> int:
 
 
 @contextlib.contextmanager
-def _tree_dir(rt: ContainerRuntime, store_scratch: Path, need: int) -> Iterator[Path]:
+def _tree_dir(rt: SnapshotNode, store_scratch: Path, need: int) -> Iterator[Path]:
     """The scratch tree: in RAM when there is a tmpfs and room for it, else beside the image."""
     root = ram_scratch_root(rt)
     if root is not None and _available_ram() > 2 * need + RAM_RESERVE:
@@ -192,7 +221,7 @@ def _tree_dir(rt: ContainerRuntime, store_scratch: Path, need: int) -> Iterator[
 
 
 async def make_snapshot(
-    rt: ContainerRuntime,
+    rt: SnapshotNode,
     sandbox_id: str,
     *,
     name: str | None = None,

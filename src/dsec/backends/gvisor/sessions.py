@@ -14,20 +14,40 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from dsec.backends.common.sessions import Session, ShellProcess
 from dsec.spec.results import LimitHit
 
 if TYPE_CHECKING:
-    from dsec.backends.gvisor.backend import GVisorBackend
+    from dsec.backends.base import SandboxRecord
     from dsec.backends.gvisor.process import Command
+
+
+class GVisorCalls(Protocol):
+    """What a session uses of the gVisor backend (it satisfies this)."""
+
+    last_activity: dict[str, float]
+
+    @property
+    def sandboxes(self) -> Mapping[str, SandboxRecord]: ...
+    async def start_process(self, sandbox_id: str, argv: Sequence[str], *, stdin: int, stdout: int, stderr: int,
+                            env: Mapping[str, str] | None = None, cwd: str = "/",
+                            user: int | str = 0) -> Command: ...
+    def wake(self, sandbox_id: str) -> bool: ...
+    def limit_baseline(self, rec: SandboxRecord) -> Any: ...
+    def limit_hit(self, rec: SandboxRecord, before: Any, *, exit_code: int | None, sig: int | None,
+                  timed_out: str | None = None, timeout_s: float | None = None, idle_timeout_s: float | None = None,
+                  truncated: bool = False, output_cap: int = 0,
+                  output: tuple[bytes, ...] = ()) -> LimitHit | None: ...
+    async def kill_children(self, proc: Command) -> None: ...
+    def forget_session(self, sandbox_id: str, session_id: str) -> None: ...
 
 
 class GVisorSessionHost:
     """One gVisor sandbox as its sessions see it (:class:`SessionHost`)."""
 
-    def __init__(self, backend: GVisorBackend, sandbox_id: str) -> None:
+    def __init__(self, backend: GVisorCalls, sandbox_id: str) -> None:
         self._backend = backend
         self._sid = sandbox_id
         self._kills: set[asyncio.Task[None]] = set()
@@ -61,7 +81,7 @@ class GVisorSessionHost:
 
 
 class GVisorSession(Session):
-    def __init__(self, backend: GVisorBackend, sandbox_id: str, session_id: str) -> None:
+    def __init__(self, backend: GVisorCalls, sandbox_id: str, session_id: str) -> None:
         super().__init__(GVisorSessionHost(backend, sandbox_id), sandbox_id, session_id)
         self.opened_at = time.monotonic()
 
