@@ -43,7 +43,6 @@ from dsec.errors import (
 )
 
 if TYPE_CHECKING:
-    from dsec.backends.fncall.types import FnCall, FnResult
     from dsec.sdk import (
         AsyncClient,
         AsyncSandbox,
@@ -67,6 +66,7 @@ if TYPE_CHECKING:
         SandboxState,
         Stage,
     )
+    from dsec.spec.fncall import FnCall, FnResult
     from dsec.spec.results import ExecResult, LimitHit
 
 _LAZY = {
@@ -75,7 +75,7 @@ _LAZY = {
     **dict.fromkeys(("FileRules", "ImageRef", "NetRule", "NetworkPolicy", "Resources", "SandboxSpec",
                      "SandboxState", "Stage"), "dsec.spec"),
     **dict.fromkeys(("ExecResult", "LimitHit"), "dsec.spec.results"),
-    **dict.fromkeys(("FnCall", "FnResult"), "dsec.backends.fncall.types"),
+    **dict.fromkeys(("FnCall", "FnResult"), "dsec.spec.fncall"),
 }
 
 

@@ -25,7 +25,11 @@ from pydantic import ValidationError
 from conftest import edge_config, running_edge
 from dsec.auth import mint
 from dsec.backends.fncall.config import FnCallConfig, FnCallImage
-from dsec.backends.fncall.types import (
+from dsec.bench import fncall as bench
+from dsec.errors import Forbidden, InvalidSpec, Unsupported
+from dsec.sdk import AsyncClient, Client
+from dsec.spec import ImageRef
+from dsec.spec.fncall import (
     FnCall,
     FnCallError,
     FnCallOOM,
@@ -33,10 +37,6 @@ from dsec.backends.fncall.types import (
     FnCallTimeout,
     FnResult,
 )
-from dsec.bench import fncall as bench
-from dsec.errors import Forbidden, InvalidSpec, Unsupported
-from dsec.sdk import AsyncClient, Client
-from dsec.spec import ImageRef
 
 pytestmark = [pytest.mark.root, pytest.mark.timeout(900)]
 

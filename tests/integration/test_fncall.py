@@ -27,7 +27,10 @@ from dsec.backends.base import Backend, Capability
 from dsec.backends.fncall.backend import FnCallBackend
 from dsec.backends.fncall.config import FnCallConfig, FnCallImage
 from dsec.backends.fncall.pool import LABEL, FnCallPool
-from dsec.backends.fncall.types import (
+from dsec.bench import fncall as bench
+from dsec.errors import ExecTimeout, InvalidSpec, LayerNotFound, Unsupported
+from dsec.spec import ImageRef, SandboxSpec
+from dsec.spec.fncall import (
     FnCall,
     FnCallError,
     FnCallFailed,
@@ -37,9 +40,6 @@ from dsec.backends.fncall.types import (
     FnCallWorkerLost,
     FnResult,
 )
-from dsec.bench import fncall as bench
-from dsec.errors import ExecTimeout, InvalidSpec, LayerNotFound, Unsupported
-from dsec.spec import ImageRef, SandboxSpec
 
 pytestmark = [pytest.mark.root, pytest.mark.timeout(900)]
 

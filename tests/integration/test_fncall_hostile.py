@@ -21,7 +21,10 @@ import pytest
 from conftest import RuntimeHarness, wait_until
 from dsec.backends.fncall.config import FnCallConfig, FnCallImage
 from dsec.backends.fncall.pool import FnCallPool
-from dsec.backends.fncall.types import (
+from dsec.backends.fncall.worker import SPARES_PER_SLOT
+from dsec.bench import fncall as bench
+from dsec.spec import ImageRef, Resources
+from dsec.spec.fncall import (
     FnCall,
     FnCallError,
     FnCallOOM,
@@ -29,9 +32,6 @@ from dsec.backends.fncall.types import (
     FnCallWorkerLost,
     FnResult,
 )
-from dsec.backends.fncall.worker import SPARES_PER_SLOT
-from dsec.bench import fncall as bench
-from dsec.spec import ImageRef, Resources
 
 pytestmark = [pytest.mark.root, pytest.mark.timeout(900)]
 

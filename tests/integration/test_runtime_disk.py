@@ -197,8 +197,8 @@ def test_two_runtimes_keep_separate_stores(make_runtime) -> None:  # type: ignor
 def test_uppers_path_must_be_btrfs(tmp_path: Path) -> None:
     import asyncio
 
+    from dsec.backends.common.uppers import UpperStoreError
     from dsec.backends.container.runtime import ContainerRuntime
-    from dsec.backends.container.uppers import UpperStoreError
 
     plain = tmp_path / "dsec-plain"
     plain.mkdir()

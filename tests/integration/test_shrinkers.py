@@ -42,14 +42,17 @@ def test_a_sandbox_count_gives_three_ids_each_and_a_margin() -> None:
 
 
 def test_the_edge_follows_its_configured_capacity(tmp_path: Path) -> None:
-    from dsec.backends import BackendContext, _shrinker_reserve
+    from dsec.backends import BackendContext, build
     from dsec.backends.container.config import ContainerConfig
 
     def ctx(n: int | None) -> BackendContext:
         return BackendContext(name="x", state_dir=tmp_path, run_dir=tmp_path, id_prefix="sb", store=None,
                               backends={}, max_sandboxes=n)
 
-    assert _shrinker_reserve(ContainerConfig(), ctx(None)) == 0  # no capacity configured: no reserve
-    assert _shrinker_reserve(ContainerConfig(), ctx(5000)) == shrinkers.ids_for(5000)
-    assert _shrinker_reserve(ContainerConfig(shrinker_reserve=0), ctx(5000)) == 0
-    assert _shrinker_reserve(ContainerConfig(shrinker_reserve=777), ctx(None)) == 777
+    def reserve(cfg: ContainerConfig, n: int | None) -> int:
+        return int(build(cfg, ctx(n)).shrinker_reserve)  # type: ignore[attr-defined]
+
+    assert reserve(ContainerConfig(), None) == 0  # no capacity configured: no reserve
+    assert reserve(ContainerConfig(), 5000) == shrinkers.ids_for(5000)
+    assert reserve(ContainerConfig(shrinker_reserve=0), 5000) == 0
+    assert reserve(ContainerConfig(shrinker_reserve=777), None) == 777

@@ -26,9 +26,9 @@ from typing import Any
 import pytest
 
 from conftest import CGROUP_ROOT, MiB, RuntimeHarness, mountinfo_lines, pid_alive, wait_until
+from dsec.backends.common.uppers import UpperUsage
 from dsec.backends.container import snapshot as snapshots
 from dsec.backends.container.runtime import ContainerRuntime
-from dsec.backends.container.uppers import UpperUsage
 from dsec.errors import InvalidSpec, LayerInUse, SandboxFailed, SandboxStateError
 from dsec.images import LocalLayerStore, build_from_dir
 from dsec.images.diff import Excluder

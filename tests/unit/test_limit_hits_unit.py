@@ -11,7 +11,7 @@ import signal
 
 import pytest
 
-from dsec.backends.container.limits import Baseline, Counters, DiskRoom, judge
+from dsec.backends.common.limits import Baseline, Counters, DiskRoom, judge
 from dsec.edge.service import result_to_wire
 from dsec.sdk._http import result_from_wire
 from dsec.spec import Resources

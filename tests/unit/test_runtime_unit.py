@@ -12,8 +12,8 @@ import pytest
 
 import dsec
 import dsec.errors as errors_mod
+from dsec.backends.common.fsops import _norm
 from dsec.backends.common.output import BoundedCapture
-from dsec.backends.container.fsops import _norm
 from dsec.errors import (
     ERRORS_BY_CODE,
     DsecError,

@@ -78,6 +78,6 @@ def test_a_type_checker_sees_the_sync_client(tmp_path: Path) -> None:
                                  "--cache-dir", str(tmp_path / "cache"), str(user)])
     revealed = [ln.split("Revealed type is ", 1)[1] for ln in out.splitlines() if "Revealed type is" in ln]
     assert revealed == ['"dsec.sdk.sync.Sandbox"', '"dsec.spec.results.ExecResult"', '"bytes"',
-                        '"dsec.sdk.client.OutputChunk | dsec.spec.results.ExecResult"', '"dsec.spec.results.ExecResult"',
+                        '"dsec.sdk.outcomes.OutputChunk | dsec.spec.results.ExecResult"', '"dsec.spec.results.ExecResult"',
                         '"list[dsec.sdk.sync.Sandbox]"'], out + err
     assert 'Unexpected keyword argument "no_such_argument" for "create" of "Client"' in out, out

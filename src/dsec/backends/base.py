@@ -36,7 +36,7 @@ import termios
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Final, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar, Final, Protocol, runtime_checkable
 
 from dsec.errors import DsecError, InvalidSpec, Unsupported
 from dsec.spec import NetworkPolicy, SandboxSpec, SandboxState
@@ -281,6 +281,39 @@ class ShellSession(Protocol):
     async def close(self) -> None: ...
 
 
+@dataclass(frozen=True, slots=True)
+class FileInfo:
+    path: str
+    name: str
+    type: str  # "file", "dir", "symlink", "other"
+    size: int
+    mode: int
+    uid: int
+    gid: int
+    mtime: float
+    target: str | None = None
+
+
+
+class Files(Protocol):
+    """A sandbox's files as the host reaches them, confined to its root (and to its stage's
+    rules unless the platform asks): what :meth:`Backend.files` returns."""
+
+    def read(self, path: str, *, max_bytes: int = ...) -> bytes: ...
+    def stat(self, path: str) -> FileInfo: ...
+    def exists(self, path: str) -> bool: ...
+    def list(self, path: str = "/") -> list[FileInfo]: ...
+    def write(self, path: str, data: bytes, *, mode: int = 0o644, user: int = 0,
+              make_parents: bool = False) -> None: ...
+    def append(self, path: str, data: bytes, *, user: int = 0) -> None: ...
+    def mkdir(self, path: str, *, parents: bool = False, mode: int = 0o755, user: int = 0) -> None: ...
+    def remove(self, path: str, *, recursive: bool = False) -> None: ...
+    def rename(self, src: str, dst: str) -> None: ...
+    def download(self, path: str = "/", *, max_bytes: int = ...) -> bytes: ...
+    def download_to(self, path: str, out: BinaryIO, *, max_bytes: int | None = None) -> None: ...
+    def upload(self, path: str, tar_data: bytes | BinaryIO, *, user: int = 0, max_bytes: int = 1 << 32) -> int: ...
+
+
 @runtime_checkable
 class Backend(Protocol):
     """One execution backend on one edge. Everything the edge calls.
@@ -332,7 +365,7 @@ class Backend(Protocol):
                         env: Mapping[str, str] | None = None, cwd: str = "/",
                         user: int | str = 0) -> tuple[ProcessHandle, int]:
         """A command on a new terminal: (process handle, the terminal's master fd)."""
-    def files(self, sandbox_id: str) -> Any: ...
+    def files(self, sandbox_id: str) -> Files: ...
     def usage(self, sandbox_id: str) -> Usage: ...
 
     # pause, snapshots, forks
@@ -379,7 +412,7 @@ class BackendBase:
                            cwd: str = "/", user: int | str = 0) -> ShellSession:
         raise self._unsupported("sessions")
 
-    def files(self, sandbox_id: str) -> Any:
+    def files(self, sandbox_id: str) -> Files:
         raise self._unsupported("files")
 
     async def start_process(self, sandbox_id: str, argv: Sequence[str], *, stdin: int, stdout: int, stderr: int,

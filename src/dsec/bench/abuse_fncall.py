@@ -38,7 +38,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dsec.backends.fncall.types import (
+from dsec.bench.abuse_cases import Check, Outcome
+from dsec.bench.stats import percentile
+from dsec.spec.fncall import (
     FnCall,
     FnCallError,
     FnCallFailed,
@@ -47,8 +49,6 @@ from dsec.backends.fncall.types import (
     FnOutcome,
     FnResult,
 )
-from dsec.bench.abuse_cases import Check, Outcome
-from dsec.bench.stats import percentile
 
 if TYPE_CHECKING:
     from dsec.backends.fncall.pool import FnCallPool, Worker

@@ -368,7 +368,7 @@ async def measure(pool: Any, container: Any, image: Any, *, n_seq: int = 300, n_
     results["fncall_p90_ms"] = results.get("fncall_sdk_p90_ms", results["fncall_pool_p90_ms"])
 
     say(f"fncall: {n_conc} calls at once")
-    from dsec.backends.fncall.types import FnCall, FnResult
+    from dsec.spec.fncall import FnCall, FnResult
 
     sups = [w.supervisor_pid for w in pool.workers() if w.supervisor_pid]
     s0, t = _cpu_split(sups), time.perf_counter()

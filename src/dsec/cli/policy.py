@@ -140,7 +140,7 @@ def _policy_line(sandbox_id: str, stage: str | None, pol: Any) -> str:
 
 
 def register(main: click.Group) -> None:
-    from dsec.cli.service import client
+    from dsec.cli.clients import client
 
     @main.command()
     @click.argument("sandbox_id")

@@ -8,7 +8,6 @@ SDK; either way a failure is one line on stderr (cli/main.py).
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
 import time
@@ -17,6 +16,7 @@ from typing import Any
 
 import click
 
+from dsec.cli.clients import client, lean
 from dsec.cli.policy import PolicyArgs, policy_options
 from dsec.cli.term import age, console, out, say, table
 
@@ -40,21 +40,6 @@ def parse_kv(items: tuple[str, ...], what: str) -> dict[str, str]:
             raise click.BadParameter(f"{what} {item!r} must be KEY=VALUE")
         outd[k] = v
     return outd
-
-
-def client() -> Any:
-    """A sync SDK client from $DSEC_URL/$DSEC_TOKEN, falling back to the local all-in-one's admin token."""
-    from dsec.cli.paths import local_token
-    from dsec.sdk import Client
-
-    return Client(os.environ.get("DSEC_URL"), local_token())
-
-
-def lean() -> Any:
-    """The lean client (cli/lean.py) from the same settings as :func:`client`."""
-    from dsec.cli.lean import lean_client
-
-    return lean_client()
 
 
 def _typed(cpu: float | None, memory: str | None, disk: str | None, pids: int | None, output_cap: str | None,

@@ -30,17 +30,6 @@ from dsec.control.iam import Principal
 from dsec.control.membership import router as membership_router
 from dsec.control.sandboxes import parse_label_filters
 from dsec.control.service import Control
-from dsec.control.wire import (
-    CreateProjectBody,
-    CreateTaskBody,
-    SchedEvent,
-    SchedStatus,
-    SetStageBody,
-    StorageInfo,
-    StoredSnapshot,
-    TaskDetail,
-    UpdateProjectBody,
-)
 from dsec.errors import AuthError, DsecError, Forbidden, InvalidSpec, encode_error
 from dsec.fastroute import Answer, FastRequest, FastRoutes, answer_of
 from dsec.httplimits import BodyLimit
@@ -65,6 +54,17 @@ from dsec.spec.api import (
     SnapshotRequest,
     TokenInfo,
     Whoami,
+)
+from dsec.spec.control import (
+    CreateProjectBody,
+    CreateTaskBody,
+    SchedEvent,
+    SchedStatus,
+    SetStageBody,
+    StorageInfo,
+    StoredSnapshot,
+    TaskDetail,
+    UpdateProjectBody,
 )
 
 log = logging.getLogger("dsec.control.app")

@@ -33,10 +33,10 @@ from dsec.auth import hash_api_token
 from dsec.control.db import PROJECTS, TASKS, ApiToken, Project, SandboxRow, SnapshotRow, Task
 from dsec.control.errors import Conflict, NotFound
 from dsec.control.locking import add_new, lock_one
-from dsec.control.wire import TaskDetail
 from dsec.errors import AuthError, Forbidden, InvalidSpec, QuotaExceeded
 from dsec.spec import Resources, Stage
 from dsec.spec.api import NAME_PATTERN, ProjectInfo, Quota, TaskQuota, TokenInfo
+from dsec.spec.control import TaskDetail
 
 TOKEN_PREFIX = "dsk_"
 _NAME = re.compile(NAME_PATTERN)
@@ -429,7 +429,7 @@ def _storage_of(quota: Quota) -> int | None:
 
 
 def create_project(s: Session, who: Principal, name: str, parent: str | None, quota: Quota) -> ProjectInfo:
-    """``quota`` may carry ``storage`` (bytes of snapshots, dsec.control.wire.ProjectQuota); default 0."""
+    """``quota`` may carry ``storage`` (bytes of snapshots, dsec.spec.control.ProjectQuota); default 0."""
     check_name(name, "name")
     par = visible_project(s, who, parent or who.project)
     if s.execute(sa.select(Project.id).where(Project.name == name)).first() is not None:

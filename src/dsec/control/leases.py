@@ -83,16 +83,13 @@ from dsec.control.iam import (
     get_or_create_task,
     task_limit,
 )
+from dsec.control.ledger import HOLDS_QUOTA, Ledger, finish_many, move
 from dsec.control.placement import Demand, EdgeView, Room, feasible, place
 from dsec.control.sandboxes import (
     _Q_PROJECT,
     _Q_TASK,
-    HOLDS_QUOTA,
-    Ledger,
     Sandboxes,
-    _finish_many,
     inherited_stages,
-    move,
 )
 from dsec.edge.leases import SLOT_HEX, slot_key
 from dsec.errors import Backpressure, DsecError, InvalidSpec, LeaseInvalid, NotFound, QuotaExceeded
@@ -727,7 +724,7 @@ class Leases:
 
         gone = [x for x in await asyncio.gather(*(one(i) for i in ids)) if x]
         if gone:
-            await self.store.write(partial(_finish_many, ids=gone))
+            await self.store.write(partial(finish_many, ids=gone))
 
     def _abandon_txn(self, s: Session, who: Principal, grant_id: str, req: AbandonLease, digest: str) -> _Abandoned:
         """The decision, in one transaction, with the part's row locked (a late report of one of

@@ -145,7 +145,7 @@ def declare_lost(s: Session, e: EdgeRow, reason: str, now: float) -> int:
     """Every live sandbox of ``e`` is lost (a reservation is dropped, a deletion in flight is
     done), its quota and the edge's room return, and the edge's epoch goes up: if the edge
     reports again, it destroys them before it gets new work. Returns how many were lost."""
-    from dsec.control.sandboxes import LIVE, Ledger, forget, move
+    from dsec.control.ledger import LIVE, Ledger, forget, move
 
     ledger = Ledger()
     n = 0

@@ -46,10 +46,10 @@ from dsec.control.iam import (
     task_quota_of,
     used_of,
 )
+from dsec.control.ledger import Ledger, finish_many, move
 from dsec.control.locking import lock_one
 from dsec.control.placement import normalize_ref
-from dsec.control.sandboxes import Ledger, Sandboxes, _finish_many, labels_match, move
-from dsec.control.wire import StorageInfo, StoredSnapshot
+from dsec.control.sandboxes import Sandboxes, labels_match
 from dsec.errors import DsecError, InvalidSpec, LayerInUse, SandboxPreempted, SandboxStateError
 from dsec.spec import ImageRef, SandboxState, can_move
 from dsec.spec.api import (
@@ -60,6 +60,7 @@ from dsec.spec.api import (
     SnapshotInfo,
     SnapshotRequest,
 )
+from dsec.spec.control import StorageInfo, StoredSnapshot
 
 log = logging.getLogger("dsec.control.ops")
 
@@ -339,7 +340,7 @@ class Operations:
         for sid in doomed:
             await self.sb._edge_delete_quietly(plan.edge_id, url, sid)
         if doomed:
-            await self.store.write(partial(_finish_many, ids=doomed))
+            await self.store.write(partial(finish_many, ids=doomed))
         return infos
 
     # ---------------------------------------------------------- snapshots ----

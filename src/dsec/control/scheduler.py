@@ -38,6 +38,7 @@ from dsec.control.db import SANDBOXES, TASKS, Project, SandboxRow, SchedEventRow
 from dsec.control.edges import EdgeClient, EdgeDirectory, HealthCache, load_views, record_health_txn
 from dsec.control.errors import Conflict
 from dsec.control.iam import Amount, Principal, subtree_ids, task_sched_fields, visible_project
+from dsec.control.ledger import Ledger, amount_of, finish_many, move, room_of
 from dsec.control.placement import Demand, EdgeView
 from dsec.control.sched import (
     Ask,
@@ -57,10 +58,10 @@ from dsec.control.sched import (
     split_pools,
     utilisation,
 )
-from dsec.control.wire import CreateTaskBody, PoolStatus, SchedEvent, SchedStatus, TaskDetail
 from dsec.errors import Backpressure, DsecError, Forbidden, SandboxNotFound, SandboxPreempted
 from dsec.spec import SandboxState
 from dsec.spec.api import Quota
+from dsec.spec.control import CreateTaskBody, PoolStatus, SchedEvent, SchedStatus, TaskDetail
 
 log = logging.getLogger("dsec.control.scheduler")
 
@@ -245,7 +246,6 @@ class Scheduler:
 
     def preempt_txn(self, s: Session, victims: Sequence[Victim], *, by_priority: int, reason: str) -> list[Eviction]:
         """Move the victims still there (running or paused, not preempted yet) and record it."""
-        from dsec.control.sandboxes import Ledger, move  # sandboxes.py imports this module
 
         keys = sorted(str(v.key) for v in victims)
         action = {str(v.key): ("destroy" if v.preemption == "destroy" else "pause") for v in victims}
@@ -279,7 +279,6 @@ class Scheduler:
 
     def _undo_txn(self, s: Session, ev: Eviction, why: str) -> None:
         """An edge refused the preemption pause: the sandbox is as it was (running, or paused by its owner)."""
-        from dsec.control.sandboxes import Ledger, move
 
         row = s.execute(sa.select(SandboxRow).where(SandboxRow.key == ev.key).with_for_update()).scalar_one_or_none()
         if row is None or row.preempted_at is None or row.state != S.PAUSED.value:
@@ -334,9 +333,8 @@ class Scheduler:
             await self.store.write(partial(self._undo_txn, ev=ev, why=exc.message))
             return False
         if ev.action == "destroy":
-            from dsec.control.sandboxes import _finish_many
 
-            await self.store.write(partial(_finish_many, ids=[ev.sandbox_id]))
+            await self.store.write(partial(finish_many, ids=[ev.sandbox_id]))
         return True
 
     # --------------------------------------------------------------- resume ----
@@ -345,7 +343,6 @@ class Scheduler:
                     ) -> tuple[str, str] | NeedsRoom | None:
         """Charge a preempted sandbox's room back if the scheduler finds it room on its edge:
         (edge id, url); NeedsRoom: only by preempting; None: it is not preempted (a plain resume)."""
-        from dsec.control.sandboxes import Ledger, amount_of, move, room_of
 
         row = _visible(s, who, sandbox_id)
         if row.preempted_at is None:
@@ -382,7 +379,6 @@ class Scheduler:
 
     def _repreempt_txn(self, s: Session, sandbox_id: str, info: dict[str, Any]) -> None:
         """The edge would not take the sandbox's memory back: it stays preempted."""
-        from dsec.control.sandboxes import Ledger, move
 
         row = s.execute(sa.select(SandboxRow).where(SandboxRow.id == sandbox_id).with_for_update()).scalar_one_or_none()
         if row is None or row.state != S.RUNNING.value:

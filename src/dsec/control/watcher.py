@@ -55,8 +55,8 @@ from dsec.control.edges import (
     needs_fence,
     record_health_txn,
 )
+from dsec.control.ledger import HOLDS_EDGE, HOLDS_QUOTA, LIVE, Ledger, finish_many, forget, move
 from dsec.control.membership import declare_lost
-from dsec.control.sandboxes import HOLDS_EDGE, HOLDS_QUOTA, LIVE, Ledger, _finish_many, forget, move
 from dsec.errors import DsecError
 from dsec.spec import SandboxState, can_move
 from dsec.spec.api import EdgeHealth, SandboxInfo
@@ -305,7 +305,7 @@ class Watcher:
 
         gone = [x for x in await asyncio.gather(*(kill(i) for i in doomed)) if x]
         if gone:
-            await self.store.write(lambda s: _finish_many(s, gone))
+            await self.store.write(lambda s: finish_many(s, gone))
 
     def _reconcile_txn(
         self, s: Session, edge_id: str, on_edge: dict[str, SandboxInfo], listed_at: float | None = None

@@ -23,7 +23,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Annotated, Any, TypeVar
 
 from fastapi import Body, Depends, FastAPI, Query, Request, WebSocket
@@ -35,9 +35,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import HTTPConnection
 
 from dsec.auth import Claims, check_sandbox, verify
-from dsec.backends.base import command_line
-from dsec.backends.container.fsops import FileInfo
+from dsec.backends.base import FileInfo, command_line
 from dsec.edge.config import EdgeConfig
+from dsec.edge.disconnect import unless_disconnected
 from dsec.edge.service import EdgeService, error_body, result_to_wire, wire_value
 from dsec.edge.terminals import TerminalHub, serve_terminal
 from dsec.errors import AuthError, DsecError, Forbidden, InvalidSpec, encode_error
@@ -152,29 +152,6 @@ class _Auth:
         return claims
 
 
-async def _unless_disconnected(receive: Callable[[], Awaitable[Any]], work: Coroutine[Any, Any, T]) -> T | None:
-    """Await ``work``, cancelling it if the client goes away first (for exec: the command's
-    process tree is killed rather than left running for a caller who gave up). ``receive``:
-    the request's, its body already read."""
-    task = asyncio.ensure_future(work)
-
-    async def gone() -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(gone())
-    try:
-        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        left = not task.done()
-        if left:
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
-    return None if left else task.result()  # None: the client left, nobody reads the answer
-
-
 def _auth(request: HTTPConnection) -> _Auth:
     auth: _Auth = request.app.state.auth
     return auth
@@ -248,7 +225,7 @@ def create_app(config: EdgeConfig, *, service: EdgeService | None = None) -> Fas
     async def fast_exec(req: FastRequest) -> Answer:
         sandbox_id = req.params[0]
         check_sandbox(auth.claims_of(header(req)), sandbox_id)
-        result = await _unless_disconnected(req.receive, svc.exec(sandbox_id, req.model(ExecRequest)))
+        result = await unless_disconnected(req.receive, svc.exec(sandbox_id, req.model(ExecRequest)))
         if result is None:
             return Answer(499, b"")  # client closed the request (nginx's code)
         return Answer(200, result_to_wire(result).model_dump_json().encode())
@@ -369,7 +346,7 @@ def create_app(config: EdgeConfig, *, service: EdgeService | None = None) -> Fas
 
     @app.post("/v1/sandboxes/{sandbox_id}/exec", response_model=ExecResultWire, tags=["exec"])
     async def exec_command(sandbox_id: str, body: ExecRequest, request: Request, _c: Owner) -> Response:
-        result = await _unless_disconnected(request.receive, svc.exec(sandbox_id, body))
+        result = await unless_disconnected(request.receive, svc.exec(sandbox_id, body))
         if result is None:
             return Response(status_code=499)  # client closed the request (nginx's code)
         return _json(result_to_wire(result))

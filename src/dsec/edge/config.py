@@ -23,10 +23,14 @@ from pydantic import (
 )
 
 from dsec.auth import parse_key
-from dsec.backends.container.config import ContainerConfig
-from dsec.backends.container.network import NetworkConfig, Permission
-from dsec.backends.fncall.config import FnCallConfig
-from dsec.backends.gvisor.config import GVisorConfig
+from dsec.backends.registry import (
+    BackendConfig,
+    ContainerConfig,
+    FnCallConfig,
+    GVisorConfig,
+    NetworkConfig,
+    Permission,
+)
 from dsec.spec import ImageRef, Resources
 
 __all__ = ["BackendConfig", "ContainerConfig", "EdgeConfig", "FnCallConfig", "GVisorConfig", "NetworkConfig",
@@ -47,9 +51,6 @@ BYTES_PER_SANDBOX_SLOT = 8 * 1024 * 1024
 class _Config(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-
-BackendConfig = Annotated[ContainerConfig | GVisorConfig | FnCallConfig, Field(discriminator="kind")]
-"""One member per backend kind (each defined in its ``dsec.backends.<kind>.config``)."""
 
 _CONTAINER_KEYS = ("zram_size", "reclaim_method", "uppers_path", "network")
 

@@ -27,11 +27,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from dsec.auth import Claims
 from dsec.backends.base import UNSET, _Unset
-from dsec.backends.fncall.types import FnCall, outcome_to_wire
+from dsec.edge.disconnect import unless_disconnected
 from dsec.errors import Forbidden, Unsupported
 from dsec.fastroute import Answer, FastRequest, Handler
 from dsec.spec import ImageRef
 from dsec.spec.api import FnCallLease, FnCallLeaseRequest
+from dsec.spec.fncall import FnCall, outcome_to_wire
 
 MAX_BATCH = 10_000
 SCOPES = ("edge-admin", "fncall")
@@ -120,7 +121,7 @@ def install(app: FastAPI, svc: _Service, auth: _Auth) -> dict[tuple[str, str], H
         return b
 
     async def one(body: FnCallRequest) -> bytes:
-        from dsec.backends.fncall.types import FnCallFailed
+        from dsec.spec.fncall import FnCallFailed
 
         try:
             result = await backend().call(body.image, body.source, body.args, body.kwargs, entry=body.entry,
@@ -138,9 +139,7 @@ def install(app: FastAPI, svc: _Service, auth: _Auth) -> dict[tuple[str, str], H
 
     async def unless_gone(receive: Callable[[], Awaitable[Any]], work: Coroutine[Any, Any, bytes]) -> bytes | None:
         # the edge's one way to drop work nobody waits for (kills the call, as exec's tree)
-        from dsec.edge.app import _unless_disconnected
-
-        return await _unless_disconnected(receive, work)
+        return await unless_disconnected(receive, work)
 
     def header(req: FastRequest) -> str | None:
         raw = req.headers.get(b"authorization")

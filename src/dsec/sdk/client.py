@@ -17,11 +17,9 @@ import os
 import random
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, TypeVar
+from typing import TYPE_CHECKING, Any, Final
 
 import httpx
-import pydantic
 
 from dsec.errors import (
     AuthError,
@@ -39,12 +37,15 @@ from dsec.sdk._http import Endpoint, Response, _Unset, raise_for_error, result_f
 from dsec.sdk.failover import Replicas, split_urls
 from dsec.sdk.fncall import FnCalls
 from dsec.sdk.leases import AHEAD_SLOTS, LeasesAhead
+from dsec.sdk.outcomes import CreateOutcome as CreateOutcome
+from dsec.sdk.outcomes import OutputChunk as OutputChunk
+from dsec.sdk.outcomes import wire_body as _wire
 from dsec.spec import LENIENT, NetworkPolicy, SandboxSpec, SandboxState
 
 if TYPE_CHECKING:
-    from dsec.control.wire import SchedEvent, SchedStatus, TaskDetail
     from dsec.sdk.leases import AsyncLease
     from dsec.sdk.terminal import AsyncTerminal
+    from dsec.spec.control import SchedEvent, SchedStatus, TaskDetail
 from dsec.spec.api import (
     BatchResult,
     CreateBatch,
@@ -75,50 +76,17 @@ from dsec.spec.api import (
 from dsec.spec.results import ExecResult
 
 DEFAULT_EXEC_TIMEOUT: Final = 600.0
-W = TypeVar("W", bound=pydantic.BaseModel)
 EDGE_SHARDS: Final = 32
 """httpx pools per edge (the lean client needs one; see sdk/_http.py Endpoint)."""
-
-
-@dataclass(frozen=True, slots=True)
-class OutputChunk:
-    stream: str  # "stdout" or "stderr"
-    data: bytes
-    dropped: int = 0
-    """Bytes of this stream left out just before ``data``: only with ``output_cap=``, on the
-    chunk that carries the tail (the head came first, as produced)."""
-
-
-@dataclass(frozen=True, slots=True)
-class CreateOutcome:
-    """One item of :meth:`AsyncClient.create_many`: a sandbox or the error that stopped it."""
-
-    index: int
-    sandbox: AsyncSandbox | None
-    error: DsecError | None
-
-    @property
-    def ok(self) -> bool:
-        return self.sandbox is not None
 
 
 _JSON = {"content-type": "application/json"}
 
 
-def _wire(model: type[W], **fields: Any) -> W:
-    """Build a request body; bad arguments raise InvalidSpec naming the field (not a pydantic error)."""
-    try:
-        return model(**fields)
-    except pydantic.ValidationError as exc:
-        first = exc.errors()[0]
-        field = ".".join(str(x) for x in first.get("loc", ())) or "body"
-        raise InvalidSpec(f"{field}: {first.get('msg', 'invalid')}", field=field) from None
-
-
 def _snapshot_info(data: dict[str, Any]) -> SnapshotInfo:
     """A control plane's answer carries the owner (``StoredSnapshot``); an edge's does not."""
     if "project" in data:
-        from dsec.control.wire import StoredSnapshot  # pure data, no server-side imports
+        from dsec.spec.control import StoredSnapshot  # pure data, no server-side imports
 
         return StoredSnapshot.model_validate(data, context=LENIENT)
     return SnapshotInfo.model_validate(data, context=LENIENT)
@@ -417,6 +385,10 @@ class AsyncClient(FnCalls):  # fncall / fncall_many: dsec/sdk/fncall.py
             raise SandboxNotFound.ended(sandbox_id, info.state.value, info.reason)
         return AsyncSandbox(self, info)
 
+    def _sandbox_of(self, info: SandboxInfo) -> AsyncSandbox:
+        """A handle on a sandbox another part of the SDK got (leases)."""
+        return AsyncSandbox(self, info)
+
     async def info(self, sandbox_id: str) -> SandboxInfo:
         resp = await self._call("GET", f"/v1/sandboxes/{sandbox_id}")
         return SandboxInfo.model_validate_json(resp.content, context=LENIENT)
@@ -470,7 +442,7 @@ class AsyncClient(FnCalls):  # fncall / fncall_many: dsec/sdk/fncall.py
         ``min``: the guaranteed ``sandboxes``, ``cpu`` and ``memory`` (reserved capacity);
         ``burst``: may go to the burst pool. A priority above training and a min are set by a
         token of an ancestor of the task's ``project`` (default: the caller's), or the root's."""
-        from dsec.control.wire import CreateTaskBody, TaskDetail
+        from dsec.spec.control import CreateTaskBody, TaskDetail
 
         body = _wire(CreateTaskBody, name=name, quota=dict(quota or {}), min=dict(min) if min is not None else None,
                      priority=priority, preemption=preemption, burst=burst, project=project)
@@ -479,12 +451,12 @@ class AsyncClient(FnCalls):  # fncall / fncall_many: dsec/sdk/fncall.py
 
     async def task(self, name: str) -> TaskDetail:
         """A task with its quota, use, stages and scheduling (``active``: what it holds now)."""
-        from dsec.control.wire import TaskDetail
+        from dsec.spec.control import TaskDetail
 
         return TaskDetail.model_validate_json((await self._call("GET", f"/v1/tasks/{name}")).content, context=LENIENT)
 
     async def tasks(self) -> builtins.list[TaskDetail]:
-        from dsec.control.wire import TaskDetail
+        from dsec.spec.control import TaskDetail
 
         return [TaskDetail.model_validate(x, context=LENIENT) for x in (await self._call("GET", "/v1/tasks")).json()]
 
@@ -493,7 +465,7 @@ class AsyncClient(FnCalls):  # fncall / fncall_many: dsec/sdk/fncall.py
         """What the scheduler did to this project's sandboxes (``preempted``: ``action`` pause or
         destroy, ``by_priority``; ``resumed``), oldest first, after ``since`` (a time or the last
         event's ``at``)."""
-        from dsec.control.wire import SchedEvent
+        from dsec.spec.control import SchedEvent
 
         params: list[tuple[str, str]] = [("limit", str(limit))]
         if task:
@@ -505,7 +477,7 @@ class AsyncClient(FnCalls):  # fncall / fncall_many: dsec/sdk/fncall.py
     async def sched_status(self) -> SchedStatus:
         """The scheduler's picture: utilisation against the burst threshold, both pools, what is
         held back for tasks' minimums, this project's preempted sandboxes."""
-        from dsec.control.wire import SchedStatus
+        from dsec.spec.control import SchedStatus
 
         return SchedStatus.model_validate_json((await self._call("GET", "/v1/sched")).content, context=LENIENT)
 

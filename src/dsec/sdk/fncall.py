@@ -1,7 +1,7 @@
 """Function calls from the SDK: ``await client.fncall(image, source, args=...)`` and ``fncall_many``.
 
 A call runs ``source`` in a fresh fork of a warm, pre-imported Python template on an edge
-(docs/FNCALL.md): its JSON result, or a typed :class:`~dsec.backends.fncall.types.FnCallFailed`
+(docs/FNCALL.md): its JSON result, or a typed :class:`~dsec.spec.fncall.FnCallFailed`
 (``FnCallError`` with the traceback, ``FnCallTimeout``, ``FnCallOOM``,
 ``FnCallOutputTooLarge``, ``FnCallWorkerLost``). :class:`AsyncClient` gets the methods from
 :class:`FnCalls` (a mixin); the sync ``Client`` derives them as for every other method.
@@ -21,8 +21,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
-from dsec.backends.fncall.types import FnCall, FnCallFailed, FnOutcome, FnResult, outcome_from_wire
 from dsec.sdk._http import UNSET, _Unset, raise_for_error
+from dsec.spec.fncall import FnCall, FnCallFailed, FnOutcome, FnResult, outcome_from_wire
 
 if TYPE_CHECKING:
     from dsec.sdk._http import Endpoint, Response

@@ -39,10 +39,11 @@ import httpx
 
 from dsec.errors import Backpressure, DsecError, LeaseInvalid, error_from_wire
 from dsec.sdk._http import raise_for_error
+from dsec.sdk.outcomes import CreateOutcome
 from dsec.spec.api import AbandonLease, BatchResult, LeaseAbandoned, LeaseGrant, LeaseReleased
 
 if TYPE_CHECKING:
-    from dsec.sdk.client import AsyncClient, AsyncSandbox, CreateOutcome
+    from dsec.sdk.client import AsyncClient, AsyncSandbox
 
 CHUNK = 16
 """Sandboxes per request to an edge (the edge makes a chunk's sandboxes concurrently)."""
@@ -131,7 +132,6 @@ class AsyncLease:
         """Make ``n`` sandboxes (default: every slot left), yielding each outcome as its chunk
         answers (indices from ``first_index``). ``concurrency``: sandboxes in flight at once.
         ``labels`` must be None: a lease's labels are fixed when it is granted."""
-        from dsec.sdk.client import CreateOutcome
 
         if labels is not None:
             raise DsecError("a lease's labels are fixed at the grant: pass them to client.lease()")
@@ -169,7 +169,6 @@ class AsyncLease:
 
     async def take(self) -> CreateOutcome:
         """One sandbox on the next slot left (:class:`LeaseInvalid` ``used up`` when none is)."""
-        from dsec.sdk.client import CreateOutcome
 
         part = next((p for p in self.grant.leases if self._left[p.lease_id] > 0 and not self._state(p).gone), None)
         if part is None:
@@ -188,7 +187,6 @@ class AsyncLease:
     async def _chunk(self, part: Any, first: int, count: int) -> list[CreateOutcome]:
         """One chunk on the part's edge. An edge gone with it (or with another chunk) in flight:
         the part is abandoned before these outcomes are answered (module docstring)."""
-        from dsec.sdk.client import CreateOutcome
 
         st = self._state(part)
         if st.gone:  # another chunk found the edge gone: nothing of this one is sent there
@@ -255,8 +253,6 @@ class AsyncLease:
                 await asyncio.sleep(wait)
 
     async def _send(self, part: Any, first: int, count: int) -> list[CreateOutcome]:
-        from dsec.sdk.client import AsyncSandbox, CreateOutcome
-
         self._calls += 1
         rid = f"{self.id[:32]}-{part.lease_id}-{self._seq}"
         self._seq += count
@@ -270,7 +266,7 @@ class AsyncLease:
                                           headers={"authorization": f"Bearer {part.token}"}, idempotent=True)
                 raise_for_error(resp)
                 items = BatchResult.model_validate_json(resp.content).items
-                return [CreateOutcome(first + i, AsyncSandbox(self._client, it.sandbox), None)
+                return [CreateOutcome(first + i, self._client._sandbox_of(it.sandbox), None)
                         if it.sandbox is not None else
                         CreateOutcome(first + i, None, error_from_wire(dict(it.error or {})))
                         for i, it in enumerate(items)]

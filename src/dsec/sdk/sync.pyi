@@ -9,11 +9,9 @@ from typing import Any, TypeVar
 
 import httpx
 
-from dsec.backends.fncall.types import FnCall, FnOutcome, FnResult
-from dsec.control.wire import SchedEvent, SchedStatus, TaskDetail
 from dsec.errors import DsecError
 from dsec.sdk._http import _Unset
-from dsec.sdk.client import CreateOutcome, OutputChunk
+from dsec.sdk.outcomes import CreateOutcome, OutputChunk
 from dsec.sdk.terminal import TerminalExit
 from dsec.spec import ImageRef, NetworkPolicy, SandboxSpec
 from dsec.spec.api import (
@@ -30,6 +28,8 @@ from dsec.spec.api import (
     SnapshotInfo,
     TokenInfo,
 )
+from dsec.spec.control import SchedEvent, SchedStatus, TaskDetail
+from dsec.spec.fncall import FnCall, FnOutcome, FnResult
 from dsec.spec.results import ExecResult
 
 T = TypeVar("T")

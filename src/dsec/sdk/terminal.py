@@ -17,10 +17,11 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
 from dsec.errors import DsecError, SandboxFailed, error_from_wire
+from dsec.sdk.outcomes import OutputChunk, wire_body
 from dsec.spec.api import AttachOpen
 
 if TYPE_CHECKING:
-    from dsec.sdk.client import AsyncSandbox, OutputChunk
+    from dsec.sdk.client import AsyncSandbox
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +90,6 @@ class AsyncTerminal:
     async def output(self) -> AsyncIterator[OutputChunk]:
         """Output as produced, until the command ends (then :attr:`exit` is set) or the
         connection closes."""
-        from dsec.sdk.client import OutputChunk
 
         try:
             async for msg in self._ws:
@@ -142,7 +142,5 @@ async def open_terminal(sandbox: AsyncSandbox, req: AttachOpen, *, retry_auth: b
 
 def attach_request(cmd: Sequence[str] | str | None, *, tty: bool, rows: int, cols: int, name: str | None,
                    env: Mapping[str, str] | None, cwd: str, user: int | str) -> AttachOpen:
-    from dsec.sdk.client import _wire
-
-    return _wire(AttachOpen, cmd=cmd if cmd is None or isinstance(cmd, str) else list(cmd), tty=tty, rows=rows,
+    return wire_body(AttachOpen, cmd=cmd if cmd is None or isinstance(cmd, str) else list(cmd), tty=tty, rows=rows,
                  cols=cols, name=name, env=dict(env or {}), cwd=cwd, user=user)

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from dsec.backends.container.network import NetworkConfig
+
+if TYPE_CHECKING:
+    from dsec.backends import BackendContext
+    from dsec.backends.base import Backend
+
 
 
 class ContainerConfig(BaseModel):
@@ -34,3 +39,17 @@ class ContainerConfig(BaseModel):
     pool (docs/EDGE.md, "Network"). None: every sandbox is loopback-only and a create or
     ``set_policy`` with a policy is refused. The edge adds its own and the control plane's
     addresses to ``blocked`` when it starts."""
+
+    def reserve_for(self, max_sandboxes: int | None) -> int:
+        """Shrinker ids to reserve on an edge of that capacity (:attr:`shrinker_reserve`)."""
+        if self.shrinker_reserve is not None:
+            return self.shrinker_reserve
+        from dsec.backends.container.shrinkers import ids_for
+
+        return ids_for(max_sandboxes or 0)
+
+    def build(self, ctx: BackendContext) -> Backend:
+        """The node runtime this config describes (not yet started)."""
+        from dsec.backends.container import build_backend  # the backend's own code, imported now
+
+        return build_backend(self, ctx)

@@ -23,13 +23,10 @@ import sys
 import threading
 from typing import Any
 
+from dsec.backends.container.netns import SlotTaken
 from dsec.errors import HostError
 
 _MAX = 64 * 1024
-
-
-class SlotTaken(HostError):
-    """The link name or the address of a slot is held by someone else on this host."""
 
 
 def _send(sock: socket.socket, msg: dict[str, Any], fd: int | None = None) -> None:
@@ -122,10 +119,7 @@ class NetMaker:
 def main(argv: list[str]) -> int:
     import ctypes
 
-    # This file runs as __main__ here: take SlotTaken from the package module, the one
-    # wire_netns raises.
-    from dsec.backends.container.netmaker import SlotTaken as Taken
-    from dsec.backends.container.network import wire_netns
+    from dsec.backends.container.netns import wire_netns
 
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL: never outlive the runtime
@@ -150,7 +144,7 @@ def main(argv: list[str]) -> int:
                 os.close(out)
         except Exception as exc:
             with contextlib.suppress(OSError):
-                _send(sock, {"ok": False, "error": str(exc), "taken": isinstance(exc, Taken)})
+                _send(sock, {"ok": False, "error": str(exc), "taken": isinstance(exc, SlotTaken)})
         finally:
             if fd is not None:
                 os.close(fd)

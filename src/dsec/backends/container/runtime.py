@@ -45,15 +45,16 @@ from dsec.backends.base import (
 from dsec.backends.common import cgroupfs
 from dsec.backends.common.command import UID_RANGE
 from dsec.backends.common.fdio import set_done as _set_done
+from dsec.backends.common.fsops import SandboxFiles
 from dsec.backends.common.layers import SharedLayers
 from dsec.backends.common.layers import stack as stack_layers
 from dsec.backends.common.names import ID_RE, NAME_RE
 from dsec.backends.common.sessions import Session
+from dsec.backends.common.uppers import UpperStore, UpperUsage
 from dsec.backends.container import cgroups, claims, wire
 from dsec.backends.container import pause as pausing
 from dsec.backends.container import snapshot as snapshots
 from dsec.backends.container import stages as staging
-from dsec.backends.container.fsops import SandboxFiles
 from dsec.backends.container.network import Lease, NetworkConfig, NetworkManager
 from dsec.backends.container.procs import (
     Process,
@@ -65,7 +66,6 @@ from dsec.backends.container.procs import (
 from dsec.backends.container.records import UID_SLOTS, ContainerRecord
 from dsec.backends.container.sandbox import ContainerSandbox, PauseResult, RecordView, open_netns
 from dsec.backends.container.spawner import Spawner, SpawnError
-from dsec.backends.container.uppers import UpperStore, UpperUsage
 from dsec.backends.container.zram import ZramStats, ZramSwap
 from dsec.errors import (
     DsecError,
@@ -130,7 +130,7 @@ class ContainerRuntime(BackendBase):
         :meth:`pause` pushes memory out (see :mod:`dsec.backends.container.pause`).
 
         Writable layers on disk (``Resources.disk_medium="disk"``) live in this runtime's
-        own btrfs filesystem (:mod:`dsec.backends.container.uppers`): by default a sparse
+        own btrfs filesystem (:mod:`dsec.backends.common.uppers`): by default a sparse
         image ``<state_dir>/uppers/<name>.img`` of ``uppers_image_size`` bytes (0: 80 % of
         its disk's free space) mounted at ``<run_dir>/<name>/uppers``; ``uppers_path`` is
         an existing btrfs mount to use instead."""

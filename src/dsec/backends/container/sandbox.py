@@ -36,18 +36,18 @@ from dsec.backends.base import (
     _Unset,
     command_line,
 )
+from dsec.backends.common import limits as limit_evidence
 from dsec.backends.common.command import check_argv, command_env, user_ids
+from dsec.backends.common.fsops import SandboxFiles
 from dsec.backends.common.output import check_exec, check_timed_out, collect, start_piped
+from dsec.backends.common.uppers import UpperStore, UpperUsage
 from dsec.backends.container import cgroups, wire
-from dsec.backends.container import limits as limit_evidence
 from dsec.backends.container import pause as pausing
 from dsec.backends.container import stages as staging
-from dsec.backends.container.fsops import SandboxFiles
 from dsec.backends.container.network import NetworkManager
 from dsec.backends.container.procs import Process, is_paused, kill_tree
 from dsec.backends.container.records import ContainerRecord
 from dsec.backends.container.spawner import Spawner, SpawnError
-from dsec.backends.container.uppers import UpperStore, UpperUsage
 from dsec.errors import (
     DsecError,
     ExecError,

@@ -49,10 +49,10 @@ from dsec.images.layer import Layer, LayerKind, check_name, check_tag
 from dsec.spec import SandboxState
 
 if TYPE_CHECKING:
+    from dsec.backends.common.uppers import UpperUsage
     from dsec.backends.container.cgroups import RuntimeCgroups
     from dsec.backends.container.records import ContainerRecord
     from dsec.backends.container.sandbox import ContainerSandbox
-    from dsec.backends.container.uppers import UpperUsage
 
 
 class SnapshotNode(Protocol):

@@ -23,13 +23,13 @@ import stat as stat_mod
 from collections.abc import Iterable, Sequence
 from functools import lru_cache
 
-from dsec.backends.container import wire
-from dsec.backends.container.fsops import (
+from dsec.backends.common.fsops import (
     RESOLVE_IN_ROOT,
     RESOLVE_NO_MAGICLINKS,
     RESOLVE_NO_XDEV,
     openat2,
 )
+from dsec.backends.container import wire
 from dsec.errors import InvalidSpec
 from dsec.spec import FileRules
 

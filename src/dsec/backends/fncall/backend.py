@@ -27,9 +27,9 @@ from dsec.backends.base import (
 )
 from dsec.backends.fncall.config import FnCallConfig
 from dsec.backends.fncall.pool import FnCallPool, WorkerHost
-from dsec.backends.fncall.types import FnCall, FnOutcome, FnResult
 from dsec.errors import HostError, SandboxNotFound
 from dsec.spec import ImageRef, SandboxSpec
+from dsec.spec.fncall import FnCall, FnOutcome, FnResult
 
 if TYPE_CHECKING:
     from dsec.backends import BackendContext
@@ -56,10 +56,6 @@ class FnCallBackend(BackendBase):
         self._host = host
         self._ctx = ctx
         self.pool: FnCallPool | None = None
-
-    @classmethod
-    def from_context(cls, config: FnCallConfig, ctx: BackendContext) -> FnCallBackend:
-        return cls(config, name=ctx.name, ctx=ctx)
 
     @property
     def sandboxes(self) -> Mapping[str, SandboxRecord]:

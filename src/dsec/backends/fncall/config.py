@@ -7,11 +7,16 @@ leaves them out) and a ceiling (a call asking for more is refused with
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dsec.spec import ImageRef, Resources
+
+if TYPE_CHECKING:
+    from dsec.backends import BackendContext
+    from dsec.backends.base import Backend
+
 
 MiB = 1024 * 1024
 _MODULE = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
@@ -93,3 +98,10 @@ class FnCallConfig(BaseModel):
 
     def image_config(self, image: ImageRef) -> FnCallImage | None:
         return next((c for c in self.images if c.image == image), None)
+
+    def build(self, ctx: BackendContext) -> Backend:
+        """The FnCall backend this config describes (not yet started; it runs its workers in
+        the edge's container backend)."""
+        from dsec.backends.fncall import build_backend  # the backend's own code, imported now
+
+        return build_backend(self, ctx)

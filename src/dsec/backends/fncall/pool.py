@@ -31,7 +31,9 @@ from typing import Any, Final, Protocol
 
 from dsec.backends.base import UNSET, _Unset
 from dsec.backends.fncall.config import FnCallConfig, FnCallImage
-from dsec.backends.fncall.types import (
+from dsec.errors import Backpressure, DsecError, ExecError, ImageError, InvalidSpec, PayloadTooLarge
+from dsec.spec import ImageRef, SandboxSpec
+from dsec.spec.fncall import (
     FnCall,
     FnCallError,
     FnCallFailed,
@@ -42,8 +44,6 @@ from dsec.backends.fncall.types import (
     FnOutcome,
     FnResult,
 )
-from dsec.errors import Backpressure, DsecError, ExecError, ImageError, InvalidSpec, PayloadTooLarge
-from dsec.spec import ImageRef, SandboxSpec
 
 log = logging.getLogger("dsec.fncall")
 

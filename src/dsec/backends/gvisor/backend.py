@@ -55,13 +55,13 @@ from dsec.backends.base import (
     check_spec,
     command_line,
 )
+from dsec.backends.common import limits as limit_evidence
 from dsec.backends.common.command import DEFAULT_ENV, check_argv, command_env, user_ids
+from dsec.backends.common.fsops import SandboxFiles
 from dsec.backends.common.layers import SharedLayers
 from dsec.backends.common.layers import stack as stack_layers
 from dsec.backends.common.names import ID_RE, NAME_RE
 from dsec.backends.common.output import check_exec, check_timed_out, collect, start_piped
-from dsec.backends.container import limits as limit_evidence
-from dsec.backends.container.fsops import SandboxFiles
 from dsec.backends.gvisor import bundle as bundles
 from dsec.backends.gvisor.cgroups import SandboxCgroups
 from dsec.backends.gvisor.config import GVisorConfig
@@ -460,7 +460,7 @@ class GVisorBackend(BackendBase):
         return self.config.uppers_path is not None or (self.state_dir / "uppers" / f"{self.name}.img").exists()
 
     async def _setup_uppers(self) -> Any:
-        from dsec.backends.container.uppers import UpperStore
+        from dsec.backends.common.uppers import UpperStore
 
         async with self._uppers_lock:
             if self._uppers is None:

@@ -7,9 +7,14 @@ Pure data: no I/O, nothing imported beyond pydantic. The backend itself
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from dsec.backends import BackendContext
+    from dsec.backends.base import Backend
+
 
 
 class GVisorConfig(BaseModel):
@@ -51,3 +56,9 @@ class GVisorConfig(BaseModel):
     seconds: ``runsc delete`` waits for it)."""
     debug_log_dir: Path | None = None
     """Write runsc's debug logs here (one file per command; for investigation only)."""
+
+    def build(self, ctx: BackendContext) -> Backend:
+        """The gVisor backend this config describes (not yet started)."""
+        from dsec.backends.gvisor import build_backend  # the backend's own code, imported now
+
+        return build_backend(self, ctx)

@@ -35,9 +35,9 @@ from starlette.routing import Route, Router
 
 from dsec.compat.e2b import envd, keys
 from dsec.compat.e2b.config import E2BConfig
-from dsec.compat.e2b.middleware import _header
 from dsec.compat.e2b.rest import E2BApi, E2BError, error_response
 from dsec.compat.e2b.rooms import Room, Rooms
+from dsec.compat.e2b.scope import header as _header
 from dsec.errors import AuthError, DsecError, FileAccessError, SandboxNotFound
 
 if TYPE_CHECKING:

@@ -10,19 +10,14 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.responses import JSONResponse
 
+from dsec.compat.e2b.scope import header as _header
+
 if TYPE_CHECKING:
     from dsec.compat.e2b.config import E2BConfig
 
 ENVD_PORT = 49983
 _HOST = re.compile(r"^(\d+)-([A-Za-z0-9][A-Za-z0-9._-]{0,62})\.")
 REST_PREFIXES = ("/sandboxes", "/v2/sandboxes", "/templates", "/v2/templates", "/v3/templates")
-
-
-def _header(scope: dict[str, Any], name: bytes) -> str | None:
-    for k, v in scope.get("headers", ()):
-        if k == name:
-            return str(v.decode("latin-1"))
-    return None
 
 
 def _json_error(status: int, message: str) -> JSONResponse:

@@ -27,10 +27,9 @@ from __future__ import annotations
 import os
 import signal
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, Protocol
 
 from dsec.backends.base import DiskRoom
-from dsec.backends.container.cgroups import RuntimeCgroups
 from dsec.spec import Resources
 from dsec.spec.results import LimitHit
 
@@ -58,7 +57,15 @@ class Baseline:
     disk_full: bool = False
 
 
-def counters(cg: RuntimeCgroups, sandbox_id: str) -> Counters | None:
+class CounterSource(Protocol):
+    """Where a backend reads a sandbox's limit counters (the container's cgroups)."""
+
+    def limit_counters(self, sandbox_id: str) -> tuple[int, int]:
+        """(OOM kills, pids-limit hits) so far."""
+        ...
+
+
+def counters(cg: CounterSource, sandbox_id: str) -> Counters | None:
     """OOM kills and pids-limit hits so far; None if they cannot be read (sandbox gone)."""
     try:
         kills, hits = cg.limit_counters(sandbox_id)

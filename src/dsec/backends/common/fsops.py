@@ -23,9 +23,9 @@ import posixpath
 import stat as stat_mod
 import tarfile
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import BinaryIO
 
+from dsec.backends.base import FileInfo
 from dsec.errors import FileAccessError, InvalidSpec
 from dsec.spec import FileRules
 
@@ -54,19 +54,6 @@ def openat2(dirfd: int, path: str, flags: int, mode: int = 0, resolve: int = _RE
         if err not in (errno.EINTR, errno.EAGAIN):
             raise OSError(err, os.strerror(err), path)
     raise OSError(errno.EAGAIN, "path resolution kept racing with renames; try again", path)
-
-
-@dataclass(frozen=True, slots=True)
-class FileInfo:
-    path: str
-    name: str
-    type: str  # "file", "dir", "symlink", "other"
-    size: int
-    mode: int
-    uid: int
-    gid: int
-    mtime: float
-    target: str | None = None
 
 
 def _kind(mode: int) -> str:
