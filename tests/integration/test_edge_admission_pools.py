@@ -207,3 +207,41 @@ def test_concurrent_creates_respect_the_budget(small_edge: EdgeThread) -> None:
     codes = asyncio.run(burst())
     assert sorted(codes) == [201] * 3 + [429] * 5, codes
     assert len(small_edge.service.backends.get("container").sandboxes) == 3
+
+
+@pytest.mark.skipif(__import__("shutil").which("runsc") is None,
+                    reason="runsc is not installed (scripts/setup.sh installs it from bookworm-backports)")
+def test_a_pool_keeps_sandboxes_of_its_own_backend(dsec_base: Path) -> None:
+    """Pools are keyed by backend: a gVisor pool serves gVisor creates of its image and
+    resources, and a container create of the same image and resources stays cold."""
+    from dsec.backends.container.config import ContainerConfig
+    from dsec.backends.gvisor.config import GVisorConfig
+
+    cfg = _config(dsec_base, "egvpool", "gp", max_sandboxes=4, pool_refill_per_s=50,
+                  backends=[ContainerConfig(), GVisorConfig()],
+                  pools=[PoolConfig(image=ImageRef(base="busybox:test"), resources=POOL_RES, size=1,
+                                    backend="gvisor", name="gv")])
+    with EdgeThread(cfg) as e:
+        pool = e.service.pools.pools[0]
+        assert wait_until(lambda: len(pool.ready) == 1, timeout=60), pool.last_error
+        pooled = set(pool.ready)
+        assert pooled <= set(e.service.backends.get("gvisor").sandboxes)
+        body = {"image": {"base": "busybox:test"}, "resources": {"cpu": 0.25, "memory": 64 * MiB, "disk": 16 * MiB}}
+        with e.client() as api:
+            r = api.post("/v1/sandboxes", json={"spec": body})  # the container backend: not this pool's
+            assert r.status_code == 201 and r.json()["from_pool"] is False, r.text
+            assert api.delete(f"/v1/sandboxes/{r.json()['id']}").status_code == 204
+            r = api.post("/v1/sandboxes", json={"spec": {**body, "backend": "gvisor"}})
+            assert r.status_code == 201, r.text
+            got = r.json()
+            assert got["from_pool"] is True and got["id"] in pooled
+            out = api.post(f"/v1/sandboxes/{got['id']}/exec", json={"cmd": "echo pooled"}).json()
+            assert out["stdout_b64"] == "cG9vbGVkCg=="
+            assert api.delete(f"/v1/sandboxes/{got['id']}").status_code == 204
+    assert not leftovers(cfg), leftovers(cfg)
+
+
+def test_a_pool_of_a_backend_the_edge_does_not_run_is_refused(dsec_base: Path) -> None:
+    with pytest.raises(ValueError, match="backend 'gvisor' is not one this edge runs"):
+        _config(dsec_base, "ebadpool", "bp",
+                pools=[PoolConfig(image=ImageRef(base="busybox:test"), resources=POOL_RES, size=1, backend="gvisor")])

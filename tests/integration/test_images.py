@@ -385,6 +385,30 @@ def test_concurrent_acquire_mounts_once(work: Path, store: LocalLayerStore) -> N
 
 @pytest.mark.root
 @pytest.mark.skipif(not is_root, reason="needs root (mount(2))")
+def test_two_backends_mounts_of_one_layer_each_go_with_their_own_pins(work: Path, store: LocalLayerStore) -> None:
+    """Two backends of one edge mount the same layer, each under its own root. One closing
+    while the other's sandbox still uses the layer unmounts its own mount (the other's pin
+    keeps the other's mount only); an edge running the container and gVisor backends left
+    the container's mount behind."""
+    layer = build_busybox(store)
+    first = LayerMounts(store, work / "mnt-a", holders=["runtime:a"])
+    second = LayerMounts(store, work / "mnt-b", holders=["runtime:b"])
+    try:
+        a = first.acquire(layer.digest, "runtime:a")
+        b = second.acquire(layer.digest, "runtime:b")
+        assert a != b and _mounts_under(work / "mnt-a") and _mounts_under(work / "mnt-b")
+        first.release(layer.digest, "runtime:a")
+        first.close()
+        assert _mounts_under(work / "mnt-a") == [], "a's mount stayed for b's pin"
+        assert _mounts_under(work / "mnt-b") and (b / "bin/busybox").exists()
+        second.release(layer.digest, "runtime:b")
+    finally:
+        first.close()
+        second.close()
+    assert _mounts_under(work / "mnt-b") == []
+
+
+@pytest.mark.skipif(not is_root, reason="needs root (mount(2))")
 def test_adopt_after_crash(work: Path, store: LocalLayerStore) -> None:
     layer = build_busybox(store)
     first = LayerMounts(store, work / "mnt")

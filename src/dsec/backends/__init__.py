@@ -33,6 +33,9 @@ class BackendContext:
     """The edge's other backends, by kind (FnCall runs its workers in the container backend)."""
     max_sandboxes: int | None = None
     """The edge's configured capacity (``EdgeConfig.max_sandboxes``), None when not set."""
+    platform: tuple[str, ...] = ()
+    """The platform's own IPv4 addresses (``a.b.c.d/32``: this edge, the control plane): no
+    sandbox may reach them, whatever its policy says."""
 
 
 def build(config: Any, ctx: BackendContext) -> Backend:

@@ -36,12 +36,14 @@ import termios
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar, Final, Protocol, runtime_checkable
 
 from dsec.errors import DsecError, InvalidSpec, Unsupported
 from dsec.spec import NetworkPolicy, SandboxSpec, SandboxState
 
 if TYPE_CHECKING:
+    from dsec.images.layer import Layer
     from dsec.spec.results import ExecResult
 
 OutputCallback = Callable[[str, bytes], "asyncio.Future[None] | None"]
@@ -217,6 +219,10 @@ class SandboxRecord:
         """The network policy in force (None: loopback only)."""
         return None
 
+    def layer_stack(self) -> tuple[str, ...]:
+        """The layer digests it runs on, top first (empty: none of the node's layers)."""
+        return ()
+
 
 @dataclass(frozen=True, slots=True)
 class HostFinding:
@@ -295,6 +301,52 @@ class FileInfo:
 
 
 
+class ReclaimFigures(Protocol):
+    """What a pause pushed out of RAM (bytes)."""
+
+    @property
+    def before(self) -> int: ...
+    @property
+    def after(self) -> int: ...
+    @property
+    def swapped(self) -> int: ...
+
+
+class PauseOutcome(Protocol):
+    """What :meth:`Backend.pause` did."""
+
+    @property
+    def freeze_s(self) -> float:
+        """Seconds until every process was frozen."""
+        ...
+    @property
+    def seconds(self) -> float: ...
+    @property
+    def reclaim(self) -> ReclaimFigures | None:
+        """None: nothing pushed out (skipped, resumed meanwhile, or not this backend's way)."""
+        ...
+
+
+class PackedBytes(Protocol):
+    @property
+    def bytes(self) -> int: ...
+
+
+class SnapshotOutcome(Protocol):
+    """What :meth:`Backend.snapshot_info` made: the layer and the packing figures."""
+
+    @property
+    def layer(self) -> Layer: ...
+    @property
+    def stats(self) -> PackedBytes: ...
+    @property
+    def frozen_s(self) -> float: ...
+    @property
+    def seconds(self) -> float: ...
+    @property
+    def collapsed(self) -> Sequence[str]: ...
+
+
 class Files(Protocol):
     """A sandbox's files as the host reaches them, confined to its root (and to its stage's
     rules unless the platform asks): what :meth:`Backend.files` returns."""
@@ -334,6 +386,14 @@ class Backend(Protocol):
     def sandboxes(self) -> Mapping[str, SandboxRecord]: ...
     @property
     def host_repairs(self) -> Sequence[HostFinding]: ...
+    @property
+    def host_problems(self) -> Sequence[HostFinding]:
+        """What the last :meth:`heal` found wrong and could not repair (empty: healthy)."""
+        ...
+    @property
+    def repair_counts(self) -> Mapping[str, int]:
+        """Repairs made since start, by kind."""
+        ...
 
     async def start(self) -> None: ...
     async def close(self, *, destroy_all: bool = True) -> None: ...
@@ -369,12 +429,12 @@ class Backend(Protocol):
     def usage(self, sandbox_id: str) -> Usage: ...
 
     # pause, snapshots, forks
-    async def pause(self, sandbox_id: str, *, reclaim: bool = True) -> Any: ...
+    async def pause(self, sandbox_id: str, *, reclaim: bool = True) -> PauseOutcome: ...
     async def resume(self, sandbox_id: str) -> SandboxRecord: ...
     async def pause_many(self, sandbox_ids: Sequence[str], *, reclaim: bool = True) -> GroupOutcome: ...
     async def resume_many(self, sandbox_ids: Sequence[str]) -> GroupOutcome: ...
     async def snapshot_info(self, sandbox_id: str, *, name: str | None = None, tag: str | None = None,
-                            exclude: Sequence[str] = ()) -> Any: ...
+                            exclude: Sequence[str] = ()) -> SnapshotOutcome: ...
     async def fork(self, sandbox_id: str, children: int | Sequence[str], *, edges: Sequence[EdgeMeta] | None = None,
                    exclude: Sequence[str] = ()) -> Sequence[SandboxRecord]: ...
 
@@ -389,6 +449,9 @@ class Backend(Protocol):
     def check_limits(self, rec: SandboxRecord) -> None: ...
     def disk_room(self, rec: SandboxRecord) -> DiskRoom | None: ...
     def store_space(self) -> tuple[int, int] | None: ...
+    def release_layer(self, digest: str) -> None:
+        """Drop the backend's idle pin of a layer now (before the layer is deleted)."""
+        ...
 
 
 class BackendBase:
@@ -401,6 +464,12 @@ class BackendBase:
     wake_gate: Callable[[str], None] | None = None
     """Set by the edge: called with the id before a paused sandbox is woken by a request (or
     resumed); it raises to keep the sandbox paused (one paused by preemption: edge/preempt.py)."""
+
+    host_problems: Sequence[HostFinding] = ()
+    repair_counts: Mapping[str, int] = MappingProxyType({})
+
+    def release_layer(self, digest: str) -> None:
+        """Nothing pinned by default."""
 
     def _unsupported(self, op: str) -> Unsupported:
         return Unsupported.operation(op, backend=self.kind)
@@ -425,7 +494,7 @@ class BackendBase:
                         user: int | str = 0) -> tuple[ProcessHandle, int]:
         raise self._unsupported("terminals")
 
-    async def pause(self, sandbox_id: str, *, reclaim: bool = True) -> Any:
+    async def pause(self, sandbox_id: str, *, reclaim: bool = True) -> PauseOutcome:
         raise self._unsupported("pause")
 
     async def resume(self, sandbox_id: str) -> SandboxRecord:
@@ -438,7 +507,7 @@ class BackendBase:
         raise self._unsupported("resume")
 
     async def snapshot_info(self, sandbox_id: str, *, name: str | None = None, tag: str | None = None,
-                            exclude: Sequence[str] = ()) -> Any:
+                            exclude: Sequence[str] = ()) -> SnapshotOutcome:
         raise self._unsupported("snapshot")
 
     async def fork(self, sandbox_id: str, children: int | Sequence[str], *, edges: Sequence[EdgeMeta] | None = None,

@@ -27,9 +27,10 @@ log = logging.getLogger("dsec.edge.backends")
 
 class EdgeBackends:
     def __init__(self, configs: list[Any], *, runtime: str, state_dir: Path, run_dir: Path, edge_id: str,
-                 registry: Any = None, max_sandboxes: int | None = None) -> None:
+                 registry: Any = None, max_sandboxes: int | None = None, platform: tuple[str, ...] = ()) -> None:
         self._configs = {c.kind: c for c in configs}
         self._max_sandboxes = max_sandboxes
+        self._platform = platform
         self._registry_config = registry
         self.registry: Any = None
         """The store's :class:`~dsec.images.remote.RegistryLayers` when a registry is configured."""
@@ -96,7 +97,7 @@ class EdgeBackends:
             if kind not in self.by_kind:
                 ctx = BackendContext(name=self.name_for(kind), state_dir=self._state_dir, run_dir=self._run_dir,
                                      id_prefix=self._edge_id, store=self.store, backends=self.by_kind,
-                                     max_sandboxes=self._max_sandboxes)
+                                     max_sandboxes=self._max_sandboxes, platform=self._platform)
                 self.by_kind[kind] = build(cfg, ctx)
 
     async def start(self) -> None:

@@ -61,6 +61,8 @@ class PoolConfig(_Config):
     image: ImageRef
     resources: Resources = Resources()
     size: Annotated[int, Field(ge=0, le=10000)] = 4
+    backend: str = "container"
+    """The backend whose sandboxes it keeps (one of the edge's ``backends``)."""
     name: str | None = None
     """Shown in metrics and in the health report; derived from image and resources if unset."""
 
@@ -75,7 +77,7 @@ class PoolConfig(_Config):
         if self.name:
             return self.name
         r = self.resources
-        layers = "+".join(self.image.layers_top_first()[::-1])
+        layers = ("" if self.backend == "container" else f"{self.backend}:") + "+".join(self.image.layers_top_first()[::-1])
         return f"{layers}/{r.cpu:g}cpu/{r.memory // (1024 * 1024)}MiB/{r.disk // (1024 * 1024)}MiBdisk"
 
 
@@ -241,6 +243,15 @@ class EdgeConfig(_Config):
         if dup:
             raise ValueError(f"backend {', '.join(dup)} listed twice; one entry per kind")
         return v
+
+    @model_validator(mode="after")
+    def _pools_of_configured_backends(self) -> EdgeConfig:
+        kinds = {b.kind for b in self.backends}
+        for p in self.pools:
+            if p.backend not in kinds or p.backend == "fncall":
+                raise ValueError(f"pool {p.display_name()!r}: backend {p.backend!r} is not one this edge runs "
+                                 f"sandboxes with ({', '.join(sorted(kinds - {'fncall'}))})")
+        return self
 
     @property
     def control_plane_urls(self) -> list[str]:

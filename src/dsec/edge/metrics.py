@@ -197,10 +197,10 @@ class _StateCollector:
         by_kind = GaugeMetricFamily("dsec_edge_host_problems", "Unrepaired host-state problems", labels=["kind"])
         repairs = CounterMetricFamily("dsec_edge_host_repairs", "Host state found vanished and made again",
                                       labels=["kind"])
-        found = [f for be in svc.backends.by_kind.values() for f in getattr(be, "host_problems", ())]
+        found = [f for be in svc.backends.by_kind.values() for f in be.host_problems]
         counted: dict[str, int] = {}
         for be in svc.backends.by_kind.values():
-            for kind, n in getattr(be, "repair_counts", {}).items():
+            for kind, n in be.repair_counts.items():
                 counted[kind] = counted.get(kind, 0) + n
         for kind in HOST_KINDS:
             by_kind.add_metric([kind], sum(1 for f in found if f.kind == kind))

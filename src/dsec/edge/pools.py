@@ -40,7 +40,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dsec.edge.pools")
 
-PoolKey = tuple[tuple[str, ...], Resources]
+PoolKey = tuple[str, tuple[str, ...], Resources]
+"""(backend kind, layers top first, resources): a pool serves requests of exactly these."""
 WATERMARK_WINDOW_S = 60.0
 REFILL_QUIET_S = 0.02
 """A refill starts only this long after the last claim: a create's synchronous kernel work
@@ -63,7 +64,7 @@ class WarmPool:
         self.cfg = cfg
         self.name = cfg.display_name()
         self.target = cfg.size
-        self.spec = SandboxSpec(image=cfg.image, resources=cfg.resources)
+        self.spec = SandboxSpec(image=cfg.image, resources=cfg.resources, backend=cfg.backend)
         self.layers: tuple[str, ...] | None = None
         self.ready: deque[str] = deque()
         self.creating = 0
@@ -78,7 +79,7 @@ class WarmPool:
 
     @property
     def key(self) -> PoolKey | None:
-        return None if self.layers is None else (self.layers, self.cfg.resources)
+        return None if self.layers is None else (self.cfg.backend, self.layers, self.cfg.resources)
 
     def note_level(self) -> None:
         now = time.monotonic()
@@ -106,10 +107,9 @@ class WarmPool:
 
 
 class PoolManager:
-    backend_kind = "container"
-    """The backend whose sandboxes are pooled."""
+    """The edge's warm pools, each of one backend's sandboxes (``PoolConfig.backend``)."""
 
-    def __init__(self, cfg: EdgeConfig, *, backend: Callable[[], Backend | None], admission: Callable[[], Admission],
+    def __init__(self, cfg: EdgeConfig, *, backend: Callable[[str], Backend | None], admission: Callable[[], Admission],
                  events: EventLog, metrics: EdgeMetrics, new_id: Callable[[], str],
                  destroy: Callable[..., Awaitable[bool]], store: Callable[[], Any]) -> None:
         self._backend = backend
@@ -168,16 +168,15 @@ class PoolManager:
     async def start(self) -> None:
         self._refresh_keys()
         stale: list[str] = []
-        backend = self._backend()
-        if backend is None:
-            return
-        for rec in list(backend.sandboxes.values()):
+        recs = [rec for kind in sorted({p.cfg.backend for p in self.pools} | {"container"})
+                if (backend := self._backend(kind)) is not None for rec in list(backend.sandboxes.values())]
+        for rec in recs:
             name = rec.edge.pool
             if not name:
                 continue
             pool = self._by_name.get(name)
             if (
-                pool is None or pool.layers is None or rec.state is not SandboxState.RUNNING
+                pool is None or rec.backend != pool.cfg.backend or pool.layers is None or rec.state is not SandboxState.RUNNING
                 or _layers(rec) != pool.layers or rec.spec.resources != pool.cfg.resources
                 or len(pool.ready) >= pool.target
             ):
@@ -206,7 +205,7 @@ class PoolManager:
         if not self._by_key or not pool_eligible(spec):
             return None
         try:
-            key = (self.layers_of(spec.image), spec.resources)
+            key = (spec.backend, self.layers_of(spec.image), spec.resources)
         except DsecError:
             return None  # the cold path reports the missing layer properly
         return self._by_key.get(key)
@@ -214,7 +213,7 @@ class PoolManager:
     def take(self, spec: SandboxSpec, edge: EdgeMeta) -> tuple[SandboxRecord, WarmPool] | None:
         """A ready sandbox of ``spec``'s pool, now carrying ``spec`` and ``edge``; or None."""
         pool = self.match(spec)
-        rt = self._backend()
+        rt = None if pool is None else self._backend(pool.cfg.backend)
         if pool is None or rt is None:
             return None
         try:
@@ -347,9 +346,9 @@ class PoolManager:
         t0 = time.perf_counter()
         ok = False
         try:
-            backend = self._backend()
+            backend = self._backend(pool.cfg.backend)
             if backend is None:
-                raise DsecError("the container backend is not running")
+                raise DsecError(f"the {pool.cfg.backend} backend is not running")
             await backend.create(pool.spec, sandbox_id=sid, edge=EdgeMeta(pool=pool.name, pooled_at=time.time()))
             ok = True
         except DsecError as exc:
@@ -379,7 +378,7 @@ class PoolManager:
 
 
 def _layers(rec: SandboxRecord) -> tuple[str, ...]:
-    return tuple(getattr(rec, "layers", ()))
+    return rec.layer_stack()
 
 
 def _log_failure(task: asyncio.Task[Any]) -> None:

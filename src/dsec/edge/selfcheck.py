@@ -58,7 +58,7 @@ class SelfCheck(BackgroundLoop):
         self.passes += 1
 
     def problems(self) -> list[str]:
-        out = [f.message for b in self.backends.by_kind.values() for f in getattr(b, "host_problems", ())]
+        out = [f.message for b in self.backends.by_kind.values() for f in b.host_problems]
         out += self.backends.registry_problems()
         if self.failure:
             out.append(self.failure)

@@ -135,21 +135,20 @@ def error_body(exc: DsecError) -> dict[str, Any]:
     return _jsonable(encode_error(exc, default=wire_value)[1])  # type: ignore[no-any-return]
 
 
-def platform_blocked(config: EdgeConfig) -> tuple[str, ...]:
-    """The network config's ``blocked`` plus the IPv4 addresses of this edge (bound and
-    advertised) and of the control plane: no policy may open a way to the platform.
-    Wildcards and loopback are left out (the runtime refuses the host's own addresses
-    and 127.0.0.0/8 anyway); names are resolved once, at start."""
+def platform_addresses(config: EdgeConfig) -> tuple[str, ...]:
+    """The IPv4 addresses of this edge (bound and advertised) and of the control plane, as
+    /32s: no policy may open a way to the platform. Wildcards and loopback are left out (the
+    runtime refuses the host's own addresses and 127.0.0.0/8 anyway); names are resolved
+    once, at start."""
     import ipaddress
     import socket
     from urllib.parse import urlsplit
 
-    assert config.network is not None
     hosts = [config.host]
     for url in (config.url, *config.control_plane_urls):
         if url:
             hosts.append(urlsplit(url).hostname or "")
-    out = list(config.network.blocked)
+    out: list[str] = []
     for host in hosts:
         if host in ("", "0.0.0.0", "::", "localhost"):
             continue
@@ -163,12 +162,17 @@ def platform_blocked(config: EdgeConfig) -> tuple[str, ...]:
                 continue
         for a in sorted(addrs):
             ip = ipaddress.ip_address(a)
-            if ip.version != 4 or ip.is_loopback or ip.is_unspecified:
-                continue
-            if any(ip in ipaddress.ip_network(b) for b in out):
-                continue  # covered already (nftables interval sets refuse overlaps)
-            out.append(f"{a}/32")
+            if ip.version == 4 and not ip.is_loopback and not ip.is_unspecified and f"{a}/32" not in out:
+                out.append(f"{a}/32")
     return tuple(out)
+
+
+def platform_blocked(config: EdgeConfig) -> tuple[str, ...]:
+    """What the edge's sandbox networks block: the network config's ``blocked`` and the
+    platform's addresses (:func:`platform_addresses`), which the container backend adds
+    itself when it is built (``BackendContext.platform``)."""
+    assert config.network is not None
+    return config.network.with_platform(platform_addresses(config)).blocked
 
 
 PLATFORM_LABELS = ("dsec.fncall",)
@@ -185,22 +189,16 @@ class EdgeService:
         self.config = config
         self.edge_id = config.edge_id
         self.url = config.base_url
-        configs: list[Any] = []
-        for b in config.backends:
-            net = getattr(b, "network", None)
-            if b.kind == "container" and net is not None:
-                b = b.model_copy(update={"network": net.model_copy(update={"blocked": platform_blocked(config)})})
-            configs.append(b)
-        self.backends = EdgeBackends(configs, runtime=config.runtime, state_dir=config.state_dir,
+        self.backends = EdgeBackends(list(config.backends), runtime=config.runtime, state_dir=config.state_dir,
                                      run_dir=config.run_dir, edge_id=config.edge_id, registry=config.registry,
-                                     max_sandboxes=config.max_sandboxes)
+                                     max_sandboxes=config.max_sandboxes, platform=platform_addresses(config))
         self._store_cache: tuple[float, tuple[int, int]] = (float("-inf"), (1 << 62, 1 << 62))
         self.budgets: Budgets | None = None
         self.admission: Admission = Admission(Budgets(0, 0.0, 0, 0))
         self.events = EventLog(tombstones=config.tombstones)
         self.metrics = EdgeMetrics(self)
         self.pools = PoolManager(
-            config, backend=lambda: self.backends.by_kind.get(PoolManager.backend_kind), admission=lambda: self.admission,
+            config, backend=self.backends.by_kind.get, admission=lambda: self.admission,
             events=self.events, metrics=self.metrics, new_id=self.new_id, destroy=self.destroy,
             store=lambda: self.backends.store,
         )
@@ -457,7 +455,7 @@ class EdgeService:
         if spec.stages:
             backend.capabilities.require(Capability.STAGES, what="stages")
         now = time.time()
-        if req.id is None and self.pools.pools and spec.backend == self.pools.backend_kind:
+        if req.id is None and self.pools.pools:
             taken = self.pools.take(req.spec, self._edge_meta(req, now))
             if taken is not None:
                 rec, pool = taken
@@ -1230,9 +1228,7 @@ class EdgeService:
         # The runtime keeps an idle layer pinned a moment after its last sandbox (LAYER_RELEASE_GRACE_S):
         # a delete right after that sandbox must not say "in use". No-op while a sandbox uses it.
         for b in self.backends.by_kind.values():
-            release = getattr(b, "release_layer", None)
-            if release is not None:
-                release(layer.digest)
+            b.release_layer(layer.digest)
         self.backends.store.remove(ref)
         self._layers_cache = (0.0, [])
 

@@ -23,7 +23,7 @@ import logging
 import os
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -51,8 +51,13 @@ class LayerMounts:
     DSec's mounts by that string.
     """
 
-    def __init__(self, store: LayerStore, mount_root: Path) -> None:
+    def __init__(self, store: LayerStore, mount_root: Path, *, holders: Iterable[str] = ()) -> None:
+        """``holders``: the pins that keep these mounts in use (a backend's own holder name).
+        Another backend's pin on the same layer keeps that backend's mount, not these: with
+        none given, any pin keeps a mount (and every holder that acquires through this
+        instance is one of its own from then on)."""
         self.store = store
+        self._holders: set[str] = set(holders)
         self.mount_root = Path(mount_root).absolute()
         if "dsec" not in str(self.mount_root):
             raise InvalidSpec(
@@ -104,6 +109,7 @@ class LayerMounts:
         """Pin ``digest`` for ``holder`` and return its (shared, read-only) mountpoint."""
         check_digest(digest)
         with self._exclusive():
+            self._holders.add(holder)
             new_pin = self.store.pin(digest, holder)
             try:
                 mp = self._mounted.get(digest)
@@ -176,8 +182,9 @@ class LayerMounts:
         done: list[str] = []
         with self._exclusive():
             for digest, mp in list(self._mounted.items()):
-                if self.store.holders(digest):
-                    continue
+                pins = self.store.holders(digest)
+                if pins & self._holders if self._holders else pins:
+                    continue  # in use through this instance (a pin of another backend keeps its own mount)
                 if self._unmount(mp):
                     del self._mounted[digest]
                     done.append(digest)

@@ -23,5 +23,6 @@ def build_backend(config: ContainerConfig, ctx: BackendContext) -> Backend:
     return ContainerRuntime(
         name=ctx.name, state_dir=ctx.state_dir, run_dir=ctx.run_dir, layer_store=ctx.store, id_prefix=ctx.id_prefix,
         zram_size=config.zram_size, reclaim_method=config.reclaim_method, uppers_path=config.uppers_path,
-        network=config.network, shrinker_reserve=config.reserve_for(ctx.max_sandboxes),
+        network=None if config.network is None else config.network.with_platform(ctx.platform),
+        shrinker_reserve=config.reserve_for(ctx.max_sandboxes),
     )

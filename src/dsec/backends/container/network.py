@@ -130,6 +130,17 @@ class NetworkConfig(_Model):
     def _blocked(cls, v: tuple[str, ...]) -> tuple[str, ...]:
         return tuple(NetRule(cidr=c).cidr for c in v)
 
+    def with_platform(self, addrs: Iterable[str]) -> NetworkConfig:
+        """This config with the platform's own addresses (IPv4, ``a.b.c.d/32``) added to
+        ``blocked``, each once and only where no range already covers it (nftables interval
+        sets refuse overlaps)."""
+        out = list(self.blocked)
+        for a in addrs:
+            ip = ipaddress.ip_network(a, strict=False).network_address
+            if not any(ip in ipaddress.ip_network(b) for b in out):
+                out.append(f"{ip}/32")
+        return self.model_copy(update={"blocked": tuple(out)})
+
 
 # ----- rules -----
 

@@ -35,6 +35,9 @@ class ContainerRecord(SandboxRecord):
 
     backend: ClassVar[str] = "container"
 
+    def layer_stack(self) -> tuple[str, ...]:
+        return tuple(self.layers)
+
     @property
     def uid_base(self) -> int:
         return UID_FIRST_BASE + self.slot * UID_RANGE

@@ -256,7 +256,7 @@ class ContainerRuntime(BackendBase):
             self.cgroups.setup()
             for d in (self.run_dir, self.records_dir, self.stage_dir, self.slots_dir):
                 d.mkdir(parents=True, exist_ok=True)
-            self._layers.mounts = LayerMounts(self.store, self.run_dir / "layers")  # checks the paths first
+            self._layers.mounts = LayerMounts(self.store, self.run_dir / "layers", holders=[self.holder])  # checks the paths first
         except BaseException:
             self._release_claims()
             raise

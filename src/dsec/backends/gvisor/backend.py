@@ -141,6 +141,9 @@ class GVisorRecord(SandboxRecord):
 
     backend: ClassVar[str] = "gvisor"
 
+    def layer_stack(self) -> tuple[str, ...]:
+        return tuple(self.layers)
+
     def to_json(self) -> dict[str, Any]:
         return {
             "id": self.id, "state": self.state.value, "spec": self.spec.model_dump(mode="json"),
@@ -272,7 +275,7 @@ class GVisorBackend(BackendBase):
         for d in (self.run_dir, self.records_dir, self.bundles_dir, self.runsc_root):
             d.mkdir(parents=True, exist_ok=True)
         await asyncio.to_thread(self.cgroups.setup)
-        self._layers.mounts = LayerMounts(self.store, self.run_dir / "layers")
+        self._layers.mounts = LayerMounts(self.store, self.run_dir / "layers", holders=[self.holder])
         await asyncio.to_thread(self._mounts.adopt)
         self._helper_fd = os.open(helper, os.O_RDONLY | os.O_CLOEXEC)
         if cfg.subreaper:
