@@ -127,7 +127,7 @@ def test_fresh_sandbox_uses_the_layers_bytecode(rtx, tmp_path: Path) -> None:
         assert pyc_mtime == "0"  # used as it is in the layer, not rewritten into the upper
     finally:
         for tag in ("dir", "tar", "oci", "raw"):
-            rtx.rt._maybe_release(layer.digest if tag != "raw" else raw.digest)
+            rtx.rt.layers.maybe_release(layer.digest if tag != "raw" else raw.digest)
             store.remove(f"pyjson:{tag}")
 
 
@@ -152,5 +152,5 @@ def test_debootstrap_python_bytecode_is_used(rtx) -> None:
         finally:
             rtx.destroy(rec.id)
     finally:
-        rtx.rt._maybe_release(layer.digest)
+        rtx.rt.layers.maybe_release(layer.digest)
         rtx.rt.store.remove(layer.digest)

@@ -125,7 +125,7 @@ def test_pause_snapshot_and_fork_keep_the_files_on_either_medium(rtx: RuntimeHar
         finally:
             for c in children:
                 rtx.destroy(c.id)
-        rtx.rt._maybe_release(layer.digest)  # skip the grace (1 s) of the runtime's pin
+        rtx.rt.layers.maybe_release(layer.digest)  # skip the grace (1 s) of the runtime's pin
         rtx.rt.store.remove(layer.digest)
 
 

@@ -70,7 +70,7 @@ def test_fork_gives_equal_disks_fresh_identities_and_isolation(frt: RuntimeHarne
             assert "forked" in events
         finally:
             _forget(h, children)
-        h.rt._maybe_release(layer.digest)  # skip the 1 s grace
+        h.rt.layers.maybe_release(layer.digest)  # skip the 1 s grace
         assert layer.digest not in _fork_layers(h)
         with pytest.raises(LayerNotFound):
             h.rt.store.get(layer.digest)

@@ -260,7 +260,7 @@ def test_snapshot_refusals_are_typed(snap: RuntimeHarness) -> None:
             grand = h.run(h.rt.snapshot(child.id, name="ontop"))
         finally:
             h.destroy(child.id)
-        h.rt._maybe_release(s.digest)  # the runtime's 1 s grace, now
+        h.rt.layers.maybe_release(s.digest)  # the runtime's 1 s grace, now
         assert not h.rt.store.holders(s.digest)
         with pytest.raises(LayerInUse) as e3:  # unpinned, but "ontop" is a diff over it
             h.rt.store.remove(s.digest)
@@ -275,7 +275,7 @@ def test_image_must_sit_on_the_snapshots_lineage(snap: RuntimeHarness) -> None:
         s = h.run(h.rt.snapshot(rec.id, name="lineage"))
         ok = SandboxSpec(image=ImageRef(base="busybox:test", toolkits=("lineage",)))
         wrong = SandboxSpec(image=ImageRef(base="ws:test", toolkits=("lineage",)))
-        assert h.rt.layers_for(ok.image) == [s.digest, *s.parents]
+        assert h.rt.layers.stack_for(ok.image) == [s.digest, *s.parents]
         with pytest.raises(InvalidSpec):
             h.run(h.rt.create(wrong))
 

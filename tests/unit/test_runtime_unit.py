@@ -153,11 +153,11 @@ def test_runtime_refuses_illegal_moves(tmp_path) -> None:
     spec = SandboxSpec(image=ImageRef(base="busybox"))
     rec = ContainerRecord(id="sb-unit", state=SandboxState.STOPPED, spec=spec, created_at=0.0, slot=0)
     with pytest.raises(SandboxStateError) as ei:
-        rt.move(rec, SandboxState.RUNNING, save=False)
+        rt.records.move(rec, SandboxState.RUNNING, save=False)
     assert ei.value.sandbox_id == "sb-unit" and ei.value.state == "stopped"
     assert rec.state is SandboxState.STOPPED and rec.events == []
     rec = ContainerRecord(id="sb-unit", state=SandboxState.CREATING, spec=spec, created_at=0.0, slot=0)
-    rt.move(rec, SandboxState.RUNNING, save=False)
+    rt.records.move(rec, SandboxState.RUNNING, save=False)
     assert rec.state is SandboxState.RUNNING
     assert rec.events[-1]["event"] == "state" and rec.events[-1]["state"] == "running"
 

@@ -46,15 +46,15 @@ from dsec.backends.common import cgroupfs
 from dsec.backends.common.command import UID_RANGE
 from dsec.backends.common.fdio import set_done as _set_done
 from dsec.backends.common.fsops import SandboxFiles
-from dsec.backends.common.layers import SharedLayers
-from dsec.backends.common.layers import stack as stack_layers
 from dsec.backends.common.names import ID_RE, NAME_RE
+from dsec.backends.common.records import RecordBook
 from dsec.backends.common.sessions import Session
 from dsec.backends.common.uppers import UpperStore, UpperUsage
 from dsec.backends.container import cgroups, claims, wire
 from dsec.backends.container import pause as pausing
 from dsec.backends.container import snapshot as snapshots
 from dsec.backends.container import stages as staging
+from dsec.backends.container.layerbook import NodeLayers
 from dsec.backends.container.network import Lease, NetworkConfig, NetworkManager
 from dsec.backends.container.procs import (
     Process,
@@ -71,14 +71,12 @@ from dsec.errors import (
     DsecError,
     HostError,
     InvalidSpec,
-    LayerNotFound,
     SandboxFailed,
     SandboxNotFound,
     SandboxStateError,
 )
-from dsec.images.layer import Layer, LayerKind
-from dsec.images.mounts import IDLE_PIN_GRACE_S
-from dsec.spec import ImageRef, NetworkPolicy, SandboxSpec, SandboxState, can_move
+from dsec.images.layer import Layer
+from dsec.spec import ImageRef, NetworkPolicy, SandboxSpec, SandboxState
 from dsec.spec.results import ExecResult
 
 log = logging.getLogger("dsec.runtime")
@@ -87,10 +85,6 @@ CLAIM_PREFIX: Final = ".claim-"
 """A uid slot's file staged before it is linked into place (``.claim-<pid>-<sandbox id>``)."""
 
 
-LAYER_RELEASE_GRACE_S: Final = IDLE_PIN_GRACE_S
-"""A layer's pin outlives its last sandbox this long (a create/destroy loop pays no index write)."""
-LAYER_REMOVAL_POLL_S: Final = 1.0
-"""How often an idle, still mounted layer is looked up in the store: a removed one is unmounted."""
 
 
 
@@ -145,6 +139,8 @@ class ContainerRuntime(BackendBase):
         self.state_dir = base_state
         self.run_dir = base_run / name
         self.records_dir = base_state / "sandboxes" / name
+        self.records: RecordBook[ContainerRecord] = RecordBook(self.records_dir)
+        """The records on disk and their state moves (:mod:`dsec.backends.common.records`)."""
         self.stage_dir = self.run_dir / "stage"
         self.slots_dir = base_run / "uid-slots"
         self.claims_dir = claims.claims_dir()
@@ -175,8 +171,10 @@ class ContainerRuntime(BackendBase):
         # Which sandboxes use which layer. The store holds one pin per layer for this
         # runtime ("runtime:<name>") while any sandbox uses it: one sqlite write per
         # layer, not per sandbox, and records rebuild the map after a crash.
-        self._layers = SharedLayers(self.holder, grace_s=LAYER_RELEASE_GRACE_S, on_idle=self._maybe_release)
-        self._resolved: dict[str, tuple[float, str]] = {}
+        self.layers = NodeLayers(self.holder, lambda: self.store, self.run_dir / "ephemeral",
+                                 on_remount=lambda d, p: self._note(
+                                     "layer_mount", f"re-mounted layer {d} at {p} (it had been unmounted)", repaired=True))
+        """Refs, stacks, pins on the node's layer mounts, forks' layers (:mod:`layerbook`)."""
         self._free_slots: list[int] = []
         self._track_seq = 0
         self._boot = secrets.token_hex(3)
@@ -193,9 +191,6 @@ class ContainerRuntime(BackendBase):
         self.snapshot_scratch = "auto"
         """Where a snapshot copies the upper while frozen: "auto" (a tmpfs if any, else the store) or "store"."""
         """A snapshot whose stack would be deeper collapses the snapshots on top (docs/SNAPSHOTS.md)."""
-        self._lineage: dict[str, tuple[str, ...] | None] = {}
-        self._kinds: dict[str, LayerKind] = {}
-        self._ephemeral_dir = self.run_dir / "ephemeral"
         self.landlock_abi = staging.landlock_abi()
         """The kernel's Landlock ABI (0: none; stages with file rules then fail to exec)."""
         self.net = NetworkManager(network, runtime=name, claims_dir=self.claims_dir)
@@ -256,7 +251,7 @@ class ContainerRuntime(BackendBase):
             self.cgroups.setup()
             for d in (self.run_dir, self.records_dir, self.stage_dir, self.slots_dir):
                 d.mkdir(parents=True, exist_ok=True)
-            self._layers.mounts = LayerMounts(self.store, self.run_dir / "layers", holders=[self.holder])  # checks the paths first
+            self.layers.shared.mounts = LayerMounts(self.store, self.run_dir / "layers", holders=[self.holder])  # checks the paths first
         except BaseException:
             self._release_claims()
             raise
@@ -267,7 +262,7 @@ class ContainerRuntime(BackendBase):
                 # Adopt the store a previous run left (its sandboxes' layers are there).
                 with contextlib.suppress(HostError):
                     await asyncio.to_thread(self.uppers.setup)
-            await asyncio.to_thread(self._mounts.adopt)
+            await asyncio.to_thread(self.layers.mounts.adopt)
             self.spawner = Spawner(spawner_path())
             await self.spawner.start()
             self.reconciled = await self._reconcile()
@@ -310,10 +305,10 @@ class ContainerRuntime(BackendBase):
         if self.spawner is not None:
             await self.spawner.close()
             self.spawner = None
-        if self._mounts is not None:
-            self._layers.release_idle()
-        if self._mounts is not None and destroy_all:
-            await asyncio.to_thread(self._mounts.close)
+        if self.layers.mounts is not None:
+            self.layers.shared.release_idle()
+        if self.layers.mounts is not None and destroy_all:
+            await asyncio.to_thread(self.layers.mounts.close)
         if self._devnull >= 0:
             os.close(self._devnull)
             self._devnull = -1
@@ -355,57 +350,7 @@ class ContainerRuntime(BackendBase):
             c.release()
         self._claims = []
 
-    # ----- records -----
-
-    def _record_path(self, sandbox_id: str) -> Path:
-        return self.records_dir / f"{sandbox_id}.json"
-
-    def save(self, rec: ContainerRecord) -> None:
-        path = self._record_path(rec.id)
-        data = json.dumps(rec.to_json()).encode()
-        try:
-            # First write: create it in place (one inode, no rename: file creation is
-            # the slow part on a busy ext4 journal). A torn first write reads as
-            # unparsable and the reconciler cleans the sandbox up by its cgroups.
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        except FileExistsError:
-            # Rewrite in place with one pwrite, padded with spaces (JSON ignores trailing
-            # whitespace) to the old size: no truncation, no rename, so no ext4 journal
-            # work (~10 us against ~250 us for temp file + rename, HOST-FACTS-style
-            # measurement in docs/RUNTIME.md), and a process crash leaves either the old
-            # or the new record, never a mix (one syscall into the page cache).
-            fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
-            try:
-                old = os.fstat(fd).st_size
-                if len(data) < old:
-                    data += b" " * (old - len(data))
-                os.pwrite(fd, data, 0)
-            finally:
-                os.close(fd)
-            return
-        try:
-            os.write(fd, data)
-        finally:
-            os.close(fd)
-
-    def move(self, rec: ContainerRecord, dst: SandboxState, *, reason: str = "", save: bool = True) -> None:
-        if not can_move(rec.state, dst):
-            raise SandboxStateError(
-                f"sandbox {rec.id} cannot go from {rec.state.value} to {dst.value}",
-                sandbox_id=rec.id,
-                state=rec.state.value,
-            )
-        rec.state = dst
-        if reason:
-            rec.reason = reason
-        self.event(rec, "state", state=dst.value, reason=reason)
-        if save:
-            self.save(rec)
-
-    def event(self, rec: ContainerRecord, kind: str, **data: Any) -> None:
-        rec.events.append({"t": time.time(), "event": kind, **data})
-        if len(rec.events) > 1000:
-            del rec.events[:100]
+    # ----- uid slots -----
 
     def _claim_slot(self, sandbox_id: str) -> int:
         # Slot files are host-wide, so two runtimes never share a uid range.
@@ -526,7 +471,7 @@ class ContainerRuntime(BackendBase):
         existing = self.sandboxes.get(sid)
         if existing is not None:
             return existing  # idempotent
-        layers = self.layers_for(spec.image)
+        layers = self.layers.stack_for(spec.image)
         policy = spec.effective_network()
         compiled = None if policy is None else await self.net.compile(policy)  # bad names fail first
         rec = ContainerRecord(id=sid, state=SandboxState.CREATING, spec=spec, created_at=time.time(), layers=layers,
@@ -542,7 +487,7 @@ class ContainerRuntime(BackendBase):
                 if res.disk_medium == "disk" and not (self.uppers.ready and self.uppers.mounted()):
                     await self._setup_uppers()
                 cg_dirs, upper = await asyncio.to_thread(self._make_host_parts, sid, res, rec.uid_base)
-                lowers = [await self._use_layer(d, sid) for d in layers]
+                lowers = [await self.layers.use(d, sid) for d in layers]
                 if policy is not None:
                     lease = await self.net.take()
                     await self.net.apply(sid, lease.fd, lease.info(), policy, compiled=compiled, fresh=True)
@@ -555,7 +500,7 @@ class ContainerRuntime(BackendBase):
                 os.close(spawned.pidfd)
                 rec.init_pid = spawned.pid
                 rec.init_start = proc_start_time(spawned.pid)
-                self.move(rec, SandboxState.RUNNING)
+                self.records.move(rec, SandboxState.RUNNING)
                 self.last_activity[sid] = time.monotonic()
                 return rec
             except BaseException:
@@ -581,13 +526,13 @@ class ContainerRuntime(BackendBase):
                 # Frozen tasks die only once thawed: kill them frozen, then thaw (no page-in).
                 self.cgroups.kill_all(sandbox_id)
             if rec.state in (SandboxState.RUNNING, SandboxState.FAILED, SandboxState.CREATING, SandboxState.PAUSED):
-                self.move(rec, SandboxState.STOPPING, save=False)  # a cut-short destroy: see docs/RUNTIME.md
+                self.records.move(rec, SandboxState.STOPPING, save=False)  # a cut-short destroy: see docs/RUNTIME.md
             for sess in box.take_sessions():
                 with contextlib.suppress(Exception):
                     await sess.close()
             left = await self._teardown(rec)
             if not left:
-                self.move(rec, SandboxState.STOPPED, save=False)  # the record file is gone
+                self.records.move(rec, SandboxState.STOPPED, save=False)  # the record file is gone
             self._forget(sandbox_id)
             self.last_activity.pop(sandbox_id, None)
             if left:
@@ -612,7 +557,7 @@ class ContainerRuntime(BackendBase):
                 await asyncio.sleep(0.002)
         left = await asyncio.to_thread(self._remove_host_parts, rec)
         for d in set(rec.layers):
-            self._layers.unuse(d, sid)
+            self.layers.shared.unuse(d, sid)
         if rec.slot >= 0:
             self._release_slot(rec)
         if keep_netns is not None and not self.cgroups.pids(sid):
@@ -622,7 +567,7 @@ class ContainerRuntime(BackendBase):
         if rec.net is not None or sid in self.net.sandboxes:
             self.net.forget(sid)  # the namespace and its veth die with the last process
         if not left:
-            self._record_path(sid).unlink(missing_ok=True)
+            self.records.remove(sid)
         return left
 
     async def _kill_init(self, rec: ContainerRecord) -> None:
@@ -671,7 +616,7 @@ class ContainerRuntime(BackendBase):
                 pass
             os.close(fd)
         if check:
-            self.mark_failed(rec, "the sandbox's init process is gone")
+            self.records.mark_failed(rec, "the sandbox's init process is gone")
             raise SandboxFailed(
                 f"sandbox {rec.id} has failed: its init process is gone", sandbox_id=rec.id, reason="init_exited"
             )
@@ -681,64 +626,9 @@ class ContainerRuntime(BackendBase):
     def holder(self) -> str:
         return f"runtime:{self.name}"
 
-    @property
-    def _mounts(self) -> Any:
-        """The node's layer mounts this runtime uses (set at start)."""
-        return self._layers.mounts
-
-    def _resolve(self, ref: str) -> str:
-        """Layer ref -> digest. Digests are immutable; a name:tag is re-read after 1 s."""
-        if ref.startswith("sha256:") and len(ref) == 71:
-            hit = self._resolved.get(ref)
-            if hit is None:
-                self._resolved[ref] = (float("inf"), self.store.resolve(ref).digest)
-            return ref
-        now = time.monotonic()
-        hit = self._resolved.get(ref)
-        if hit is not None and hit[0] > now:
-            return hit[1]
-        digest: str = self.store.resolve(ref).digest
-        self._resolved[ref] = (now + 1.0, digest)
-        return digest
-
-    async def _use_layer(self, digest: str, sandbox_id: str) -> Path:
-        known, remounted = await self._layers.use(digest, sandbox_id)
-        if remounted:
-            self._note("layer_mount", f"re-mounted layer {digest} at {known} (it had been unmounted)", repaired=True)
-        return known
-
-    def _maybe_release(self, digest: str) -> None:
-        """A layer no sandbox uses (after the grace, or at close): its pin is dropped, a fork's
-        layer removed, and a layer gone from the store unmounted."""
-        held = self._layers.release(digest)  # False: an earlier timer released it already
-        if held is None:
-            return
-        if (self._ephemeral_dir / digest.split(":", 1)[1]).exists():
-            self.drop_ephemeral(digest)
-        if held:
-            self._unmount_if_removed(digest)
-
-    def _unmount_if_removed(self, digest: str) -> None:
-        """An idle layer stays mounted as a cache while the store has it; once it is removed
-        (`dsec image rm` in another process, a dropped fork snapshot) it is unmounted, which
-        frees its disk. Looked up every LAYER_REMOVAL_POLL_S while idle: one index read."""
-        if self._mounts is None or digest in self._layers.users:
-            return  # in use again: its next release watches it again
-        try:
-            if self._mounts.unmount_if_removed(digest):
-                return
-        except DsecError as exc:
-            log.warning("cannot unmount removed layer %s: %s", digest, exc)
-            return
-        with contextlib.suppress(RuntimeError):  # no running loop (called from a test): no watch
-            asyncio.get_running_loop().call_later(LAYER_REMOVAL_POLL_S, self._unmount_if_removed, digest)
-
     def events(self, sandbox_id: str) -> builtins.list[dict[str, Any]]:
         return list(self.get(sandbox_id).events)
 
-    def mark_failed(self, rec: ContainerRecord, reason: str) -> None:
-        if can_move(rec.state, SandboxState.FAILED):
-            self.move(rec, SandboxState.FAILED, reason=reason)
 
     # ----- lookups -----
 
@@ -766,14 +656,6 @@ class ContainerRuntime(BackendBase):
         fd = self.open_init(rec)
         assert fd is not None
         return fd
-
-    def layer_path(self, digest: str) -> Path:
-        """Where a layer this runtime uses is mounted on the host."""
-        return self._layers.path(digest)
-
-    def mark_ephemeral(self, digest: str) -> None:
-        """A fork's layer: removed once no sandbox uses it (:meth:`drop_ephemeral`)."""
-        self._mark_ephemeral(digest)
 
     def live(self, sandbox_id: str) -> ContainerSandbox:
         """The sandbox object (:mod:`sandbox`): its live state and what is done to it."""
@@ -811,7 +693,7 @@ class ContainerRuntime(BackendBase):
             if total > st.denied_seen:
                 grown[sid] = total - st.denied_seen
                 st.denied_seen = total
-                self.event(rec, "net_denied", count=grown[sid], total=total, destinations=dests[-16:])
+                self.records.event(rec, "net_denied", count=grown[sid], total=total, destinations=dests[-16:])
         return grown
 
     # ----- stages (docs/SECURITY.md, "Stages and Landlock") -----
@@ -824,7 +706,7 @@ class ContainerRuntime(BackendBase):
         """Re-adopt running sandboxes whose init survived; destroy everything else."""
         adopted: list[str] = []
         destroyed: list[str] = []
-        for path in sorted(self.records_dir.glob("*.json")):
+        for path in self.records.files():
             try:
                 rec = ContainerRecord.from_json(json.loads(path.read_text()))
             except (OSError, ValueError, KeyError):
@@ -842,7 +724,7 @@ class ContainerRuntime(BackendBase):
                     pol = rec.net.get("policy")
                     self.net.adopt(rec.id, rec.net, None if pol is None else NetworkPolicy.model_validate(pol))
                 self._adopt_freezer(rec)
-                self.event(rec, "adopted")
+                self.records.event(rec, "adopted")
                 self.last_activity[rec.id] = time.monotonic()
                 adopted.append(rec.id)
                 continue
@@ -881,13 +763,12 @@ class ContainerRuntime(BackendBase):
                 if owner and owner[0] == self.name and owner[1] not in self.sandboxes:
                     slot_file.unlink()
         for rec in self.sandboxes.values():
-            self._layers.adopt(rec.id, rec.layers)
-        self._layers.release_unused_pins()
-        for marker in list(self._ephemeral_dir.glob("*")) if self._ephemeral_dir.is_dir() else []:
-            digest = "sha256:" + marker.name
-            if digest not in self._layers.users:
-                self.drop_ephemeral(digest)
-        await asyncio.to_thread(self._mounts.unmount_unused)
+            self.layers.shared.adopt(rec.id, rec.layers)
+        self.layers.shared.release_unused_pins()
+        for digest in self.layers.ephemeral():
+            if digest not in self.layers.shared.users:
+                self.layers.drop_ephemeral(digest)
+        await asyncio.to_thread(self.layers.mounts.unmount_unused)
         return {"adopted": adopted, "destroyed": destroyed}
 
     # ----- host state: notice what vanished, repair what can be -----
@@ -927,7 +808,7 @@ class ContainerRuntime(BackendBase):
         async with self._heal_lock:
             self._last_heal_start = time.monotonic()
             found = [self._note(k, m, repaired=r) for k, m, r in self._check_books(repair)]
-            if self._mounts is not None:
+            if self.layers.mounts is not None:
                 found += [self._note(k, m, repaired=r)
                           for k, m, r in await asyncio.to_thread(self._check_mounts, repair)]
             if self.uppers.ready and not self.uppers.mounted():
@@ -987,7 +868,7 @@ class ContainerRuntime(BackendBase):
                 if d == self.records_dir:
                     for rec in self.sandboxes.values():
                         if rec.state is not SandboxState.CREATING:
-                            self.save(rec)
+                            self.records.save(rec)
                     note = f"; wrote the records of {len(self.sandboxes)} sandboxes again"
                 elif d == self.slots_dir:
                     lost = []
@@ -1030,16 +911,11 @@ class ContainerRuntime(BackendBase):
                     out.append(("skeleton", f"{what} and cannot be made again: {exc}", False))
             else:
                 out.append(("skeleton", what, False))
-        problems, repairs = self._mounts.check(repair=repair)
+        problems, repairs = self.layers.mounts.check(repair=repair)
         out += [("layer_mount", m, False) for m in problems] + [("layer_mount", m, True) for m in repairs]
         return out
 
     # ----- what a sandbox reaches of its node (sandbox.Node) -----
-
-    def image_layer_paths(self, rec: ContainerRecord) -> tuple[Path, ...]:
-        """The host mounts of the sandbox's image layers (never snapshot layers: those hold
-        the agent's own writes), top first: where pristine copies come from."""
-        return tuple(self._layers.path(d) for d in rec.layers if self._layer_lineage(d) is None)
 
     def track_name(self) -> str:
         """A new command's freezer cgroup name, unique across runtime restarts (leftovers of
@@ -1215,9 +1091,9 @@ class ContainerRuntime(BackendBase):
         resume write no record (a rename on a busy disk costs ms, too much for a group pause)."""
         frozen = pausing.freezer_state(self.cgroups, rec.id) in ("FROZEN", "FREEZING")
         if rec.state is SandboxState.PAUSED and not frozen:
-            self.move(rec, SandboxState.RUNNING, save=False)
+            self.records.move(rec, SandboxState.RUNNING, save=False)
         elif rec.state is SandboxState.RUNNING and frozen:
-            self.move(rec, SandboxState.PAUSED, save=False)  # paused (or frozen by a snapshot cut short)
+            self.records.move(rec, SandboxState.PAUSED, save=False)  # paused (or frozen by a snapshot cut short)
 
     async def pause_many(self, sandbox_ids: Sequence[str], *, reclaim: bool = True,
                          concurrency: int = 64) -> GroupOutcome:
@@ -1251,7 +1127,7 @@ class ContainerRuntime(BackendBase):
                         stats = None if box is None else await box.reclaim_paused()
                         rec = self.sandboxes.get(sid)
                         if rec is not None:
-                            self.event(rec, "paused", group=True, memory_before=stats.before if stats else None,
+                            self.records.event(rec, "paused", group=True, memory_before=stats.before if stats else None,
                                         memory_after=stats.after if stats else None)
 
             await asyncio.gather(*(reclaim_one(s) for s in frozen))
@@ -1282,25 +1158,6 @@ class ContainerRuntime(BackendBase):
 
     # ----- snapshots and forks (docs/SNAPSHOTS.md) -----
 
-    def _layer_kind(self, digest: str) -> LayerKind:
-        """A layer's kind (layers are immutable: cached)."""
-        kind = self._kinds.get(digest)
-        if kind is None:
-            kind = self._kinds[digest] = self.store.get(digest).kind
-        return kind
-
-    def _layer_lineage(self, digest: str) -> tuple[str, ...] | None:
-        """A snapshot's parents (top first), None for other kinds; layers are immutable, so cached."""
-        if digest not in self._lineage:
-            layer: Layer = self.store.get(digest)
-            self._lineage[digest] = tuple(layer.parents) if layer.kind is LayerKind.SNAPSHOT else None
-        return self._lineage[digest]
-
-    def layers_for(self, image: ImageRef) -> builtins.list[str]:
-        """The digests to stack (top first): :func:`dsec.backends.common.layers.stack`."""
-        return stack_layers(image, resolve=self._resolve, kind_of=self._layer_kind, lineage_of=self._layer_lineage,
-                            max_layers=wire.MAX_LAYERS)
-
     async def snapshot(
         self,
         sandbox_id: str,
@@ -1330,27 +1187,6 @@ class ContainerRuntime(BackendBase):
         """Like :meth:`snapshot`, with the packing figures (bytes, frozen time, collapse)."""
         return await snapshots.make_snapshot(self, sandbox_id, name=name, tag=tag, exclude=exclude,
                                              max_layers=max_layers, ephemeral=ephemeral)
-
-    def _mark_ephemeral(self, digest: str) -> None:
-        self._ephemeral_dir.mkdir(parents=True, exist_ok=True)
-        (self._ephemeral_dir / digest.split(":", 1)[1]).touch()
-
-    def drop_ephemeral(self, digest: str) -> bool:
-        """Remove an unnamed (fork) snapshot if nothing uses it any more; True if removed."""
-        marker = self._ephemeral_dir / digest.split(":", 1)[1]
-        if self._layers.users.get(digest):
-            return False
-        try:
-            self.store.remove(digest)
-        except (LayerNotFound, InvalidSpec):
-            pass
-        except DsecError:
-            return False  # pinned by another runtime, or a snapshot was taken on top of it
-        marker.unlink(missing_ok=True)
-        self._lineage.pop(digest, None)
-        self._kinds.pop(digest, None)
-        self._resolved.pop(digest, None)
-        return True
 
     async def fork(
         self,
@@ -1400,17 +1236,17 @@ class ContainerRuntime(BackendBase):
                 for child in made:
                     await asyncio.to_thread(snapshots.fresh_identity, self.live(child.id).files(platform=True))
                     assert isinstance(child, ContainerRecord)
-                    self.event(child, "forked", parent=sandbox_id, layer=layer.digest)
+                    self.records.event(child, "forked", parent=sandbox_id, layer=layer.digest)
             except Exception as exc:
                 failure = exc
         if failure is not None:
             await asyncio.gather(*(self.destroy(c.id) for c in made), return_exceptions=True)
             for c in made:
-                self._layers.users.get(layer.digest, set()).discard(c.id)
-            self._maybe_release(layer.digest)
-            self.drop_ephemeral(layer.digest)
+                self.layers.shared.users.get(layer.digest, set()).discard(c.id)
+            self.layers.maybe_release(layer.digest)
+            self.layers.drop_ephemeral(layer.digest)
             raise failure
-        self.event(rec, "fork", children=[c.id for c in made], layer=layer.digest)
+        self.records.event(rec, "fork", children=[c.id for c in made], layer=layer.digest)
         return made
 
     @staticmethod
@@ -1433,7 +1269,7 @@ class ContainerRuntime(BackendBase):
 
     def release_layer(self, digest: str) -> None:
         """Drop this runtime's idle pin of a layer now (before deleting it from the store)."""
-        self._maybe_release(digest)
+        self.layers.maybe_release(digest)
 
     def refresh_identity(self, sandbox_id: str) -> None:
         """Give a sandbox started from another's disk its own machine-id (fork does this)."""

@@ -40,10 +40,12 @@ from dsec.backends.common import limits as limit_evidence
 from dsec.backends.common.command import check_argv, command_env, user_ids
 from dsec.backends.common.fsops import SandboxFiles
 from dsec.backends.common.output import check_exec, check_timed_out, collect, start_piped
+from dsec.backends.common.records import RecordBook
 from dsec.backends.common.uppers import UpperStore, UpperUsage
 from dsec.backends.container import cgroups, wire
 from dsec.backends.container import pause as pausing
 from dsec.backends.container import stages as staging
+from dsec.backends.container.layerbook import NodeLayers
 from dsec.backends.container.network import NetworkManager
 from dsec.backends.container.procs import Process, is_paused, kill_tree
 from dsec.backends.container.records import ContainerRecord
@@ -57,7 +59,7 @@ from dsec.errors import (
     SandboxNotFound,
     SandboxStateError,
 )
-from dsec.spec import ImageRef, NetworkPolicy, SandboxSpec, SandboxState
+from dsec.spec import NetworkPolicy, SandboxSpec, SandboxState
 from dsec.spec.results import ExecResult, LimitHit
 
 if TYPE_CHECKING:
@@ -75,15 +77,11 @@ class Node(Protocol):
     landlock_abi: int
     reclaim_method: pausing.ReclaimMethod
     wake_gate: Callable[[str], None] | None
+    records: RecordBook[ContainerRecord]
+    layers: NodeLayers
 
     async def ensure_spawner(self, *, check: bool = False) -> Spawner: ...
-    def save(self, rec: ContainerRecord) -> None: ...
-    def move(self, rec: ContainerRecord, dst: SandboxState, *, reason: str = "", save: bool = True) -> None: ...
-    def event(self, rec: ContainerRecord, kind: str, **data: Any) -> None: ...
     def open_init(self, rec: ContainerRecord, *, check: bool = True) -> int | None: ...
-    def mark_failed(self, rec: ContainerRecord, reason: str) -> None: ...
-    def layers_for(self, image: ImageRef) -> builtins.list[str]: ...
-    def image_layer_paths(self, rec: ContainerRecord) -> tuple[Path, ...]: ...
     def track_name(self) -> str: ...
 
 
@@ -273,14 +271,14 @@ class ContainerSandbox:
         for a request gets that request's spec (same layers and resources) and edge part."""
         rec = self.running()
         if spec is not None:
-            if spec.resources != rec.spec.resources or self.node.layers_for(spec.image) != rec.layers:
+            if spec.resources != rec.spec.resources or self.node.layers.stack_for(spec.image) != rec.layers:
                 raise InvalidSpec(
                     f"sandbox {self.id} runs other layers or resources than the new spec", field="spec", sandbox_id=self.id
                 )
             rec.spec = spec
         if edge is not None:
             rec.edge = edge
-        self.node.save(rec)
+        self.node.records.save(rec)
         return rec
 
     def note_limits(self, rec: ContainerRecord, counters: limit_evidence.Counters | None = None) -> None:
@@ -294,7 +292,7 @@ class ContainerSandbox:
         seen = self.limits_seen
         for i, (event, value) in enumerate((("oom", now.oom_kills), ("pids_limit", now.pids_hits))):
             if value > seen[i]:
-                self.node.event(rec, event, count=value - seen[i])
+                self.node.records.event(rec, event, count=value - seen[i])
                 seen[i] = value
 
     def check_limits(self, rec: SandboxRecord) -> None:
@@ -398,8 +396,8 @@ class ContainerSandbox:
                 os.close(pidfd)
             dumped = None if policy is None else policy.model_dump(mode="json")
             rec.net = {**rec.net, "policy": dumped}
-            self.node.save(rec)
-            self.node.event(rec, "policy_changed", policy=dumped, connections_cut=cut)
+            self.node.records.save(rec)
+            self.node.records.event(rec, "policy_changed", policy=dumped, connections_cut=cut)
             return rec
 
     def netns_fd(self, *, check: bool = True) -> int | None:
@@ -486,8 +484,8 @@ class ContainerSandbox:
                 split, symlinked = await asyncio.to_thread(self._stage_fs_checks, rec, stage.files)
             await self.set_policy(stage.network)
             rec.stage = name
-            self.node.save(rec)
-            self.node.event(rec, "stage_changed", **{"from": old, "to": name}, killed=killed, links_split=split,
+            self.node.records.save(rec)
+            self.node.records.event(rec, "stage_changed", **{"from": old, "to": name}, killed=killed, links_split=split,
                         symlinked_rule_paths=symlinked, seconds=round(time.perf_counter() - t0, 6))
             self.node.last_activity[self.id] = time.monotonic()
             return rec
@@ -528,7 +526,7 @@ class ContainerSandbox:
         """What the spawner needs for pristine paths: the image layers (never snapshot layers:
         those hold the agent's own writes) as host mounts, top first, and the paths."""
         paths = staging.check_pristine(pristine)
-        image = self.node.image_layer_paths(rec)
+        image = self.node.layers.image_paths(rec)
         if not image:
             raise InvalidSpec(f"sandbox {rec.id} has no image layers to take pristine copies from",
                               field="pristine", sandbox_id=rec.id)
@@ -597,7 +595,7 @@ class ContainerSandbox:
             os.close(init_fd)
         os.close(spawned.pidfd)
         self.node.last_activity[self.id] = time.monotonic()
-        self.node.event(rec, "exec_started", pid=spawned.pid, argv0=argv[0], cmd=command_line(argv))
+        self.node.records.event(rec, "exec_started", pid=spawned.pid, argv0=argv[0], cmd=command_line(argv))
         return Process(self.id, spawned.pid, spawner.exit_future(spawned.pid), started, track,
                        start_latency_s=time.monotonic() - started)
 
@@ -661,7 +659,7 @@ class ContainerSandbox:
             if rec is not None:
                 fd = self.node.open_init(rec, check=False)
                 if fd is None:  # the init is gone: say so in the record, as every other path does
-                    self.node.mark_failed(rec, "the sandbox's init process is gone")
+                    self.node.records.mark_failed(rec, "the sandbox's init process is gone")
                 else:
                     os.close(fd)
             return SandboxFailed(f"sandbox {self.id} is gone: {exc}", sandbox_id=self.id, reason=exc.stage)
@@ -719,7 +717,7 @@ class ContainerSandbox:
         except asyncio.CancelledError:
             rec = self.current()
             if rec is not None:
-                self.node.event(rec, "exec_ended", pid=proc.pid, exit_code=None, signal=signal.SIGKILL,
+                self.node.records.event(rec, "exec_ended", pid=proc.pid, exit_code=None, signal=signal.SIGKILL,
                             duration_s=round(time.monotonic() - proc.started_at, 6), cancelled=True)
             raise
         finally:
@@ -735,7 +733,7 @@ class ContainerSandbox:
                                           timed_out=result.timed_out, timeout_s=limit, idle_timeout_s=idle_timeout,
                                           truncated=result.truncated, output_cap=cap,
                                           output=(result.stderr, result.stdout))
-            self.node.event(rec, "exec_ended", pid=proc.pid, exit_code=result.exit_code, signal=result.signal,
+            self.node.records.event(rec, "exec_ended", pid=proc.pid, exit_code=result.exit_code, signal=result.signal,
                         duration_s=round(result.duration_s, 6), timed_out=result.timed_out,
                         output_truncated=result.truncated,
                         limit=None if result.limit is None else result.limit.kind)
@@ -771,8 +769,8 @@ class ContainerSandbox:
         # goes on and waits for that inside the frozen cgroup.
         if not box.wake_requested():
             pausing.thaw(self.node.cgroups, self.id)
-        self.node.move(rec, SandboxState.RUNNING, save=False)
-        self.node.event(rec, "resumed")
+        self.node.records.move(rec, SandboxState.RUNNING, save=False)
+        self.node.records.event(rec, "resumed")
         self.node.last_activity[self.id] = time.monotonic()
         return True
 
@@ -790,7 +788,7 @@ class ContainerSandbox:
         elapsed = time.perf_counter() - t0
         rec = self.current()
         if rec is not None:
-            self.node.event(rec, "paused", freeze_s=round(freeze_s, 6), seconds=round(elapsed, 6),
+            self.node.records.event(rec, "paused", freeze_s=round(freeze_s, 6), seconds=round(elapsed, 6),
                         memory_before=stats.before if stats else None, memory_after=stats.after if stats else None)
         return PauseResult(self.id, freeze_s, stats, elapsed)
 
@@ -807,14 +805,14 @@ class ContainerSandbox:
             self.running(resume=False)
             self._open_init_check(rec)
             # Paused before frozen: a request arriving during the freeze sees "paused" and thaws.
-            self.node.move(rec, SandboxState.PAUSED, save=False)
+            self.node.records.move(rec, SandboxState.PAUSED, save=False)
             try:
                 return await pausing.freeze(self.node.cgroups, self.id)
             except BaseException:
                 if is_paused(rec):
                     with contextlib.suppress(OSError):
                         pausing.thaw(self.node.cgroups, self.id)
-                    self.node.move(rec, SandboxState.RUNNING, save=False)
+                    self.node.records.move(rec, SandboxState.RUNNING, save=False)
                 raise
 
     async def reclaim_paused(self) -> pausing.ReclaimStats | None:

@@ -49,8 +49,10 @@ from dsec.images.layer import Layer, LayerKind, check_name, check_tag
 from dsec.spec import SandboxState
 
 if TYPE_CHECKING:
+    from dsec.backends.common.records import RecordBook
     from dsec.backends.common.uppers import UpperUsage
     from dsec.backends.container.cgroups import RuntimeCgroups
+    from dsec.backends.container.layerbook import NodeLayers
     from dsec.backends.container.records import ContainerRecord
     from dsec.backends.container.sandbox import ContainerSandbox
 
@@ -74,10 +76,10 @@ class SnapshotNode(Protocol):
     def get(self, sandbox_id: str) -> ContainerRecord: ...
     def live(self, sandbox_id: str) -> ContainerSandbox: ...
     def init_handle(self, rec: ContainerRecord) -> int: ...
-    def layer_path(self, digest: str) -> Path: ...
-    def mark_ephemeral(self, digest: str) -> None: ...
-    def mark_failed(self, rec: ContainerRecord, reason: str) -> None: ...
-    def event(self, rec: ContainerRecord, kind: str, **data: Any) -> None: ...
+    @property
+    def layers(self) -> NodeLayers: ...
+    @property
+    def records(self) -> RecordBook[ContainerRecord]: ...
     def disk_usage(self, sandbox_id: str) -> UpperUsage: ...
 
 MAX_LOWERS: Final = wire.MAX_LAYERS
@@ -263,7 +265,7 @@ async def make_snapshot(
                     used = rt.disk_usage(sandbox_id).used
                     upper_fd = open_dir(upper / "upper")
                 except OSError:
-                    rt.mark_failed(rec, "the sandbox's init process is gone")
+                    rt.records.mark_failed(rec, "the sandbox's init process is gone")
                     raise SandboxFailed(f"sandbox {sandbox_id} has failed: its init process is gone",
                                         sandbox_id=sandbox_id, reason="init_exited") from None
             finally:
@@ -286,7 +288,7 @@ async def make_snapshot(
                     )
                 # Lower layers of the collapsed run: immutable, copied before the freeze.
                 for digest in reversed(the_plan.merge):
-                    src = open_dir(rt.layer_path(digest))
+                    src = open_dir(rt.layers.path(digest))
                     try:
                         await asyncio.to_thread(apply_diff, src, tree, stats=stats, root_meta=False)
                     finally:
@@ -348,11 +350,11 @@ async def make_snapshot(
                 raise _storage_full(exc, "store", scratch.parent, sandbox_id) from None
             raise
     if ephemeral:
-        rt.mark_ephemeral(layer.digest)
+        rt.layers.mark_ephemeral(layer.digest)
     elapsed = time.perf_counter() - t0
     rec2 = rt.sandboxes.get(sandbox_id)
     if rec2 is not None:
-        rt.event(rec2, "snapshot", digest=layer.digest, ref=layer.ref, size=layer.size, bytes=stats.bytes,
+        rt.records.event(rec2, "snapshot", digest=layer.digest, ref=layer.ref, size=layer.size, bytes=stats.bytes,
                  frozen_s=round(frozen_s, 6), seconds=round(elapsed, 6), collapsed=len(the_plan.merge))
     return SnapshotInfo(layer, stats, frozen_s, elapsed, the_plan.merge)
 

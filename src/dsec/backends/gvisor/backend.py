@@ -62,6 +62,7 @@ from dsec.backends.common.layers import SharedLayers
 from dsec.backends.common.layers import stack as stack_layers
 from dsec.backends.common.names import ID_RE, NAME_RE
 from dsec.backends.common.output import check_exec, check_timed_out, collect, start_piped
+from dsec.backends.common.records import RecordBook
 from dsec.backends.gvisor import bundle as bundles
 from dsec.backends.gvisor.cgroups import SandboxCgroups
 from dsec.backends.gvisor.config import GVisorConfig
@@ -188,6 +189,7 @@ class GVisorBackend(BackendBase):
         self.state_dir = Path(state_dir)
         self.run_dir = Path(run_dir).absolute() / name
         self.records_dir = self.state_dir / "sandboxes" / name
+        self.records: RecordBook[GVisorRecord] = RecordBook(self.records_dir)
         self.bundles_dir = self.run_dir / "sb"
         self.runsc_root = self.run_dir / "runsc"
         self._store = store
@@ -350,36 +352,6 @@ class GVisorBackend(BackendBase):
 
     # ----- records -----
 
-    def _record_path(self, sandbox_id: str) -> Path:
-        return self.records_dir / f"{sandbox_id}.json"
-
-    def _save(self, rec: GVisorRecord) -> None:
-        path = self._record_path(rec.id)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(rec.to_json()))
-        os.replace(tmp, path)
-
-    def _move(self, rec: GVisorRecord, dst: SandboxState, *, reason: str = "", save: bool = True) -> None:
-        if not can_move(rec.state, dst):
-            raise SandboxStateError(f"sandbox {rec.id} cannot go from {rec.state.value} to {dst.value}",
-                                    sandbox_id=rec.id, state=rec.state.value)
-        rec.state = dst
-        if reason:
-            rec.reason = reason
-        self._event(rec, "state", state=dst.value, reason=reason)
-        if save:
-            self._save(rec)
-
-    @staticmethod
-    def _event(rec: GVisorRecord, kind: str, **data: Any) -> None:
-        rec.events.append({"t": time.time(), "event": kind, **data})
-        if len(rec.events) > 1000:
-            del rec.events[:100]
-
-    def _mark_failed(self, rec: GVisorRecord, reason: str) -> None:
-        if can_move(rec.state, SandboxState.FAILED):
-            self._move(rec, SandboxState.FAILED, reason=reason)
-
     # ----- lookups -----
 
     def get(self, sandbox_id: str) -> GVisorRecord:
@@ -405,7 +377,7 @@ class GVisorBackend(BackendBase):
             rec.spec = spec
         if edge is not None:
             rec.edge = edge
-        self._save(rec)
+        self.records.save(rec)
         return rec
 
     def _running(self, sandbox_id: str) -> GVisorRecord:
@@ -511,9 +483,9 @@ class GVisorBackend(BackendBase):
         async with lock:
             try:
                 # The record first: whatever a crash leaves from here on is found by its name.
-                self._save(rec)
+                self.records.save(rec)
                 await self._make(rec, runsc)
-                self._move(rec, SandboxState.RUNNING)
+                self.records.move(rec, SandboxState.RUNNING)
                 self.last_activity[sid] = time.monotonic()
                 return rec
             except BaseException as exc:
@@ -585,9 +557,9 @@ class GVisorBackend(BackendBase):
         last = ""
         with contextlib.suppress(OSError):
             last = (self.bundle_dir(sandbox_id) / "panic.log").read_text(errors="replace")[-2000:]
-        self._event(rec, "sentry_exited", oom=oom, panic_log=last,
+        self.records.event(rec, "sentry_exited", oom=oom, panic_log=last,
                     exit_code=None if how is None else how.code, signal=None if how is None else how.signal)
-        self._mark_failed(rec, why)
+        self.records.mark_failed(rec, why)
 
     async def destroy(self, sandbox_id: str) -> bool:
         """Destroy a sandbox and everything it holds. Idempotent: False if it was not there."""
@@ -599,13 +571,13 @@ class GVisorBackend(BackendBase):
             if sandbox_id not in self._sandboxes:
                 return False
             if can_move(rec.state, SandboxState.STOPPING):
-                self._move(rec, SandboxState.STOPPING, save=False)
+                self.records.move(rec, SandboxState.STOPPING, save=False)
             for sess in list(self._sessions.pop(sandbox_id, {}).values()):
                 with contextlib.suppress(Exception):
                     await sess.close()
             left = await self._teardown(rec)
             if not left and can_move(rec.state, SandboxState.STOPPED):
-                self._move(rec, SandboxState.STOPPED, save=False)
+                self.records.move(rec, SandboxState.STOPPED, save=False)
             self._sandboxes.pop(sandbox_id, None)
             self._locks.pop(sandbox_id, None)
             self.last_activity.pop(sandbox_id, None)
@@ -657,7 +629,7 @@ class GVisorBackend(BackendBase):
         for d in set(rec.layers):
             self._layers.unuse(d, sid)
         if not left:
-            self._record_path(sid).unlink(missing_ok=True)
+            self.records.remove(sid)
         return left
 
     # ----- running commands -----
@@ -692,7 +664,7 @@ class GVisorBackend(BackendBase):
         proc = Command(sandbox_id, Watched(pid, asyncio.get_running_loop()), status_r, self._kill_command,
                        cgroup_token=token)
         self.last_activity[sandbox_id] = time.monotonic()
-        self._event(rec, "exec_started", pid=pid, argv0=argv[0], cmd=command_line(argv))
+        self.records.event(rec, "exec_started", pid=pid, argv0=argv[0], cmd=command_line(argv))
         return proc
 
     async def _helper_exec(self, rec: GVisorRecord, *args: str, timeout: float = 30.0,
@@ -798,7 +770,7 @@ class GVisorBackend(BackendBase):
                                           output=(result.stderr, result.stdout))
             if result.limit is None or result.limit.kind == "output_cap":
                 result.limit = await self._pids_hit(rec, result) or result.limit
-        self._event(rec, "exec_ended", pid=proc.pid, exit_code=result.exit_code, signal=result.signal,
+        self.records.event(rec, "exec_ended", pid=proc.pid, exit_code=result.exit_code, signal=result.signal,
                     duration_s=round(result.duration_s, 6), timed_out=result.timed_out,
                     output_truncated=result.truncated, limit=None if result.limit is None else result.limit.kind)
         check_timed_out(result, sandbox_id, limit=limit, idle_timeout=idle_timeout)
@@ -906,8 +878,8 @@ class GVisorBackend(BackendBase):
         if self.wake_gate is not None:
             self.wake_gate(sandbox_id)  # raises to keep it paused (preempted)
         self.cgroups.thaw(sandbox_id)
-        self._move(rec, SandboxState.RUNNING)
-        self._event(rec, "woken")
+        self.records.move(rec, SandboxState.RUNNING)
+        self.records.event(rec, "woken")
         self.last_activity[sandbox_id] = time.monotonic()
         return True
 
@@ -933,8 +905,8 @@ class GVisorBackend(BackendBase):
                     raise HostError(f"sandbox {sandbox_id} did not freeze within 10 s", sandbox_id=sandbox_id)
                 await asyncio.sleep(0.001)
         freeze_s = time.monotonic() - t0
-        self._move(rec, SandboxState.PAUSED)
-        self._event(rec, "paused", freeze_s=round(freeze_s, 6), method=self.config.pause_method)
+        self.records.move(rec, SandboxState.PAUSED)
+        self.records.event(rec, "paused", freeze_s=round(freeze_s, 6), method=self.config.pause_method)
         return PauseResult(sandbox_id, freeze_s, None, time.monotonic() - t0)
 
     async def resume(self, sandbox_id: str) -> GVisorRecord:
@@ -952,8 +924,8 @@ class GVisorBackend(BackendBase):
         if rec.state is not SandboxState.PAUSED:
             raise self._not_paused(rec)
         self.cgroups.thaw(sandbox_id)
-        self._move(rec, SandboxState.RUNNING)
-        self._event(rec, "resumed")
+        self.records.move(rec, SandboxState.RUNNING)
+        self.records.event(rec, "resumed")
         self.last_activity[sandbox_id] = time.monotonic()
         return rec
 
@@ -962,8 +934,8 @@ class GVisorBackend(BackendBase):
         if rec.state is not SandboxState.PAUSED:
             raise self._not_paused(rec)
         await self._require_started().resume(rec.container_id)
-        self._move(rec, SandboxState.RUNNING)
-        self._event(rec, "resumed")
+        self.records.move(rec, SandboxState.RUNNING)
+        self.records.event(rec, "resumed")
         self.last_activity[sandbox_id] = time.monotonic()
         return rec
 
@@ -1000,7 +972,7 @@ class GVisorBackend(BackendBase):
         destroyed: list[str] = []
         containers = set(runsc.container_ids())
         mounted = {m.mount_point for m in await asyncio.to_thread(_mountinfo)}
-        for path in sorted(self.records_dir.glob("*.json")):
+        for path in self.records.files():
             try:
                 rec = GVisorRecord.from_json(json.loads(path.read_text()))
             except (OSError, ValueError, KeyError):
@@ -1021,8 +993,8 @@ class GVisorBackend(BackendBase):
                 self._sandboxes[rec.id] = rec
                 self._layers.adopt(rec.id, rec.layers)
                 self._watch(rec)
-                self._event(rec, "adopted")
-                self._save(rec)
+                self.records.event(rec, "adopted")
+                self.records.save(rec)
                 self.last_activity[rec.id] = time.monotonic()
                 adopted.append(rec.id)
                 continue
