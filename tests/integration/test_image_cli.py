@@ -115,7 +115,7 @@ def test_rm_after_the_last_sandbox_and_the_mount_goes(rtx, tmp_path: Path) -> No
 
     rt = rtx.rt
     layer = build_from_dir(rt.store, _small_tree(tmp_path / "t"), name="rmnow", tag="1", kind="toolkit")
-    mp = rt._mounts.mountpoint(layer.digest)
+    mp = rt.layers.mounts.mountpoint(layer.digest)
     spec = SandboxSpec(image=ImageRef(base="busybox:test", toolkits=("rmnow:1",)))
     rec = rtx.run(rt.create(spec))
     try:
@@ -140,7 +140,7 @@ def test_rm_after_the_last_sandbox_and_the_mount_goes(rtx, tmp_path: Path) -> No
     assert took < IDLE_PIN_GRACE_S + 2.5, took
     assert gone, f"{mp} is still mounted after its layer was removed"
     assert not mp.exists() and not rt.store.blob_path(layer.digest).exists()
-    assert layer.digest not in rt._mounts.mounted()
+    assert layer.digest not in rt.layers.mounts.mounted()
 
 
 @needs_mkfs
@@ -151,7 +151,7 @@ def test_an_idle_layer_stays_mounted_until_it_is_removed(rtx, tmp_path: Path) ->
     rt = rtx.rt
     layer = build_from_dir(rt.store, _small_tree(tmp_path / "t", "idle\n"), name="idle", tag="1",
                            kind="toolkit")
-    mp = rt._mounts.mountpoint(layer.digest)
+    mp = rt.layers.mounts.mountpoint(layer.digest)
     spec = SandboxSpec(image=ImageRef(base="busybox:test", toolkits=("idle:1",)))
     with_layer = rtx.run(rt.create(spec))
     rtx.destroy(with_layer.id)
@@ -165,4 +165,4 @@ def test_an_idle_layer_stays_mounted_until_it_is_removed(rtx, tmp_path: Path) ->
     holders, cached, gone = rtx.run(idle_then_removed())
     assert holders == set()  # released: nothing blocks rm any more...
     assert cached  # ...but kept mounted while the layer exists: the next create needs no mount
-    assert gone and layer.digest not in rt._mounts.mounted()
+    assert gone and layer.digest not in rt.layers.mounts.mounted()

@@ -87,7 +87,7 @@ def test_an_edge_repairs_vanished_host_state_and_says_so(dsec_base: Path) -> Non
         rt = edge.service.backends.get("container")
         assert api.get("/v1/health").json()["healthy"] is True
         assert api.delete(f"/v1/sandboxes/{_create(api)}").status_code in (200, 204)
-        (digest, layer_mp), = rt._mounts.mounted().items()
+        (digest, layer_mp), = rt.layers.mounts.mounted().items()
         parents = [CGROUP_ROOT / c / "dsec" / rt.name for c in ("memory", "pids")]
         spawner = rt.spawner.pid
         # What another instance's clean-up (or an operator) did to the first one in issue 11.
@@ -142,7 +142,7 @@ def test_what_an_edge_cannot_repair_is_reported_exactly(dsec_base: Path) -> None
     with running_edge(cfg) as edge, edge.client() as api:
         rt = edge.service.backends.get("container")
         assert api.delete(f"/v1/sandboxes/{_create(api)}").status_code in (200, 204)
-        (digest, layer_mp), = rt._mounts.mounted().items()
+        (digest, layer_mp), = rt.layers.mounts.mounted().items()
         blob = Path(rt.store.blob_path(digest))
         aside = blob.with_name(blob.name + ".aside")
         subprocess.run(["umount", str(layer_mp)], check=True)

@@ -19,7 +19,6 @@ import builtins
 import collections
 import contextlib
 import itertools
-import json
 import logging
 import os
 import secrets
@@ -36,7 +35,6 @@ from dsec.backends.base import (
     Capability,
     DiskRoom,
     EdgeMeta,
-    GroupOutcome,
     HostFinding,
     SandboxRecord,
     Usage,
@@ -54,35 +52,34 @@ from dsec.backends.container import cgroups, claims, wire
 from dsec.backends.container import pause as pausing
 from dsec.backends.container import snapshot as snapshots
 from dsec.backends.container import stages as staging
+from dsec.backends.container.forks import NodeForks
+from dsec.backends.container.groups import NodeGroups
+from dsec.backends.container.heal import CLAIM_PREFIX, NodeRepair
 from dsec.backends.container.layerbook import NodeLayers
 from dsec.backends.container.network import Lease, NetworkConfig, NetworkManager
 from dsec.backends.container.procs import (
     Process,
-    pid_alive,
     proc_identity,
     proc_start_time,
     reap,
 )
 from dsec.backends.container.records import UID_SLOTS, ContainerRecord
 from dsec.backends.container.sandbox import ContainerSandbox, PauseResult, RecordView, open_netns
+from dsec.backends.container.skeletons import make_skeletons, unmount_skeletons
 from dsec.backends.container.spawner import Spawner, SpawnError
 from dsec.backends.container.zram import ZramStats, ZramSwap
 from dsec.errors import (
-    DsecError,
     HostError,
     InvalidSpec,
     SandboxFailed,
     SandboxNotFound,
-    SandboxStateError,
 )
 from dsec.images.layer import Layer
-from dsec.spec import ImageRef, NetworkPolicy, SandboxSpec, SandboxState
+from dsec.spec import NetworkPolicy, SandboxSpec, SandboxState
 from dsec.spec.results import ExecResult
 
 log = logging.getLogger("dsec.runtime")
 
-CLAIM_PREFIX: Final = ".claim-"
-"""A uid slot's file staged before it is linked into place (``.claim-<pid>-<sandbox id>``)."""
 
 
 
@@ -99,7 +96,7 @@ CAPABILITIES: Final = Capabilities(
 )
 
 
-class ContainerRuntime(BackendBase):
+class ContainerRuntime(NodeRepair, NodeGroups, NodeForks, BackendBase):
     """Sandboxes on this node. Use ``async with ContainerRuntime(...) as rt``."""
 
     kind: ClassVar[str] = "container"
@@ -257,7 +254,7 @@ class ContainerRuntime(BackendBase):
             raise
         self._devnull = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
         try:
-            await asyncio.to_thread(_make_skeletons, self.skel_dir)
+            await asyncio.to_thread(make_skeletons, self.skel_dir)
             if self.uppers.image is None or self.uppers.image.exists():
                 # Adopt the store a previous run left (its sandboxes' layers are there).
                 with contextlib.suppress(HostError):
@@ -272,7 +269,7 @@ class ContainerRuntime(BackendBase):
                 with contextlib.suppress(Exception):
                     await asyncio.to_thread(self.uppers.close, unmount=True)
                 with contextlib.suppress(Exception):
-                    await asyncio.to_thread(_unmount_skeletons, self.skel_dir)
+                    await asyncio.to_thread(unmount_skeletons, self.skel_dir)
             if self.spawner is not None:
                 with contextlib.suppress(Exception):
                     await self.spawner.close()
@@ -317,7 +314,7 @@ class ContainerRuntime(BackendBase):
         if destroy_all and not self.sandboxes:
             await asyncio.to_thread(self.uppers.close, unmount=True)
             with contextlib.suppress(OSError):
-                await asyncio.to_thread(_unmount_skeletons, self.skel_dir)
+                await asyncio.to_thread(unmount_skeletons, self.skel_dir)
         else:
             self.uppers.close(unmount=False)
         if destroy_all:
@@ -700,221 +697,6 @@ class ContainerRuntime(BackendBase):
 
     # ----- running things -----
 
-    # ----- reconcile after a crash -----
-
-    async def _reconcile(self) -> dict[str, builtins.list[str]]:
-        """Re-adopt running sandboxes whose init survived; destroy everything else."""
-        adopted: list[str] = []
-        destroyed: list[str] = []
-        for path in self.records.files():
-            try:
-                rec = ContainerRecord.from_json(json.loads(path.read_text()))
-            except (OSError, ValueError, KeyError):
-                path.unlink(missing_ok=True)
-                continue
-            alive = False
-            if rec.state in (SandboxState.RUNNING, SandboxState.PAUSED) and rec.init_pid:
-                fd = self.open_init(rec, check=False)
-                if fd is not None:
-                    os.close(fd)
-                    alive = rec.init_pid in self.cgroups.pids(rec.id)
-            if alive:
-                self._boxes[rec.id] = ContainerSandbox(rec, self)
-                if rec.net is not None:
-                    pol = rec.net.get("policy")
-                    self.net.adopt(rec.id, rec.net, None if pol is None else NetworkPolicy.model_validate(pol))
-                self._adopt_freezer(rec)
-                self.records.event(rec, "adopted")
-                self.last_activity[rec.id] = time.monotonic()
-                adopted.append(rec.id)
-                continue
-            # Half-made, stopping or dead: remove every trace.
-            if rec.init_pid:
-                fd = self.open_init(rec, check=False)
-                if fd is None:
-                    rec.init_pid = 0
-                else:
-                    os.close(fd)
-            await self._teardown(rec)
-            destroyed.append(rec.id)
-        # Cgroups with no record (a crash between mkdir and the record write cannot
-        # happen, but a hand-deleted state dir can): kill and remove.
-        for orphan in self.cgroups.existing_children() - set(self.sandboxes):
-            self.cgroups.kill_all(orphan)
-            deadline = time.monotonic() + 5
-            while self.cgroups.pids(orphan) and time.monotonic() < deadline:
-                await asyncio.sleep(0.005)
-            self.cgroups.remove(orphan)
-            destroyed.append(orphan)
-        # Writable layers on disk that no live sandbox holds (named after the sandbox).
-        if self.uppers.ready:
-            for name in set(self.uppers.names()) - set(self.sandboxes):
-                with contextlib.suppress(OSError):
-                    await asyncio.to_thread(self.uppers.destroy, name)
-                    destroyed.append(name)
-        # uid slots of this runtime that no live sandbox holds, and claims staged by processes gone.
-        for slot_file in self.slots_dir.iterdir():
-            with contextlib.suppress(OSError, ValueError):
-                if slot_file.name.startswith(CLAIM_PREFIX):
-                    if not pid_alive(int(slot_file.name[len(CLAIM_PREFIX):].split("-", 1)[0])):
-                        slot_file.unlink()
-                    continue
-                owner = slot_file.read_text().split()
-                if owner and owner[0] == self.name and owner[1] not in self.sandboxes:
-                    slot_file.unlink()
-        for rec in self.sandboxes.values():
-            self.layers.shared.adopt(rec.id, rec.layers)
-        self.layers.shared.release_unused_pins()
-        for digest in self.layers.ephemeral():
-            if digest not in self.layers.shared.users:
-                self.layers.drop_ephemeral(digest)
-        await asyncio.to_thread(self.layers.mounts.unmount_unused)
-        return {"adopted": adopted, "destroyed": destroyed}
-
-    # ----- host state: notice what vanished, repair what can be -----
-
-    def _note(self, kind: str, message: str, *, repaired: bool) -> HostFinding:
-        """Record a finding: a repair is logged, counted and kept (``host_repairs``); a problem
-        is logged once until it goes away (``host_problems`` holds the last pass's)."""
-        found = HostFinding(kind, message, repaired)
-        if repaired:
-            self.host_repairs.append(found)
-            self.repair_counts[kind] += 1
-            self._repair_gen += 1
-            log.warning("runtime %s: %s", self.name, message)
-        elif message not in self._problems_logged:
-            self._problems_logged.add(message)
-            log.error("runtime %s: %s", self.name, message)
-        return found
-
-    def _cgroup_repaired(self, message: str) -> None:
-        self._note("cgroup", message, repaired=True)
-
-    async def _repaired_since(self, gen: int, t0: float) -> bool:
-        """Whether host state was repaired since a create began (``gen``, ``t0``): a heal pass
-        runs now unless one started after ``t0`` (a burst of failing creates shares one)."""
-        if self._repair_gen == gen and self._last_heal_start < t0:
-            await self.heal()
-        return self._repair_gen != gen
-
-    async def heal(self, *, repair: bool = True) -> builtins.list[HostFinding]:
-        """Check the host state this runtime stands on and, with ``repair``, make again what
-        vanished: its claims (:mod:`claims`), directories (records and uid slots are written
-        again), cgroup parents, the /dev skeleton, layer mounts, the writable-layer store's
-        mount, the sandbox network's host tables and the spawner. Someone else's cleanup (an
-        operator, a script, an older DSec sharing a name) is the usual cause. Returns this
-        pass's findings; :attr:`host_problems` keeps what could not be repaired, each saying
-        exactly what and where. A few stats, one mountinfo read and two nftables lookups."""
-        async with self._heal_lock:
-            self._last_heal_start = time.monotonic()
-            found = [self._note(k, m, repaired=r) for k, m, r in self._check_books(repair)]
-            if self.layers.mounts is not None:
-                found += [self._note(k, m, repaired=r)
-                          for k, m, r in await asyncio.to_thread(self._check_mounts, repair)]
-            if self.uppers.ready and not self.uppers.mounted():
-                what = f"the writable-layer store is not mounted at {self.uppers.mountpoint}"
-                if not repair:
-                    found.append(self._note("uppers", what, repaired=False))
-                else:
-                    try:
-                        made = await self._setup_uppers()
-                        found += [made] if made is not None else []
-                    except (OSError, HostError) as exc:
-                        found.append(self._note("uppers", f"{what} and cannot be mounted again: {exc}",
-                                                repaired=False))
-            sp = self.spawner
-            if sp is not None and not sp.alive:
-                what = f"dsec-spawner (pid {sp.pid}) has exited"
-                if not repair:
-                    found.append(self._note("spawner", what, repaired=False))
-                else:
-                    try:
-                        await self.ensure_spawner(check=True)  # notes the repair
-                    except (HostError, OSError) as exc:
-                        found.append(self._note("spawner", f"{what} and cannot be started again: {exc}",
-                                                repaired=False))
-            if self.net.started:
-                problems, repairs = await asyncio.to_thread(self.net.check_host, repair=repair)
-                found += [self._note("network", m, repaired=False) for m in problems]
-                found += [self._note("network", m, repaired=True) for m in repairs]
-            self.host_problems = [f for f in found if not f.repaired]
-            self._problems_logged &= {f.message for f in self.host_problems}
-            return found
-
-    def _check_books(self, repair: bool) -> builtins.list[tuple[str, str, bool]]:
-        """Claims and directories (on the loop: a few stats, unless something is rewritten)."""
-        out: list[tuple[str, str, bool]] = []
-        for i, c in enumerate(self._claims):
-            if c.intact():
-                continue
-            again = claims.try_claim(c.path, self.name) if repair else None
-            if again is not None:
-                c.release()
-                self._claims[i] = again
-                out.append(("claim", f"took the claim {c.path} again (its file had been removed)", True))
-            else:
-                out.append(("claim", f"the claim file {c.path} was removed"
-                            + (f" and {claims.holder(c.path) or 'another process'} holds it now: two runtimes "
-                               "may share this name; stop one of them" if repair else ""), False))
-        for d in (self.run_dir, self.stage_dir, self.records_dir, self.slots_dir):
-            if d.is_dir():
-                continue
-            if not repair:
-                out.append(("directory", f"directory {d} is gone", False))
-                continue
-            try:
-                d.mkdir(parents=True, exist_ok=True)
-                note = ""
-                if d == self.records_dir:
-                    for rec in self.sandboxes.values():
-                        if rec.state is not SandboxState.CREATING:
-                            self.records.save(rec)
-                    note = f"; wrote the records of {len(self.sandboxes)} sandboxes again"
-                elif d == self.slots_dir:
-                    lost = []
-                    for rec in self.sandboxes.values():
-                        with self._slot_claim(rec.id) as claim:
-                            if not claim(rec.slot):
-                                lost.append(rec.id)
-                    note = f"; claimed the uid ranges of {len(self.sandboxes) - len(lost)} sandboxes again"
-                    if lost:
-                        out.append(("directory", f"uid ranges of {', '.join(lost[:5])} were claimed by another runtime "
-                                    "while their slot files were gone: destroy those sandboxes", False))
-                out.append(("directory", f"re-made directory {d} (it had been removed){note}", True))
-            except OSError as exc:
-                out.append(("directory", f"directory {d} is gone and cannot be made again: {exc}", False))
-        return out
-
-    def _check_mounts(self, repair: bool) -> builtins.list[tuple[str, str, bool]]:
-        """Cgroup parents, the /dev skeleton, layer mounts (in a thread)."""
-        from dsec.images import sysmount
-
-        out: list[tuple[str, str, bool]] = []
-        missing = self.cgroups.missing_parents()
-        if missing and repair:
-            try:
-                self.cgroups.repair_parents(notify=False)
-                out += [("cgroup", f"re-made cgroup directory {p} (it had been removed)", True) for p in missing]
-            except (OSError, HostError) as exc:
-                out.append(("cgroup", f"cgroup directories {', '.join(map(str, missing))} are gone and cannot be "
-                            f"made again: {exc}", False))
-        elif missing:
-            out.append(("cgroup", f"cgroup directories {', '.join(map(str, missing))} are gone", False))
-        mounted = {m.mount_point for m in sysmount.mountinfo()}
-        if str(self.skel_dir) not in mounted or not self.devskel_dir.is_dir() or not self.empty_dir.is_dir():
-            what = f"the /dev skeleton at {self.skel_dir} is gone"
-            if repair:
-                try:
-                    _make_skeletons(self.skel_dir)
-                    out.append(("skeleton", f"re-made the /dev skeleton at {self.skel_dir} (it had been removed)", True))
-                except OSError as exc:
-                    out.append(("skeleton", f"{what} and cannot be made again: {exc}", False))
-            else:
-                out.append(("skeleton", what, False))
-        problems, repairs = self.layers.mounts.check(repair=repair)
-        out += [("layer_mount", m, False) for m in problems] + [("layer_mount", m, True) for m in repairs]
-        return out
-
     # ----- what a sandbox reaches of its node (sandbox.Node) -----
 
     def track_name(self) -> str:
@@ -1086,76 +868,6 @@ class ContainerRuntime(BackendBase):
         """The zram device's figures (None without one)."""
         return self.swap.stats()
 
-    def _adopt_freezer(self, rec: ContainerRecord) -> None:
-        """After a restart the kernel's freezer state is the truth about pausedness: pause and
-        resume write no record (a rename on a busy disk costs ms, too much for a group pause)."""
-        frozen = pausing.freezer_state(self.cgroups, rec.id) in ("FROZEN", "FREEZING")
-        if rec.state is SandboxState.PAUSED and not frozen:
-            self.records.move(rec, SandboxState.RUNNING, save=False)
-        elif rec.state is SandboxState.RUNNING and frozen:
-            self.records.move(rec, SandboxState.PAUSED, save=False)  # paused (or frozen by a snapshot cut short)
-
-    async def pause_many(self, sandbox_ids: Sequence[str], *, reclaim: bool = True,
-                         concurrency: int = 64) -> GroupOutcome:
-        """Pause every sandbox in ``sandbox_ids``: all are frozen first (a preempted job stops
-        at once), then their memory is pushed out. Already paused ones are skipped; errors
-        are collected per sandbox (one bad sandbox never stops the group)."""
-        out = GroupOutcome()
-        t0 = time.perf_counter()
-        frozen: list[str] = []
-
-        async def freeze_one(sid: str) -> None:
-            try:
-                await self.live(sid).freeze()
-                frozen.append(sid)
-            except SandboxStateError as exc:
-                if getattr(exc, "state", "") == "paused":
-                    out.skipped.append(sid)
-                else:
-                    out.errors[sid] = exc
-            except DsecError as exc:
-                out.errors[sid] = exc
-
-        await asyncio.gather(*(freeze_one(s) for s in dict.fromkeys(sandbox_ids)))
-        if reclaim:
-            sem = asyncio.Semaphore(max(1, concurrency))
-
-            async def reclaim_one(sid: str) -> None:
-                async with sem:
-                    with contextlib.suppress(OSError):
-                        box = self._boxes.get(sid)
-                        stats = None if box is None else await box.reclaim_paused()
-                        rec = self.sandboxes.get(sid)
-                        if rec is not None:
-                            self.records.event(rec, "paused", group=True, memory_before=stats.before if stats else None,
-                                        memory_after=stats.after if stats else None)
-
-            await asyncio.gather(*(reclaim_one(s) for s in frozen))
-        out.done = frozen
-        out.seconds = time.perf_counter() - t0
-        return out
-
-    async def resume_many(self, sandbox_ids: Sequence[str]) -> GroupOutcome:
-        """Resume every paused sandbox in ``sandbox_ids``; running ones are skipped."""
-        out = GroupOutcome()
-        t0 = time.perf_counter()
-        for sid in dict.fromkeys(sandbox_ids):
-            rec = self.sandboxes.get(sid)
-            if rec is None:
-                out.errors[sid] = SandboxNotFound(f"no sandbox {sid!r} on this node", sandbox_id=sid)
-            elif rec.state is SandboxState.RUNNING:
-                out.skipped.append(sid)
-            else:
-                try:
-                    await self.resume(sid)
-                    out.done.append(sid)
-                except DsecError as exc:
-                    out.errors[sid] = exc
-                except OSError as exc:
-                    out.errors[sid] = HostError(f"cannot thaw sandbox {sid}: {exc}", sandbox_id=sid)
-        out.seconds = time.perf_counter() - t0
-        return out
-
     # ----- snapshots and forks (docs/SNAPSHOTS.md) -----
 
     async def snapshot(
@@ -1188,79 +900,6 @@ class ContainerRuntime(BackendBase):
         return await snapshots.make_snapshot(self, sandbox_id, name=name, tag=tag, exclude=exclude,
                                              max_layers=max_layers, ephemeral=ephemeral)
 
-    async def fork(
-        self,
-        sandbox_id: str,
-        children: int | Sequence[str],
-        *,
-        edges: Sequence[EdgeMeta] | None = None,
-        exclude: Sequence[str] = (),
-    ) -> builtins.list[SandboxRecord]:
-        """New sandboxes whose disks equal this one's now (running or paused): ``children``
-        is how many, or their ids; ``edges`` (one per child) is kept with their records.
-
-        Each child gets a fresh identity — its id as hostname, a new /etc/machine-id,
-        no inherited random seed — and its own writable layer, so siblings never see
-        each other's writes. Children start where the parent is now: its current stage,
-        else its current network policy. All or nothing: if one child fails, the others
-        are destroyed, the fork's layer is dropped and the error raised. Forking a failed
-        sandbox raises SandboxStateError. The only fork: the edge calls this one."""
-        ids: builtins.list[str | None] = (
-            [None] * children if isinstance(children, int) else builtins.list(children))
-        if not 1 <= len(ids) <= 10000:
-            raise InvalidSpec("fork needs 1 <= n <= 10000", field="n")
-        taken = [c for c in ids if c is not None and c in self._boxes]
-        if taken or len({c for c in ids if c is not None}) != sum(1 for c in ids if c is not None):
-            # create() is idempotent per id: a live sandbox would come back as a "child".
-            raise InvalidSpec(f"fork children need new, distinct ids: {', '.join(taken) or 'an id given twice'} "
-                              "names a sandbox that exists or repeats", field="children", sandbox_id=sandbox_id)
-        metas = builtins.list(edges) if edges is not None else [EdgeMeta() for _ in ids]
-        if len(metas) != len(ids):
-            raise InvalidSpec(f"fork got {len(ids)} children but {len(metas)} edge parts", field="edges")
-        rec = self.get(sandbox_id)
-        if rec.state not in (SandboxState.RUNNING, SandboxState.PAUSED):
-            raise SandboxStateError(
-                f"sandbox {sandbox_id} is {rec.state.value}"
-                + (f" ({rec.reason})" if rec.reason else "") + ": only a running or paused sandbox can be forked",
-                sandbox_id=sandbox_id, state=rec.state.value,
-            )
-        layer = await self.snapshot(sandbox_id, name=snapshots.FORK_NAME, tag=f"{sandbox_id}-{secrets.token_hex(3)}",
-                                    exclude=exclude, ephemeral=True)
-        spec = self.fork_spec(rec, layer.digest)
-        results = await asyncio.gather(*(self.create(spec, sandbox_id=cid, edge=meta) for cid, meta in zip(ids, metas, strict=True)),
-                                       return_exceptions=True)
-        made: builtins.list[SandboxRecord] = [r for r in results if isinstance(r, ContainerRecord)]
-        failure = next((r for r in results if isinstance(r, BaseException)), None)
-        if failure is None:
-            try:
-                for child in made:
-                    await asyncio.to_thread(snapshots.fresh_identity, self.live(child.id).files(platform=True))
-                    assert isinstance(child, ContainerRecord)
-                    self.records.event(child, "forked", parent=sandbox_id, layer=layer.digest)
-            except Exception as exc:
-                failure = exc
-        if failure is not None:
-            await asyncio.gather(*(self.destroy(c.id) for c in made), return_exceptions=True)
-            for c in made:
-                self.layers.shared.users.get(layer.digest, set()).discard(c.id)
-            self.layers.maybe_release(layer.digest)
-            self.layers.drop_ephemeral(layer.digest)
-            raise failure
-        self.records.event(rec, "fork", children=[c.id for c in made], layer=layer.digest)
-        return made
-
-    @staticmethod
-    def fork_spec(rec: ContainerRecord, layer: str) -> SandboxSpec:
-        """The spec of ``rec``'s fork children: its layer as their image, and the stage in
-        force now (else the network policy in force now)."""
-        update: dict[str, Any] = {"image": ImageRef(base=layer)}
-        current = rec.stage or rec.spec.stage
-        if current is not None:
-            update["stage"] = current
-        elif rec.net is not None:
-            update["network"] = rec.current_policy()
-        return rec.spec.model_copy(update=update)
-
     # ----- the Backend protocol's narrow reads -----
 
     def store_space(self) -> tuple[int, int] | None:
@@ -1274,44 +913,3 @@ class ContainerRuntime(BackendBase):
     def refresh_identity(self, sandbox_id: str) -> None:
         """Give a sandbox started from another's disk its own machine-id (fork does this)."""
         snapshots.fresh_identity(self.live(sandbox_id).files(platform=True))
-
-
-def _make_skeletons(skel: Path) -> None:
-    """The node's /dev skeleton and empty directory, on a small tmpfs of the runtime's own
-    (idempotent): sandboxes bind them read-only, and a bind of a tmpfs shows only
-    ``/devskel`` in their mountinfo, never a host path."""
-    from dsec.images import sysmount
-
-    skel.mkdir(mode=0o755, parents=True, exist_ok=True)
-    if not any(m.mount_point == str(skel) for m in sysmount.mountinfo()):
-        sysmount.mount("dsec-skel", str(skel), "tmpfs", sysmount.MS_NOSUID | sysmount.MS_NODEV,
-                       "size=64k,nr_inodes=64,mode=0755")
-    devskel, empty = skel / "devskel", skel / "empty"
-    empty.mkdir(mode=0o555, exist_ok=True)
-    os.chmod(empty, 0o555)
-    if devskel.is_dir():
-        return  # made whole by the rename below
-    tmp = skel / "devskel.new"
-    if tmp.exists():
-        import shutil
-
-        shutil.rmtree(tmp)
-    tmp.mkdir(mode=0o755)
-    for name in ("null", "zero", "full", "random", "urandom", "tty"):
-        (tmp / name).touch(mode=0o666)
-    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
-                         ("stderr", "/proc/self/fd/2"), ("ptmx", "pts/ptmx")):
-        os.symlink(target, tmp / name)
-    (tmp / "pts").mkdir(mode=0o755)
-    (tmp / "shm").mkdir(mode=0o1777)
-    os.chmod(tmp / "shm", 0o1777)
-    os.rename(tmp, devskel)
-
-
-def _unmount_skeletons(skel: Path) -> None:
-    from dsec.images import sysmount
-
-    if any(m.mount_point == str(skel) for m in sysmount.mountinfo()):
-        sysmount.umount(str(skel), sysmount.MNT_DETACH)
-    with contextlib.suppress(OSError):
-        skel.rmdir()
