@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from dsec.backends.base import HostFinding
 from dsec.backends.container import claims
@@ -22,6 +22,7 @@ from dsec.backends.container.procs import pid_alive
 from dsec.backends.container.records import ContainerRecord
 from dsec.backends.container.sandbox import ContainerSandbox, Node
 from dsec.backends.container.skeletons import make_skeletons
+from dsec.backends.container.slots import CLAIM_PREFIX, UidSlots
 from dsec.errors import HostError
 from dsec.spec import NetworkPolicy, SandboxState
 
@@ -32,8 +33,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dsec.runtime")
 
-CLAIM_PREFIX = ".claim-"
-"""A uid slot's file staged before it is linked into place (``.claim-<pid>-<sandbox id>``)."""
 
 
 class RepairedNode(Node, Protocol):
@@ -50,6 +49,7 @@ class RepairedNode(Node, Protocol):
     sandboxes: RecordView
     _boxes: dict[str, ContainerSandbox]
     _claims: list[claims.Claim]
+    slots: UidSlots
     host_problems: list[HostFinding]
     host_repairs: collections.deque[HostFinding]
     repair_counts: collections.Counter[str]
@@ -59,7 +59,6 @@ class RepairedNode(Node, Protocol):
     _last_heal_start: float
 
     async def _teardown(self, rec: ContainerRecord) -> list[str]: ...
-    def _slot_claim(self, sandbox_id: str) -> Any: ...
     async def _setup_uppers(self) -> HostFinding | None: ...
     # the repairs' own (NodeRepair's methods, seen through the protocol)
     def _note(self, kind: str, message: str, *, repaired: bool) -> HostFinding: ...
@@ -243,7 +242,7 @@ class NodeRepair:
                 elif d == self.slots_dir:
                     lost = []
                     for rec in self.sandboxes.values():
-                        with self._slot_claim(rec.id) as claim:
+                        with self.slots.claiming(rec.id) as claim:
                             if not claim(rec.slot):
                                 lost.append(rec.id)
                     note = f"; claimed the uid ranges of {len(self.sandboxes) - len(lost)} sandboxes again"
@@ -295,4 +294,4 @@ class NodeRepair:
             self.records.move(rec, SandboxState.PAUSED, save=False)  # paused (or frozen by a snapshot cut short)
 
 
-__all__ = ["CLAIM_PREFIX", "NodeRepair", "RepairedNode"]
+__all__ = ["NodeRepair", "RepairedNode"]

@@ -18,11 +18,9 @@ import asyncio
 import builtins
 import collections
 import contextlib
-import itertools
 import logging
 import os
 import secrets
-import signal
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
@@ -40,9 +38,7 @@ from dsec.backends.base import (
     Usage,
     check_spec,
 )
-from dsec.backends.common import cgroupfs
 from dsec.backends.common.command import UID_RANGE
-from dsec.backends.common.fdio import set_done as _set_done
 from dsec.backends.common.fsops import SandboxFiles
 from dsec.backends.common.names import ID_RE, NAME_RE
 from dsec.backends.common.records import RecordBook
@@ -54,7 +50,8 @@ from dsec.backends.container import snapshot as snapshots
 from dsec.backends.container import stages as staging
 from dsec.backends.container.forks import NodeForks
 from dsec.backends.container.groups import NodeGroups
-from dsec.backends.container.heal import CLAIM_PREFIX, NodeRepair
+from dsec.backends.container.heal import NodeRepair
+from dsec.backends.container.hostparts import NodeHostParts
 from dsec.backends.container.layerbook import NodeLayers
 from dsec.backends.container.network import Lease, NetworkConfig, NetworkManager
 from dsec.backends.container.procs import (
@@ -63,11 +60,12 @@ from dsec.backends.container.procs import (
     proc_start_time,
     reap,
 )
-from dsec.backends.container.records import UID_SLOTS, ContainerRecord
+from dsec.backends.container.records import ContainerRecord
 from dsec.backends.container.sandbox import ContainerSandbox, PauseResult, RecordView, open_netns
 from dsec.backends.container.skeletons import make_skeletons, unmount_skeletons
+from dsec.backends.container.slots import UidSlots
 from dsec.backends.container.spawner import Spawner, SpawnError
-from dsec.backends.container.zram import ZramStats, ZramSwap
+from dsec.backends.container.zram import ZramSwap
 from dsec.errors import (
     HostError,
     InvalidSpec,
@@ -96,7 +94,7 @@ CAPABILITIES: Final = Capabilities(
 )
 
 
-class ContainerRuntime(NodeRepair, NodeGroups, NodeForks, BackendBase):
+class ContainerRuntime(NodeRepair, NodeHostParts, NodeGroups, NodeForks, BackendBase):
     """Sandboxes on this node. Use ``async with ContainerRuntime(...) as rt``."""
 
     kind: ClassVar[str] = "container"
@@ -140,6 +138,8 @@ class ContainerRuntime(NodeRepair, NodeGroups, NodeForks, BackendBase):
         """The records on disk and their state moves (:mod:`dsec.backends.common.records`)."""
         self.stage_dir = self.run_dir / "stage"
         self.slots_dir = base_run / "uid-slots"
+        self.slots = UidSlots(name, self.slots_dir)
+        """uid ranges, one per sandbox, claimed host-wide (:mod:`slots`)."""
         self.claims_dir = claims.claims_dir()
         """Host-wide claims of this runtime's name, network tag and subnet (:mod:`claims`)."""
         self._claims: list[claims.Claim] = []
@@ -172,7 +172,6 @@ class ContainerRuntime(NodeRepair, NodeGroups, NodeForks, BackendBase):
                                  on_remount=lambda d, p: self._note(
                                      "layer_mount", f"re-mounted layer {d} at {p} (it had been unmounted)", repaired=True))
         """Refs, stacks, pins on the node's layer mounts, forks' layers (:mod:`layerbook`)."""
-        self._free_slots: list[int] = []
         self._track_seq = 0
         self._boot = secrets.token_hex(3)
         if reclaim_method not in pausing.RECLAIM_METHODS:
@@ -347,55 +346,6 @@ class ContainerRuntime(NodeRepair, NodeGroups, NodeForks, BackendBase):
             c.release()
         self._claims = []
 
-    # ----- uid slots -----
-
-    def _claim_slot(self, sandbox_id: str) -> int:
-        # Slot files are host-wide, so two runtimes never share a uid range.
-        # Recently freed slots first: the spawner keeps their user namespaces.
-        start = secrets.randbelow(UID_SLOTS)
-        recent = list(reversed(self._free_slots))
-        self._free_slots.clear()
-        candidates = itertools.chain(recent, ((start + i) % UID_SLOTS for i in range(UID_SLOTS)))
-        with self._slot_claim(sandbox_id) as claim:
-            for slot in candidates:
-                if claim(slot):
-                    return slot
-        raise HostError("no free uid range for a new sandbox (60,000 in use)")
-
-    @contextlib.contextmanager
-    def _slot_claim(self, sandbox_id: str) -> Any:
-        """``claim(slot)`` -> whether this runtime took the slot for ``sandbox_id``. A slot file is
-        written whole and then linked into place, never created empty and written after: an edge
-        killed between the two left an empty file no reconcile could tell the owner of (a uid range
-        lost until the host's next boot). The staging file names this process (``.claim-<pid>-``):
-        the reconcile removes those of processes that are gone."""
-        tmp = self.slots_dir / f"{CLAIM_PREFIX}{os.getpid()}-{sandbox_id}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.write(fd, f"{self.name} {sandbox_id}\n".encode())
-        finally:
-            os.close(fd)
-
-        def claim(slot: int) -> bool:
-            try:
-                os.link(tmp, self.slots_dir / str(slot))
-            except FileExistsError:
-                return False
-            return True
-
-        try:
-            yield claim
-        finally:
-            tmp.unlink(missing_ok=True)
-
-    def _release_slot(self, rec: ContainerRecord) -> None:
-        path = self.slots_dir / str(rec.slot)
-        with contextlib.suppress(OSError):
-            if path.read_text().split() == [self.name, rec.id]:
-                path.unlink()
-                self._free_slots.append(rec.slot)
-                del self._free_slots[:-1024]
-
     # ----- create / destroy -----
 
     def _new_id(self) -> str:
@@ -479,7 +429,7 @@ class ContainerRuntime(NodeRepair, NodeGroups, NodeForks, BackendBase):
             try:
                 # No record until the init runs: until then every host resource is
                 # found by name (cgroups, uid slot file) and the reconciler removes it.
-                rec.slot = self._claim_slot(sid)
+                rec.slot = self.slots.claim(sid)
                 res = spec.resources
                 if res.disk_medium == "disk" and not (self.uppers.ready and self.uppers.mounted()):
                     await self._setup_uppers()
@@ -535,64 +485,6 @@ class ContainerRuntime(NodeRepair, NodeGroups, NodeForks, BackendBase):
             if left:
                 raise HostError(f"sandbox {sandbox_id}: could not remove {left}", sandbox_id=sandbox_id)
             return True
-
-    async def _teardown(self, rec: ContainerRecord) -> list[str]:
-        """Kill, unmount (the mount namespace dies with its last process), remove cgroups,
-        release layers, uid range and record. Safe to call on a half-made sandbox."""
-        sid = rec.id
-        # A networked sandbox's namespace outlives it when we hold an fd: it is reset and
-        # goes back to the pool (no veth to make, no namespace teardown: both are slow).
-        keep_netns = open_netns(self, rec, check=False) if rec.net is not None and rec.init_pid else None
-        if rec.state is SandboxState.PAUSED or pausing.freezer_state(self.cgroups, sid) not in ("THAWED", ""):
-            self.cgroups.kill_all(sid)  # frozen: kill, then thaw, or the init never exits
-        if rec.init_pid:
-            await self._kill_init(rec)
-        if self.cgroups.pids(sid):
-            self.cgroups.kill_all(sid)
-            deadline = time.monotonic() + 5
-            while self.cgroups.pids(sid) and time.monotonic() < deadline:
-                await asyncio.sleep(0.002)
-        left = await asyncio.to_thread(self._remove_host_parts, rec)
-        for d in set(rec.layers):
-            self.layers.shared.unuse(d, sid)
-        if rec.slot >= 0:
-            self._release_slot(rec)
-        if keep_netns is not None and not self.cgroups.pids(sid):
-            self.net.recycle(sid, keep_netns)  # takes the fd
-        elif keep_netns is not None:
-            os.close(keep_netns)
-        if rec.net is not None or sid in self.net.sandboxes:
-            self.net.forget(sid)  # the namespace and its veth die with the last process
-        if not left:
-            self.records.remove(sid)
-        return left
-
-    async def _kill_init(self, rec: ContainerRecord) -> None:
-        fd = self.open_init(rec, check=False)
-        if fd is None:
-            return
-        try:
-            with contextlib.suppress(ProcessLookupError):
-                signal.pidfd_send_signal(fd, signal.SIGKILL)
-            # A pidfd polls readable once the process has exited (after its namespace is emptied).
-            loop = asyncio.get_running_loop()
-            done: asyncio.Future[None] = loop.create_future()
-            loop.add_reader(fd, _set_done, done)
-            try:
-                await asyncio.wait_for(done, 10)
-            except TimeoutError:
-                pass
-            finally:
-                loop.remove_reader(fd)
-            if done.done():
-                # The init is this process's child (the spawner clones it with CLONE_PARENT);
-                # one adopted from an earlier runtime process is not, and is reaped by init.
-                with contextlib.suppress(ChildProcessError, OSError):
-                    os.waitid(os.P_PIDFD, fd, os.WEXITED | os.WNOHANG)
-        finally:
-            os.close(fd)
-        if self.spawner is not None:
-            self.spawner.forget_exit(rec.init_pid)
 
     def open_init(self, rec: ContainerRecord, *, check: bool = True) -> int | None:
         """A pidfd of the sandbox's init, verified to be that very process (no pid reuse)."""
@@ -814,59 +706,6 @@ class ContainerRuntime(NodeRepair, NodeGroups, NodeForks, BackendBase):
     # ----- introspection -----
 
     # ----- pause / resume (docs/SNAPSHOTS.md, "Pause") -----
-
-    async def _setup_uppers(self) -> HostFinding | None:
-        """Set up the writable-layer store, or mount it again when someone unmounted it (the
-        repair is returned). One at a time: a create and a heal pass may both find it gone."""
-        async with self._uppers_lock:
-            if not self.uppers.ready:
-                await asyncio.to_thread(self.uppers.setup)
-            elif not self.uppers.mounted():
-                await asyncio.to_thread(self.uppers.remount)
-                return self._note("uppers", f"re-mounted the writable-layer store at {self.uppers.mountpoint} "
-                                  "(it had been unmounted)", repaired=True)
-        return None
-
-    def _make_host_parts(self, sandbox_id: str, res: Any, uid_base: int) -> tuple[builtins.list[Path], Path | None]:
-        """The sandbox's cgroups and, on the disk medium, its writable layer (one thread hop)."""
-        dirs = self._make_cgroups(sandbox_id, res)
-        if res.disk_medium != "disk":
-            return dirs, None
-        return dirs, self.uppers.create(sandbox_id, quota=res.disk, uid=uid_base)
-
-    def _remove_host_parts(self, rec: ContainerRecord) -> builtins.list[str]:
-        """Remove the sandbox's cgroups and writable layer (one thread hop); what could not go."""
-        left = [str(p) for p in self.cgroups.remove(rec.id)]
-        # A memory-medium sandbox has no subvolume (a crash's leftover is the reconciler's).
-        if self.uppers.ready and rec.spec.resources.disk_medium == "disk":
-            try:
-                self.uppers.destroy(rec.id)
-            except OSError as exc:
-                left.append(f"writable layer {self.uppers.path(rec.id)} ({exc})")
-        return left
-
-    def _make_cgroups(self, sandbox_id: str, res: Any) -> builtins.list[Path]:
-        dirs = self.cgroups.create(sandbox_id, res)
-        # With swap on the host, a memory limit alone would let a sandbox grow into swap
-        # past it; memory+swap = the limit keeps it hard. Pausing moves pages from memory
-        # to swap, which leaves memory+swap unchanged, so pause is not limited by it.
-        memsw = self.cgroups.parents["memory"] / sandbox_id / "memory.memsw.limit_in_bytes"
-        with contextlib.suppress(OSError):
-            cgroupfs.write(memsw, str(res.memory))
-        return dirs
-
-    async def _setup_swap(self) -> None:
-        if self.swap.size > 0:
-            await asyncio.to_thread(self.swap.ensure)
-            return
-        # Not asked for: a device left by an earlier run goes, unless paused sandboxes use it.
-        if self.swap.find() is not None and not any(r.state is SandboxState.PAUSED for r in self.sandboxes.values()):
-            with contextlib.suppress(HostError):
-                await asyncio.to_thread(self.swap.teardown)
-
-    def swap_stats(self) -> ZramStats | None:
-        """The zram device's figures (None without one)."""
-        return self.swap.stats()
 
     # ----- snapshots and forks (docs/SNAPSHOTS.md) -----
 
