@@ -1,4 +1,5 @@
-"""Forks: N new sandboxes from one sandbox's disk now (docs/SNAPSHOTS.md). A part of
+"""Snapshots and forks (docs/SNAPSHOTS.md): a sandbox's disk packed into a layer, and N new
+sandboxes from one sandbox's disk now. A part of
 :class:`~dsec.backends.container.runtime.ContainerRuntime` (a mixin over the
 :class:`ForkingNode` protocol)."""
 
@@ -16,12 +17,13 @@ from dsec.backends.container import snapshot as snapshots
 from dsec.backends.container.layerbook import NodeLayers
 from dsec.backends.container.records import ContainerRecord
 from dsec.backends.container.sandbox import ContainerSandbox
+from dsec.backends.container.snapshot import SnapshotNode
 from dsec.errors import InvalidSpec, SandboxStateError
 from dsec.images.layer import Layer
 from dsec.spec import ImageRef, SandboxSpec, SandboxState
 
 
-class ForkingNode(Protocol):
+class ForkingNode(SnapshotNode, Protocol):
     records: RecordBook[ContainerRecord]
     layers: NodeLayers
     _boxes: dict[str, ContainerSandbox]
@@ -39,6 +41,36 @@ class ForkingNode(Protocol):
 
 
 class NodeForks:
+    async def snapshot(
+        self: SnapshotNode,
+        sandbox_id: str,
+        *,
+        name: str | None = None,
+        tag: str | None = None,
+        exclude: Sequence[str] = (),
+        max_layers: int | None = None,
+        ephemeral: bool = False,
+    ) -> Layer:
+        """Pack the sandbox's writable layer (running or paused) into a new snapshot layer.
+
+        The layer's ``parents`` are the sandbox's layers (its lineage); start new
+        sandboxes from it with ``ImageRef(base=<its ref or digest>)``. The sandbox is
+        frozen while its writable layer is copied out (docs/SNAPSHOTS.md).
+        ``exclude`` leaves paths out (``/abs/path``, globs, or bare names such as
+        ``__pycache__``). ``ephemeral`` layers are removed once no sandbox uses them.
+        Raises StorageFull (an ImageError) if the layer store fills up."""
+        info = await snapshots.make_snapshot(self, sandbox_id, name=name, tag=tag, exclude=exclude,
+                                             max_layers=max_layers, ephemeral=ephemeral)
+        return info.layer
+
+    async def snapshot_info(
+        self: SnapshotNode, sandbox_id: str, *, name: str | None = None, tag: str | None = None, exclude: Sequence[str] = (),
+        max_layers: int | None = None, ephemeral: bool = False,
+    ) -> snapshots.SnapshotInfo:
+        """Like :meth:`snapshot`, with the packing figures (bytes, frozen time, collapse)."""
+        return await snapshots.make_snapshot(self, sandbox_id, name=name, tag=tag, exclude=exclude,
+                                             max_layers=max_layers, ephemeral=ephemeral)
+
     async def fork(
         self: ForkingNode,
         sandbox_id: str,
@@ -111,6 +143,10 @@ class NodeForks:
         elif rec.net is not None:
             update["network"] = rec.current_policy()
         return rec.spec.model_copy(update=update)
+
+    def refresh_identity(self: ForkingNode, sandbox_id: str) -> None:
+        """Give a sandbox started from another's disk its own machine-id (fork does this)."""
+        snapshots.fresh_identity(self.live(sandbox_id).files(platform=True))
 
 
 __all__ = ["ForkingNode", "NodeForks"]

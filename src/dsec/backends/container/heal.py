@@ -69,6 +69,19 @@ class RepairedNode(Node, Protocol):
 
 
 class NodeRepair:
+    def _init_repairs(self: RepairedNode) -> None:
+        """The repairs' own state: ``host_problems`` (what the last :meth:`heal` pass found
+        wrong and could not repair; empty: healthy), ``host_repairs`` (the latest repairs,
+        oldest first), ``repair_counts`` (repairs since start, by kind)."""
+        problems: list[HostFinding] = []
+        repairs: collections.deque[HostFinding] = collections.deque(maxlen=32)
+        counts: collections.Counter[str] = collections.Counter()
+        logged: set[str] = set()
+        self.host_problems, self.host_repairs, self.repair_counts = problems, repairs, counts
+        self._heal_lock = asyncio.Lock()
+        self._problems_logged = logged
+        self._repair_gen = 0
+        self._last_heal_start = float("-inf")
     # ----- reconcile after a crash -----
 
     async def _reconcile(self: RepairedNode) -> dict[str, builtins.list[str]]:

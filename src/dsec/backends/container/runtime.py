@@ -23,7 +23,6 @@ import os
 import secrets
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Final
 
@@ -31,23 +30,19 @@ from dsec.backends.base import (
     BackendBase,
     Capabilities,
     Capability,
-    DiskRoom,
     EdgeMeta,
     HostFinding,
-    SandboxRecord,
-    Usage,
     check_spec,
 )
 from dsec.backends.common.command import UID_RANGE
-from dsec.backends.common.fsops import SandboxFiles
 from dsec.backends.common.names import ID_RE, NAME_RE
 from dsec.backends.common.records import RecordBook
-from dsec.backends.common.sessions import Session
-from dsec.backends.common.uppers import UpperStore, UpperUsage
+from dsec.backends.common.uppers import UpperStore
 from dsec.backends.container import cgroups, claims, wire
 from dsec.backends.container import pause as pausing
 from dsec.backends.container import snapshot as snapshots
 from dsec.backends.container import stages as staging
+from dsec.backends.container.dispatch import SandboxDispatch
 from dsec.backends.container.forks import NodeForks
 from dsec.backends.container.groups import NodeGroups
 from dsec.backends.container.heal import NodeRepair
@@ -55,13 +50,12 @@ from dsec.backends.container.hostparts import NodeHostParts
 from dsec.backends.container.layerbook import NodeLayers
 from dsec.backends.container.network import Lease, NetworkConfig, NetworkManager
 from dsec.backends.container.procs import (
-    Process,
     proc_identity,
     proc_start_time,
     reap,
 )
 from dsec.backends.container.records import ContainerRecord
-from dsec.backends.container.sandbox import ContainerSandbox, PauseResult, RecordView, open_netns
+from dsec.backends.container.sandbox import ContainerSandbox, RecordView, open_netns
 from dsec.backends.container.skeletons import make_skeletons, unmount_skeletons
 from dsec.backends.container.slots import UidSlots
 from dsec.backends.container.spawner import Spawner, SpawnError
@@ -72,9 +66,7 @@ from dsec.errors import (
     SandboxFailed,
     SandboxNotFound,
 )
-from dsec.images.layer import Layer
-from dsec.spec import NetworkPolicy, SandboxSpec, SandboxState
-from dsec.spec.results import ExecResult
+from dsec.spec import SandboxSpec, SandboxState
 
 log = logging.getLogger("dsec.runtime")
 
@@ -94,10 +86,13 @@ CAPABILITIES: Final = Capabilities(
 )
 
 
-class ContainerRuntime(NodeRepair, NodeHostParts, NodeGroups, NodeForks, BackendBase):
+class ContainerRuntime(SandboxDispatch, NodeRepair, NodeHostParts, NodeGroups, NodeForks, BackendBase):
     """Sandboxes on this node. Use ``async with ContainerRuntime(...) as rt``."""
 
     kind: ClassVar[str] = "container"
+    host_problems: list[HostFinding]
+    host_repairs: collections.deque[HostFinding]
+    repair_counts: collections.Counter[str]
 
     def __init__(
         self,
@@ -146,17 +141,8 @@ class ContainerRuntime(NodeRepair, NodeHostParts, NodeGroups, NodeForks, Backend
         self.id_prefix = id_prefix
         self._store = layer_store
         self.cgroups = cgroups.RuntimeCgroups(name, on_repair=self._cgroup_repaired)
-        self.host_problems: list[HostFinding] = []
-        """What the last :meth:`heal` pass found wrong and could not repair (empty: healthy)."""
-        self.host_repairs: collections.deque[HostFinding] = collections.deque(maxlen=32)
-        """The latest repairs, oldest first."""
-        self.repair_counts: collections.Counter[str] = collections.Counter()
-        """Repairs made since start, by kind."""
-        self._heal_lock = asyncio.Lock()
+        self._init_repairs()
         self._spawner_lock = asyncio.Lock()
-        self._problems_logged: set[str] = set()
-        self._repair_gen = 0
-        self._last_heal_start = float("-inf")
         self.spawner: Spawner | None = None
         self._boxes: dict[str, ContainerSandbox] = {}
         """Every sandbox's live state, its record included (:mod:`sandbox`)."""
@@ -565,29 +551,11 @@ class ContainerRuntime(NodeRepair, NodeHostParts, NodeGroups, NodeForks, Backend
         event where it grew. Returns the increase per sandbox (only those that grew)."""
         grown: dict[str, int] = {}
         for sid in list(self.net.sandboxes):
-            rec = self.sandboxes.get(sid)
-            st = self.net.sandboxes.get(sid)
-            if rec is None or st is None or rec.state not in (SandboxState.RUNNING, SandboxState.PAUSED):
-                continue
-            pidfd = open_netns(self, rec, check=False)
-            if pidfd is None:
-                continue
-            try:
-                total, dests = await self.net.denied(sid, pidfd)
-            except Exception:
-                continue
-            finally:
-                os.close(pidfd)
-            st.denied_recent = dests[-16:]
-            if total > st.denied_seen:
-                grown[sid] = total - st.denied_seen
-                st.denied_seen = total
-                self.records.event(rec, "net_denied", count=grown[sid], total=total, destinations=dests[-16:])
+            box = self._boxes.get(sid)
+            n = 0 if box is None else await box.collect_denied()
+            if n:
+                grown[sid] = n
         return grown
-
-    # ----- stages (docs/SECURITY.md, "Stages and Landlock") -----
-
-    # ----- running things -----
 
     # ----- what a sandbox reaches of its node (sandbox.Node) -----
 
@@ -596,148 +564,6 @@ class ContainerRuntime(NodeRepair, NodeHostParts, NodeGroups, NodeForks, Backend
         a re-adopted sandbox stay)."""
         self._track_seq += 1
         return f"x{self._boot}{self._track_seq}"
-
-    # ----- the Backend protocol, dispatched to the sandbox (sandbox.ContainerSandbox) -----
-
-    async def exec(self, sandbox_id: str, cmd: Sequence[str] | str, **kw: Any) -> ExecResult:
-        """:meth:`ContainerSandbox.exec`."""
-        return await self.live(sandbox_id).exec(cmd, **kw)
-
-    async def start_process(self, sandbox_id: str, argv: Sequence[str], **kw: Any) -> Process:
-        """:meth:`ContainerSandbox.start_process`."""
-        return await self.live(sandbox_id).start_process(argv, **kw)
-
-    async def start_tty(self, sandbox_id: str, argv: Sequence[str], **kw: Any) -> tuple[Process, int]:
-        """:meth:`ContainerSandbox.start_tty`."""
-        return await self.live(sandbox_id).start_tty(argv, **kw)
-
-    def files(self, sandbox_id: str, *, platform: bool = False) -> SandboxFiles:
-        """:meth:`ContainerSandbox.files`."""
-        return self.live(sandbox_id).files(platform=platform)
-
-    async def set_policy(self, sandbox_id: str, policy: NetworkPolicy | None) -> ContainerRecord:
-        """:meth:`ContainerSandbox.set_policy`."""
-        return await self.live(sandbox_id).set_policy(policy)
-
-    def network_info(self, sandbox_id: str) -> dict[str, Any] | None:
-        return self.live(sandbox_id).network_info()
-
-    def current_stage(self, sandbox_id: str) -> str | None:
-        return self.live(sandbox_id).current_stage()
-
-    async def set_stage(self, sandbox_id: str, name: str) -> ContainerRecord:
-        """:meth:`ContainerSandbox.set_stage`."""
-        return await self.live(sandbox_id).set_stage(name)
-
-    async def pause(self, sandbox_id: str, *, reclaim: bool = True) -> PauseResult:
-        """:meth:`ContainerSandbox.pause`."""
-        return await self.live(sandbox_id).pause(reclaim=reclaim)
-
-    async def resume(self, sandbox_id: str) -> ContainerRecord:
-        return await self.live(sandbox_id).resume()
-
-    def wake(self, sandbox_id: str) -> bool:
-        """:meth:`ContainerSandbox.wake`; False for a sandbox that is gone."""
-        box = self._boxes.get(sandbox_id)
-        return False if box is None else box.wake()
-
-    def update(self, sandbox_id: str, *, spec: SandboxSpec | None = None, edge: EdgeMeta | None = None) -> ContainerRecord:
-        return self.live(sandbox_id).update(spec=spec, edge=edge)
-
-    def stats(self, sandbox_id: str) -> dict[str, Any]:
-        return self.live(sandbox_id).stats()
-
-    def usage(self, sandbox_id: str) -> Usage:
-        return self.live(sandbox_id).usage()
-
-    def disk_usage(self, sandbox_id: str) -> UpperUsage:
-        return self.live(sandbox_id).disk_usage()
-
-    def disk_room(self, rec: SandboxRecord) -> DiskRoom | None:
-        box = self._boxes.get(rec.id)
-        return None if box is None else box.disk_room(rec)
-
-    def check_limits(self, rec: SandboxRecord) -> None:
-        box = self._boxes.get(rec.id)
-        if box is not None:
-            box.check_limits(rec)
-
-    def require_running(self, sandbox_id: str) -> ContainerRecord:
-        return self.live(sandbox_id).running()
-
-    def upper_path(self, sandbox_id: str) -> Path:
-        return self.live(sandbox_id).upper_path()
-
-    def root_path(self, sandbox_id: str) -> Path:
-        return self.live(sandbox_id).root_path()
-
-    def child_cgroups(self, sandbox_id: str, controller: str, names: Sequence[str]) -> builtins.list[Path]:
-        return self.live(sandbox_id).child_cgroups(controller, names)
-
-    def set_net_sysctls(self, sandbox_id: str, values: Mapping[str, str]) -> None:
-        self.live(sandbox_id).set_net_sysctls(values)
-
-    # ----- files and sessions -----
-
-    async def open_session(
-        self, sandbox_id: str, *, env: Mapping[str, str] | None = None, cwd: str = "/", user: int | str = 0
-    ) -> Session:
-        """A persistent shell; closed with the sandbox at the latest."""
-        box = self.live(sandbox_id)
-        box.running()
-        sess = Session(box, sandbox_id, f"sess-{secrets.token_hex(4)}")
-        await sess.start(env=dict(env or {}), cwd=cwd, user=user)
-        box.add_session(sess)
-        return sess
-
-    async def close_session(self, sandbox_id: str, session_id: str) -> bool:
-        """Kill a session's shell and everything it started; False if there was no such session."""
-        box = self._boxes.get(sandbox_id)
-        sess = None if box is None else box.drop_session(session_id)
-        if sess is None:
-            return False
-        await sess.close()
-        return True
-
-    def sessions(self, sandbox_id: str) -> builtins.list[Session]:
-        box = self._boxes.get(sandbox_id)
-        return [] if box is None else list(box.sessions.values())
-
-    # ----- introspection -----
-
-    # ----- pause / resume (docs/SNAPSHOTS.md, "Pause") -----
-
-    # ----- snapshots and forks (docs/SNAPSHOTS.md) -----
-
-    async def snapshot(
-        self,
-        sandbox_id: str,
-        *,
-        name: str | None = None,
-        tag: str | None = None,
-        exclude: Sequence[str] = (),
-        max_layers: int | None = None,
-        ephemeral: bool = False,
-    ) -> Layer:
-        """Pack the sandbox's writable layer (running or paused) into a new snapshot layer.
-
-        The layer's ``parents`` are the sandbox's layers (its lineage); start new
-        sandboxes from it with ``ImageRef(base=<its ref or digest>)``. The sandbox is
-        frozen while its writable layer is copied out (docs/SNAPSHOTS.md).
-        ``exclude`` leaves paths out (``/abs/path``, globs, or bare names such as
-        ``__pycache__``). ``ephemeral`` layers are removed once no sandbox uses them.
-        Raises StorageFull (an ImageError) if the layer store fills up."""
-        info = await snapshots.make_snapshot(self, sandbox_id, name=name, tag=tag, exclude=exclude,
-                                             max_layers=max_layers, ephemeral=ephemeral)
-        return info.layer
-
-    async def snapshot_info(
-        self, sandbox_id: str, *, name: str | None = None, tag: str | None = None, exclude: Sequence[str] = (),
-        max_layers: int | None = None, ephemeral: bool = False,
-    ) -> snapshots.SnapshotInfo:
-        """Like :meth:`snapshot`, with the packing figures (bytes, frozen time, collapse)."""
-        return await snapshots.make_snapshot(self, sandbox_id, name=name, tag=tag, exclude=exclude,
-                                             max_layers=max_layers, ephemeral=ephemeral)
 
     # ----- the Backend protocol's narrow reads -----
 
@@ -748,7 +574,3 @@ class ContainerRuntime(NodeRepair, NodeHostParts, NodeGroups, NodeForks, Backend
     def release_layer(self, digest: str) -> None:
         """Drop this runtime's idle pin of a layer now (before deleting it from the store)."""
         self.layers.maybe_release(digest)
-
-    def refresh_identity(self, sandbox_id: str) -> None:
-        """Give a sandbox started from another's disk its own machine-id (fork does this)."""
-        snapshots.fresh_identity(self.live(sandbox_id).files(platform=True))

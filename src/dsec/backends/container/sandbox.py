@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import os
 import re
+import secrets
 import signal
 import socket
 import time
@@ -41,6 +42,7 @@ from dsec.backends.common.command import check_argv, command_env, user_ids
 from dsec.backends.common.fsops import SandboxFiles
 from dsec.backends.common.output import check_exec, check_timed_out, collect, start_piped
 from dsec.backends.common.records import RecordBook
+from dsec.backends.common.sessions import Session
 from dsec.backends.common.uppers import UpperStore, UpperUsage
 from dsec.backends.container import cgroups, wire
 from dsec.backends.container import pause as pausing
@@ -63,7 +65,7 @@ from dsec.spec import NetworkPolicy, SandboxSpec, SandboxState
 from dsec.spec.results import ExecResult, LimitHit
 
 if TYPE_CHECKING:
-    from dsec.backends.common.sessions import Session, ShellProcess
+    from dsec.backends.common.sessions import ShellProcess
 
 
 class Node(Protocol):
@@ -147,6 +149,15 @@ class ContainerSandbox:
         out = list(self.sessions.values())
         self.sessions.clear()
         return out
+
+    async def open_session(self, *, env: Mapping[str, str] | None = None, cwd: str = "/",
+                           user: int | str = 0) -> Session:
+        """A persistent shell; closed with the sandbox at the latest."""
+        self.running()
+        sess = Session(self, self.id, f"sess-{secrets.token_hex(4)}")
+        await sess.start(env=dict(env or {}), cwd=cwd, user=user)
+        self.add_session(sess)
+        return sess
 
     # -- what a session uses (dsec.backends.common.sessions.SessionHost) --
 
@@ -403,6 +414,29 @@ class ContainerSandbox:
     def netns_fd(self, *, check: bool = True) -> int | None:
         """An fd of the sandbox's network namespace, taken from its verified init."""
         return open_netns(self.node, self.rec, check=check)
+
+    async def collect_denied(self) -> int:
+        """Read the refused-packet counter; record a ``net_denied`` event when it grew.
+        Returns the increase (0: none, or no network, or gone)."""
+        rec = self.rec
+        st = self.node.net.sandboxes.get(self.id)
+        if self.gone or st is None or rec.state not in (SandboxState.RUNNING, SandboxState.PAUSED):
+            return 0
+        pidfd = self.netns_fd(check=False)
+        if pidfd is None:
+            return 0
+        try:
+            total, dests = await self.node.net.denied(self.id, pidfd)
+        except Exception:
+            return 0
+        finally:
+            os.close(pidfd)
+        st.denied_recent = dests[-16:]
+        if total <= st.denied_seen:
+            return 0
+        grown, st.denied_seen = total - st.denied_seen, total
+        self.node.records.event(rec, "net_denied", count=grown, total=total, destinations=dests[-16:])
+        return grown
 
     def network_info(self) -> dict[str, Any] | None:
         """Address, policy and refused-packet counts (as of the last :meth:`collect_denied`);
