@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING, Protocol
 from dsec.backends.base import HostFinding
 from dsec.backends.container import claims
 from dsec.backends.container import pause as pausing
+from dsec.backends.container.node import Node
 from dsec.backends.container.procs import pid_alive
 from dsec.backends.container.records import ContainerRecord
-from dsec.backends.container.sandbox import ContainerSandbox, Node
+from dsec.backends.container.sandbox import ContainerSandbox
 from dsec.backends.container.skeletons import make_skeletons
 from dsec.backends.container.slots import CLAIM_PREFIX, UidSlots
 from dsec.errors import HostError
