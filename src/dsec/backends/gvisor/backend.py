@@ -27,46 +27,44 @@ import builtins
 import collections
 import contextlib
 import functools
-import json
 import logging
 import os
 import secrets
-import signal
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Final
+from typing import Any, ClassVar
 
 from dsec.backends.base import (
-    UNSET,
     BackendBase,
     Capabilities,
     Capability,
-    DiskRoom,
     EdgeMeta,
-    GroupOutcome,
     HostFinding,
-    OutputCallback,
-    SandboxRecord,
     ShellSession,
-    Usage,
-    _Unset,
     check_spec,
-    command_line,
 )
-from dsec.backends.common import limits as limit_evidence
-from dsec.backends.common.command import DEFAULT_ENV, check_argv, command_env, user_ids
+from dsec.backends.common.command import DEFAULT_ENV
 from dsec.backends.common.fsops import SandboxFiles
 from dsec.backends.common.layers import SharedLayers
 from dsec.backends.common.layers import stack as stack_layers
 from dsec.backends.common.names import ID_RE, NAME_RE
-from dsec.backends.common.output import check_exec, check_timed_out, collect, start_piped
 from dsec.backends.common.records import RecordBook
 from dsec.backends.gvisor import bundle as bundles
 from dsec.backends.gvisor.cgroups import SandboxCgroups
+from dsec.backends.gvisor.commands import GVisorCommands
 from dsec.backends.gvisor.config import GVisorConfig
-from dsec.backends.gvisor.process import Command
+from dsec.backends.gvisor.heal import GVisorRepair
+from dsec.backends.gvisor.pausing import GVisorPausing
+from dsec.backends.gvisor.records import (
+    ISOLATION,
+    MAX_LOWERS,
+    ORPHAN_SWEEP_S,
+    GVisorRecord,
+    _children,
+    _our_zombie,
+    _proc_start,
+)
 from dsec.backends.gvisor.runsc import (
     Exit,
     Runsc,
@@ -75,11 +73,8 @@ from dsec.backends.gvisor.runsc import (
     hold_subreaper,
     reap_orphans,
     release_subreaper,
-    spawn,
 )
 from dsec.errors import (
-    DsecError,
-    ExecError,
     HostError,
     InvalidSpec,
     SandboxFailed,
@@ -87,94 +82,10 @@ from dsec.errors import (
     SandboxStateError,
 )
 from dsec.spec import ImageRef, SandboxSpec, SandboxState, can_move
-from dsec.spec.results import ExecResult, LimitHit
 
 log = logging.getLogger("dsec.gvisor")
 
-MAX_LOWERS: Final = 15
-ORPHAN_SWEEP_S: Final = 1.0
-"""How often zombies of runsc processes reparented to us are reaped."""
-PIDS_SLACK: Final = 2
-_FORK_FAILED: Final = (b"Resource temporarily unavailable", b"can't fork", b"fork: retry", b"Cannot fork")
-"""strerror(EAGAIN) in glibc's and musl's words, busybox's and bash's: a fork refused at RLIMIT_NPROC."""
-HELPER_CAPS: Final = ",".join((*bundles.CAPABILITIES, "CAP_SYS_ADMIN"))
-"""``runsc exec --cap`` of the helper's run and kill modes: the container's capabilities (what
-the command gets, as root) and CAP_SYS_ADMIN, which the helper keeps only to mount cgroupfs in a
-mount namespace of its own; the command never has it."""
-_HELPER_STAGES: Final = {
-    "fork": "the helper could not fork it",
-    "cgroup": "its own cgroup could not be made",
-    "namespace": "its own UTS namespace could not be made",
-    "creds": "user {user!r} could not be set",
-    "seccomp": "its seccomp filter could not be installed",
-}
-"""The helper's steps before the command runs (native/dsec-gvexec.c), as ``ExecError.stage``."""
-ISOLATION: Final = ("gVisor application kernel (runsc, systrap): the sandbox's system calls are served by "
-                    "the sentry in user space, not the host kernel; commands under a seccomp filter (no "
-                    "namespaces, mounts or signals to pid 1); loopback-only network")
-
-
-def _proc_start(pid: int, *, zombie: bool = False) -> int:
-    """Start time of ``pid`` (clock ticks since boot): with the pid, a process identity; 0 if
-    gone (or exited and not reaped yet, unless ``zombie``)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
-        return 0
-    fields = data[data.rindex(b")") + 2:].split()
-    return 0 if fields[0] in (b"Z", b"X") and not zombie else int(fields[19])
-
-
-@dataclass(slots=True)
-class GVisorRecord(SandboxRecord):
-    """A gVisor sandbox: the runsc container, its layers and its sentry process."""
-
-    layers: list[str] = field(default_factory=list)
-    """Layer digests, top first."""
-    container_id: str = ""
-    sandbox_pid: int = 0
-    """Host pid of the runsc sandbox process (the sentry)."""
-    sandbox_start: int = 0
-    medium: str = "memory"
-    """Where the writable layer is: "memory" (tmpfs) or "disk" (btrfs subvolume)."""
-    oom_baseline: int = 0
-
-    backend: ClassVar[str] = "gvisor"
-
-    def layer_stack(self) -> tuple[str, ...]:
-        return tuple(self.layers)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "id": self.id, "state": self.state.value, "spec": self.spec.model_dump(mode="json"),
-            "created_at": self.created_at, "reason": self.reason, "edge": self.edge.to_json(),
-            "stage": self.stage, "layers": self.layers, "container_id": self.container_id,
-            "sandbox_pid": self.sandbox_pid, "sandbox_start": self.sandbox_start, "medium": self.medium,
-        }
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> GVisorRecord:
-        return cls(
-            id=str(d["id"]), state=SandboxState(d["state"]), spec=SandboxSpec.model_validate(d["spec"]),
-            created_at=float(d["created_at"]), reason=str(d.get("reason", "")),
-            edge=EdgeMeta.from_json(d.get("edge")), stage=d.get("stage"),
-            layers=[str(x) for x in d.get("layers", [])], container_id=str(d.get("container_id", "")),
-            sandbox_pid=int(d.get("sandbox_pid", 0)), sandbox_start=int(d.get("sandbox_start", 0)),
-            medium=str(d.get("medium", "memory")),
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class PauseResult:
-    sandbox_id: str
-    freeze_s: float
-    reclaim: None
-    """gVisor sandboxes' memory is not pushed out on pause (it is the sentry's memory file)."""
-    seconds: float
-
-
-class GVisorBackend(BackendBase):
+class GVisorBackend(GVisorCommands, GVisorPausing, GVisorRepair, BackendBase):
     """Sandboxes under gVisor on this node. ``async with GVisorBackend(...)`` or start()/close()."""
 
     kind: ClassVar[str] = "gvisor"
@@ -632,214 +543,6 @@ class GVisorBackend(BackendBase):
             self.records.remove(sid)
         return left
 
-    # ----- running commands -----
-
-    async def start_process(self, sandbox_id: str, argv: Sequence[str], *, stdin: int, stdout: int, stderr: int,
-                            env: Mapping[str, str] | None = None, cwd: str = "/",
-                            user: int | str = 0) -> Command:
-        """Start ``argv`` in the sandbox with the given host fds as its stdio (they go to the
-        sentry as they are). The handle's ``kill(tree=True)`` reaches every process it started."""
-        runsc = self._require_started()
-        rec = await self._running_async(sandbox_id)
-        check_argv(sandbox_id, argv, cwd)
-        uid, gid = user_ids(user)
-        merged = command_env(rec.spec.env, env)
-        if any("\0" in a for a in argv) or "\0" in cwd:
-            raise InvalidSpec("command or cwd contains a NUL byte", field="cmd")
-        # The helper starts as root with CAP_SYS_ADMIN to put the command in a cgroup of its own
-        # (named after the helper's pid and this token), then drops to uid:gid and the
-        # container's capabilities before the command runs (native/dsec-gvexec.c).
-        token = secrets.token_hex(8)
-        args = ["exec", "--exec-fd=3", "--pass-fd=4:3", "--user=0:0", f"--cap={HELPER_CAPS}", "--cwd=/"]
-        args += [f"--env={k}={v}" for k, v in merged.items()]
-        args += [rec.container_id, "dsec-gvexec", "run", str(uid), str(gid), token, cwd, *argv]
-        status_r, status_w = os.pipe2(os.O_CLOEXEC)
-        try:
-            pid = spawn(runsc.argv(*args), {0: stdin, 1: stdout, 2: stderr, 3: self._helper_fd, 4: status_w})
-        except BaseException:
-            os.close(status_r)
-            raise
-        finally:
-            os.close(status_w)
-        proc = Command(sandbox_id, Watched(pid, asyncio.get_running_loop()), status_r, self._kill_command,
-                       cgroup_token=token)
-        self.last_activity[sandbox_id] = time.monotonic()
-        self.records.event(rec, "exec_started", pid=pid, argv0=argv[0], cmd=command_line(argv))
-        return proc
-
-    async def _helper_exec(self, rec: GVisorRecord, *args: str, timeout: float = 30.0,
-                           cgroups: bool = False) -> bytes:
-        """Run the helper as root in the sandbox (kill, count) and wait for it; its output.
-        ``cgroups``: with CAP_SYS_ADMIN, to mount the commands' cgroup hierarchy for itself."""
-        runsc = self._require_started()
-        caps = [f"--cap={HELPER_CAPS}"] if cgroups else []
-        try:
-            return await runsc.call("exec", "--exec-fd=3", "--user=0:0", *caps, "--cwd=/", rec.container_id,
-                                    "dsec-gvexec", *args, timeout=timeout, what=f"exec (helper {args[0]})",
-                                    extra_fds={3: self._helper_fd})
-        except (RunscError, TimeoutError) as exc:
-            log.warning("gvisor %s: %s in %s: %s", self.name, args[0], rec.id, exc)
-            return b""
-
-    async def _pids_hit(self, rec: GVisorRecord, result: ExecResult) -> LimitHit | None:
-        """The pids verdict gVisor needs: no host counter sees a fork refused inside the sentry
-        (RLIMIT_NPROC), so the evidence is the command's own word for it (EAGAIN from a fork) and
-        a user of the sandbox at the limit now. Asked only of a failed command that says so."""
-        said = any(t in out for out in (result.stderr, result.stdout) for t in _FORK_FAILED)
-        if not said or not limit_evidence.failed(result.exit_code, result.signal):
-            return None
-        counts = [ln.split() for ln in (await self._helper_exec(rec, "count", timeout=10)).decode().splitlines()]
-        top = max((int(c[1]) for c in counts if len(c) == 2 and c[1].isdigit()), default=0)
-        # At the limit when the fork failed; since then the shell whose fork failed and our helper
-        # have exited: a user within PIDS_SLACK of the limit now was at it.
-        return LimitHit.of("pids", rec.spec.resources.pids) if top + PIDS_SLACK >= rec.spec.resources.pids else None
-
-    async def _kill_command(self, proc: Command, tree: bool) -> None:
-        rec = self._sandboxes.get(proc.sandbox_id)
-        if rec is None or rec.state not in (SandboxState.RUNNING, SandboxState.PAUSED):
-            return
-        if rec.state is SandboxState.PAUSED:
-            with contextlib.suppress(SandboxStateError):
-                await self.resume(rec.id)
-        if proc.inner_pid <= 0 or not self._sentry_alive(rec):
-            return  # never started, or the sandbox is gone with it
-        # Everything in the command's UTS namespace and cgroup, however it detached (setsid,
-        # orphaned), and of its session and their descendants; the helper (spared) lives to
-        # report its end.
-        await self._helper_exec(rec, "kill", proc.cgroup, proc.namespace, str(proc.inner_pid), str(proc.inner_pid),
-                                cgroups=True)
-
-    async def kill_children(self, proc: Command) -> None:
-        """Kill what a session's shell started, not the shell (the session lives on)."""
-        rec = self._sandboxes.get(proc.sandbox_id)
-        if rec is not None and proc.command_pid > 0 and rec.state is SandboxState.RUNNING:
-            await self._helper_exec(rec, "kill", proc.cgroup, proc.namespace, str(proc.inner_pid),
-                                    str(proc.inner_pid), str(proc.command_pid), cgroups=True)
-
-    async def exec(self, sandbox_id: str, cmd: str | Sequence[str], *, env: Mapping[str, str] | None = None,
-                   cwd: str = "/", user: int | str = 0, stdin: bytes | None = None,
-                   timeout: float | _Unset | None = UNSET, idle_timeout: float | None = None,
-                   on_output: OutputCallback | None = None, output_cap: int | None = None,
-                   pristine: Sequence[str] = ()) -> ExecResult:
-        """Run a command to completion: argv list, or a string run by ``/bin/sh -c``.
-        ``timeout`` (default 600 s; None: none) and ``idle_timeout`` kill the command's whole
-        tree (never the sandbox) and raise :class:`ExecTimeout` with the partial result."""
-        if pristine:
-            raise self._unsupported("pristine paths")
-        argv, limit = check_exec(cmd, timeout=timeout, idle_timeout=idle_timeout, output_cap=output_cap)
-        rec = await self._running_async(sandbox_id)
-        cap = output_cap or rec.spec.output_cap
-        before = self.limit_baseline(rec)
-        proc, in_w, out_r, err_r = await start_piped(lambda i, o, e: self.start_process(
-            sandbox_id, argv, stdin=i, stdout=o, stderr=e, env=env, cwd=cwd, user=user))
-        got = await collect(proc, in_w, out_r, err_r, stdin, limit, idle_timeout, on_output, cap)
-        await proc.wait_killed()
-        self.last_activity[sandbox_id] = time.monotonic()
-        ex = got.exit
-        if ex.error is not None:
-            err, stage = ex.error
-            if stage == "cwd":
-                raise ExecError(f"working directory {cwd!r} does not exist in sandbox {sandbox_id} "
-                                f"({os.strerror(err)})", sandbox_id=sandbox_id, stage="cwd", errno=err)
-            if stage in _HELPER_STAGES:
-                what = _HELPER_STAGES[stage].format(user=user)
-                raise ExecError(f"cannot run {argv[0]!r} in sandbox {sandbox_id}: {what} ({os.strerror(err)})",
-                                sandbox_id=sandbox_id, stage=stage, errno=err)
-            hint = "not found in the sandbox's PATH" if err == 2 else os.strerror(err)
-            raise ExecError(f"cannot run {argv[0]!r} in sandbox {sandbox_id}: {hint}", sandbox_id=sandbox_id,
-                            stage=stage, errno=err)
-        result = got.result(proc.start_latency_s)
-        if ex.lost and not self._sentry_alive(rec):
-            self._sentry_gone(rec.id, rec.sandbox_start)
-            if self.cgroups.oom_kills(rec.id) > rec.oom_baseline or "memory limit" in rec.reason:
-                result.exit_code, result.signal = None, signal.SIGKILL
-                result.limit = LimitHit("memory", rec.spec.resources.memory,
-                                        LimitHit.of("memory", rec.spec.resources.memory).message
-                                        + " (under gVisor the whole sandbox is ended)")
-            else:
-                raise SandboxFailed(f"sandbox {sandbox_id} died while running the command ({rec.reason})",
-                                    sandbox_id=sandbox_id, reason="sentry_exited")
-        elif ex.lost and proc.inner_pid == 0:
-            text = result.stderr.decode(errors="replace").strip().splitlines()
-            raise ExecError(f"cannot start command in sandbox {sandbox_id}: {text[-1] if text else 'runsc exec failed'}",
-                            sandbox_id=sandbox_id, stage="runsc")
-        else:
-            result.limit = self.limit_hit(rec, before, exit_code=result.exit_code, sig=result.signal,
-                                          timed_out=result.timed_out, timeout_s=limit, idle_timeout_s=idle_timeout,
-                                          truncated=result.truncated, output_cap=cap,
-                                          output=(result.stderr, result.stdout))
-            if result.limit is None or result.limit.kind == "output_cap":
-                result.limit = await self._pids_hit(rec, result) or result.limit
-        self.records.event(rec, "exec_ended", pid=proc.pid, exit_code=result.exit_code, signal=result.signal,
-                    duration_s=round(result.duration_s, 6), timed_out=result.timed_out,
-                    output_truncated=result.truncated, limit=None if result.limit is None else result.limit.kind)
-        check_timed_out(result, sandbox_id, limit=limit, idle_timeout=idle_timeout)
-        return result
-
-    # ----- limits -----
-
-    def limit_baseline(self, rec: SandboxRecord) -> limit_evidence.Baseline:
-        counters = limit_evidence.Counters(self.cgroups.oom_kills(rec.id), 0)
-        return limit_evidence.Baseline(counters, False)
-
-    def limit_hit(self, rec: SandboxRecord, before: limit_evidence.Baseline | None, *, exit_code: int | None,
-                  sig: int | None, timed_out: str | None = None, timeout_s: float | None = None,
-                  idle_timeout_s: float | None = None, truncated: bool = False, output_cap: int = 0,
-                  output: tuple[bytes, ...] = ()) -> LimitHit | None:
-        """Which limit ended a command (``ExecResult.limit``), from the same evidence rules as the
-        container backend. gVisor refuses forks past ``pids`` inside the sentry without a counter
-        the host can read, so a pids verdict is never given."""
-        after = disk = None
-        if limit_evidence.failed(exit_code, sig) and timed_out is None:
-            after = limit_evidence.Counters(self.cgroups.oom_kills(rec.id), 0)
-            start = None if before is None else before.counters
-            if start is not None and after.oom_kills > start.oom_kills:
-                # The host's OOM killer ends the systrap stub that maps the process's memory;
-                # the sentry then reports the process as exited (status 1, measured), not as
-                # SIGKILL: the counter's growth while it ran is the evidence here.
-                hit = LimitHit.of("memory", rec.spec.resources.memory)
-                return LimitHit("memory", hit.value, hit.message + " (gVisor: the host's OOM killer ended it; "
-                                "the sentry's own memory counts against the limit too)")
-            disk = self.disk_room(rec)
-        return limit_evidence.judge(rec.spec.resources, exit_code=exit_code, sig=sig, timed_out=timed_out,
-                                    timeout_s=timeout_s, idle_timeout_s=idle_timeout_s, truncated=truncated,
-                                    output_cap=output_cap, before=before, after=after, disk=disk, output=output)
-
-    def disk_room(self, rec: SandboxRecord) -> DiskRoom | None:
-        if not isinstance(rec, GVisorRecord):
-            return None
-        try:
-            if rec.medium == "disk":
-                if self._uppers is None:
-                    return None
-                use = self._uppers.usage(rec.id)
-                return DiskRoom(use.free, -1, use.free < limit_evidence.DISK_FULL_BYTES)
-            st = os.statvfs(self.bundle_dir(rec.id) / "upper")
-        except (OSError, ValueError, HostError):
-            return None
-        free = st.f_bavail * st.f_frsize
-        return DiskRoom(free, int(st.f_favail), free < limit_evidence.DISK_FULL_BYTES or st.f_favail == 0)
-
-    def usage(self, sandbox_id: str) -> Usage:
-        """Memory (sentry, gofer and the sandbox's memory, as the memory cgroup charges it),
-        host tasks (the sandbox's processes are not host processes: this counts the sentry's
-        threads, the gofer and the systrap stubs), CPU seconds and the writable layer's bytes."""
-        rec = self.get(sandbox_id)
-        disk = 0
-        room = self.disk_room(rec)
-        if room is not None:
-            total = rec.spec.resources.disk
-            disk = max(0, total - room.bytes_free)
-        return Usage(memory_bytes=self.cgroups.memory_bytes(sandbox_id), pids=self.cgroups.host_tasks(sandbox_id),
-                     cpu_s=self.cgroups.cpu_s(sandbox_id), disk_bytes=disk)
-
-    def store_space(self) -> tuple[int, int] | None:
-        if self._uppers is None:
-            return None
-        with contextlib.suppress(OSError):
-            return self._uppers.space()  # type: ignore[no-any-return]
-        return None
-
     # ----- files and sessions -----
 
     def files(self, sandbox_id: str) -> SandboxFiles:
@@ -866,198 +569,3 @@ class GVisorBackend(BackendBase):
 
     def session_table(self) -> dict[str, dict[str, Any]]:
         return self._sessions
-
-    # ----- pause / resume -----
-
-    def wake(self, sandbox_id: str) -> bool:
-        """Thaw a paused sandbox at once (freezer pause); False if it was not paused or the
-        pause method needs an async resume."""
-        rec = self._sandboxes.get(sandbox_id)
-        if rec is None or rec.state is not SandboxState.PAUSED or self.config.pause_method != "freezer":
-            return False
-        if self.wake_gate is not None:
-            self.wake_gate(sandbox_id)  # raises to keep it paused (preempted)
-        self.cgroups.thaw(sandbox_id)
-        self.records.move(rec, SandboxState.RUNNING)
-        self.records.event(rec, "woken")
-        self.last_activity[sandbox_id] = time.monotonic()
-        return True
-
-    async def pause(self, sandbox_id: str, *, reclaim: bool = True) -> PauseResult:
-        """Freeze the sandbox (``reclaim`` is ignored: its memory is the sentry's, not swapped out)."""
-        async with self._locks.setdefault(sandbox_id, asyncio.Lock()):
-            return await self._pause(sandbox_id)
-
-    async def _pause(self, sandbox_id: str) -> PauseResult:
-        t0 = time.monotonic()
-        rec = self.get(sandbox_id)
-        if rec.state is not SandboxState.RUNNING:
-            raise SandboxStateError(f"sandbox {sandbox_id} is {rec.state.value}: only a running sandbox can be paused",
-                                    sandbox_id=sandbox_id, state=rec.state.value)
-        if self.config.pause_method == "runsc":
-            await self._require_started().pause(rec.container_id)
-        else:
-            self.cgroups.freeze(sandbox_id)
-            deadline = time.monotonic() + 10
-            while self.cgroups.freezer_state(sandbox_id) != "FROZEN":
-                if time.monotonic() > deadline:
-                    self.cgroups.thaw(sandbox_id)
-                    raise HostError(f"sandbox {sandbox_id} did not freeze within 10 s", sandbox_id=sandbox_id)
-                await asyncio.sleep(0.001)
-        freeze_s = time.monotonic() - t0
-        self.records.move(rec, SandboxState.PAUSED)
-        self.records.event(rec, "paused", freeze_s=round(freeze_s, 6), method=self.config.pause_method)
-        return PauseResult(sandbox_id, freeze_s, None, time.monotonic() - t0)
-
-    async def resume(self, sandbox_id: str) -> GVisorRecord:
-        if self.config.pause_method == "freezer":
-            return self._resume(sandbox_id)  # one write, no await: nothing to interleave with
-        async with self._locks.setdefault(sandbox_id, asyncio.Lock()):
-            return await self._resume_runsc(sandbox_id)
-
-    def _not_paused(self, rec: GVisorRecord) -> SandboxStateError:
-        return SandboxStateError(f"sandbox {rec.id} is {rec.state.value}: only a paused sandbox can be resumed",
-                                 sandbox_id=rec.id, state=rec.state.value)
-
-    def _resume(self, sandbox_id: str) -> GVisorRecord:
-        rec = self.get(sandbox_id)
-        if rec.state is not SandboxState.PAUSED:
-            raise self._not_paused(rec)
-        self.cgroups.thaw(sandbox_id)
-        self.records.move(rec, SandboxState.RUNNING)
-        self.records.event(rec, "resumed")
-        self.last_activity[sandbox_id] = time.monotonic()
-        return rec
-
-    async def _resume_runsc(self, sandbox_id: str) -> GVisorRecord:
-        rec = self.get(sandbox_id)
-        if rec.state is not SandboxState.PAUSED:
-            raise self._not_paused(rec)
-        await self._require_started().resume(rec.container_id)
-        self.records.move(rec, SandboxState.RUNNING)
-        self.records.event(rec, "resumed")
-        self.last_activity[sandbox_id] = time.monotonic()
-        return rec
-
-    async def pause_many(self, sandbox_ids: Sequence[str], *, reclaim: bool = True) -> GroupOutcome:
-        return await self._group(sandbox_ids, SandboxState.PAUSED, lambda s: self.pause(s, reclaim=reclaim))
-
-    async def resume_many(self, sandbox_ids: Sequence[str]) -> GroupOutcome:
-        return await self._group(sandbox_ids, SandboxState.RUNNING, self.resume)
-
-    async def _group(self, ids: Sequence[str], target: SandboxState, op: Any) -> GroupOutcome:
-        t0 = time.monotonic()
-        out = GroupOutcome()
-
-        async def one(sid: str) -> None:
-            try:
-                if self.get(sid).state is target:
-                    out.skipped.append(sid)
-                    return
-                await op(sid)
-                out.done.append(sid)
-            except DsecError as exc:
-                out.errors[sid] = exc
-
-        await asyncio.gather(*(one(s) for s in dict.fromkeys(ids)))
-        out.seconds = time.monotonic() - t0
-        return out
-
-    # ----- reconcile after a crash -----
-
-    async def _reconcile(self) -> dict[str, builtins.list[str]]:
-        """Re-adopt sandboxes whose sentry still runs; remove every trace of the others."""
-        runsc = self._require_started()
-        adopted: list[str] = []
-        destroyed: list[str] = []
-        containers = set(runsc.container_ids())
-        mounted = {m.mount_point for m in await asyncio.to_thread(_mountinfo)}
-        for path in self.records.files():
-            try:
-                rec = GVisorRecord.from_json(json.loads(path.read_text()))
-            except (OSError, ValueError, KeyError):
-                path.unlink(missing_ok=True)
-                continue
-            alive = (rec.state in (SandboxState.RUNNING, SandboxState.PAUSED) and rec.container_id in containers
-                     and self._sentry_alive(rec) and str(self.rootfs(rec.id)) in mounted)
-            if alive and rec.medium == "disk":
-                try:
-                    await self._setup_uppers()
-                except HostError:
-                    alive = False
-            if alive:
-                if self.config.pause_method == "freezer":
-                    frozen = self.cgroups.freezer_state(rec.id) == "FROZEN"
-                    rec.state = SandboxState.PAUSED if frozen else SandboxState.RUNNING
-                rec.oom_baseline = self.cgroups.oom_kills(rec.id)
-                self._sandboxes[rec.id] = rec
-                self._layers.adopt(rec.id, rec.layers)
-                self._watch(rec)
-                self.records.event(rec, "adopted")
-                self.records.save(rec)
-                self.last_activity[rec.id] = time.monotonic()
-                adopted.append(rec.id)
-                continue
-            await self._teardown(rec)
-            destroyed.append(rec.id)
-        # Anything of this name without a live record: runsc containers, cgroups, bundles, uppers.
-        prefix = f"{self.name}-"
-        for cid in containers:
-            sid = cid[len(prefix):]
-            if cid.startswith(prefix) and sid not in self._sandboxes:
-                await self._teardown(GVisorRecord(sid, SandboxState.FAILED, _ORPHAN_SPEC, 0.0, container_id=cid))
-                destroyed.append(sid)
-        orphans = set(self.cgroups.existing()) | {p.name for p in self.bundles_dir.iterdir() if p.is_dir()}
-        for sid in sorted(orphans - set(self._sandboxes) - set(destroyed)):
-            if ID_RE.match(sid):
-                await self._teardown(GVisorRecord(sid, SandboxState.FAILED, _ORPHAN_SPEC, 0.0))
-                destroyed.append(sid)
-        if self._uppers is not None:
-            for sid in set(self._uppers.names()) - set(self._sandboxes):
-                with contextlib.suppress(OSError, HostError):
-                    await asyncio.to_thread(self._uppers.destroy, sid)
-        self._layers.release_unused_pins()
-        await asyncio.to_thread(self._mounts.unmount_unused)
-        return {"adopted": adopted, "destroyed": destroyed}
-
-    async def heal(self, *, repair: bool = True) -> builtins.list[HostFinding]:
-        """Layer mounts that someone unmounted are mounted again (running sandboxes keep
-        theirs: the overlay holds its lowers)."""
-        if self._mounts is None:
-            return []
-        problems, repairs = await asyncio.to_thread(self._mounts.check, repair=repair)
-        found = [HostFinding("layer_mount", m, False) for m in problems]
-        found += [HostFinding("layer_mount", m, True) for m in repairs]
-        self._repairs.extend(f for f in found if f.repaired)
-        return found
-
-
-_ORPHAN_SPEC: Final = SandboxSpec(image=ImageRef(base="orphan:none"), backend="gvisor")
-"""The spec of a leftover found by name only (its record is gone): never run, only torn down."""
-
-
-def _our_zombie(pid: int) -> bool:
-    """``pid`` is an exited, unreaped child of this process that runsc made (its binary re-executed
-    as ``exe``, or named runsc-*)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
-        return False
-    comm = data[data.index(b"(") + 1:data.rindex(b")")]
-    fields = data[data.rindex(b")") + 2:].split()
-    return fields[0] == b"Z" and int(fields[1]) == os.getpid() and (comm == b"exe" or comm.startswith(b"runsc"))
-
-
-def _children() -> builtins.list[int]:
-    out: list[int] = []
-    for t in os.listdir("/proc/self/task"):
-        with contextlib.suppress(OSError), open(f"/proc/self/task/{t}/children") as f:
-            out.extend(int(x) for x in f.read().split())
-    return out
-
-
-def _mountinfo() -> builtins.list[Any]:
-    from dsec.images import sysmount
-
-    return list(sysmount.mountinfo())
