@@ -11,7 +11,7 @@ from typing import Annotated
 from pydantic import Field
 
 from dsec.backends.container.config import ContainerConfig
-from dsec.backends.container.network import NetworkConfig, Permission
+from dsec.backends.container.netconfig import NetworkConfig, Permission
 from dsec.backends.fncall.config import FnCallConfig
 from dsec.backends.gvisor.config import GVisorConfig
 

@@ -51,7 +51,8 @@ from dsec.spec.fncall import (
 )
 
 if TYPE_CHECKING:
-    from dsec.backends.fncall.pool import FnCallPool, Worker
+    from dsec.backends.fncall.pool import FnCallPool
+    from dsec.backends.fncall.workers import Worker
     from dsec.spec import ImageRef
 
 MiB = 1 << 20
@@ -2871,7 +2872,7 @@ async def run_fncall_case(pool: FnCallPool, image: ImageRef | str, c: FnCase, *,
                           quick: bool = True, neighbours: int = 2, timeout: float = 300.0) -> Outcome:
     """Run one case with ``neighbours`` loops of neighbour calls on the same pool, then the checks
     every case ends with. Never raises for the attack's sake: everything lands in the Outcome."""
-    from dsec.backends.fncall.pool import image_ref
+    from dsec.backends.fncall.workers import image_ref
 
     out = Outcome(c.name)
     if c.needs_edge and edge is None:
@@ -2940,7 +2941,7 @@ def suite_config(image: ImageRef) -> Any:
 
 async def quiet_baseline(pool: FnCallPool, image: ImageRef | str, seconds: float = 2.0) -> float | None:
     """The neighbour calls' p50 with nothing else running (ms)."""
-    from dsec.backends.fncall.pool import image_ref
+    from dsec.backends.fncall.workers import image_ref
 
     load = CallLoad(pool, image_ref(image))
     load.start()

@@ -8,6 +8,7 @@ import contextlib
 import errno
 import ipaddress
 import os
+import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -143,6 +144,24 @@ def wire_netns(ip: str, ifname: str, never: str, into_fd: int | None = None) -> 
             raise
         raise HostError(f"cannot prepare a sandbox network namespace: {exc}") from exc
     return fd
+
+
+def _resolve_v4(host: str) -> list[str]:
+    infos = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)
+    return sorted({str(i[4][0]) for i in infos})
+
+
+def _host_ipv4_addrs() -> set[str]:
+    """Every IPv4 address configured on the host (they are the host: never reachable)."""
+    from pyroute2 import IPRoute
+
+    out: set[str] = set()
+    with IPRoute() as ip:
+        for a in ip.get_addr(family=socket.AF_INET):
+            addr = a.get_attr("IFA_LOCAL") or a.get_attr("IFA_ADDRESS")
+            if addr:
+                out.add(f"{addr}/32")
+    return out
 
 
 __all__ = ["GATEWAY", "Element", "SlotTaken", "generation_cmd", "wire_netns"]

@@ -26,7 +26,8 @@ from dsec.backends.base import (
     _Unset,
 )
 from dsec.backends.fncall.config import FnCallConfig
-from dsec.backends.fncall.pool import FnCallPool, WorkerHost
+from dsec.backends.fncall.pool import FnCallPool
+from dsec.backends.fncall.workers import WorkerHost
 from dsec.errors import HostError, SandboxNotFound
 from dsec.spec import ImageRef, SandboxSpec
 from dsec.spec.fncall import FnCall, FnOutcome, FnResult
