@@ -37,10 +37,20 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar, Final, Protocol, runtime_checkable
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    BinaryIO,
+    ClassVar,
+    Protocol,
+    TypedDict,
+    runtime_checkable,
+)
 
 from dsec.errors import DsecError, InvalidSpec, Unsupported
 from dsec.spec import NetworkPolicy, SandboxSpec, SandboxState
+from dsec.spec.unset import UNSET as UNSET  # one marker for the whole package
+from dsec.spec.unset import _Unset as _Unset
 
 if TYPE_CHECKING:
     from dsec.images.layer import Layer
@@ -52,13 +62,6 @@ more returns a future: the backend stops reading the command's output until it i
 Nothing is dropped."""
 
 
-class _Unset:
-    def __repr__(self) -> str:
-        return "UNSET"
-
-
-UNSET: Final = _Unset()
-"""Marks an argument left out (the default applies); ``None`` means "none"."""
 
 
 def command_line(cmd: str | Sequence[str], limit: int = 512) -> str:
@@ -301,6 +304,20 @@ class FileInfo:
 
 
 
+class NetworkFacts(TypedDict, total=False):
+    """A networked sandbox's network as its backend knows it (:meth:`Backend.network_info`)."""
+
+    ip: str | None
+    ifname: str | None
+    gateway: str
+    policy: dict[str, object] | None
+    """The policy in force, as JSON."""
+    denied_packets: int
+    """Refused attempts so far (as of the last :meth:`Backend.collect_denied`)."""
+    denied_recent: list[str]
+    """The latest refused destinations."""
+
+
 class ReclaimFigures(Protocol):
     """What a pause pushed out of RAM (bytes)."""
 
@@ -441,7 +458,7 @@ class Backend(Protocol):
     # policy
     async def set_policy(self, sandbox_id: str, policy: NetworkPolicy | None) -> SandboxRecord: ...
     async def set_stage(self, sandbox_id: str, name: str) -> SandboxRecord: ...
-    def network_info(self, sandbox_id: str) -> dict[str, Any] | None: ...
+    def network_info(self, sandbox_id: str) -> NetworkFacts | None: ...
     async def collect_denied(self) -> dict[str, int]: ...
 
     # host
@@ -520,7 +537,7 @@ class BackendBase:
     async def set_stage(self, sandbox_id: str, name: str) -> SandboxRecord:
         raise self._unsupported("stages")
 
-    def network_info(self, sandbox_id: str) -> dict[str, Any] | None:
+    def network_info(self, sandbox_id: str) -> NetworkFacts | None:
         return None
 
     async def collect_denied(self) -> dict[str, int]:

@@ -32,6 +32,7 @@ from dsec.backends.base import (
     OutputCallback,
     SandboxRecord,
     ShellSession,
+    check_spec,
     command_line,
 )
 from dsec.edge.admission import Admission, Budgets, disk_reserve, resolve_budgets
@@ -449,11 +450,9 @@ class EdgeService:
                 return self.info(existing, with_token=True)
         spec = req.spec
         backend = self.backends.get(spec.backend)
+        check_spec(backend.capabilities, spec)  # the backend's own check, before any reservation
         if spec.effective_network() is not None or any(st.network is not None for st in spec.stages.values()):
-            backend.capabilities.require(Capability.NETWORK, what="network policies")
             self.require_network("the spec", "spec.network" if spec.stage is None else "spec.stages")
-        if spec.stages:
-            backend.capabilities.require(Capability.STAGES, what="stages")
         now = time.time()
         if req.id is None and self.pools.pools:
             taken = self.pools.take(req.spec, self._edge_meta(req, now))
@@ -900,11 +899,11 @@ class EdgeService:
     def network_info(self, sandbox_id: str) -> NetworkInfo:
         """Address, policy in force and refused attempts (as of the last audit pass)."""
         rec = self.record(sandbox_id)
-        raw = dict(self.backend(sandbox_id).network_info(sandbox_id) or {})
-        raw.pop("policy", None)
-        ip = raw.pop("ip", None)
-        denied = raw.pop("denied_packets", 0)
-        recent = raw.pop("denied_recent", None) or []
+        facts = self.backend(sandbox_id).network_info(sandbox_id) or {}
+        ip = facts.get("ip")
+        denied = facts.get("denied_packets", 0)
+        recent = facts.get("denied_recent") or []
+        raw = {k: v for k, v in facts.items() if k not in ("policy", "ip", "denied_packets", "denied_recent")}
         return NetworkInfo(
             sandbox_id=sandbox_id, ip=None if ip is None else str(ip), policy=rec.current_policy(),
             stage=rec.current_stage, denied=int(denied or 0), recent_denied=[str(x) for x in recent][-32:],

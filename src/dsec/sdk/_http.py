@@ -31,15 +31,8 @@ from dsec.errors import decode_error
 from dsec.http1 import NO_TIMEOUT, Answer, AnswerTimeout, ConnectFailed, EdgeHTTP, NoAnswer
 from dsec.spec.api import ExecResultWire
 from dsec.spec.results import ExecResult, LimitHit
-
-
-class _Unset:
-    def __repr__(self) -> str:
-        return "UNSET"
-
-
-UNSET: Final = _Unset()
-"""A left-out argument (its default applies); ``None`` means none, e.g. no timeout."""
+from dsec.spec.unset import UNSET as UNSET  # one marker for the whole package
+from dsec.spec.unset import _Unset as _Unset
 
 Response = httpx.Response | Answer
 """An answer from either client: status_code, headers, content, json(), text."""

@@ -10,7 +10,6 @@ from typing import Any, TypeVar
 import httpx
 
 from dsec.errors import DsecError
-from dsec.sdk._http import _Unset
 from dsec.sdk.outcomes import CreateOutcome, OutputChunk
 from dsec.sdk.terminal import TerminalExit
 from dsec.spec import ImageRef, NetworkPolicy, SandboxSpec
@@ -31,6 +30,7 @@ from dsec.spec.api import (
 from dsec.spec.control import SchedEvent, SchedStatus, TaskDetail
 from dsec.spec.fncall import FnCall, FnOutcome, FnResult
 from dsec.spec.results import ExecResult
+from dsec.spec.unset import _Unset
 
 T = TypeVar("T")
 

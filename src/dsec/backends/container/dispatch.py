@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from dsec.backends.base import DiskRoom, EdgeMeta, SandboxRecord, Usage
+from dsec.backends.base import DiskRoom, EdgeMeta, NetworkFacts, SandboxRecord, Usage
 from dsec.backends.common.fsops import SandboxFiles
 from dsec.backends.common.sessions import Session
 from dsec.backends.common.uppers import UpperUsage
@@ -48,7 +48,7 @@ class SandboxDispatch:
         """:meth:`ContainerSandbox.set_policy`."""
         return await self.live(sandbox_id).set_policy(policy)
 
-    def network_info(self: DispatchNode, sandbox_id: str) -> dict[str, Any] | None:
+    def network_info(self: DispatchNode, sandbox_id: str) -> NetworkFacts | None:
         return self.live(sandbox_id).network_info()
 
     def current_stage(self: DispatchNode, sandbox_id: str) -> str | None:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from dsec.backends.base import (
     DiskRoom,
     EdgeMeta,
+    NetworkFacts,
     SandboxRecord,
     Usage,
 )
@@ -408,7 +409,7 @@ class ContainerSandbox(SandboxCommands):
         self.node.records.event(rec, "net_denied", count=grown, total=total, destinations=dests[-16:])
         return grown
 
-    def network_info(self) -> dict[str, Any] | None:
+    def network_info(self) -> NetworkFacts | None:
         """Address, policy and refused-packet counts (as of the last :meth:`collect_denied`);
         None for a loopback-only sandbox."""
         rec = self.rec
