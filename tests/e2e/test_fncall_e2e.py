@@ -23,10 +23,10 @@ import pytest
 from pydantic import ValidationError
 
 from conftest import edge_config, running_edge
-from dsec.auth import mint
 from dsec.backends.fncall.config import FnCallConfig, FnCallImage
 from dsec.bench import fncall as bench
 from dsec.errors import Forbidden, InvalidSpec, Unsupported
+from dsec.http.auth import mint
 from dsec.sdk import AsyncClient, Client
 from dsec.spec import ImageRef
 from dsec.spec.fncall import (

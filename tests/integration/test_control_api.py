@@ -16,7 +16,7 @@ import pytest
 import test_control_support as support
 from test_control_support import SPEC, GiB, MiB, cluster
 
-from dsec import auth
+from dsec.http import auth
 
 pytestmark = pytest.mark.anyio
 

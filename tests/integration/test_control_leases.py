@@ -318,7 +318,7 @@ async def test_a_lease_held_ahead_yields_to_a_create_refused_for_quota(
 
 
 def _edge_admin() -> dict[str, str]:
-    from dsec import auth
+    from dsec.http import auth
 
     tok, _ = auth.mint(KEY, sandbox_id="*", project="*", ttl_s=600, scope="edge-admin")
     return {"authorization": f"Bearer {tok}"}

@@ -33,10 +33,10 @@ import test_control_support as support
 from sqlalchemy.orm import Session
 from test_control_support import SPEC, Cluster, GiB, cluster
 
-from dsec import auth
 from dsec.control import iam
 from dsec.control.db import SandboxRow, make_engine
 from dsec.control.sandboxes import Answered, InFlight, Sandboxes
+from dsec.http import auth
 from dsec.spec.api import EdgeHealth
 
 pytestmark = pytest.mark.anyio

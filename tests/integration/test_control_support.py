@@ -40,7 +40,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
 from conftest import serve_asgi
-from dsec import auth
+from dsec.http import auth
 from dsec.spec.api import EdgeHealth, SandboxInfo
 
 MiB = 1024 * 1024

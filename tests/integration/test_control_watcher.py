@@ -242,7 +242,7 @@ async def test_background_watcher_and_heartbeats(db_url: str, tmp_path: Path) ->
         await edge.heartbeat(cl.url)
         listed = (await c.get("/v1/edges")).json()[0]
         assert listed["health"]["capacity_sandboxes"] == 7 and listed["last_seen"] > time.time() - 5
-        from dsec import auth
+        from dsec.http import auth
 
         tok, _ = auth.mint(cl.key, sandbox_id="*", project="*", scope="edge-admin")
         r = await c.post("/v1/edges/e2/heartbeat", content=edge.health().model_dump_json(),

@@ -243,7 +243,7 @@ async def test_admin_api_and_metrics(dsec_base: Path, tmp_path: Path) -> None:
         tok = (await a.post("/v1/tokens", json={"project": "p1"})).json()["token"]
         r = await a.get("/v1/admin/overview", headers={"authorization": f"Bearer {tok}"})
         assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden", r.text
-        from dsec import auth
+        from dsec.http import auth
 
         # an edge-admin token is an operator too (as for GET /v1/edges)
         ea, _ = auth.mint(st.key, sandbox_id="*", project="*", ttl_s=60, scope="edge-admin")

@@ -20,8 +20,8 @@ import httpx
 import pytest
 
 from conftest import edge_config, running_edge, wait_until
-from dsec.auth import mint
 from dsec.edge.testing import EdgeThread
+from dsec.http.auth import mint
 
 pytestmark = pytest.mark.root
 

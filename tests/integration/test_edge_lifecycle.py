@@ -20,9 +20,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from conftest import edge_config, wait_until
-from dsec.auth import verify
 from dsec.edge.config import EdgeConfig, PoolConfig
 from dsec.edge.testing import EdgeThread, leftovers
+from dsec.http.auth import verify
 from dsec.spec import ImageRef, Resources
 from dsec.spec.api import EdgeHealth
 

@@ -1,4 +1,4 @@
-"""The fast routes (dsec/fastroute.py) answer as the FastAPI routes do, on the real servers.
+"""The fast routes (dsec/http/fastroute.py) answer as the FastAPI routes do, on the real servers.
 
 Every request is sent twice: as it is, which the fast route answers, and with a
 harmless query string (``?via=fastapi``), which FastRoutes hands on to FastAPI
@@ -32,10 +32,10 @@ from test_control_support import SPEC as CONTROL_SPEC
 from test_control_support import cluster
 
 from conftest import edge_config, pid_alive, running_edge, wait_until
-from dsec.auth import mint
 from dsec.edge.testing import EdgeThread
-from dsec.fastroute import FastRoutes
-from dsec.httplimits import JSON_BODY_LIMIT
+from dsec.http.auth import mint
+from dsec.http.fastroute import FastRoutes
+from dsec.http.limits import JSON_BODY_LIMIT
 
 anyio_backend = support.anyio_backend
 pg_cluster = support.pg_cluster

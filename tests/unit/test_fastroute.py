@@ -1,4 +1,4 @@
-"""FastRoutes (dsec/fastroute.py) on its own: which requests it answers, which it hands on,
+"""FastRoutes (dsec/http/fastroute.py) on its own: which requests it answers, which it hands on,
 how it reads bodies, and how errors come out. Called as an ASGI app with hand-made
 scope/receive/send, and once behind BodyLimit on a real uvicorn on 127.0.0.1 (real
 chunking, a real client going away)."""
@@ -18,8 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from conftest import serve_asgi
 from dsec.errors import AuthError, Backpressure, DsecError, SandboxNotFound
-from dsec.fastroute import Answer, FastRequest, FastRoutes
-from dsec.httplimits import BodyLimit
+from dsec.http.fastroute import Answer, FastRequest, FastRoutes
+from dsec.http.limits import BodyLimit
 
 pytestmark = pytest.mark.anyio
 

@@ -1,4 +1,4 @@
-"""The lean HTTP/1.1 client (dsec/http1.py) against raw asyncio servers: keep-alive, stale
+"""The lean HTTP/1.1 client (dsec/http/client.py) against raw asyncio servers: keep-alive, stale
 connections, failures, and the options the SDK uses (reuse_unsafe, no timeout)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from dsec.http1 import NO_TIMEOUT, AnswerTimeout, ConnectFailed, EdgeHTTP, NoAnswer
+from dsec.http.client import NO_TIMEOUT, AnswerTimeout, ConnectFailed, EdgeHTTP, NoAnswer
 
 pytestmark = pytest.mark.anyio
 

@@ -92,6 +92,8 @@ def _breaks(rule: str, m: str, t: str) -> bool:
     above = {
         "images sits below everything": ("dsec.images", ("dsec.backends", "dsec.edge", "dsec.control", "dsec.sdk",
                                                           "dsec.cli", "dsec.compat", "dsec.bench")),
+        "HTTP sits below the services and the SDK": ("dsec.http", ("dsec.backends", "dsec.edge", "dsec.control",
+                                                                    "dsec.sdk", "dsec.cli", "dsec.compat", "dsec.bench")),
         "backends sit below the services": ("dsec.backends", ("dsec.edge", "dsec.control", "dsec.sdk", "dsec.cli",
                                                                 "dsec.compat", "dsec.bench")),
         "the services sit below the SDK and the CLI": (("dsec.edge", "dsec.control"), ("dsec.sdk", "dsec.cli")),
@@ -104,7 +106,7 @@ def _breaks(rule: str, m: str, t: str) -> bool:
 
 
 RULES = ["backend folders use only the shared kit", "the edge and the control plane never reach into a backend folder",
-         "images sits below everything", "backends sit below the services",
+         "images sits below everything", "HTTP sits below the services and the SDK", "backends sit below the services",
          "the services sit below the SDK and the CLI", "the SDK never imports the services or the CLI"]
 
 

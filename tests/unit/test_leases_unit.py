@@ -14,12 +14,12 @@ from typing import Any
 
 import pytest
 
-from dsec import auth
 from dsec.control.iam import Amount
 from dsec.control.leases import how_many_fit, split
 from dsec.control.placement import Demand, EdgeView, Room
 from dsec.edge.leases import LeaseBook, slot_key
 from dsec.errors import AuthError, Backpressure, DsecError, Forbidden, LeaseInvalid
+from dsec.http import auth
 from dsec.spec import SandboxState
 from dsec.spec.api import EdgeCreateSandbox, LeaseReportItem, SandboxInfo
 

@@ -1,5 +1,5 @@
 """The SDK's HTTP paths against a real uvicorn on 127.0.0.1: plain calls through the lean
-client (dsec/http1.py), streams and large transfers through httpx, and errors either way
+client (dsec/http/client.py), streams and large transfers through httpx, and errors either way
 as the SDK has always raised them (typed dsec errors, httpx's transport errors)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 
 from conftest import serve_asgi
 from dsec import AsyncClient, SandboxNotFound
-from dsec.http1 import Answer
+from dsec.http.client import Answer
 from dsec.spec import ImageRef, SandboxSpec
 
 pytestmark = pytest.mark.anyio

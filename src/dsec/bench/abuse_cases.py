@@ -118,7 +118,7 @@ class EdgeTarget:
     key: bytes
 
     def token(self, sandbox_id: str, *, admin: bool = False, key: bytes | None = None, ttl_s: float = 3600.0) -> str:
-        from dsec.auth import mint
+        from dsec.http.auth import mint
 
         tok, _ = mint(key or self.key, sandbox_id="*" if admin else sandbox_id, project="", ttl_s=ttl_s,
                       scope="edge-admin" if admin else "sandbox")
@@ -1254,7 +1254,7 @@ async def _secrets(a: Attack) -> None:
                                "on admin routes",
       asserts="every request gets a 4xx (never 5xx, never a host file); the edge still serves afterwards",
       defence="FastAPI validation, signed tokens bound to one sandbox, files API confinement, JSON bodies refused "
-              "over 16 MiB before parsing (413), bounded request heads (dsec/httplimits.py)",
+              "over 16 MiB before parsing (413), bounded request heads (dsec/http/limits.py)",
       needs_helper=False, needs_edge=True)
 async def _edge_malformed(a: Attack) -> None:
     import httpx
@@ -1331,7 +1331,7 @@ async def _edge_malformed(a: Attack) -> None:
                                   "before any authentication",
       asserts="refused (431/400 or the connection closed), never processed; the edge still serves",
       defence="the servers' HTTP protocol counts each request head as it arrives: 431 and close past 64 KiB or "
-              "128 headers (dsec/httplimits.py)", needs_helper=False, needs_edge=True)
+              "128 headers (dsec/http/limits.py)", needs_helper=False, needs_edge=True)
 async def _edge_headers(a: Attack) -> None:
     import httpx
 
@@ -1369,7 +1369,7 @@ async def _edge_headers(a: Attack) -> None:
       asserts="refused with 413 before the body is buffered: the edge process grows by < 64 MiB",
       defence="file and tar bodies are read capped at the sandbox's disk quota (+1 MiB; tar: twice that): a "
               "larger Content-Length is refused with 413 before reading, a streamed body at the cap "
-              "(dsec/httplimits.read_body)", needs_helper=False, needs_edge=True)
+              "(dsec/http/limits.read_body)", needs_helper=False, needs_edge=True)
 async def _edge_upload(a: Attack) -> None:
     import httpx
 

@@ -263,8 +263,8 @@ async def _run_phase(mode: str, urls: list[str], token: str, *, n: int, workers:
 
 async def _cluster(pg: Any, work: Path, *, replicas: int, edges: int, modes: list[str], n: dict[str, int],
                    workers: int, concurrency: int, say: Say) -> dict[str, Any]:
-    from dsec import auth
     from dsec.bench.standin import StandInEdge
+    from dsec.http import auth
 
     key = auth.new_key()
     token = "dsk_" + secrets.token_urlsafe(32)
@@ -329,7 +329,7 @@ def run(*, quick: bool = False, say: Say = print, modes: tuple[str, ...] = ("lea
                     for k, v in figures.items():
                         results[f"{pre}_{k}_{tag}"] = v
 
-    from dsec import loop as dsec_loop
+    from dsec.http import loop as dsec_loop
 
     dsec_loop.run(main())
     results["load1_after"] = os.getloadavg()[0]
@@ -341,6 +341,6 @@ def run(*, quick: bool = False, say: Say = print, modes: tuple[str, ...] = ("lea
 
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--worker":
-        from dsec import loop as dsec_loop
+        from dsec.http import loop as dsec_loop
 
         print(json.dumps(dsec_loop.run(_worker(json.loads(sys.argv[2])))), flush=True)

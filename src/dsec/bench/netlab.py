@@ -47,8 +47,8 @@ from typing import Any
 
 import httpx
 
-from dsec import auth
 from dsec.bench.postgres import TempPostgres, temp_postgres
+from dsec.http import auth
 
 FAKETIME_LIB = next(iter(sorted(glob.glob("/usr/lib/*/faketime/libfaketime.so.1"))), None)
 IMAGE = "busybox:test"

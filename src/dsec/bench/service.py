@@ -118,7 +118,7 @@ class _Procs:
         self.url = f"http://127.0.0.1:{port}"
         await self._healthy(self.url + "/healthz")
         self.admin_token = (data / "control" / "admin.token").read_text().strip()
-        from dsec import auth
+        from dsec.http import auth
 
         key = bytes.fromhex((data / "control" / "cluster.key").read_text().strip())
         self.edge_token = auth.mint(key, sandbox_id="*", project="*", ttl_s=86400, scope="edge-admin")[0]
@@ -314,7 +314,7 @@ def run(*, quick: bool = False, say: Say = print) -> dict[str, Any]:
             return {**out, **direct.figures()}
 
     # The default event loop, as in most users' programs (the edge and the control plane run on
-    # uvloop: dsec/loop.py); the direct calls share it, so the baseline is what a program would
+    # uvloop: dsec/http/loop.py); the direct calls share it, so the baseline is what a program would
     # get calling the runtime itself.
     with tempfile.TemporaryDirectory(prefix="dsec-bench-svc-") as tmp:
         work = Path(tmp)

@@ -26,9 +26,9 @@ from typing import Any
 
 import httptools
 
-from dsec import auth
 from dsec.edge.leases import LeaseBook, LeaseReporter
 from dsec.errors import DsecError, encode_error
+from dsec.http import auth
 from dsec.spec import SandboxState
 from dsec.spec.api import (
     BatchItem,

@@ -188,7 +188,7 @@ def register(main: click.Group) -> None:
                     registry_args=["--registry", "--registry-port", str(registry_port)] if registry else [],
                     control_config=control_config)
             return
-        from dsec import loop as dsec_loop
+        from dsec.http import loop as dsec_loop
 
         dsec_loop.run(run_foreground(data, port=port, edges=edges, host=host, say=lambda m: console.print(m),
                                      edge_overrides=overrides, node_name=node_name, registry=registry,

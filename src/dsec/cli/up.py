@@ -268,7 +268,7 @@ async def _wait_registered(control: Any, edge_ids: list[str], timeout: float = 1
     """Until the control plane lists every edge (they register on start)."""
     import httpx
 
-    from dsec import auth
+    from dsec.http import auth
 
     key = control.control.key
     tok, _ = auth.mint(key, sandbox_id="*", project="*", scope="edge-admin", ttl_s=60)

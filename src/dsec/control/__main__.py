@@ -21,9 +21,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dsec import loop as dsec_loop
 from dsec.control.config import ControlConfig
 from dsec.control.server import serve_control
+from dsec.http import loop as dsec_loop
 
 
 def parse_args(argv: list[str] | None = None) -> ControlConfig:

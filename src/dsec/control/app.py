@@ -31,8 +31,8 @@ from dsec.control.membership import router as membership_router
 from dsec.control.sandboxes import parse_label_filters
 from dsec.control.service import Control
 from dsec.errors import AuthError, DsecError, Forbidden, InvalidSpec, encode_error
-from dsec.fastroute import Answer, FastRequest, FastRoutes, answer_of
-from dsec.httplimits import BodyLimit
+from dsec.http.fastroute import Answer, FastRequest, FastRoutes, answer_of
+from dsec.http.limits import BodyLimit
 from dsec.spec import SandboxState
 from dsec.spec.api import (
     BatchResult,
@@ -234,7 +234,7 @@ def create_app(config: ControlConfig, *, control: Control | None = None) -> Fast
         lifespan=lifespan,
         responses=_ERRORS,
     )
-    # Creates, below FastAPI's machinery (dsec/fastroute.py): the FastAPI route of the same
+    # Creates, below FastAPI's machinery (dsec/http/fastroute.py): the FastAPI route of the same
     # name answers what this passes on, and documents the API.
     async def fast_create(req: FastRequest) -> Answer:
         ctl: Control = app.state.ctl
@@ -252,7 +252,7 @@ def create_app(config: ControlConfig, *, control: Control | None = None) -> Fast
     app.add_middleware(FastRoutes, errors=fast_error, routes={("POST", "/v1/sandboxes"): fast_create})
     # SandboxFusion's HTTP API under /sandboxfusion (dsec/compat/sandboxfusion, docs/COMPAT.md)
     app.state.sandboxfusion = sandboxfusion_routes.install(app, config.sandboxfusion)
-    app.add_middleware(BodyLimit)  # JSON bodies stop at 16 MiB (dsec/httplimits.py), fast routes too
+    app.add_middleware(BodyLimit)  # JSON bodies stop at 16 MiB (dsec/http/limits.py), fast routes too
     if config.e2b.enabled:  # outermost: E2B's uploads are not JSON (dsec/compat/e2b, docs/COMPAT.md)
         from dsec.compat.e2b.middleware import E2BMiddleware
 

@@ -16,9 +16,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_serializer, field_validator
 
-from dsec.auth import parse_key
 from dsec.compat.e2b.config import E2BConfig
 from dsec.compat.sandboxfusion.config import SandboxFusionConfig
+from dsec.http.auth import parse_key
 from dsec.spec.api import NAME_PATTERN, Quota
 
 GiB = 1024**3

@@ -27,14 +27,14 @@ import httpx
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from dsec import auth
 from dsec.control.db import EDGES, EdgeRow, Store
 from dsec.control.errors import Conflict, NotFound
 from dsec.control.iam import Amount, bump_statement
 from dsec.control.locking import add_new, lock_one
 from dsec.control.placement import EdgeView, Room, layer_set, room_of_health
 from dsec.errors import Backpressure, DsecError, Forbidden, InvalidSpec, error_from_wire
-from dsec.http1 import Answer, ConnectFailed, EdgeHTTP, NoAnswer
+from dsec.http import auth
+from dsec.http.client import Answer, ConnectFailed, EdgeHTTP, NoAnswer
 from dsec.spec.api import (
     EDGE_ID_PATTERN,
     EdgeHealth,

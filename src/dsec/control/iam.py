@@ -29,11 +29,11 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from dsec.auth import hash_api_token
 from dsec.control.db import PROJECTS, TASKS, ApiToken, Project, SandboxRow, SnapshotRow, Task
 from dsec.control.errors import Conflict, NotFound
 from dsec.control.locking import add_new, lock_one
 from dsec.errors import AuthError, Forbidden, InvalidSpec, QuotaExceeded
+from dsec.http.auth import hash_api_token
 from dsec.spec import Resources, Stage
 from dsec.spec.api import NAME_PATTERN, ProjectInfo, Quota, TaskQuota, TokenInfo
 from dsec.spec.control import TaskDetail

@@ -12,7 +12,7 @@ which edges have room. A grant (``POST /v1/leases``) makes them in one transacti
 3. per edge part: a ``create_leases`` row, and one **reservation per slot**: a sandbox row in
    state ``creating`` keyed ``<lease id><slot:08x>``, charged to the project, the task and
    the edge exactly like a create's reservation;
-4. answer one signed token per part (``dsec.auth.mint_lease``: lease, project, edge, slots,
+4. answer one signed token per part (``dsec.http.auth.mint_lease``: lease, project, edge, slots,
    the hash of the create body, expiry). The SDK sends the body and the token straight to
    the edge (edge/leases.py), which makes each sandbox under a slot's key.
 
@@ -68,7 +68,6 @@ import sqlalchemy as sa
 from fastapi import APIRouter, Depends, Request, Response
 from sqlalchemy.orm import Session
 
-from dsec import auth
 from dsec.control.db import SANDBOXES, CreateLeaseRow, EdgeRow, SandboxRow
 from dsec.control.edges import EdgeUnreachable, bump_edge, edge_of, load_views
 from dsec.control.iam import (
@@ -93,6 +92,7 @@ from dsec.control.sandboxes import (
 )
 from dsec.edge.leases import SLOT_HEX, slot_key
 from dsec.errors import Backpressure, DsecError, InvalidSpec, LeaseInvalid, NotFound, QuotaExceeded
+from dsec.http import auth
 from dsec.spec import Resources, SandboxState
 from dsec.spec.api import (
     AbandonLease,

@@ -29,12 +29,12 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
-from dsec.auth import hash_api_token
 from dsec.control import validate
 from dsec.control.db import EdgeRow, EdgeToken, Project, Replica, SandboxRow
 from dsec.control.edges import check_edge_id, edge_info, get_edge
 from dsec.control.locking import add_new, lock_one
 from dsec.errors import AuthError, Conflict, InvalidSpec, NotFound
+from dsec.http.auth import hash_api_token
 from dsec.spec import SandboxState
 from dsec.spec.api import CreateEdgeToken, EdgeInfo, EdgeJoin, EdgeJoined, EdgeTokenInfo
 

@@ -36,7 +36,6 @@ from typing import Any, TypeVar
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from dsec import auth
 from dsec.control.config import ControlConfig
 from dsec.control.db import PROJECTS, SANDBOXES, TASKS, Project, SandboxRow, Store, Task
 from dsec.control.edges import (
@@ -86,6 +85,7 @@ from dsec.errors import (
     Unavailable,
     Unsupported,
 )
+from dsec.http import auth
 from dsec.spec import SandboxState
 from dsec.spec.api import (
     BatchItem,

@@ -20,7 +20,7 @@ from dsec.control.app import create_app
 from dsec.control.config import ControlConfig
 from dsec.control.service import Control
 from dsec.errors import HostError
-from dsec.httplimits import LimitedHttpToolsProtocol
+from dsec.http.limits import LimitedHttpToolsProtocol
 
 
 class _Server(uvicorn.Server):
@@ -72,7 +72,7 @@ async def serve_control(config: ControlConfig) -> ControlHandle:
             # longer than the SDK keeps an idle connection (sdk/_http.py KEEPALIVE_EXPIRY_S),
             # so a client never writes to a connection the server is closing
             timeout_keep_alive=30,
-            http=LimitedHttpToolsProtocol,  # bounded request heads (dsec/httplimits.py)
+            http=LimitedHttpToolsProtocol,  # bounded request heads (dsec/http/limits.py)
         )
         server = _Server(uv)
         task = asyncio.create_task(server.serve(), name="dsec-control-http")

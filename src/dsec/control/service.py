@@ -17,8 +17,6 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from dsec import auth
-from dsec.auth import hash_api_token
 from dsec.control import replicas
 from dsec.control.burst import BurstController, load_provider
 from dsec.control.config import ControlConfig, write_secret
@@ -30,6 +28,8 @@ from dsec.control.ops import Operations
 from dsec.control.sandboxes import Sandboxes
 from dsec.control.watcher import Watcher
 from dsec.errors import AuthError, Forbidden
+from dsec.http import auth
+from dsec.http.auth import hash_api_token
 
 log = logging.getLogger("dsec.control")
 

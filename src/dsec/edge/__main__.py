@@ -21,8 +21,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from dsec import loop as dsec_loop
 from dsec.edge.config import EdgeConfig
+from dsec.http import loop as dsec_loop
 
 
 def _parser() -> argparse.ArgumentParser:

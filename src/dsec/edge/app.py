@@ -1,7 +1,7 @@
 """The edge agent's HTTP API (docs/API.md, "Edge agent"), a thin layer over EdgeService.
 
 Auth: every ``/v1`` call carries ``Authorization: Bearer <dsec1 token>``,
-checked with the cluster key and no round trip (:mod:`dsec.auth`). Creating,
+checked with the cluster key and no round trip (:mod:`dsec.http.auth`). Creating,
 listing and the health report need an ``edge-admin`` token; a sandbox token
 reaches only its own sandbox. ``/metrics`` is open (scrapers carry no token).
 
@@ -34,15 +34,15 @@ from pydantic import TypeAdapter, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import HTTPConnection
 
-from dsec.auth import Claims, check_sandbox, verify
 from dsec.backends.base import FileInfo, command_line
 from dsec.edge.config import EdgeConfig
 from dsec.edge.disconnect import unless_disconnected
 from dsec.edge.service import EdgeService, error_body, result_to_wire, wire_value
 from dsec.edge.terminals import TerminalHub, serve_terminal
 from dsec.errors import AuthError, DsecError, Forbidden, InvalidSpec, encode_error
-from dsec.fastroute import Answer, FastRequest, FastRoutes, answer_of
-from dsec.httplimits import BodyLimit, read_body
+from dsec.http.auth import Claims, check_sandbox, verify
+from dsec.http.fastroute import Answer, FastRequest, FastRoutes, answer_of
+from dsec.http.limits import BodyLimit, read_body
 from dsec.spec import NetworkPolicy
 from dsec.spec.api import (
     AttachOpen,
@@ -211,7 +211,7 @@ def create_app(config: EdgeConfig, *, service: EdgeService | None = None) -> Fas
     app.state.edge = svc
     app.state.auth = auth
 
-    # The rollout's hot routes, below FastAPI's machinery (dsec/fastroute.py); the FastAPI
+    # The rollout's hot routes, below FastAPI's machinery (dsec/http/fastroute.py); the FastAPI
     # routes of the same name below answer what these pass on, and document the API.
     def header(req: FastRequest) -> str | None:
         raw = req.headers.get(b"authorization")

@@ -22,7 +22,6 @@ from pydantic import (
     model_validator,
 )
 
-from dsec.auth import parse_key
 from dsec.backends.registry import (
     BackendConfig,
     ContainerConfig,
@@ -31,6 +30,7 @@ from dsec.backends.registry import (
     NetworkConfig,
     Permission,
 )
+from dsec.http.auth import parse_key
 from dsec.spec import ImageRef, Resources
 
 __all__ = ["BackendConfig", "ContainerConfig", "EdgeConfig", "FnCallConfig", "GVisorConfig", "NetworkConfig",

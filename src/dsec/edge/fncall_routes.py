@@ -2,7 +2,7 @@
 
 A thin layer over the edge's ``fncall`` backend (:class:`dsec.backends.fncall.backend.
 FnCallBackend`): no state here. Both are hot routes, answered below FastAPI's
-machinery (:mod:`dsec.fastroute`) like create and exec; the FastAPI routes of the same
+machinery (:mod:`dsec.http.fastroute`) like create and exec; the FastAPI routes of the same
 paths answer what those pass on and document the API.
 
 Who may call: an ``edge-admin`` token, or a token with scope ``fncall`` (minted with the
@@ -25,11 +25,11 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from dsec.auth import Claims
 from dsec.backends.base import UNSET, _Unset
 from dsec.edge.disconnect import unless_disconnected
 from dsec.errors import Forbidden, Unsupported
-from dsec.fastroute import Answer, FastRequest, Handler
+from dsec.http.auth import Claims
+from dsec.http.fastroute import Answer, FastRequest, Handler
 from dsec.spec import ImageRef
 from dsec.spec.api import FnCallLease, FnCallLeaseRequest
 from dsec.spec.fncall import FnCall, outcome_to_wire
@@ -160,7 +160,7 @@ def install(app: FastAPI, svc: _Service, auth: _Auth) -> dict[tuple[str, str], H
         """This edge, for a client pointed at it directly (the control plane answers the
         same request by choosing an edge): its URL and a fncall token."""
         backend()  # Unsupported unless this edge runs function calls
-        from dsec.auth import mint
+        from dsec.http.auth import mint
 
         tok, exp = mint(svc.config.cluster_key, sandbox_id=f"fncall:{claims.project}", project=claims.project,
                         scope="fncall")

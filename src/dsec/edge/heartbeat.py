@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from dsec.auth import mint
 from dsec.edge.loop import BackgroundLoop
+from dsec.http.auth import mint
 
 if TYPE_CHECKING:
     from dsec.spec.api import EdgeHealth

@@ -1,7 +1,7 @@
 """Create leases on the edge: sandboxes made at an SDK's request, under the control plane's
 signed say-so, without a control-plane call per sandbox (docs/CONTROL.md, "Create leases").
 
-A lease token (``dsec.auth.mint_lease``, scope ``lease``) names the lease, the project,
+A lease token (``dsec.http.auth.mint_lease``, scope ``lease``) names the lease, the project,
 this edge, how many sandboxes it allows (slots) and the hash of the one create body they are
 all made from. The control plane charged the project's quota for every slot when it granted
 the lease and holds one reservation per slot, keyed ``<lease id><slot:08x>``; the edge makes
@@ -40,9 +40,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsec import auth
 from dsec.errors import AuthError, DsecError, Forbidden, InvalidSpec, LeaseInvalid
-from dsec.http1 import EdgeHTTP
+from dsec.http import auth
+from dsec.http.client import EdgeHTTP
 from dsec.spec.api import EdgeCreateSandbox, LeaseReportItem, SandboxInfo
 
 log = logging.getLogger("dsec.edge.leases")

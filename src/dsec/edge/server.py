@@ -21,7 +21,7 @@ import uvicorn
 from dsec.edge.app import create_app
 from dsec.edge.config import EdgeConfig
 from dsec.edge.service import EdgeService
-from dsec.httplimits import LimitedHttpToolsProtocol
+from dsec.http.limits import LimitedHttpToolsProtocol
 
 
 class _EmbeddedServer(uvicorn.Server):
@@ -93,7 +93,7 @@ async def serve_edge(config: EdgeConfig, *, log_level: str = "warning", access_l
     uv_config = uvicorn.Config(
         app, lifespan="off", log_level=log_level, log_config=None, access_log=access_log,
         timeout_graceful_shutdown=3, timeout_keep_alive=30, backlog=4096,
-        http=LimitedHttpToolsProtocol,  # bounded request heads (dsec/httplimits.py)
+        http=LimitedHttpToolsProtocol,  # bounded request heads (dsec/http/limits.py)
         ws="websockets-sansio",  # terminals and streamed stdin (edge/terminals.py)
     )
     server = _EmbeddedServer(uv_config)

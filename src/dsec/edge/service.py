@@ -23,7 +23,6 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, TypeVar
 
-from dsec.auth import mint
 from dsec.backends.base import (
     Backend,
     Capability,
@@ -65,6 +64,7 @@ from dsec.errors import (
     Unsupported,
     encode_error,
 )
+from dsec.http.auth import mint
 from dsec.spec import NetworkPolicy, SandboxState
 from dsec.spec.api import (
     EdgeCreateSandbox,

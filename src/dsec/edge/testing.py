@@ -20,8 +20,8 @@ from typing import Any, TypeVar
 
 import httpx
 
-from dsec.auth import mint
 from dsec.edge.config import EdgeConfig
+from dsec.http.auth import mint
 
 T = TypeVar("T")
 

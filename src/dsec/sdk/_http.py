@@ -1,7 +1,7 @@
 """HTTP plumbing of the SDK: the connections to one base URL (:class:`Endpoint`), the error table.
 
 Plain request/response calls to an ``http://`` URL go through the lean client
-(dsec/http1.py: ~0.1 ms a keep-alive round trip, against httpx's ~0.4 ms; SDK
+(dsec/http/client.py: ~0.1 ms a keep-alive round trip, against httpx's ~0.4 ms; SDK
 create and exec latency is a benchmark target). Everything else — streams,
 ``https://``, a custom ``transport=`` (the unit tests' MockTransport), large
 transfers, and a URL that the environment sends through a proxy (``HTTP_PROXY``
@@ -28,7 +28,7 @@ from urllib.request import (  # type: ignore[attr-defined]  # proxy_bypass_envir
 import httpx
 
 from dsec.errors import decode_error
-from dsec.http1 import NO_TIMEOUT, Answer, AnswerTimeout, ConnectFailed, EdgeHTTP, NoAnswer
+from dsec.http.client import NO_TIMEOUT, Answer, AnswerTimeout, ConnectFailed, EdgeHTTP, NoAnswer
 from dsec.spec.api import ExecResultWire
 from dsec.spec.results import ExecResult, LimitHit
 from dsec.spec.unset import UNSET as UNSET  # one marker for the whole package

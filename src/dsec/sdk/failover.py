@@ -26,7 +26,7 @@ from typing import Any
 
 import httpx
 
-from dsec.http1 import AnswerTimeout
+from dsec.http.client import AnswerTimeout
 from dsec.sdk._http import Endpoint, Response
 
 log = logging.getLogger("dsec.sdk.failover")

@@ -22,8 +22,8 @@ import hashlib
 import hmac
 import time
 
-from dsec import auth
 from dsec.errors import AuthError, Forbidden
+from dsec.http import auth
 
 KEY_PREFIX = "e2b_"
 ENVD_SCOPE = "e2b-envd"

@@ -23,9 +23,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from dsec import auth
 from dsec.compat.e2b import keys
 from dsec.errors import AuthError, DsecError, InvalidSpec, SandboxNotFound
+from dsec.http import auth
 
 if TYPE_CHECKING:
     from dsec.sdk.client import AsyncClient, AsyncSandbox
