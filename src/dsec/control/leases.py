@@ -399,8 +399,8 @@ class Leases:
             raise Backpressure(f"no lease ahead of creates: edges have room for {placed} of {req.count} now",
                                retry_after=5.0, reason="no room for all")
         if placed == 0:
-            unknown = self.sb._unknown_layer(views, demand)
-            raise unknown if unknown is not None else self.sb._nothing_fits(views, demand, frozenset())
+            unknown = self.sb.unknown_layer(views, demand)
+            raise unknown if unknown is not None else self.sb.nothing_fits(views, demand, frozenset())
         if placed < n:
             retry = self.config.placement.retry_after_s
             error = Backpressure(f"edges have room for {placed} of the {n} sandboxes asked for now; retry the rest "

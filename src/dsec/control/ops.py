@@ -113,13 +113,13 @@ class Operations:
     # ------------------------------------------------------------ helpers ----
 
     def _target_txn(self, s: Session, who: Principal, sandbox_id: str) -> _Target:
-        row, project = self.sb._visible_row(s, who, sandbox_id)
+        row, project = self.sb.visible_row(s, who, sandbox_id)
         return _Target(sandbox_id, row.edge_id or edge_of(sandbox_id), row.edge_url, project)
 
     async def _target(self, who: Principal, sandbox_id: str) -> _Target:
         await self.sb.settled(sandbox_id)
         t = await self.store.read(lambda s: self._target_txn(s, who, sandbox_id))
-        url = await self.sb._fresh_url(sandbox_id, t.url)
+        url = await self.sb.fresh_url(sandbox_id, t.url)
         return _Target(t.sandbox_id, t.edge_id, url, t.project)
 
     def _set_states_txn(self, s: Session, ids: Sequence[str], target: SandboxState) -> None:
@@ -242,7 +242,7 @@ class Operations:
         """Charge the children to the parent's project and task, or refuse before anything is made.
         The parent is locked as it is looked up: a concurrent delete either comes first (409, or
         404 once its row is gone) or waits until the reservation is made."""
-        row, project = self.sb._visible_row(s, who, sandbox_id, lock=True)
+        row, project = self.sb.visible_row(s, who, sandbox_id, lock=True)
         if row.state not in (S.RUNNING.value, S.PAUSED.value):
             raise SandboxStateError(
                 f"sandbox {sandbox_id} is {row.state}: only a running or paused sandbox can be forked",
@@ -328,7 +328,7 @@ class Operations:
     async def fork(self, who: Principal, sandbox_id: str, req: ForkRequest) -> list[SandboxInfo]:
         await self.sb.settled(sandbox_id)
         plan = await self.store.write(lambda s: self._fork_reserve_txn(s, who, sandbox_id, req))
-        url = await self.sb._fresh_url(sandbox_id, plan.url)
+        url = await self.sb.fresh_url(sandbox_id, plan.url)
         try:
             kids = await self.edges.fork(plan.edge_id, url, sandbox_id, req)
         except BaseException:
@@ -338,7 +338,7 @@ class Operations:
             partial(self._fork_settle_txn, keys=plan.keys, kids=kids, project=plan.project)
         )
         for sid in doomed:
-            await self.sb._edge_delete_quietly(plan.edge_id, url, sid)
+            await self.sb.edge_delete_quietly(plan.edge_id, url, sid)
         if doomed:
             await self.store.write(partial(finish_many, ids=doomed))
         return infos
@@ -349,7 +349,7 @@ class Operations:
         """Hold storage for the snapshot before anything is frozen: the sandbox's disk limit (the
         upper cannot outgrow it) or what is left, whichever is less; refuse when nothing is left.
         The sandbox is locked as it is looked up, as for a fork."""
-        row, project = self.sb._visible_row(s, who, sandbox_id, lock=True)
+        row, project = self.sb.visible_row(s, who, sandbox_id, lock=True)
         if row.state not in (S.RUNNING.value, S.PAUSED.value):
             raise SandboxStateError(
                 f"sandbox {sandbox_id} is {row.state}: only a running or paused sandbox can be snapshotted",
@@ -431,7 +431,7 @@ class Operations:
     async def snapshot(self, who: Principal, sandbox_id: str, req: SnapshotRequest) -> StoredSnapshot:
         await self.sb.settled(sandbox_id)
         plan = await self.store.write(lambda s: self._snap_reserve_txn(s, who, sandbox_id))
-        url = await self.sb._fresh_url(sandbox_id, plan.url)
+        url = await self.sb.fresh_url(sandbox_id, plan.url)
         try:
             got = await self.edges.snapshot(plan.edge_id, url, sandbox_id, req)
         except BaseException:
@@ -601,7 +601,7 @@ class Operations:
         async def one(sid: str, edge_id: str, stored: str) -> None:
             async with sem:
                 try:
-                    url = await self.sb._fresh_url(sid, stored)
+                    url = await self.sb.fresh_url(sid, stored)
                     await self.edges.set_stage(edge_id, url, sid, stage)
                     out.done.append(sid)
                 except DsecError as exc:

@@ -258,7 +258,7 @@ class Sandboxes:
             preemption=PreemptionInfo.model_validate(row.preemption) if row.preemption else None,
         )
 
-    async def _fresh_url(self, row_id: str, stored: str) -> str:
+    async def fresh_url(self, row_id: str, stored: str) -> str:
         """The edge's current address (edges may move between restarts), routed by the id's prefix."""
         return await self.directory.url(edge_of(row_id)) or stored
 
@@ -300,7 +300,7 @@ class Sandboxes:
         return FnCallLease(edge_id=view.id, edge_url=url, token=tok, expires_at=exp)
 
     @staticmethod
-    def _unknown_layer(views: Sequence[EdgeView], demand: Demand) -> LayerNotFound | None:
+    def unknown_layer(views: Sequence[EdgeView], demand: Demand) -> LayerNotFound | None:
         """No live edge holds a layer of the image (and edges do report layers), nor can fetch it
         from a registry: 404 with a hint. With a registry the edge looks the name up itself."""
         if any(v.alive and v.fetches for v in views):
@@ -316,7 +316,7 @@ class Sandboxes:
             layers=missing,
         )
 
-    def _nothing_fits(self, views: Sequence[EdgeView], demand: Demand, tried: frozenset[str],
+    def nothing_fits(self, views: Sequence[EdgeView], demand: Demand, tried: frozenset[str],
                       reason: str | None = None) -> DsecError:
         live = [v for v in views if v.alive]
         if live and not any(demand.backend in v.backends for v in live):
@@ -391,7 +391,7 @@ class Sandboxes:
             loaded = loaded or load_views(s, self.health)
             views = [v for v, _ in loaded]
             urls = {v.id: url for v, url in loaded}
-            unknown = self._unknown_layer(views, demand)
+            unknown = self.unknown_layer(views, demand)
             if unknown is not None:
                 raise unknown
             got = self.scheduler.decide_txn(s, views, demand, t, want, self.rng, preempt=preempt,
@@ -400,7 +400,7 @@ class Sandboxes:
             if isinstance(d, Preempting):  # nothing written: the victims go first (_create)
                 return NeedsRoom(d.victims, got.ask.priority, d.edge.id)
             if not isinstance(d, Placed):
-                raise self._nothing_fits(views, demand, frozenset(), reason=d.reason)
+                raise self.nothing_fits(views, demand, frozenset(), reason=d.reason)
             chosen = d.edge
             key = key or uuid.uuid4().hex
         else:  # the edge call is under way: record it there (the edge has the final say on room)
@@ -480,7 +480,7 @@ class Sandboxes:
         if chosen is None:
             forget(s, row, ledger)
             ledger.flush(s)
-            return self._nothing_fits(views, demand, tried)
+            return self.nothing_fits(views, demand, tried)
         old_edge = row.edge_id
         row.edge_id, row.edge_url = chosen.id, urls[chosen.id]
         ledger.charge(row, row.state, row.state, old_edge=old_edge)
@@ -644,7 +644,7 @@ class Sandboxes:
             got = await first
         except Exception:
             return  # refused or failed: nothing was made (or the watcher reaps it as an orphan)
-        await self._edge_delete_quietly(plan.edge.id, plan.url, got.id)
+        await self.edge_delete_quietly(plan.edge.id, plan.url, got.id)
 
     def _create_budget(self) -> float:
         return self.config.edge_timeout_s * self.config.placement.max_attempts + 5.0
@@ -821,7 +821,7 @@ class Sandboxes:
         return info
 
     async def _cleanup_deleted(self, r: Reserved, sandbox_id: str) -> None:
-        await self._edge_delete_quietly(r.edge_id, r.edge_url, sandbox_id)
+        await self.edge_delete_quietly(r.edge_id, r.edge_url, sandbox_id)
         await self.store.write(partial(self._finish_stopped_txn, sandbox_id=sandbox_id))
 
     def _spawn(self, coro: Any) -> None:
@@ -842,7 +842,7 @@ class Sandboxes:
         if self._background:
             await asyncio.wait(list(self._background), timeout=10)
 
-    async def _edge_delete_quietly(self, edge_id: str, url: str, sandbox_id: str) -> bool:
+    async def edge_delete_quietly(self, edge_id: str, url: str, sandbox_id: str) -> bool:
         try:
             await self.edges.delete(edge_id, url, sandbox_id)
             return True
@@ -879,7 +879,7 @@ class Sandboxes:
 
     # ---------------------------------------------------------- get/list ----
 
-    def _visible_row(
+    def visible_row(
         self, s: Session, who: Principal, sandbox_id: str, *, lock: bool = False
     ) -> tuple[SandboxRow, str]:
         """The caller's sandbox ``sandbox_id`` and its project's name. ``lock``: taken for update by
@@ -909,8 +909,8 @@ class Sandboxes:
     async def get(self, who: Principal, sandbox_id: str) -> SandboxInfo:
         await self.settled(sandbox_id)
         row, project = await self._found(
-            who, sandbox_id, lambda: self.store.read(lambda s: self._visible_row(s, who, sandbox_id)))
-        url = await self._fresh_url(sandbox_id, row.edge_url)
+            who, sandbox_id, lambda: self.store.read(lambda s: self.visible_row(s, who, sandbox_id)))
+        url = await self.fresh_url(sandbox_id, row.edge_url)
         return self.info(row, project, token=True, url=url)
 
     async def list(
@@ -933,7 +933,7 @@ class Sandboxes:
         out: list[SandboxInfo] = []
         for row, project in rows:
             if labels_match(row.labels or {}, labels):
-                url = await self._fresh_url(row.id or "", row.edge_url)
+                url = await self.fresh_url(row.id or "", row.edge_url)
                 out.append(self.info(row, project, token=False, url=url))
                 if len(out) >= limit:
                     break
@@ -942,7 +942,7 @@ class Sandboxes:
     # ------------------------------------------------------------ delete ----
 
     def _stop_txn(self, s: Session, who: Principal, sandbox_id: str) -> tuple[str, str] | None:
-        row, _ = self._visible_row(s, who, sandbox_id, lock=True)
+        row, _ = self.visible_row(s, who, sandbox_id, lock=True)
         if row.state in (S.STOPPED.value, S.LOST.value):  # lost: the edge destroys it if it comes back
             return None
         ledger = Ledger()
@@ -957,8 +957,8 @@ class Sandboxes:
         if target is None:
             return
         edge_id, stored = target
-        url = await self._fresh_url(sandbox_id, stored)
-        if await self._edge_delete_quietly(edge_id, url, sandbox_id):
+        url = await self.fresh_url(sandbox_id, stored)
+        if await self.edge_delete_quietly(edge_id, url, sandbox_id):
             await self.store.write(lambda s: self._finish_stopped_txn(s, sandbox_id))
 
     async def delete_where(
@@ -992,8 +992,8 @@ class Sandboxes:
             if not sandbox_id:  # still being created: its create sees 'stopping' and cleans up
                 return None
             async with sem:
-                url = await self._fresh_url(sandbox_id, stored)
-                return sandbox_id if await self._edge_delete_quietly(edge_id, url, sandbox_id) else None
+                url = await self.fresh_url(sandbox_id, stored)
+                return sandbox_id if await self.edge_delete_quietly(edge_id, url, sandbox_id) else None
 
         gone = [x for x in await asyncio.gather(*(one(*v) for v in victims)) if x]
 
