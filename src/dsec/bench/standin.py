@@ -45,6 +45,14 @@ _REASONS = {200: b"OK", 201: b"Created", 204: b"No Content", 400: b"Bad Request"
 _BIG = 1 << 50
 
 
+
+ROUTES: frozenset[tuple[str, str]] = frozenset({
+    ("POST", "/v1/sandboxes"), ("GET", "/v1/sandboxes"), ("GET", "/v1/sandboxes/{}"), ("DELETE", "/v1/sandboxes/{}"),
+    ("GET", "/v1/health"), ("POST", "/v1/leases/{}/sandboxes"), ("DELETE", "/v1/leases/{}"),
+})
+"""The edge routes the stand-in answers (:meth:`StandInEdge.handle`), each one the real edge's
+too (tests/integration/test_standin_contract.py)."""
+
 class StandInEdge:
     """One stand-in edge. ``await start()`` listens on loopback; ``register(control_url)``
     starts its heartbeat."""
