@@ -34,6 +34,7 @@ from dsec.backends.base import (
     check_spec,
     command_line,
 )
+from dsec.backends.common.output import BoundedCapture
 from dsec.edge.admission import Admission, Budgets, disk_reserve, resolve_budgets
 from dsec.edge.audit import FULL_ERRNOS, Auditor
 from dsec.edge.backends import EdgeBackends
@@ -765,25 +766,15 @@ class EdgeService:
         queued = 0
         drained: asyncio.Future[None] | None = None
         cap = req.output_cap
-        # with a cap: per stream, bytes sent as the head, the newest `cap` bytes after it, bytes in all
-        sent = {"stdout": 0, "stderr": 0}
-        tails = {"stdout": bytearray(), "stderr": bytearray()}
-        total = {"stdout": 0, "stderr": 0}
+        # with a cap: per stream, the head is sent as it comes, the newest `cap` bytes after it at the end
+        caps = None if cap is None else {"stdout": BoundedCapture(cap), "stderr": BoundedCapture(cap)}
 
         def on_output(stream: str, chunk: bytes) -> asyncio.Future[None] | None:
             nonlocal queued, drained
-            if cap is not None:
-                total[stream] += len(chunk)
-                room = cap - sent[stream]
-                if room < len(chunk):  # past the head: keep the newest `cap` bytes for the end
-                    tail = tails[stream]
-                    tail += chunk[max(room, 0):]
-                    if len(tail) > cap:
-                        del tail[: len(tail) - cap]
-                    chunk = chunk[:room] if room > 0 else b""
-                    if not chunk:
-                        return None
-                sent[stream] += len(chunk)
+            if caps is not None:
+                chunk = caps[stream].feed(chunk)
+                if not chunk:
+                    return None
             queued += len(chunk)
             queue.put_nowait((stream, chunk))
             if queued <= STREAM_BUFFER_BYTES:
@@ -822,8 +813,7 @@ class EdgeService:
                 lines = [line(stream, data) for stream, data in merged]
                 if lines:
                     yield ("\n".join(lines) + "\n").encode()
-            tail_lines = [line(stream, tails[stream], total[stream] - sent[stream] - len(tails[stream]))
-                          for stream in ("stdout", "stderr") if tails[stream]]
+            tail_lines = [line(stream, c.tail, c.dropped) for stream, c in (caps or {}).items() if c.tail]
             if tail_lines:
                 yield ("\n".join(tail_lines) + "\n").encode()
             try:

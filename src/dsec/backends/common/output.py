@@ -87,16 +87,31 @@ class BoundedCapture:
         self._head = bytearray()
         self._tail = bytearray()
 
-    def feed(self, data: bytes) -> None:
+    def feed(self, data: bytes) -> bytes:
+        """Take ``data``; returns the part of it that went to the head (a stream sends that
+        at once, and the tail at the end)."""
         self.total += len(data)
         room = self.cap - len(self._head)
+        head = b""
         if room > 0:
-            self._head += data[:room]
+            head = data[:room]
+            self._head += head
             data = data[room:]
         if data:
             self._tail += data
             if len(self._tail) > self.cap:
                 del self._tail[: len(self._tail) - self.cap]
+        return head
+
+    @property
+    def tail(self) -> bytes:
+        """The newest bytes past the head (at most ``cap``)."""
+        return bytes(self._tail)
+
+    @property
+    def dropped(self) -> int:
+        """Bytes neither in the head nor in the tail."""
+        return self.total - len(self._head) - len(self._tail)
 
     @property
     def truncated(self) -> bool:
