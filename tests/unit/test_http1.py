@@ -293,3 +293,41 @@ async def test_a_large_body_goes_out_whole() -> None:
         assert (await h.request("PUT", "/files", headers={}, body=b"x" * 3_000_000)).status_code == 200
         assert got == [3_000_000]
         await h.aclose()
+
+
+async def test_a_cancelled_request_is_never_answered_even_as_its_connection_completes() -> None:
+    """Python 3.11's ``wait_for`` hands back a future that completed as its caller was cancelled,
+    swallowing the cancellation: a request given up at the instant its connection opened went on
+    and was answered (a SWE-ReX start given up after 1 ms made its sandbox). A cancelled request
+    must end cancelled, whenever the cancellation lands."""
+    async def answer(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        try:
+            await _read_request(r)
+            w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await w.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass  # the client gave up first
+        finally:
+            w.close()
+
+    server, url = await serve(answer)
+    swallowed = cancelled = 0
+    try:
+        for i in range(400):
+            http = EdgeHTTP(url, size=1, timeout=5, connect_timeout=1)
+            t = asyncio.create_task(http.request("GET", "/", headers={}))
+            for _ in range(i % 8):  # land the cancellation at each step of connecting
+                await asyncio.sleep(0)
+            if not t.cancel():
+                await t
+                continue
+            cancelled += 1
+            try:
+                await t
+            except asyncio.CancelledError:
+                continue
+            swallowed += 1
+    finally:
+        server.close()
+    assert cancelled > 100
+    assert swallowed == 0, f"{swallowed} of {cancelled} cancelled requests were answered"

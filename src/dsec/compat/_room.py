@@ -37,8 +37,8 @@ async def create_with_room(client: AsyncClient, spec: SandboxSpec, *, timeout: f
     attempt = 0
     while True:
         try:
-            return await asyncio.wait_for(client.create(spec, labels=labels, request_id=request_id, **kw),
-                                          deadline - loop.time())
+            async with asyncio.timeout_at(deadline):
+                return await client.create(spec, labels=labels, request_id=request_id, **kw)
         except Backpressure as exc:
             attempt += 1
             wait = _wait(exc, attempt)
@@ -55,7 +55,8 @@ async def create_with_room(client: AsyncClient, spec: SandboxSpec, *, timeout: f
 async def _reap(client: AsyncClient, spec: SandboxSpec, labels: Mapping[str, str] | None, request_id: str,
                 kw: dict[str, Any]) -> None:
     try:
-        sandbox = await asyncio.wait_for(client.create(spec, labels=labels, request_id=request_id, **kw), 60)
+        async with asyncio.timeout(60):
+            sandbox = await client.create(spec, labels=labels, request_id=request_id, **kw)
     except (DsecError, OSError, TimeoutError):
         return  # none was made (a full cluster answers Backpressure), or it cannot be told: its TTL ends it
     with contextlib.suppress(DsecError, OSError):

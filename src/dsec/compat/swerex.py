@@ -206,7 +206,8 @@ class _Pty:
         if self._pending or self.eof:
             return True
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._arrived.wait(), remaining)
+            async with asyncio.timeout(remaining):
+                await self._arrived.wait()
         return True
 
     async def expect(self, patterns: list[str], timeout: float | None) -> int:
@@ -479,7 +480,8 @@ class DSecRuntime(AbstractRuntime):
     @_on_portal
     async def is_alive(self, *, timeout: float | None = None) -> IsAliveResponse:
         try:
-            await asyncio.wait_for(self.sandbox.files.stat("/"), timeout)
+            async with asyncio.timeout(timeout):
+                await self.sandbox.files.stat("/")
         except (DsecError, OSError, TimeoutError) as exc:
             return IsAliveResponse(is_alive=False, message=f"sandbox {self.sandbox.id}: {exc}")
         return IsAliveResponse(is_alive=True)

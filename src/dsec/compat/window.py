@@ -76,7 +76,8 @@ class Window:
                     raise WindowTimeout(f"no room for a sandbox within the deadline ({self.inflight} in flight, "
                                         f"{len(self._queue)} waiting)")
                 try:
-                    await asyncio.wait_for(w.fut, min(remaining, self.probe_s))
+                    async with asyncio.timeout(min(remaining, self.probe_s)):
+                        await w.fut
                 except TimeoutError:
                     if self._queue[0] is w and self.inflight >= int(self.cap):
                         self.cap = min(float(self.ceiling), self.cap + 1)  # probe for room freed elsewhere

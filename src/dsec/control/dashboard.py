@@ -262,7 +262,8 @@ def overview_txn(
 
 async def _edge_read(call: Awaitable[Any]) -> tuple[Any, EdgeError | None]:
     try:
-        return await asyncio.wait_for(call, EDGE_CALL_TIMEOUT_S), None
+        async with asyncio.timeout(EDGE_CALL_TIMEOUT_S):
+            return await call, None
     except DsecError as exc:
         return None, EdgeError(code=exc.code, message=exc.message)
     except TimeoutError:

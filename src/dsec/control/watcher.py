@@ -163,8 +163,8 @@ class Watcher:
     async def _poll(self, edge_id: str, url: str) -> tuple[str, EdgeHealth | None, str]:
         try:
             # the whole call, connecting included: a host cut off answers nothing, not even a refusal
-            h = await asyncio.wait_for(self.edges.health(edge_id, url, timeout=self.config.poll_timeout_s),
-                                       self.config.poll_timeout_s)
+            async with asyncio.timeout(self.config.poll_timeout_s):
+                h = await self.edges.health(edge_id, url, timeout=self.config.poll_timeout_s)
         except TimeoutError:
             return edge_id, None, f"no answer in {self.config.poll_timeout_s:g}s"
         except DsecError as exc:

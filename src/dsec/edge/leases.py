@@ -293,7 +293,8 @@ class LeaseReporter:
         self._task = None
         if self._queue:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._send(), 2.0)
+                async with asyncio.timeout(2.0):
+                    await self._send()
         for pool in self._pools.values():
             await pool.aclose()
 
@@ -346,7 +347,8 @@ class LeaseReporter:
     async def _run(self) -> None:
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.interval_s if not self.failures else 1.0)
+                async with asyncio.timeout(self.interval_s if not self.failures else 1.0):
+                    await self._wake.wait()
             self._wake.clear()
             if self._queue:
                 await self._send()

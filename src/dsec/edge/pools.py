@@ -318,7 +318,8 @@ class PoolManager:
             if pool is None:
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), timeout=0.5)
+                    async with asyncio.timeout(0.5):
+                        await self._wake.wait()
                 continue
             quiet = self._last_claim + REFILL_QUIET_S - now
             if quiet > 0:

@@ -158,10 +158,11 @@ class EdgeHTTP:
         self.stale_retries = 0
 
     async def _connect(self) -> _Conn:
+        # asyncio.timeout, not wait_for: Python 3.11's wait_for returns a connection that completed
+        # as the caller was cancelled, swallowing the caller's cancellation (fixed in 3.12)
         try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(self.host, self.port, limit=1 << 20), self.connect_timeout
-            )
+            async with asyncio.timeout(self.connect_timeout):
+                reader, writer = await asyncio.open_connection(self.host, self.port, limit=1 << 20)
         except (OSError, TimeoutError) as exc:
             raise ConnectFailed(f"cannot connect to {self.host}:{self.port}: {exc!r}") from None
         return _Conn(reader, writer)

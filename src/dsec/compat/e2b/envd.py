@@ -143,7 +143,8 @@ def _start_event(pid: int) -> ppb.ProcessEvent:
 async def _events(q: asyncio.Queue[Event], keepalive_s: float) -> AsyncIterator[ppb.ProcessEvent]:
     while True:
         try:
-            ev = await asyncio.wait_for(q.get(), keepalive_s)
+            async with asyncio.timeout(keepalive_s):
+                ev = await q.get()
         except TimeoutError:
             yield ppb.ProcessEvent(event=_oneof("keepalive", ppb.ProcessEvent.KeepAlive()))
             continue

@@ -98,7 +98,8 @@ class Interpreter:
         ctx = Context(ctx_id, language, cwd, term)
         ctx.reader = asyncio.get_running_loop().create_task(_read(ctx), name=f"e2b-kernel-{room.id}-{ctx_id}")
         try:
-            first = await asyncio.wait_for(ctx.queue.get(), KERNEL_START_S)
+            async with asyncio.timeout(KERNEL_START_S):
+                first = await ctx.queue.get()
         except TimeoutError:
             first = {"type": "fatal", "message": f"the kernel did not start within {KERNEL_START_S:g} s"}
         if first is None or first.get("type") != "ready":
