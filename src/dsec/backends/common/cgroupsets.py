@@ -1,11 +1,13 @@
-"""The gVisor sandboxes' cgroups (v1): made by runsc, named by us, read and cleaned up here.
+"""Sandboxes whose host side is a few processes of a monitor (gVisor's sentry and gofer, a
+microVM's QEMU): their cgroups (v1), named by us, read and cleaned up here.
 
-runsc creates ``/sys/fs/cgroup/<hierarchy>/dsec/<backend-name>/<sandbox-id>`` in every v1
-hierarchy from the OCI ``linux.cgroupsPath`` we give it, puts the sentry, the gofer and
-the systrap stubs in it and writes the limits of ``linux.resources``; ``runsc delete``
-removes it. This module makes the parents (the memory one with ``use_hierarchy``, so
-children are charged to it), reads usage, freezes and thaws, and removes what a crash
-left. It never writes a limit itself (runsc does) and never touches another name's tree.
+``/sys/fs/cgroup/<hierarchy>/dsec/<backend-name>/<sandbox-id>`` in every v1 hierarchy. gVisor's
+runsc creates a sandbox's directories from the OCI ``linux.cgroupsPath`` we give it and writes
+the limits itself; the microVM backend makes them here (:meth:`SandboxCgroups.make`,
+:meth:`SandboxCgroups.limit`) and starts QEMU inside them (:meth:`SandboxCgroups.enter`). This
+module makes the parents (the memory one with ``use_hierarchy``, so children are charged to
+it), reads usage, freezes and thaws, and removes what a crash left. It never touches another
+name's tree.
 """
 
 from __future__ import annotations
@@ -124,6 +126,39 @@ class SandboxCgroups:
             else:
                 left.append(d)
         return left
+
+    # ----- made here (a backend that starts its monitor itself) -----
+
+    def make(self, sandbox_id: str) -> list[Path]:
+        """A sandbox's directory in every hierarchy (the parents must exist: :meth:`setup`)."""
+        made = []
+        for h in self.hier:
+            d = self.parent(h) / sandbox_id
+            d.mkdir(exist_ok=True)
+            made.append(d)
+        return made
+
+    def limit(self, sandbox_id: str, *, memory_bytes: int | None = None, cpu: float | None = None,
+              pids: int | None = None, cfs_period_us: int = 100_000) -> None:
+        """Hard limits of the sandbox's host tasks: memory (with swap: none beyond it), CPU
+        (a CFS quota of ``cpu`` cores) and host tasks."""
+        if memory_bytes is not None:
+            d = self.dir("memory", sandbox_id)
+            cgroupfs.write(d / "memory.limit_in_bytes", str(memory_bytes))
+            with contextlib.suppress(OSError):  # absent without swap accounting
+                cgroupfs.write(d / "memory.memsw.limit_in_bytes", str(memory_bytes))
+        if cpu is not None:
+            d = self.dir("cpu", sandbox_id)
+            cgroupfs.write(d / "cpu.cfs_period_us", str(cfs_period_us))
+            cgroupfs.write(d / "cpu.cfs_quota_us", str(max(1000, int(cpu * cfs_period_us))))
+        if pids is not None:
+            cgroupfs.write(self.dir("pids", sandbox_id) / "pids.max", str(pids))
+
+    def enter(self, sandbox_id: str, pid: int = 0) -> None:
+        """Move ``pid`` (0: the calling process, e.g. a child before it execs) into the
+        sandbox's directory of every hierarchy."""
+        for h in self.hier:
+            cgroupfs.write(self.parent(h) / sandbox_id / "cgroup.procs", str(pid or os.getpid()))
 
     # ----- freezer -----
 
