@@ -68,7 +68,16 @@ def _gvisor_config() -> Any:
     return GVisorConfig()
 
 
-KINDS: dict[str, Callable[[], Any]] = {"container": _container_config, "gvisor": _gvisor_config}
+def _microvm_config() -> Any:
+    if shutil.which("qemu-system-x86_64") is None:
+        pytest.skip("qemu-system-x86_64 is not installed (scripts/setup.sh installs QEMU 10 from bookworm-backports)")
+    from dsec.backends.microvm.config import MicroVMConfig
+
+    return MicroVMConfig()
+
+
+KINDS: dict[str, Callable[[], Any]] = {"container": _container_config, "gvisor": _gvisor_config,
+                                       "microvm": _microvm_config}
 """Each backend kind and how to make its (default) config; skips when the host cannot run it."""
 
 KNOWN_BUGS: dict[tuple[str, str], str] = {

@@ -14,8 +14,9 @@ from dsec.backends.container.config import ContainerConfig
 from dsec.backends.container.netconfig import NetworkConfig, Permission
 from dsec.backends.fncall.config import FnCallConfig
 from dsec.backends.gvisor.config import GVisorConfig
+from dsec.backends.microvm.config import MicroVMConfig
 
-BackendConfig = Annotated[ContainerConfig | GVisorConfig | FnCallConfig, Field(discriminator="kind")]
+BackendConfig = Annotated[ContainerConfig | GVisorConfig | FnCallConfig | MicroVMConfig, Field(discriminator="kind")]
 """Every backend an edge can run, by ``kind``."""
 
-__all__ = ["BackendConfig", "ContainerConfig", "FnCallConfig", "GVisorConfig", "NetworkConfig", "Permission"]
+__all__ = ["BackendConfig", "ContainerConfig", "FnCallConfig", "GVisorConfig", "MicroVMConfig", "NetworkConfig", "Permission"]

@@ -135,6 +135,8 @@ class SandboxCgroups:
         for h in self.hier:
             d = self.parent(h) / sandbox_id
             d.mkdir(exist_ok=True)
+            if (d / "cpuset.cpus").exists():
+                _inherit_cpuset(h, d)
             made.append(d)
         return made
 
@@ -204,3 +206,15 @@ class SandboxCgroups:
             return int(cgroupfs.read(self.dir("pids", sandbox_id) / "pids.current"))
         except (OSError, ValueError):
             return 0
+
+
+def _inherit_cpuset(root: Path, leaf: Path) -> None:
+    """A new cpuset cgroup (v1) has no CPUs and no memory nodes, and refuses tasks (ENOSPC)
+    until it is given some: each level from ``root`` down to ``leaf`` takes its parent's."""
+    chain = [leaf]
+    while chain[-1] != root and chain[-1].parent != chain[-1]:
+        chain.append(chain[-1].parent)
+    for d in reversed(chain[:-1]):
+        for f in ("cpuset.cpus", "cpuset.mems"):
+            if not cgroupfs.read(d / f).strip():
+                cgroupfs.write(d / f, cgroupfs.read(d.parent / f).strip())

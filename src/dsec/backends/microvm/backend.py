@@ -1,0 +1,682 @@
+"""The microVM backend: a QEMU microvm per sandbox, restored from a template (docs/MICROVM.md).
+
+The node (this class) owns what every VM shares: the guest kernel and initramfs, the
+accelerator, the templates and their tmpfs, the uids QEMU runs as, the cgroups' parents, the
+VM loop (:mod:`~dsec.backends.microvm.vmloop`) and the records. Each sandbox is a
+:class:`~dsec.backends.microvm.sandbox.MicroVM` (its QEMU process and its agent connection)
+that does exec, sessions and files; the Backend protocol's per-sandbox calls are handed to it.
+
+A create: the image's layers (EROFS files from the layer store, never copied) -> the
+machine (:class:`~dsec.backends.microvm.machine.MachineSpec`) -> its template (made on first
+use) -> a clone: QEMU started with ``-incoming defer`` in the sandbox's cgroups as the
+sandbox's own uid, the template's state restored into it, its disk an overlay of the
+template's, and a fresh identity (hostname, machine-id, RNG seed, clock) given to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import contextlib
+import logging
+import math
+import os
+import secrets
+import shutil
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from dsec.backends.base import (
+    UNSET,
+    BackendBase,
+    Capabilities,
+    Capability,
+    DiskRoom,
+    EdgeMeta,
+    GroupOutcome,
+    HostFinding,
+    OutputCallback,
+    ShellSession,
+    TtySize,
+    Usage,
+    _Unset,
+    check_spec,
+)
+from dsec.backends.common.cgroupsets import SandboxCgroups
+from dsec.backends.common.layers import stack as stack_layers
+from dsec.backends.common.names import ID_RE, NAME_RE
+from dsec.backends.common.output import check_exec, check_timed_out, collect, start_piped
+from dsec.backends.common.records import RecordBook
+from dsec.backends.microvm import host
+from dsec.backends.microvm.config import MicroVMConfig
+from dsec.backends.microvm.machine import BOOT_ARGS, FAST_BOOT_ARGS, Accel, MachineSpec, Sockets
+from dsec.backends.microvm.qemu import QemuDriver, VmDriverError, qemu_build
+from dsec.backends.microvm.records import ISOLATION, MAX_LAYERS, MicroVMRecord, proc_start
+from dsec.backends.microvm.sandbox import MicroVM, PauseResult
+from dsec.backends.microvm.templates import Template, TemplateStore
+from dsec.backends.microvm.vmloop import VmLoop
+from dsec.errors import (
+    HostError,
+    InvalidSpec,
+    SandboxFailed,
+    SandboxNotFound,
+    SandboxStateError,
+)
+from dsec.spec import ImageRef, SandboxSpec, SandboxState, can_move
+from dsec.spec.results import ExecResult, LimitHit
+
+log = logging.getLogger("dsec.microvm")
+
+MiB = 1 << 20
+
+
+class MicroVMBackend(BackendBase):
+    kind = "microvm"
+
+    def __init__(self, config: MicroVMConfig | None = None, *, name: str, state_dir: Path, run_dir: Path,
+                 id_prefix: str = "vm", store: Any = None) -> None:
+        self.config = config or MicroVMConfig()
+        if not NAME_RE.match(name):
+            raise InvalidSpec(f"backend name {name!r} must match {NAME_RE.pattern}", field="name")
+        self.name = name
+        self.id_prefix = id_prefix
+        self.state_dir = Path(state_dir)
+        self.run_dir = Path(run_dir).absolute() / name
+        self.records_dir = self.state_dir / "sandboxes" / name
+        self.records: RecordBook[MicroVMRecord] = RecordBook(self.records_dir)
+        self.vms_dir = self.run_dir / "vm"
+        self.sock_dir = Path("/run") / f"dsec-vm-{name}"
+        """QMP and agent sockets (a unix socket's path must stay under 108 bytes)."""
+        self.ram_dir = self.config.ram_dir or self.run_dir / "ram"
+        self._own_ram_mount = self.config.ram_dir is None
+        self._store = store
+        self.cgroups = SandboxCgroups(name)
+        self.capabilities = Capabilities(
+            kind=self.kind,
+            ops=frozenset({Capability.SANDBOXES, Capability.EXEC, Capability.SESSIONS, Capability.FILES,
+                           Capability.PAUSE}),
+            isolation=ISOLATION,
+        )
+        self.loop = VmLoop(name)
+        self._sandboxes: dict[str, MicroVMRecord] = {}
+        self._vms: dict[str, MicroVM] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._repairs: list[HostFinding] = []
+        self._uids: set[int] = set()
+        self.last_activity: dict[str, float] = {}
+        self.reconciled: dict[str, builtins.list[str]] = {}
+        self.accel: Accel = "tcg"
+        self.accel_reason = ""
+        self.guest: Any = None
+        self.templates: TemplateStore | None = None
+        self._qemu: Path | None = None
+        self._qemu_build = ""
+        self._firmware: Path | None = None
+        self._tsc_khz: int | None = None
+        self._started = False
+
+    # ----- read-only views -----
+
+    @property
+    def sandboxes(self) -> Mapping[str, MicroVMRecord]:
+        return self._sandboxes
+
+    @property
+    def host_repairs(self) -> Sequence[HostFinding]:
+        return list(self._repairs)
+
+    @property
+    def store(self) -> Any:
+        if self._store is None:
+            from dsec.images.store import LocalLayerStore
+
+            self._store = LocalLayerStore(self.state_dir / "layers")
+        return self._store
+
+    @property
+    def holder(self) -> str:
+        return f"runtime:{self.name}"
+
+    def facts(self) -> dict[str, Any]:
+        """What the backend runs on (health, bench output): accelerator, QEMU, kernel."""
+        return {"vm_accel": self.accel, "vm_accel_reason": self.accel_reason, "qemu": self._qemu_build,
+                "kernel": getattr(self.guest, "kernel_version", ""), "templates": len(self.templates.all())
+                if self.templates else 0}
+
+    # ----- lifecycle -----
+
+    async def __aenter__(self) -> MicroVMBackend:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        if self._started:
+            return
+        if os.geteuid() != 0:
+            raise HostError("the microvm backend needs root (cgroups, QEMU as per-VM uids, a tmpfs for templates)")
+        cfg = self.config
+        self._qemu = host.find_qemu(cfg.qemu)
+        qemu_img = host.find_qemu_img()
+        self._firmware = host.find_firmware()
+        self._qemu_build = await asyncio.to_thread(qemu_build, self._qemu)
+        self._tsc_khz = host.tsc_khz()
+        from dsec.backends.microvm.guest import DEFAULT_CACHE, ensure_guest
+
+        self.guest = await asyncio.to_thread(ensure_guest, cfg.guest_cache or DEFAULT_CACHE, kernel=cfg.kernel,
+                                             initrd=cfg.initrd)
+        for d in (self.run_dir, self.records_dir, self.vms_dir, self.ram_dir, self.sock_dir,
+                  self.state_dir / "templates" / self.name):
+            d.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.vms_dir, 0o711)
+        _check_traversable(self.vms_dir)
+        if self._own_ram_mount and not _is_mount(self.ram_dir):
+            await asyncio.to_thread(_mount_tmpfs, self.ram_dir, cfg.ram_dir_size_mib, self.name)
+        os.chmod(self.ram_dir, 0o755)
+        await asyncio.to_thread(self.cgroups.setup)
+        self.loop.start()
+        self.templates = TemplateStore(
+            ram_dir=self.ram_dir, disk_dir=self.state_dir / "templates" / self.name, sock_dir=self.sock_dir, qemu_img=qemu_img,
+            boot_timeout_s=cfg.boot_timeout_s, boot_attempts=cfg.boot_attempts, start_vm=self._start_template_vm,
+            booted=MicroVM.wait_booted, run_as=(cfg.uid_base + cfg.max_vms, cfg.uid_base + cfg.max_vms),
+            release_vm=self._release_template_vm)
+        self.accel, self.accel_reason = await self._choose_accel()
+        self._started = True
+        try:
+            self.reconciled = await self._reconcile()
+        except BaseException:
+            await self.close(destroy_all=False)
+            raise
+
+    async def close(self, *, destroy_all: bool = True) -> None:
+        """Stop the backend. A microVM does not outlive the backend's templates' tmpfs, so
+        every sandbox is destroyed either way (``destroy_all=False`` is not offered yet)."""
+        if not self._started and self.loop.loop is None:
+            return
+        await asyncio.gather(*(self.destroy(i) for i in list(self._sandboxes)), return_exceptions=True)
+        if self.templates is not None:
+            await asyncio.to_thread(self.templates.clear_all)
+        self.loop.stop()
+        await asyncio.to_thread(self.cgroups.remove_parents)
+        if self._own_ram_mount and _is_mount(self.ram_dir):
+            await asyncio.to_thread(_umount, self.ram_dir)
+        for d in (self.vms_dir, self.ram_dir, self.sock_dir, self.state_dir / "templates" / self.name, self.run_dir):
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        self._started = False
+
+    async def _reconcile(self) -> dict[str, builtins.list[str]]:
+        """Sandboxes a previous run left (records, QEMU processes, cgroups, directories): a VM
+        cannot be re-adopted without its template's RAM, so each is removed."""
+        removed: list[str] = []
+        for path in list(self.records.files()):
+            sid = path.stem
+            try:
+                rec = MicroVMRecord.from_json(__import__("json").loads(path.read_text()))
+            except (OSError, ValueError, KeyError):
+                path.unlink(missing_ok=True)
+                continue
+            if rec.qemu_pid > 0 and proc_start(rec.qemu_pid) == rec.qemu_start:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(rec.qemu_pid, 9)
+            await self.cgroups.remove(sid)
+            shutil.rmtree(self.vms_dir / sid, ignore_errors=True)
+            self.records.remove(sid)
+            removed.append(sid)
+        for sid in self.cgroups.existing():
+            await self.cgroups.remove(sid)
+            removed.append(sid)
+        for d in (self.vms_dir, self.sock_dir):
+            with contextlib.suppress(OSError):
+                for e in os.scandir(d):
+                    if e.is_dir(follow_symlinks=False):
+                        shutil.rmtree(e.path, ignore_errors=True)
+                    else:
+                        os.unlink(e.path)
+        return {"removed": sorted(set(removed))}
+
+    async def _choose_accel(self) -> tuple[Accel, str]:
+        want = self.config.accel
+        if want == "tcg":
+            return "tcg", "configured"
+        if not host.kvm_usable():
+            if want == "kvm":
+                raise HostError("MicroVMConfig.accel='kvm' but /dev/kvm cannot be opened")
+            return "tcg", "no usable /dev/kvm"
+        ok, why = await self._kvm_canary_cached()
+        if ok:
+            return "kvm", "a canary VM booted under KVM"
+        if want == "kvm":
+            raise HostError(f"MicroVMConfig.accel='kvm' but a canary VM does not boot under KVM: {why}")
+        return "tcg", f"a canary VM did not boot under KVM ({why})"
+
+    async def _kvm_canary_cached(self) -> tuple[bool, str]:
+        """The canary's verdict, kept for this boot of the host (it does not change until a
+        reboot, a new QEMU or a new guest kernel): a restarted edge does not boot it again."""
+        import json
+
+        from dsec.backends.microvm.guest import DEFAULT_CACHE
+
+        try:
+            boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        except OSError:
+            boot_id = ""
+        key = f"{boot_id}|{self._qemu_build}|{self.guest.digest}"
+        cache = (self.config.guest_cache or DEFAULT_CACHE) / "kvm-canary.json"
+        with contextlib.suppress(OSError, ValueError):
+            seen = json.loads(cache.read_text())
+            if seen.get("key") == key:
+                return bool(seen["ok"]), str(seen["why"])
+        ok, why = await self.loop.call(self._kvm_canary())
+        with contextlib.suppress(OSError):
+            cache.write_text(json.dumps({"key": key, "ok": ok, "why": why}))
+        return ok, why
+
+    async def _kvm_canary(self) -> tuple[bool, str]:
+        from dsec.backends.microvm.machine import qemu_argv
+
+        m = self._machine(vcpus=1, memory_mib=128, layers=(), upper_bytes=0, accel="kvm")
+        d = self.run_dir / "canary"
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir()
+        sockets = Sockets.under(self.sock_dir, "canary")
+        vm = QemuDriver(qemu_argv(m, [], sockets, ram=None, name="dsec-canary"), qmp_socket=sockets.qmp,
+                        log=d / "qemu.log")
+        try:
+            await vm.start()
+            await MicroVM.wait_booted(vm, sockets, 6.0)
+            return True, ""
+        except (VmDriverError, TimeoutError, HostError, OSError) as exc:
+            return False, str(exc).splitlines()[0][:200]
+        finally:
+            await vm.quit(timeout_s=2.0)
+            shutil.rmtree(d, ignore_errors=True)
+
+    # ----- machines -----
+
+    def _machine(self, *, vcpus: int, memory_mib: int, layers: Sequence[str], upper_bytes: int,
+                 accel: Accel | None = None) -> MachineSpec:
+        assert self._qemu is not None and self._firmware is not None and self.guest is not None
+        cmdline = BOOT_ARGS + (FAST_BOOT_ARGS if self.config.fast_boot else ())
+        if self._tsc_khz and (accel or self.accel) == "tcg":
+            cmdline += (f"tsc_early_khz={self._tsc_khz}",)
+        return MachineSpec(qemu=self._qemu, qemu_build=self._qemu_build, firmware=self._firmware,
+                           kernel=self.guest.vmlinux, initrd=self.guest.initrd, guest_digest=self.guest.digest,
+                           accel=accel or self.accel, vcpus=vcpus, memory_mib=memory_mib,
+                           tb_size_mib=self.config.tb_size_mib, cmdline=cmdline,
+                           layer_digests=tuple(layers), upper_bytes=upper_bytes)
+
+    async def _start_template_vm(self, label: str, argv: list[str], sockets: Any, logfile: Path) -> QemuDriver:
+        cg = label
+        await asyncio.to_thread(self.cgroups.make, cg)
+        vm = QemuDriver(argv, qmp_socket=sockets.qmp, log=logfile, cgroup_enter=lambda pid: self.cgroups.enter(cg, pid))
+        await vm.start()
+        return vm
+
+    async def _release_template_vm(self, label: str) -> None:
+        await self.cgroups.remove(label)
+
+    # ----- lookups -----
+
+    def get(self, sandbox_id: str) -> MicroVMRecord:
+        rec = self._sandboxes.get(sandbox_id)
+        if rec is None:
+            raise SandboxNotFound(f"no sandbox {sandbox_id!r} in the microvm backend {self.name}",
+                                  sandbox_id=sandbox_id)
+        return rec
+
+    def list(self) -> builtins.list[MicroVMRecord]:
+        return list(self._sandboxes.values())
+
+    def update(self, sandbox_id: str, *, spec: SandboxSpec | None = None,
+               edge: EdgeMeta | None = None) -> MicroVMRecord:
+        rec = self.get(sandbox_id)
+        if spec is not None:
+            if spec.resources != rec.spec.resources or self._layers_for(spec.image) != rec.layers:
+                raise InvalidSpec(f"sandbox {sandbox_id} runs other layers or resources than the new spec",
+                                  field="spec", sandbox_id=sandbox_id)
+            self._check_spec(spec)
+            rec.spec = spec
+        if edge is not None:
+            rec.edge = edge
+        self.records.save(rec)
+        return rec
+
+    def wake(self, sandbox_id: str) -> bool:
+        """A paused VM is resumed by the next call that needs it (asynchronously: :meth:`_vm`)."""
+        rec = self._sandboxes.get(sandbox_id)
+        return rec is not None and rec.state is SandboxState.PAUSED
+
+    async def _vm(self, sandbox_id: str) -> MicroVM:
+        """The running VM of a sandbox (a paused one is resumed first)."""
+        rec = self.get(sandbox_id)
+        if rec.state is SandboxState.PAUSED:
+            with contextlib.suppress(SandboxStateError):
+                await self.resume(sandbox_id)
+        if rec.state is not SandboxState.RUNNING:
+            raise SandboxStateError(
+                f"sandbox {sandbox_id} is {rec.state.value}, not running" + (f" ({rec.reason})" if rec.reason else ""),
+                sandbox_id=sandbox_id, state=rec.state.value)
+        vm = self._vms.get(sandbox_id)
+        if vm is None or not vm.alive():
+            self._vm_gone(sandbox_id)
+            raise SandboxFailed(f"sandbox {sandbox_id}: its VM is gone ({rec.reason})", sandbox_id=sandbox_id,
+                                reason="vm_exited")
+        self.last_activity[sandbox_id] = time.monotonic()
+        return vm
+
+    def _vm_gone(self, sandbox_id: str, why: str = "") -> None:
+        rec = self._sandboxes.get(sandbox_id)
+        vm = self._vms.get(sandbox_id)
+        if rec is None or rec.state not in (SandboxState.RUNNING, SandboxState.PAUSED):
+            return
+        oom = self.cgroups.oom_kills(sandbox_id) > 0
+        why = why or ("the host's memory limit of its QEMU process was exceeded" if oom
+                      else "its QEMU process exited" + (f": {vm.driver.log_tail(300)}" if vm else ""))
+        self.records.mark_failed(rec, why)
+
+    # ----- layers -----
+
+    def _resolve(self, ref: str) -> str:
+        return str(self.store.resolve(ref).digest)
+
+    def _layers_for(self, image: ImageRef) -> builtins.list[str]:
+        """Digests to stack, top first."""
+        from dsec.images.layer import LayerKind
+
+        def lineage(digest: str) -> tuple[str, ...] | None:
+            layer = self.store.get(digest)
+            return tuple(layer.parents) if layer.kind is LayerKind.SNAPSHOT else None
+
+        return stack_layers(image, resolve=self._resolve, kind_of=lambda d: self.store.get(d).kind,
+                            lineage_of=lineage, max_layers=MAX_LAYERS)
+
+    # ----- create / destroy -----
+
+    def _check_spec(self, spec: SandboxSpec) -> None:
+        if spec.backend != self.kind:
+            raise InvalidSpec(f"this spec is for the {spec.backend} backend, not {self.kind}", field="backend")
+        check_spec(self.capabilities, spec)
+        res = spec.resources
+        if res.memory < self.config.min_memory_mib * MiB:
+            raise InvalidSpec(f"memory {res.memory // MiB} MiB is below the microVM minimum of "
+                              f"{self.config.min_memory_mib} MiB (its kernel and agent need it): ask for more",
+                              field="resources.memory")
+        if math.ceil(res.cpu) > host.host_cpus():
+            raise InvalidSpec(f"cpu {res.cpu:g} needs {math.ceil(res.cpu)} vCPUs; this host has {host.host_cpus()}",
+                              field="resources.cpu")
+        if res.disk_medium != "disk":
+            raise InvalidSpec("a microVM's writable layer is its own disk: disk_medium must be 'disk'",
+                              field="resources.disk_medium")
+
+    def _new_id(self) -> str:
+        return f"{self.id_prefix}-{secrets.token_hex(6)}"
+
+    def _take_uid(self) -> int:
+        base = self.config.uid_base
+        for slot in range(self.config.max_vms):
+            if base + slot not in self._uids:
+                self._uids.add(base + slot)
+                return base + slot
+        raise SandboxFailed(f"the microvm backend {self.name} holds its maximum of {self.config.max_vms} VMs",
+                            reason="capacity")
+
+    async def create(self, spec: SandboxSpec, *, sandbox_id: str | None = None,
+                     edge: EdgeMeta | None = None) -> MicroVMRecord:
+        if not self._started:
+            raise HostError("the microvm backend is not started: use `async with MicroVMBackend(...)` or await start()")
+        self._check_spec(spec)
+        sid = sandbox_id or self._new_id()
+        if not ID_RE.match(sid):
+            raise InvalidSpec(f"sandbox id {sid!r} must match {ID_RE.pattern}", field="sandbox_id")
+        existing = self._sandboxes.get(sid)
+        if existing is not None:
+            return existing
+        layers = self._layers_for(spec.image)
+        res = spec.resources
+        rec = MicroVMRecord(sid, SandboxState.CREATING, spec, time.time(), edge=edge or EdgeMeta(), layers=layers,
+                            vcpus=max(1, math.ceil(res.cpu)), memory_mib=res.memory // MiB)
+        self._sandboxes[sid] = rec
+        lock = self._locks.setdefault(sid, asyncio.Lock())
+        async with lock:
+            try:
+                self.records.save(rec)
+                await self.loop.call(self._make(rec))
+                self.records.move(rec, SandboxState.RUNNING)
+                self.last_activity[sid] = time.monotonic()
+                return rec
+            except BaseException:
+                await self.loop.call(self._teardown(rec))
+                self._sandboxes.pop(sid, None)
+                self._locks.pop(sid, None)
+                raise
+
+    async def _make(self, rec: MicroVMRecord) -> None:
+        """On the VM loop: the template, then the clone."""
+        assert self.templates is not None
+        sid, res = rec.id, rec.spec.resources
+        files = []
+        for d in reversed(rec.layers):  # base first: disk dsec-l0 is the lowest layer
+            files.append(await asyncio.to_thread(self.store.open_local, d))
+            self.store.pin(d, self.holder)
+        machine = self._machine(vcpus=rec.vcpus, memory_mib=rec.memory_mib, layers=tuple(reversed(rec.layers)),
+                                upper_bytes=res.disk)
+        tmpl: Template = await self.templates.get(machine, files)
+        rec.template = tmpl.key
+        rec.uid = self._take_uid()
+        vdir = self.vms_dir / sid
+        await asyncio.to_thread(vdir.mkdir, 0o700, True, True)
+        await asyncio.to_thread(self.cgroups.make, sid)
+        await asyncio.to_thread(
+            self.cgroups.limit, sid, memory_bytes=(rec.memory_mib + self.config.qemu_overhead_mib) * MiB,
+            cpu=res.cpu, pids=64)
+        vm = MicroVM(sid, vdir, Sockets.under(self.sock_dir, sid), tmpl, files, uid=rec.uid,
+                     enter=lambda pid: self.cgroups.enter(sid, pid))
+        self._vms[sid] = vm
+        t0 = time.perf_counter()
+        await vm.restore(hostname=sid)
+        rec.restore_s = time.perf_counter() - t0
+        rec.qemu_pid = vm.driver.pid
+        rec.qemu_start = proc_start(vm.driver.pid)
+        vm.on_exit(lambda: self._vm_gone(sid))
+        self.records.event(rec, "vm_restored", seconds=round(rec.restore_s, 6), template=tmpl.key, uid=rec.uid,
+                           accel=self.accel)
+
+    async def destroy(self, sandbox_id: str) -> bool:
+        rec = self._sandboxes.get(sandbox_id)
+        if rec is None:
+            return False
+        lock = self._locks.setdefault(sandbox_id, asyncio.Lock())
+        async with lock:
+            if sandbox_id not in self._sandboxes:
+                return False
+            if can_move(rec.state, SandboxState.STOPPING):
+                self.records.move(rec, SandboxState.STOPPING, save=False)
+            left = await self.loop.call(self._teardown(rec))
+            if not left and can_move(rec.state, SandboxState.STOPPED):
+                self.records.move(rec, SandboxState.STOPPED, save=False)
+            self._sandboxes.pop(sandbox_id, None)
+            self._locks.pop(sandbox_id, None)
+            self.last_activity.pop(sandbox_id, None)
+            if left:
+                raise HostError(f"sandbox {sandbox_id}: could not remove {left}", sandbox_id=sandbox_id)
+            return True
+
+    async def _teardown(self, rec: MicroVMRecord) -> builtins.list[str]:
+        """Kill the VM, remove its cgroups, directory (sockets, disk, log), uid and record.
+        Safe on a half-made sandbox and on one whose VM died."""
+        sid = rec.id
+        left: list[str] = []
+        vm = self._vms.pop(sid, None)
+        if vm is not None:
+            await vm.close()
+        elif rec.qemu_pid > 0 and proc_start(rec.qemu_pid) == rec.qemu_start:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(rec.qemu_pid, 9)
+        left += [f"cgroup {p}" for p in await self.cgroups.remove(sid)]
+        await asyncio.to_thread(shutil.rmtree, self.vms_dir / sid, True)
+        for p in (Sockets.under(self.sock_dir, sid).qmp, Sockets.under(self.sock_dir, sid).agent):
+            p.unlink(missing_ok=True)
+        if (self.vms_dir / sid).exists():
+            left.append(str(self.vms_dir / sid))
+        self._uids.discard(rec.uid)
+        for d in set(rec.layers):
+            if not any(d in r.layers for r in self._sandboxes.values() if r.id != sid):
+                with contextlib.suppress(Exception):
+                    self.store.unpin(d, self.holder)
+        if not left:
+            self.records.remove(sid)
+        return left
+
+    # ----- commands, sessions, files -----
+
+    async def exec(self, sandbox_id: str, cmd: str | Sequence[str], *, env: Mapping[str, str] | None = None,
+                   cwd: str = "/", user: int | str = 0, stdin: bytes | None = None,
+                   timeout: float | _Unset | None = UNSET, idle_timeout: float | None = None,
+                   on_output: OutputCallback | None = None, output_cap: int | None = None,
+                   pristine: Sequence[str] = ()) -> ExecResult:
+        if pristine:
+            raise self._unsupported("pristine paths")
+        argv, limit = check_exec(cmd, timeout=timeout, idle_timeout=idle_timeout, output_cap=output_cap)
+        rec = self.get(sandbox_id)
+        cap = output_cap or rec.spec.output_cap
+        proc, in_w, out_r, err_r = await start_piped(lambda i, o, e: self.start_process(
+            sandbox_id, argv, stdin=i, stdout=o, stderr=e, env=env, cwd=cwd, user=user))
+        got = await collect(proc, in_w, out_r, err_r, stdin, limit, idle_timeout, on_output, cap)
+        self.last_activity[sandbox_id] = time.monotonic()
+        result = got.result(proc.start_latency_s)
+        if got.truncated:
+            result.limit = LimitHit.of("output_cap", cap)
+        self.records.event(rec, "exec_ended", pid=proc.pid, exit_code=result.exit_code, signal=result.signal,
+                           duration_s=round(result.duration_s, 6), timed_out=result.timed_out,
+                           output_truncated=result.truncated)
+        check_timed_out(result, sandbox_id, limit=limit, idle_timeout=idle_timeout)
+        return result
+
+    async def start_process(self, sandbox_id: str, argv: Sequence[str], *, stdin: int, stdout: int, stderr: int,
+                            env: Mapping[str, str] | None = None, cwd: str = "/", user: int | str = 0) -> Any:
+        rec = self.get(sandbox_id)
+        vm = await self._vm(sandbox_id)
+        return await self.loop.call(vm.start_process(argv, stdin=stdin, stdout=stdout, stderr=stderr,
+                                                     env={**rec.spec.env, **(env or {})}, cwd=cwd, user=user,
+                                                     caller=asyncio.get_running_loop()))
+
+    async def start_tty(self, sandbox_id: str, argv: Sequence[str], *, size: TtySize,
+                        env: Mapping[str, str] | None = None, cwd: str = "/",
+                        user: int | str = 0) -> tuple[Any, int]:
+        raise self._unsupported("terminals")
+
+    async def open_session(self, sandbox_id: str, *, env: Mapping[str, str] | None = None,
+                           cwd: str = "/", user: int | str = 0) -> ShellSession:
+        from dsec.backends.common.sessions import Session
+        from dsec.backends.microvm.sandbox import VmSessionHost
+
+        rec = self.get(sandbox_id)
+        await self._vm(sandbox_id)
+        sess = Session(VmSessionHost(self, sandbox_id), sandbox_id, f"sess-{secrets.token_hex(4)}")
+        await sess.start(env={**rec.spec.env, **(env or {})}, cwd=cwd, user=user)
+        return sess
+
+    def files(self, sandbox_id: str) -> Any:
+        rec = self.get(sandbox_id)
+        if rec.state is not SandboxState.RUNNING and rec.state is not SandboxState.PAUSED:
+            raise SandboxStateError(f"sandbox {sandbox_id} is {rec.state.value}, not running",
+                                    sandbox_id=sandbox_id, state=rec.state.value)
+        from dsec.backends.microvm.files import VmFiles
+
+        self.last_activity[sandbox_id] = time.monotonic()
+        return VmFiles(self, sandbox_id)
+
+    def usage(self, sandbox_id: str) -> Usage:
+        rec = self.get(sandbox_id)
+        return Usage(memory_bytes=self.cgroups.memory_bytes(rec.id), cpu_s=self.cgroups.cpu_s(rec.id),
+                     pids=self.cgroups.host_tasks(rec.id), disk_bytes=_file_bytes(self.vms_dir / rec.id / "disk.qcow2"))
+
+    # ----- pause -----
+
+    async def pause(self, sandbox_id: str, *, reclaim: bool = True) -> PauseResult:
+        rec = self.get(sandbox_id)
+        if rec.state is not SandboxState.RUNNING:
+            raise SandboxStateError(f"sandbox {sandbox_id} is {rec.state.value}, not running",
+                                    sandbox_id=sandbox_id, state=rec.state.value)
+        vm = self._vms[sandbox_id]
+        out = await self.loop.call(vm.pause(reclaim=reclaim, memory_bytes=lambda: self.cgroups.memory_bytes(sandbox_id)))
+        self.records.move(rec, SandboxState.PAUSED)
+        return out
+
+    async def resume(self, sandbox_id: str) -> MicroVMRecord:
+        rec = self.get(sandbox_id)
+        if rec.state is not SandboxState.PAUSED:
+            raise SandboxStateError(f"sandbox {sandbox_id} is {rec.state.value}, not paused",
+                                    sandbox_id=sandbox_id, state=rec.state.value)
+        await self.loop.call(self._vms[sandbox_id].resume())
+        self.records.move(rec, SandboxState.RUNNING)
+        self.last_activity[sandbox_id] = time.monotonic()
+        return rec
+
+    async def pause_many(self, sandbox_ids: Sequence[str], *, reclaim: bool = True) -> GroupOutcome:
+        return await super().pause_many(sandbox_ids, reclaim=reclaim)
+
+    # ----- limits -----
+
+    def limit_baseline(self, rec: Any) -> Any:
+        return None
+
+    def limit_hit(self, rec: Any, before: Any, **kw: Any) -> Any:
+        return None
+
+    def check_limits(self, rec: Any) -> None:
+        return None
+
+    def disk_room(self, rec: Any) -> DiskRoom | None:
+        return None
+
+    def store_space(self) -> tuple[int, int] | None:
+        return None
+
+    async def collect_denied(self) -> dict[str, int]:
+        return {}
+
+    async def heal(self, *, repair: bool = True) -> builtins.list[HostFinding]:
+        found: list[HostFinding] = []
+        for sid, rec in list(self._sandboxes.items()):
+            vm = self._vms.get(sid)
+            if rec.state in (SandboxState.RUNNING, SandboxState.PAUSED) and (vm is None or not vm.alive()):
+                self._vm_gone(sid)
+                found.append(HostFinding("vm_exited", f"sandbox {sid}: its QEMU process is gone", False))
+        return found
+
+
+def _file_bytes(path: Path) -> int:
+    try:
+        return path.stat().st_blocks * 512
+    except OSError:
+        return 0
+
+
+def _check_traversable(path: Path) -> None:
+    """Each VM's QEMU runs as a uid of its own and opens its disk (in ``path``/<sandbox>)
+    again when it starts: every directory above must let others pass (x)."""
+    for d in [path, *path.parents]:
+        if not os.stat(d).st_mode & 0o001:
+            raise HostError(f"{d} is not searchable by other users (mode {oct(os.stat(d).st_mode & 0o777)}): the "
+                            f"microVMs' QEMU processes (unprivileged uids) open their disks under {path}; "
+                            f"`chmod o+x {d}` or choose a run directory under one that is (e.g. /run/dsec)")
+
+
+def _is_mount(path: Path) -> bool:
+    return os.path.ismount(path)
+
+
+def _mount_tmpfs(path: Path, size_mib: int, name: str) -> None:
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mib}m,mode=0755", f"dsec-vmram-{name}", str(path)],
+                   check=True, capture_output=True)
+
+
+def _umount(path: Path) -> None:
+    subprocess.run(["umount", "-l", str(path)], check=False, capture_output=True)

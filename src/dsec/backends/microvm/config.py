@@ -1,0 +1,63 @@
+"""The microVM backend's part of an edge's configuration (``EdgeConfig.backends``).
+
+Pure data: no I/O, nothing imported beyond pydantic. The backend itself
+(:mod:`dsec.backends.microvm.backend`) is imported only when an edge runs it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from dsec.backends import BackendContext
+    from dsec.backends.base import Backend
+
+
+class MicroVMConfig(BaseModel):
+    """Sandboxes in QEMU microVMs: each has its own kernel (docs/MICROVM.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["microvm"] = "microvm"
+    qemu: Path | None = None
+    """``qemu-system-x86_64``; None: on PATH (QEMU 10 from bookworm-backports; scripts/setup.sh)."""
+    kernel: Path | None = None
+    """The guest kernel (an uncompressed ``vmlinux`` with the PVH note); None: Debian's cloud
+    kernel from bookworm-backports, fetched and prepared by scripts/setup.sh."""
+    initrd: Path | None = None
+    """The guest's initramfs holding DSec's init and agent; None: built from the kernel's modules."""
+    guest_cache: Path | None = None
+    """Where the prepared kernel and initramfs are kept (shared by the node's backends); None:
+    ``/var/lib/dsec/cache/microvm``."""
+    accel: Literal["auto", "tcg", "kvm"] = "auto"
+    """``auto``: KVM when a canary VM boots under it at start, else TCG (the edge's health and
+    every bench key say which: ``vm_accel``)."""
+    tb_size_mib: Annotated[int, Field(ge=8, le=1024)] = 32
+    """TCG's translated-code cache per VM (MiB): memory per VM against re-translation."""
+    fast_boot: bool = True
+    """Skip kernel initcalls a sandbox does not need (machine.FAST_BOOT_ARGS): ~0.8 s of a cold boot."""
+    qemu_overhead_mib: Annotated[int, Field(ge=32)] = 160
+    """Host memory allowed to a VM beyond its guest RAM (QEMU itself, TCG's code cache, device
+    buffers): the QEMU process's memory cgroup is the guest's RAM plus this."""
+    min_memory_mib: Annotated[int, Field(ge=64)] = 128
+    """The smallest guest RAM a sandbox may ask for (its kernel and agent need ~60 MiB)."""
+    boot_timeout_s: Annotated[float, Field(gt=0)] = 20.0
+    """A cold boot's deadline (spawn to the agent's hello); past it the boot is retried."""
+    boot_attempts: Annotated[int, Field(ge=1, le=5)] = 3
+    """Cold boots tried before a create fails (about 1 boot in 40 hangs under TCG)."""
+    ram_dir: Path | None = None
+    """A tmpfs for templates' RAM files; None: the backend mounts its own under its run directory."""
+    ram_dir_size_mib: Annotated[int, Field(ge=256)] = 8192
+    """Size of the backend's own tmpfs for templates' RAM (pages are used only as touched)."""
+    uid_base: Annotated[int, Field(ge=1000)] = 720_000
+    """QEMU runs as ``uid_base + slot`` (one uid per VM: no VM can signal or trace another)."""
+    max_vms: Annotated[int, Field(ge=1, le=60_000)] = 4096
+
+    def build(self, ctx: BackendContext) -> Backend:
+        """The microVM backend this config describes (not yet started)."""
+        from dsec.backends.microvm import build_backend  # the backend's own code, imported now
+
+        return build_backend(self, ctx)

@@ -1,0 +1,326 @@
+"""One microVM sandbox: its QEMU process, its agent connection, and its commands.
+
+Lives on the backend's VM loop (:mod:`~dsec.backends.microvm.vmloop`). Commands are started
+with the caller's fds as their stdio, as in every backend (``start_process``): a bridge here
+copies the caller's stdin fd into the agent's channel and the channel's output into the
+caller's stdout/stderr fds, with backpressure both ways (a caller that stops reading stops
+the guest's process at its output window; a guest that stops reading stops the caller's
+writes at the agent's stdin window). So the backends' shared code (``collect`` for exec
+with its timeouts and caps, persistent sessions) runs unchanged over a VM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import shutil
+import signal
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dsec.backends.common.command import check_argv, command_env, user_ids
+from dsec.backends.common.fdio import set_done, write_all
+from dsec.backends.microvm.agent import AgentClient, AgentProcess
+from dsec.backends.microvm.machine import Disk, RamFile, Sockets, qemu_argv
+from dsec.backends.microvm.qemu import QemuDriver
+from dsec.errors import HostError, SandboxFailed
+from dsec.spec.results import LimitHit
+
+if TYPE_CHECKING:
+    from dsec.backends.microvm.backend import MicroVMBackend
+    from dsec.backends.microvm.templates import Template
+
+HELLO_TIMEOUT_S = 15.0
+
+
+@dataclass(frozen=True, slots=True)
+class VmExit:
+    """A command's end as ``collect`` and sessions read it."""
+
+    exit_code: int | None
+    signal: int | None
+    utime_s: float = 0.0
+    stime_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Reclaim:
+    before: int
+    after: int
+    swapped: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PauseResult:
+    freeze_s: float
+    seconds: float
+    reclaim: Reclaim | None
+
+
+class VmProcess:
+    """A command in a VM as the caller's loop sees it: ``pid`` (the guest's), ``exited``
+    (a future of the caller's loop), ``kill(tree=)``."""
+
+    def __init__(self, vm: MicroVM, proc: AgentProcess, caller: asyncio.AbstractEventLoop) -> None:
+        self.vm = vm
+        self.proc = proc
+        self.pid = proc.pid
+        self.started_at = time.monotonic()
+        self.start_latency_s = 0.0
+        self._caller = caller
+        self.exited: asyncio.Future[VmExit] = caller.create_future()
+
+    def _done(self, ex: VmExit | BaseException) -> None:
+        def put() -> None:
+            if self.exited.done():
+                return
+            if isinstance(ex, BaseException):
+                self.exited.set_exception(ex)
+            else:
+                self.exited.set_result(ex)
+        self._caller.call_soon_threadsafe(put)
+
+    def kill(self, *, tree: bool = True) -> None:
+        """SIGKILL the command (``tree``: everything it started, through its cgroup in the guest)."""
+        self.vm.spawn(self._kill(tree))
+
+    async def _kill(self, tree: bool) -> None:
+        with contextlib.suppress(Exception):
+            await self.proc.signal(signal.SIGKILL, tree=tree)
+
+    async def wait(self) -> VmExit:
+        return await self.exited
+
+
+class MicroVM:
+    """A running microVM: made by :meth:`restore` (a clone of a template), ended by :meth:`close`."""
+
+    def __init__(self, sandbox_id: str, vdir: Path, sockets: Sockets, template: Template, layers: Sequence[Path], *,
+                 uid: int, enter: Callable[[int], None]) -> None:
+        self.id = sandbox_id
+        self.dir = vdir
+        self.template = template
+        self.layers = list(layers)
+        self.uid = uid
+        self.sockets = sockets
+        self.disk = vdir / "disk.qcow2"
+        self._enter = enter
+        self.driver: QemuDriver = QemuDriver([], qmp_socket=self.sockets.qmp, log=vdir / "qemu.log")
+        self.agent: AgentClient | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._on_exit: list[Callable[[], None]] = []
+        self._closing = False
+        self.paused = False
+
+    # ----- life -----
+
+    @staticmethod
+    async def wait_booted(driver: QemuDriver, sockets: Sockets, timeout: float) -> None:
+        """Until a freshly booted VM's agent says hello (raises past ``timeout``)."""
+        deadline = time.monotonic() + timeout
+        agent = await AgentClient.connect(sockets.agent, timeout=timeout)
+        try:
+            await agent.hello(timeout=max(0.1, deadline - time.monotonic()))
+        finally:
+            await agent.close()
+
+    async def restore(self, *, hostname: str) -> None:
+        tmpl = self.template
+        await asyncio.to_thread(shutil.copyfile, tmpl.overlay_seed, self.disk)
+        # QEMU (as the VM's uid) opens its writable disk again when the restored machine
+        # starts (an incoming machine's disks are held read-only until then): the disk and
+        # its directory are the VM's uid's, and nobody else's
+        os.chown(self.disk, self.uid, self.uid)
+        os.chmod(self.disk, 0o600)
+        os.chown(self.dir, self.uid, self.uid)
+        disks = [*(Disk(p, f"dsec-l{i}") for i, p in enumerate(self.layers)),
+                 Disk(self.disk, "dsec-up", readonly=False, format="qcow2")]
+        argv = qemu_argv(tmpl.machine, disks, self.sockets, ram=RamFile(tmpl.ram, shared=False), incoming=True,
+                         name=f"dsec-{self.id}", run_as=(self.uid, self.uid))
+        self.driver = QemuDriver(argv, qmp_socket=self.sockets.qmp, log=self.dir / "qemu.log",
+                                 cgroup_enter=self._enter)
+        await self.driver.start()
+        self.spawn(self._watch())
+        # connect to the agent's socket while the state loads (the guest's read simply goes on)
+        connecting = asyncio.ensure_future(AgentClient.connect(self.sockets.agent, timeout=HELLO_TIMEOUT_S,
+                                                               sandbox_id=self.id))
+        try:
+            await self.driver.restore(tmpl.state, ignore_shared=True)
+            self.agent = await connecting
+        except BaseException:
+            connecting.cancel()
+            with contextlib.suppress(BaseException):
+                agent = await connecting
+                await agent.close()
+            raise
+        await self.agent.hello(timeout=HELLO_TIMEOUT_S)
+        # a clone must not share the template's identity: hostname, machine-id, RNG, clock
+        await self.agent.identity(hostname, machine_id=secrets.token_hex(16), seed=os.urandom(64),
+                                  realtime_ns=time.time_ns())
+
+    async def _watch(self) -> None:
+        await self.driver.wait()
+        if not self._closing:
+            for cb in self._on_exit:
+                cb()
+
+    def on_exit(self, cb: Callable[[], None]) -> None:
+        self._on_exit.append(cb)
+
+    def alive(self) -> bool:
+        return self.driver.alive() and self.agent is not None and self.agent.alive
+
+    def spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        self._closing = True
+        if self.agent is not None:
+            with contextlib.suppress(Exception):
+                await self.agent.close()
+        await self.driver.quit(timeout_s=2.0)
+        for t in list(self._tasks):
+            t.cancel()
+
+    def _agent(self) -> AgentClient:
+        if self.agent is None or not self.agent.alive:
+            raise SandboxFailed(f"sandbox {self.id}: its VM's agent is gone", sandbox_id=self.id, reason="agent_gone")
+        return self.agent
+
+    # ----- pause -----
+
+    async def pause(self, *, reclaim: bool, memory_bytes: Callable[[], int]) -> PauseResult:
+        """Stop the vCPUs (QMP ``stop``): no guest CPU while paused."""
+        t0 = time.perf_counter()
+        before = memory_bytes()
+        await self.driver.stop()
+        frozen = time.perf_counter() - t0
+        self.paused = True
+        return PauseResult(frozen, time.perf_counter() - t0, Reclaim(before, memory_bytes()) if reclaim else None)
+
+    async def resume(self) -> None:
+        await self.driver.cont()
+        self.paused = False
+
+    # ----- commands -----
+
+    async def start_process(self, argv: Sequence[str], *, stdin: int, stdout: int, stderr: int,
+                            env: Mapping[str, str], cwd: str, user: int | str,
+                            caller: asyncio.AbstractEventLoop, tty: bool = False,
+                            size: tuple[int, int] = (24, 80)) -> VmProcess:
+        """Start ``argv`` with the caller's fds as stdio (dup'ed here: the caller may close
+        its copies at once); its handle."""
+        check_argv(self.id, argv, cwd)
+        uid, gid = user_ids(user)
+        merged = command_env({}, env)
+        agent = self._agent()
+        t0 = time.perf_counter()
+        proc = await agent.exec(argv, env=list(merged.items()), cwd=cwd, uid=uid, gid=gid, stdin=stdin >= 0,
+                                tty=tty, size=size)
+        handle = VmProcess(self, proc, caller)
+        handle.start_latency_s = time.perf_counter() - t0
+        fds = [os.dup(fd) if fd >= 0 else -1 for fd in (stdin, stdout, stderr)]
+        for fd in fds:
+            if fd >= 0:
+                os.set_blocking(fd, False)
+        self.spawn(self._bridge(handle, *fds))
+        return handle
+
+    async def _bridge(self, h: VmProcess, in_fd: int, out_fd: int, err_fd: int) -> None:
+        proc = h.proc
+        feeder = asyncio.ensure_future(self._feed(proc, in_fd)) if in_fd >= 0 else None
+        outs = {1: out_fd, 2: err_fd}
+        try:
+            async for fd, data in proc.output():
+                target = outs.get(fd, -1)
+                if target < 0:
+                    continue
+                try:
+                    await write_all(target, data)
+                except OSError:  # the reader is gone: drop what follows on that stream
+                    os.close(target)
+                    outs[fd] = -1
+            ex = await proc.wait()
+            h._done(VmExit(None if ex.signal else ex.code, ex.signal or None, ex.utime_s, ex.stime_s))
+        except BaseException as exc:
+            h._done(exc if isinstance(exc, HostError) else HostError(f"sandbox {self.id}: lost the command: {exc!r}",
+                                                                   sandbox_id=self.id))
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+        finally:
+            for fd in outs.values():
+                if fd >= 0:
+                    os.close(fd)
+            if feeder is not None:
+                feeder.cancel()
+
+    async def _feed(self, proc: AgentProcess, fd: int) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                try:
+                    data = os.read(fd, 65536)
+                except BlockingIOError:
+                    ready = loop.create_future()
+                    loop.add_reader(fd, set_done, ready)
+                    try:
+                        await ready
+                    finally:
+                        loop.remove_reader(fd)
+                    continue
+                except OSError:
+                    data = b""
+                if not data:
+                    await proc.close_stdin()
+                    return
+                await proc.write_stdin(data)
+        except HostError:
+            pass
+        finally:
+            os.close(fd)
+
+
+class VmSessionHost:
+    """One microVM sandbox as its persistent sessions see it (``SessionHost``)."""
+
+    def __init__(self, backend: MicroVMBackend, sandbox_id: str) -> None:
+        self._backend = backend
+        self._sid = sandbox_id
+
+    async def start_process(self, argv: Sequence[str], *, stdin: int, stdout: int, stderr: int,
+                            env: Mapping[str, str] | None = None, cwd: str = "/", user: int | str = 0) -> VmProcess:
+        proc: VmProcess = await self._backend.start_process(self._sid, argv, stdin=stdin, stdout=stdout,
+                                                            stderr=stderr, env=env, cwd=cwd, user=user)
+        return proc
+
+    def wake(self) -> bool:
+        return self._backend.wake(self._sid)
+
+    def limit_baseline(self) -> object | None:
+        return None
+
+    def limit_hit(self, before: Any, **kw: Any) -> LimitHit | None:
+        return None
+
+    def kill_command(self, shell: Any) -> None:
+        """Kill what the shell runs now, not the shell: everything in the shell's cgroup in
+        the guest but the shell itself."""
+        shell.vm.spawn(_kill_children(shell))
+
+    def touch(self) -> None:
+        self._backend.last_activity[self._sid] = time.monotonic()
+
+    def drop_session(self, session_id: str) -> None:
+        return None
+
+
+async def _kill_children(shell: VmProcess) -> None:
+    with contextlib.suppress(Exception):
+        await shell.proc.signal(signal.SIGKILL, tree=False, children=True)  # type: ignore[call-arg]
