@@ -601,6 +601,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 @pytest.fixture(scope="session")
 def dsec_base() -> Iterator[Path]:
     base = Path(tempfile.mkdtemp(prefix="dsec-test-"))
+    # searchable by others, as /run and /var/lib are: a microVM's QEMU runs as a uid of its own
+    # and opens its disk under the run directory (no one can list the base: no r bit)
+    base.chmod(0o711)
     yield base
     # Only remove when nothing is mounted below (the leak check unmounts what it can).
     if not any(str(base) in ln for ln in mountinfo_lines()):

@@ -45,6 +45,7 @@ from dsec.backends.base import (
     _Unset,
     check_spec,
 )
+from dsec.backends.common import limits as limit_evidence
 from dsec.backends.common.cgroupsets import SandboxCgroups
 from dsec.backends.common.layers import stack as stack_layers
 from dsec.backends.common.names import ID_RE, NAME_RE
@@ -66,7 +67,7 @@ from dsec.errors import (
     SandboxStateError,
 )
 from dsec.spec import ImageRef, SandboxSpec, SandboxState, can_move
-from dsec.spec.results import ExecResult, LimitHit
+from dsec.spec.results import ExecResult
 
 log = logging.getLogger("dsec.microvm")
 
@@ -194,51 +195,98 @@ class MicroVMBackend(BackendBase):
             raise
 
     async def close(self, *, destroy_all: bool = True) -> None:
-        """Stop the backend. A microVM does not outlive the backend's templates' tmpfs, so
-        every sandbox is destroyed either way (``destroy_all=False`` is not offered yet)."""
+        """Stop the backend. By default every sandbox is destroyed and the templates removed;
+        ``destroy_all=False`` leaves the VMs running (and their templates, in the backend's
+        tmpfs) for the next ``start()`` to adopt."""
         if not self._started and self.loop.loop is None:
             return
-        await asyncio.gather(*(self.destroy(i) for i in list(self._sandboxes)), return_exceptions=True)
-        if self.templates is not None:
-            await asyncio.to_thread(self.templates.clear_all)
+        if destroy_all:
+            await asyncio.gather(*(self.destroy(i) for i in list(self._sandboxes)), return_exceptions=True)
+            if self.templates is not None:
+                await asyncio.to_thread(self.templates.clear_all)
+        else:
+            for vm in list(self._vms.values()):
+                await self.loop.call(vm.detach())
+            self._vms.clear()
+            self._sandboxes.clear()
         self.loop.stop()
-        await asyncio.to_thread(self.cgroups.remove_parents)
-        if self._own_ram_mount and _is_mount(self.ram_dir):
-            await asyncio.to_thread(_umount, self.ram_dir)
-        for d in (self.vms_dir, self.ram_dir, self.sock_dir, self.state_dir / "templates" / self.name, self.run_dir):
-            with contextlib.suppress(OSError):
-                d.rmdir()
+        if destroy_all:
+            await asyncio.to_thread(self.cgroups.remove_parents)
+            if self._own_ram_mount and _is_mount(self.ram_dir):
+                await asyncio.to_thread(_umount, self.ram_dir)
+            for d in (self.vms_dir, self.ram_dir, self.sock_dir, self.state_dir / "templates" / self.name,
+                      self.run_dir / "canary", self.run_dir):
+                with contextlib.suppress(OSError):
+                    d.rmdir()
         self._started = False
 
     async def _reconcile(self) -> dict[str, builtins.list[str]]:
-        """Sandboxes a previous run left (records, QEMU processes, cgroups, directories): a VM
-        cannot be re-adopted without its template's RAM, so each is removed."""
-        removed: list[str] = []
+        """What a previous run of the backend left. A VM whose QEMU still runs, whose template
+        is still here and whose agent answers is adopted (its processes and files intact);
+        everything else of it (a half-made create, a dead VM) is removed: QEMU, cgroups,
+        directory, sockets, record."""
+        import json
+
+        assert self.templates is not None
+        self.templates.adopt()
+        adopted: list[str] = []
+        destroyed: list[str] = []
         for path in list(self.records.files()):
             sid = path.stem
             try:
-                rec = MicroVMRecord.from_json(__import__("json").loads(path.read_text()))
+                rec = MicroVMRecord.from_json(json.loads(path.read_text()))
             except (OSError, ValueError, KeyError):
                 path.unlink(missing_ok=True)
                 continue
+            tmpl = self.templates.get_ready(rec.template)
+            alive = rec.qemu_pid > 0 and proc_start(rec.qemu_pid) == rec.qemu_start
+            if alive and tmpl is not None and rec.state in (SandboxState.RUNNING, SandboxState.PAUSED):
+                vm = MicroVM(sid, self.vms_dir / sid, Sockets.under(self.sock_dir, sid), tmpl, [],
+                             uid=rec.uid, enter=lambda pid: None)
+                try:
+                    await self.loop.call(vm.attach(rec.qemu_pid, rec.qemu_start))
+                except (HostError, OSError, TimeoutError) as exc:
+                    log.warning("microvm %s: cannot adopt %s: %s", self.name, sid, exc)
+                    await self.loop.call(vm.close())
+                else:
+                    vm.paused = rec.state is SandboxState.PAUSED
+                    vm.on_exit(lambda s=sid: self._vm_gone(s))  # type: ignore[misc]
+                    self._vms[sid] = vm
+                    self._sandboxes[sid] = rec
+                    self._uids.add(rec.uid)
+                    for d in rec.layers:
+                        self.store.pin(d, self.holder)
+                    self.records.event(rec, "adopted", qemu_pid=rec.qemu_pid)
+                    adopted.append(sid)
+                    continue
             if rec.qemu_pid > 0 and proc_start(rec.qemu_pid) == rec.qemu_start:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(rec.qemu_pid, 9)
-            await self.cgroups.remove(sid)
-            shutil.rmtree(self.vms_dir / sid, ignore_errors=True)
+            await self._remove_leftovers(sid)
             self.records.remove(sid)
-            removed.append(sid)
-        for sid in self.cgroups.existing():
-            await self.cgroups.remove(sid)
-            removed.append(sid)
-        for d in (self.vms_dir, self.sock_dir):
+            destroyed.append(sid)
+        for sid in self.cgroups.existing() - set(self._sandboxes):
+            await self._remove_leftovers(sid)  # made by a create that never saved its record
+            destroyed.append(sid)
+        keep = set(self._sandboxes)
+        for where in (self.vms_dir, self.sock_dir):
             with contextlib.suppress(OSError):
-                for e in os.scandir(d):
+                for e in os.scandir(where):
+                    if e.name.split(".")[0] in keep:
+                        continue
                     if e.is_dir(follow_symlinks=False):
                         shutil.rmtree(e.path, ignore_errors=True)
                     else:
                         os.unlink(e.path)
-        return {"removed": sorted(set(removed))}
+        return {"adopted": sorted(adopted), "destroyed": sorted(set(destroyed))}
+
+    async def _remove_leftovers(self, sid: str) -> None:
+        self.cgroups.kill_all(sid)
+        await self.cgroups.remove(sid)
+        shutil.rmtree(self.vms_dir / sid, ignore_errors=True)
+        s = Sockets.under(self.sock_dir, sid)
+        for p in (s.qmp, s.agent):
+            p.unlink(missing_ok=True)
 
     async def _choose_accel(self) -> tuple[Accel, str]:
         want = self.config.accel
@@ -300,7 +348,7 @@ class MicroVMBackend(BackendBase):
     # ----- machines -----
 
     def _machine(self, *, vcpus: int, memory_mib: int, layers: Sequence[str], upper_bytes: int,
-                 accel: Accel | None = None) -> MachineSpec:
+                 accel: Accel | None = None, extra: tuple[tuple[str, str], ...] = ()) -> MachineSpec:
         assert self._qemu is not None and self._firmware is not None and self.guest is not None
         cmdline = BOOT_ARGS + (FAST_BOOT_ARGS if self.config.fast_boot else ())
         if self._tsc_khz and (accel or self.accel) == "tcg":
@@ -309,7 +357,7 @@ class MicroVMBackend(BackendBase):
                            kernel=self.guest.vmlinux, initrd=self.guest.initrd, guest_digest=self.guest.digest,
                            accel=accel or self.accel, vcpus=vcpus, memory_mib=memory_mib,
                            tb_size_mib=self.config.tb_size_mib, cmdline=cmdline,
-                           layer_digests=tuple(layers), upper_bytes=upper_bytes)
+                           layer_digests=tuple(layers), upper_bytes=upper_bytes, extra=extra)
 
     async def _start_template_vm(self, label: str, argv: list[str], sockets: Any, logfile: Path) -> QemuDriver:
         cg = label
@@ -465,7 +513,7 @@ class MicroVMBackend(BackendBase):
             files.append(await asyncio.to_thread(self.store.open_local, d))
             self.store.pin(d, self.holder)
         machine = self._machine(vcpus=rec.vcpus, memory_mib=rec.memory_mib, layers=tuple(reversed(rec.layers)),
-                                upper_bytes=res.disk)
+                                upper_bytes=res.disk, extra=(("pids", str(res.pids)),))
         tmpl: Template = await self.templates.get(machine, files)
         rec.template = tmpl.key
         rec.uid = self._take_uid()
@@ -550,8 +598,10 @@ class MicroVMBackend(BackendBase):
         got = await collect(proc, in_w, out_r, err_r, stdin, limit, idle_timeout, on_output, cap)
         self.last_activity[sandbox_id] = time.monotonic()
         result = got.result(proc.start_latency_s)
-        if got.truncated:
-            result.limit = LimitHit.of("output_cap", cap)
+        result.limit = limit_evidence.judge(rec.spec.resources, exit_code=result.exit_code, sig=result.signal,
+                                            timed_out=result.timed_out, timeout_s=limit, idle_timeout_s=idle_timeout,
+                                            truncated=result.truncated, output_cap=cap, before=None, after=None,
+                                            disk=None)
         self.records.event(rec, "exec_ended", pid=proc.pid, exit_code=result.exit_code, signal=result.signal,
                            duration_s=round(result.duration_s, 6), timed_out=result.timed_out,
                            output_truncated=result.truncated)

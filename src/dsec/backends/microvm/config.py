@@ -42,8 +42,8 @@ class MicroVMConfig(BaseModel):
     qemu_overhead_mib: Annotated[int, Field(ge=32)] = 160
     """Host memory allowed to a VM beyond its guest RAM (QEMU itself, TCG's code cache, device
     buffers): the QEMU process's memory cgroup is the guest's RAM plus this."""
-    min_memory_mib: Annotated[int, Field(ge=64)] = 128
-    """The smallest guest RAM a sandbox may ask for (its kernel and agent need ~60 MiB)."""
+    min_memory_mib: Annotated[int, Field(ge=48)] = 96
+    """The smallest guest RAM a sandbox may ask for (64 MiB does not boot Debian's cloud kernel)."""
     boot_timeout_s: Annotated[float, Field(gt=0)] = 20.0
     """A cold boot's deadline (spawn to the agent's hello); past it the boot is retried."""
     boot_attempts: Annotated[int, Field(ge=1, le=5)] = 3

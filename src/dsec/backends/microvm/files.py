@@ -27,6 +27,12 @@ MAX_READ = 256 * 1024 * 1024
 CALL_TIMEOUT_S = 120.0
 
 
+def _abs(path: str) -> str:
+    """A path inside the sandbox, as every backend's files take it: relative to its root when
+    not absolute (``..`` is resolved by the agent inside the root, never above it)."""
+    return path if path.startswith("/") else "/" + path
+
+
 class VmFiles:
     def __init__(self, backend: MicroVMBackend, sandbox_id: str) -> None:
         self._backend = backend
@@ -44,22 +50,23 @@ class VmFiles:
         return self._backend.loop.call_sync(coro, CALL_TIMEOUT_S)
 
     def read(self, path: str, *, max_bytes: int = MAX_READ) -> bytes:
-        data: bytes = self._run(lambda a: a.read(path, max_bytes))
+        data: bytes = self._run(lambda a: a.read(_abs(path), max_bytes))
         return data
 
     def stat(self, path: str) -> FileInfo:
-        info: FileInfo = self._run(lambda a: a.stat(path))
+        info: FileInfo = self._run(lambda a: a.stat(_abs(path)))
         return info
 
     def exists(self, path: str) -> bool:
-        found: bool = self._run(lambda a: a.exists(path))
+        found: bool = self._run(lambda a: a.exists(_abs(path)))
         return found
 
     def list(self, path: str = "/") -> list[FileInfo]:
-        out: list[FileInfo] = self._run(lambda a: a.list(path))
+        out: list[FileInfo] = self._run(lambda a: a.list(_abs(path)))
         return out
 
     def write(self, path: str, data: bytes, *, mode: int = 0o644, user: int = 0, make_parents: bool = False) -> None:
+        path = _abs(path)
         async def go(a: AgentClient) -> None:
             if make_parents:
                 parent = posixpath.dirname(posixpath.normpath(path))
@@ -70,16 +77,16 @@ class VmFiles:
         self._run(go)
 
     def append(self, path: str, data: bytes, *, user: int = 0) -> None:
-        self._run(lambda a: a.write(path, data, uid=user, gid=user, append=True))
+        self._run(lambda a: a.write(_abs(path), data, uid=user, gid=user, append=True))
 
     def mkdir(self, path: str, *, parents: bool = False, mode: int = 0o755, user: int = 0) -> None:
-        self._run(lambda a: a.mkdir(path, parents=parents, mode=mode, uid=user, gid=user))
+        self._run(lambda a: a.mkdir(_abs(path), parents=parents, mode=mode, uid=user, gid=user))
 
     def remove(self, path: str, *, recursive: bool = False) -> None:
-        self._run(lambda a: a.remove(path, recursive=recursive))
+        self._run(lambda a: a.remove(_abs(path), recursive=recursive))
 
     def rename(self, src: str, dst: str) -> None:
-        self._run(lambda a: a.rename(src, dst))
+        self._run(lambda a: a.rename(_abs(src), _abs(dst)))
 
     # ----- tars -----
 
@@ -90,6 +97,8 @@ class VmFiles:
 
     def download_to(self, path: str, out: BinaryIO, *, max_bytes: int | None = None) -> None:
         """A tar of ``path`` (recursively; symlinks kept as symlinks), streamed to ``out``."""
+        path = _abs(path)
+
         async def go(a: AgentClient) -> None:
             top = await a.stat(path)
             total = 0
@@ -131,6 +140,7 @@ class VmFiles:
         """Extract a tar into directory ``path`` (created if missing); the entries written.
         Members are checked before anything is written: absolute names, ``..``, device
         nodes and hard links are refused."""
+        path = _abs(path)
         fobj = io.BytesIO(tar_data) if isinstance(tar_data, bytes | bytearray) else tar_data
         try:
             tar = tarfile.open(fileobj=fobj, mode="r:*")  # noqa: SIM115 - closed below

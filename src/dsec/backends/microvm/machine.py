@@ -78,6 +78,19 @@ class MachineSpec:
     def append(self) -> str:
         return " ".join([*self.cmdline, *(f"dsec.{k}={v}" for k, v in self.extra)])
 
+    def to_json(self) -> dict[str, object]:
+        return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_json(cls, d: dict[str, object]) -> MachineSpec:
+        kw: dict[str, object] = dict(d)
+        for k in ("qemu", "firmware", "kernel", "initrd"):
+            kw[k] = Path(str(kw[k]))
+        kw["cmdline"] = tuple(kw["cmdline"])  # type: ignore[arg-type]
+        kw["layer_digests"] = tuple(kw["layer_digests"])  # type: ignore[arg-type]
+        kw["extra"] = tuple(tuple(x) for x in kw["extra"])  # type: ignore[attr-defined]
+        return cls(**kw)  # type: ignore[arg-type]
+
     def template_key(self) -> str:
         """A digest of every fact a template depends on (paths excluded: content is named
         by digests and the QEMU build)."""

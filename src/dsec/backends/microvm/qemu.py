@@ -28,6 +28,7 @@ from typing import Any, Protocol
 from qemu.qmp import QMPClient
 from qemu.qmp.error import QMPError
 
+from dsec.backends.microvm.records import proc_start as _proc_start
 from dsec.errors import HostError
 
 MIGRATE_POLL_S = 0.001
@@ -73,6 +74,8 @@ class QemuDriver:
         self._proc: asyncio.subprocess.Process | None = None
         self._qmp: QMPClient | None = None
         self.pid = 0
+        self._adopted_start = 0
+        """For a QEMU this process did not start (adopted after a restart): its start time."""
 
     # ----- life -----
 
@@ -111,20 +114,43 @@ class QemuDriver:
                 raise VmDriverError(f"QEMU's QMP socket did not answer within {deadline_s:g} s: {self.log_tail()}")
             await asyncio.sleep(0.002)
 
+    async def adopt(self, pid: int, start: int, *, timeout_s: float = 5.0) -> None:
+        """Take over a QEMU a previous process started (``pid`` with its ``start`` time) and
+        connect to its QMP socket, which QEMU reopens once its old client has gone."""
+        if _proc_start(pid) != start or start == 0:
+            raise VmDriverError(f"QEMU (pid {pid}) is gone")
+        self.pid, self._adopted_start = pid, start
+        qmp = QMPClient(f"dsec-{pid}")
+        try:
+            async with asyncio.timeout(timeout_s):
+                await qmp.connect(str(self.qmp_socket))
+        except (QMPError, OSError, TimeoutError) as exc:
+            with contextlib.suppress(Exception):
+                await qmp.disconnect()
+            raise VmDriverError(f"QEMU (pid {pid}): its QMP socket {self.qmp_socket} does not answer: {exc!r}") from None
+        self._qmp = qmp
+
     def alive(self) -> bool:
+        if self._adopted_start:
+            return _proc_start(self.pid) == self._adopted_start
         return self._proc is not None and self._proc.returncode is None
 
     def kill(self) -> None:
-        if self._proc is not None and self._proc.returncode is None:
+        if self.alive():
             with contextlib.suppress(ProcessLookupError):
-                os.kill(self._proc.pid, signal.SIGKILL)
+                os.kill(self.pid, signal.SIGKILL)
 
     async def _reap(self, timeout_s: float) -> None:
-        if self._proc is None:
-            return
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout_s):
-                await self._proc.wait()
+                await self._wait_exit()
+
+    async def _wait_exit(self) -> None:
+        if self._proc is not None:
+            await self._proc.wait()
+            return
+        while self._adopted_start and self.alive():  # not our child: its exit is seen by polling
+            await asyncio.sleep(0.2)
 
     async def quit(self, *, timeout_s: float = 5.0) -> VmExit:
         """End the machine: QMP ``quit``, SIGKILL past ``timeout_s``."""
@@ -138,9 +164,12 @@ class QemuDriver:
         await self._reap(timeout_s)
         return self.exit_status()
 
+    async def let_go(self) -> None:
+        """Close the QMP connection and leave QEMU running (another process will adopt it)."""
+        await self._close_qmp()
+
     async def wait(self) -> VmExit:
-        if self._proc is not None:
-            await self._proc.wait()
+        await self._wait_exit()
         await self._close_qmp()
         return self.exit_status()
 

@@ -116,6 +116,9 @@ class MicroVM:
         self._on_exit: list[Callable[[], None]] = []
         self._closing = False
         self.paused = False
+        self.timings: dict[str, float] = {}
+        """Seconds of each step of the last restore: QEMU up (QMP), state loaded and running,
+        the agent's hello, the new identity."""
 
     # ----- life -----
 
@@ -144,13 +147,16 @@ class MicroVM:
                          name=f"dsec-{self.id}", run_as=(self.uid, self.uid))
         self.driver = QemuDriver(argv, qmp_socket=self.sockets.qmp, log=self.dir / "qemu.log",
                                  cgroup_enter=self._enter)
+        marks = [time.perf_counter()]
         await self.driver.start()
+        marks.append(time.perf_counter())
         self.spawn(self._watch())
         # connect to the agent's socket while the state loads (the guest's read simply goes on)
         connecting = asyncio.ensure_future(AgentClient.connect(self.sockets.agent, timeout=HELLO_TIMEOUT_S,
                                                                sandbox_id=self.id))
         try:
             await self.driver.restore(tmpl.state, ignore_shared=True)
+            marks.append(time.perf_counter())
             self.agent = await connecting
         except BaseException:
             connecting.cancel()
@@ -159,9 +165,21 @@ class MicroVM:
                 await agent.close()
             raise
         await self.agent.hello(timeout=HELLO_TIMEOUT_S)
+        marks.append(time.perf_counter())
         # a clone must not share the template's identity: hostname, machine-id, RNG, clock
         await self.agent.identity(hostname, machine_id=secrets.token_hex(16), seed=os.urandom(64),
                                   realtime_ns=time.time_ns())
+        marks.append(time.perf_counter())
+        steps = ("start", "restore", "hello", "identity")
+        self.timings = {k: round(b - a, 6) for k, a, b in zip(steps, marks, marks[1:], strict=False)}
+
+    async def attach(self, pid: int, start: int) -> None:
+        """Adopt this sandbox's running VM after a restart of the backend: its QEMU over QMP,
+        its agent (which greets the new connection)."""
+        await self.driver.adopt(pid, start)
+        self.spawn(self._watch())
+        self.agent = await AgentClient.connect(self.sockets.agent, timeout=HELLO_TIMEOUT_S, sandbox_id=self.id)
+        await self.agent.hello(timeout=HELLO_TIMEOUT_S)
 
     async def _watch(self) -> None:
         await self.driver.wait()
@@ -186,6 +204,16 @@ class MicroVM:
             with contextlib.suppress(Exception):
                 await self.agent.close()
         await self.driver.quit(timeout_s=2.0)
+        for t in list(self._tasks):
+            t.cancel()
+
+    async def detach(self) -> None:
+        """Let go of the VM without ending it (the backend is closing to be restarted)."""
+        self._closing = True
+        if self.agent is not None:
+            with contextlib.suppress(Exception):
+                await self.agent.close()
+        await self.driver.let_go()
         for t in list(self._tasks):
             t.cancel()
 

@@ -162,13 +162,38 @@ class TemplateStore:
             for p in (state, ram):
                 os.chmod(p, 0o444)
             meta = {"key": key, "made_at": time.time(), "boot_s": boot_s, "save_s": save_s, "attempts": attempt,
-                    "qemu_build": machine.qemu_build, "guest_digest": machine.guest_digest}
+                    "machine": machine.to_json(), "layers": [str(p) for p in layers]}
             (ddir / "template.json").write_text(json.dumps(meta, indent=1))
             self.builds += 1
             return Template(key, machine, ram, state, upper, seed, boot_s, save_s, attempt)
         await asyncio.to_thread(self._clear, key)
         raise SandboxFailed(f"the microVM template did not boot in {self.boot_attempts} attempts "
                             f"({self.boot_timeout_s:g} s each): {last}", reason="boot")
+
+    def adopt(self) -> list[str]:
+        """Templates a previous run of the backend made whose RAM and state are still here
+        (the tmpfs outlives the backend's process): kept, so the VMs cloned from them can be
+        adopted and more cloned. Others are removed. The keys adopted."""
+        kept = []
+        with contextlib.suppress(OSError):
+            for e in os.scandir(self.disk_dir):
+                key = e.name
+                try:
+                    meta = json.loads((Path(e.path) / "template.json").read_text())
+                    machine = MachineSpec.from_json(meta["machine"])
+                except (OSError, ValueError, KeyError, TypeError):
+                    self._clear(key)
+                    continue
+                t = Template(key, machine, self.ram_dir / f"{key}.ram", self.ram_dir / f"{key}.state",
+                             Path(e.path) / "upper.raw", Path(e.path) / "overlay.qcow2", float(meta["boot_s"]),
+                             float(meta["save_s"]), int(meta["attempts"]))
+                if machine.template_key() != key or not all(p.exists() for p in (t.ram, t.state, t.upper,
+                                                                                  t.overlay_seed)):
+                    self._clear(key)
+                    continue
+                self._templates[key] = t
+                kept.append(key)
+        return kept
 
     async def _release(self, label: str) -> None:
         if self._release_vm is not None:
