@@ -118,6 +118,22 @@ def test_every_language_runs_on_a_known_toolchain_and_the_issues_list_is_served(
     assert languages.JUPYTER.toolchain in TOOLCHAINS
 
 
+def test_commands_run_as_one_argv_without_a_shell_and_the_module_says_so() -> None:
+    """The service runs ``languages.argv(cmd)`` (shlex.split) with no shell in between, as
+    docs/COMPAT.md says: no recipe may rely on shell syntax, and the module's own account
+    agrees (it used to say ``sh -c``)."""
+    recipes = [*languages.RECIPES.values(), languages.JUPYTER]
+    for recipe in recipes:
+        compile_, run = languages.commands(recipe, ["Main.java", "a b.jar", "x;y.jar"])
+        for cmd in (compile_, run):
+            if cmd is not None:
+                assert languages.shell_syntax(cmd) == [], (recipe, cmd)
+    assert languages.argv("g++ main.cpp -o main") == ["g++", "main.cpp", "-o", "main"]
+    assert languages.shell_syntax("make && ./main > out") == ["&&", ">"]
+    doc = languages.__doc__ or ""
+    assert "sh -c" not in doc and "shlex.split" in doc and "no shell" in doc
+
+
 def test_java_puts_the_requests_jars_on_the_class_path_quoted() -> None:
     compile_, run = languages.commands(languages.RECIPES["java"], ["Main.java", "lib/a b.jar", "x.txt"])
     assert compile_ == "javac -cp .:/usr/share/java/javatuples.jar:'lib/a b.jar' Main.java"

@@ -3,9 +3,12 @@
 Every request runs in a fresh sandbox whose image is the language's toolchain
 (``dsec image build --toolchains ...``, dsec/images/toolchains.py): the code is written to
 ``WORKDIR/<source>``, then ``compile`` (if any, under ``compile_timeout``) and ``run`` (under
-``run_timeout``, with the request's stdin) run there through ``sh -c``. The commands follow
-what SandboxFusion's own runners run, with the Debian toolchains' names; docs/COMPAT.md
-has the same table for people.
+``run_timeout``, with the request's stdin) run there, each as one command: :func:`argv`
+splits it with ``shlex.split`` and the sandbox runs that argv, with no shell in between (so
+a recipe holds no shell syntax: no ``&&``, pipes, redirections or ``$VAR``; request file
+names it takes in are quoted with ``shlex.quote``). The commands follow what SandboxFusion's
+own runners run, with the Debian toolchains' names; docs/COMPAT.md has the same table for
+people.
 """
 
 from __future__ import annotations
@@ -65,6 +68,21 @@ answered ``SandboxError`` naming the ones served."""
 JUPYTER: Final = Recipe("jupyter", "", f"python3 {HELPERS}/jupyter_driver.py", helpers=("jupyter_driver.py",),
                         env={"PYDEVD_DISABLE_FILE_VALIDATION": "1"})  # the kernel's debugger: no warnings
 """``/run_jupyter``: the driver starts an IPython kernel and runs the cells in it."""
+
+
+SHELL_SYNTAX: Final = frozenset({"&&", "||", "|", ";", "&", ">", ">>", "<", "<<", "2>", "2>&1", "(", ")"})
+"""Words that mean something only to a shell: in a recipe they would reach its program as
+arguments (tests check that no recipe holds one)."""
+
+
+def argv(command: str) -> list[str]:
+    """The argv a command runs as: ``shlex.split``, no shell."""
+    return shlex.split(command)
+
+
+def shell_syntax(command: str) -> list[str]:
+    """The words of ``command`` that only a shell would act on (:data:`SHELL_SYNTAX`, ``$VAR``)."""
+    return [w for w in argv(command) if w in SHELL_SYNTAX or w.startswith("$")]
 
 
 def commands(recipe: Recipe, files: list[str]) -> tuple[str | None, str]:

@@ -31,7 +31,6 @@ import io
 import json
 import logging
 import posixpath
-import shlex
 import tarfile
 import time
 from collections import OrderedDict
@@ -286,7 +285,7 @@ class SandboxFusion:
     async def _stage(self, sb: AsyncSandbox, cmd: str, env: dict[str, str], timeout: float, stdin: bytes | None,
                      spec: SandboxSpec, *, output_cap: int | None = None) -> CommandRunResult:
         try:
-            res = await sb.exec(shlex.split(cmd), cwd=languages.WORKDIR, env=env, stdin=stdin, timeout=timeout,
+            res = await sb.exec(languages.argv(cmd), cwd=languages.WORKDIR, env=env, stdin=stdin, timeout=timeout,
                                 output_cap=output_cap or self.config.output_cap)
         except ExecTimeout as exc:
             partial: ExecResult | None = exc.fields.get("result")
