@@ -237,6 +237,19 @@ def bench_e2b(quick: bool, json_path: Path | None) -> None:
     _report("dsec bench e2b", results, json_path)
 
 
+@bench.command("vm")
+@click.option("--quick", is_flag=True, help="3 cold boots, 8 creates, 20 idle clones (a smoke test); full: 10, 20, 300.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the flat JSON here.")
+def bench_vm(quick: bool, json_path: Path | None) -> None:
+    """The microVM backend beside the container backend in one run: cold boot, create from a template to the
+    first exec, fan-out of 10, exec, idle memory and CPU per clone, pause; with the accelerator (vm_accel),
+    QEMU, guest kernel and RAM (docs/MICROVM.md)."""
+    from dsec.bench.vm import run
+
+    results = run(quick=quick, say=lambda m: console.print(f"[dim]{m}[/dim]", highlight=False))
+    _report("dsec bench vm", results, json_path)
+
+
 @bench.command("cluster")
 @click.option("--quick", is_flag=True, help="3,000 creates per phase instead of 20,000.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the flat JSON here.")

@@ -1,0 +1,281 @@
+"""``dsec bench vm``: the microVM backend beside the container backend, in one run.
+
+Figures, not assertions (issue 24's keys). Both backends run the same busybox layer from
+one store with the same spec, one after the other in this process. The host, accelerator,
+QEMU build, guest kernel and guest RAM are in the output (``vm_accel``...).
+
+- ``vm_cold_boot_ms`` (p50, ``_p95``): QEMU spawned -> the guest agent's hello, the whole
+  machine (layers and upper attached), ``n_boot`` boots.
+- ``vm_template_save_ms``: the template's save (device state; RAM stays in its file).
+- ``vm_restore_p50_ms`` / ``_p95``: ``create()`` from the template -> the first ``exec(true)``
+  answered (direct backend calls, not through the SDK: stated by ``vm_restore_path``), and
+  its parts ``vm_create_p50_ms`` and ``vm_first_exec_p50_ms``; the container's
+  ``container_create_exec_p50_ms`` beside it.
+- ``vm_fanout10_s``: 10 creates at once, each answering ``true``.
+- ``vm_exec_p50_ms``: ``exec(true)`` in a warm VM (container: ``container_exec_p50_ms``);
+  ``vm_echo_ms``: the agent's round trip alone (ping).
+- ``vm_idle_mib_per_clone``: drop in MemAvailable / ``vm_idle_n`` idle clones held at once;
+  ``vm_idle_pss_mib``: their QEMU processes' PSS per clone; ``vm_idle_cpu_frac``: CPU per
+  idle clone over ``idle_window_s`` (cores).
+- ``vm_pause_mem_returned_frac``: memory the pause gave back (cgroup charge before -> after)
+  and ``vm_resume_first_exec_ms``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import platform
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from dsec.bench.stats import percentile
+
+Progress = Callable[[str], None]
+MiB = 1 << 20
+
+
+def _quiet(_msg: str) -> None:
+    pass
+
+
+def _mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _pss(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _cpu_ticks(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+async def _cold_boots(be: Any, layer_files: list[Path], n: int, say: Progress) -> list[float]:
+    """Cold boots of the full machine (as a template boots), each to the agent's hello."""
+    from dsec.backends.microvm.machine import Disk, RamFile, Sockets, qemu_argv
+    from dsec.backends.microvm.qemu import QemuDriver
+    from dsec.backends.microvm.sandbox import MicroVM
+    from dsec.backends.microvm.templates import make_ext4
+
+    out: list[float] = []
+    work = be.run_dir / "coldboot"
+    work.mkdir(exist_ok=True)
+    machine = be._machine(vcpus=1, memory_mib=256, layers=("bench",), upper_bytes=64 * MiB)
+    upper = work / "upper.raw"
+    await asyncio.to_thread(make_ext4, upper, 64 * MiB)
+    disks = [*(Disk(p, f"dsec-l{i}") for i, p in enumerate(layer_files)), Disk(upper, "dsec-up", readonly=False)]
+    try:
+        for i in range(n):
+            sockets = Sockets.under(be.sock_dir, f"cold{i}")
+            ram = be.ram_dir / f"cold{i}.ram"
+            argv = qemu_argv(machine, disks, sockets, ram=RamFile(ram, shared=True), name=f"dsec-bench-cold{i}")
+            t0 = time.perf_counter()
+            vm = QemuDriver(argv, qmp_socket=sockets.qmp, log=work / "qemu.log")
+            try:
+                await vm.start()
+                await MicroVM.wait_booted(vm, sockets, 30.0)
+                out.append(time.perf_counter() - t0)
+            except Exception as exc:  # a hung boot is a figure too (counted as failed)
+                say(f"cold boot {i} failed: {exc}")
+            finally:
+                await vm.quit(timeout_s=2.0)
+                for p in (sockets.qmp, sockets.agent, ram):
+                    p.unlink(missing_ok=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+async def _microvm(be: Any, spec: Any, *, n_boot: int, n_lat: int, n_exec: int, n_idle: int,
+                   idle_window_s: float, say: Progress) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    files = [be.store.open_local(d) for d in reversed(be._layers_for(spec.image))]
+    say(f"microvm: {n_boot} cold boots")
+    boots = await _cold_boots(be, files, n_boot, say)
+    out["vm_cold_boot_ms"] = percentile([b * 1000 for b in boots], 50) if boots else -1.0
+    out["vm_cold_boot_p95_ms"] = percentile([b * 1000 for b in boots], 95) if boots else -1.0
+    out["vm_cold_boot_failed"] = n_boot - len(boots)
+
+    say("microvm: template + warm-up")
+    first = await be.create(spec)
+    tmpl = be.templates.get_ready(first.template)
+    out["vm_template_boot_ms"] = tmpl.boot_s * 1000
+    out["vm_template_save_ms"] = tmpl.save_s * 1000
+    await be.exec(first.id, ["true"])
+
+    say(f"microvm: {n_lat} creates, each to its first exec")
+    creates, firsts, totals, parts = [], [], [], []
+    for _ in range(n_lat):
+        t0 = time.perf_counter()
+        rec = await be.create(spec)
+        t1 = time.perf_counter()
+        r = await be.exec(rec.id, ["true"])
+        t2 = time.perf_counter()
+        assert r.exit_code == 0, r
+        creates.append((t1 - t0) * 1000)
+        firsts.append((t2 - t1) * 1000)
+        totals.append((t2 - t0) * 1000)
+        parts.append(be._vms[rec.id].timings)
+        await be.destroy(rec.id)
+    out["vm_restore_path"] = "direct backend create + exec (not through the SDK)"
+    out["vm_restore_p50_ms"] = percentile(totals, 50)
+    out["vm_restore_p95_ms"] = percentile(totals, 95)
+    out["vm_create_p50_ms"] = percentile(creates, 50)
+    out["vm_first_exec_p50_ms"] = percentile(firsts, 50)
+    for step in ("start", "restore", "hello", "identity"):
+        out[f"vm_restore_{step}_p50_ms"] = percentile([p.get(step, 0.0) * 1000 for p in parts], 50)
+
+    say("microvm: fan-out of 10")
+    t0 = time.perf_counter()
+
+    async def one() -> str:
+        rec = await be.create(spec)
+        r = await be.exec(rec.id, ["true"])
+        assert r.exit_code == 0, r
+        return str(rec.id)
+
+    fan = await asyncio.gather(*(one() for _ in range(10)))
+    out["vm_fanout10_s"] = time.perf_counter() - t0
+    for sid in fan:
+        await be.destroy(sid)
+
+    say(f"microvm: {n_exec} execs of true, and agent pings")
+    ex = []
+    for _ in range(n_exec):
+        t0 = time.perf_counter()
+        await be.exec(first.id, ["true"])
+        ex.append((time.perf_counter() - t0) * 1000)
+    out["vm_exec_p50_ms"] = percentile(ex, 50)
+    vm = be._vms[first.id]
+
+    async def pings() -> list[float]:
+        return [await vm.agent.ping() * 1000 for _ in range(50)]
+
+    out["vm_echo_ms"] = percentile(await be.loop.call(pings()), 50)
+
+    say("microvm: pause and resume")
+    before = be.cgroups.memory_bytes(first.id)
+    await be.pause(first.id)
+    after = be.cgroups.memory_bytes(first.id)
+    out["vm_pause_mem_returned_frac"] = (before - after) / before if before else 0.0
+    t0 = time.perf_counter()
+    await be.resume(first.id)
+    await be.exec(first.id, ["true"])
+    out["vm_resume_first_exec_ms"] = (time.perf_counter() - t0) * 1000
+    await be.destroy(first.id)
+
+    n = min(n_idle, int(_mem_available() * 0.5 / (64 * MiB)))
+    say(f"microvm: {n} idle clones held at once")
+    await asyncio.sleep(2)
+    base = _mem_available()
+    idle = []
+    for i in range(n):
+        rec = await be.create(spec)
+        idle.append(rec)
+        if (i + 1) % 50 == 0:
+            say(f"  {i + 1} of {n}")
+    await asyncio.sleep(10)
+    out["vm_idle_n"] = n
+    out["vm_idle_mib_per_clone"] = (base - _mem_available()) / n / MiB if n else 0.0
+    pids = [r.qemu_pid for r in idle]
+    out["vm_idle_pss_mib"] = sum(_pss(p) for p in pids) / max(1, n) / MiB
+    t0 = [_cpu_ticks(p) for p in pids]
+    await asyncio.sleep(idle_window_s)
+    ticks = sum(_cpu_ticks(p) - a for p, a in zip(pids, t0, strict=True))
+    out["vm_idle_cpu_frac"] = ticks / os.sysconf("SC_CLK_TCK") / idle_window_s / max(1, n)
+    alive = 0
+    for r in idle:
+        with contextlib.suppress(Exception):
+            if (await be.exec(r.id, ["true"], timeout=30)).exit_code == 0:
+                alive += 1
+    out["vm_idle_answering"] = alive
+    await asyncio.gather(*(be.destroy(r.id) for r in idle))
+    out.update({f"vm_{k}": v for k, v in be.facts().items() if k != "vm_accel"})
+    out["vm_accel"] = be.accel
+    out["vm_guest_ram_mib"] = spec.resources.memory // MiB
+    return out
+
+
+async def _container(store: Any, base: Path, tag: str, spec: Any, n_lat: int, n_exec: int) -> dict[str, float]:
+    from dsec.backends.container.runtime import ContainerRuntime
+
+    out: dict[str, float] = {}
+    ct = ContainerRuntime(name=f"bvc{tag}", state_dir=base / "state", run_dir=base / "run", layer_store=store)
+    async with ct:
+        first = await ct.create(spec)
+        await ct.exec(first.id, ["true"])
+        totals = []
+        for _ in range(n_lat):
+            t0 = time.perf_counter()
+            rec = await ct.create(spec)
+            await ct.exec(rec.id, ["true"])
+            totals.append((time.perf_counter() - t0) * 1000)
+            await ct.destroy(rec.id)
+        out["container_create_exec_p50_ms"] = percentile(totals, 50)
+        ex = []
+        for _ in range(n_exec):
+            t0 = time.perf_counter()
+            await ct.exec(first.id, ["true"])
+            ex.append((time.perf_counter() - t0) * 1000)
+        out["container_exec_p50_ms"] = percentile(ex, 50)
+    return out
+
+
+async def measure(*, quick: bool = False, say: Progress = _quiet) -> dict[str, Any]:
+    from dsec.backends.microvm.backend import MicroVMBackend
+    from dsec.backends.microvm.config import MicroVMConfig
+    from dsec.images import LocalLayerStore, build_busybox
+    from dsec.spec import ImageRef, Resources, SandboxSpec
+
+    base = Path(tempfile.mkdtemp(prefix="dsec-bench-vm-"))
+    base.chmod(0o711)
+    tag = f"{os.getpid() % 100000}"
+    store = LocalLayerStore(base / "state" / "layers")
+    layer = await asyncio.to_thread(build_busybox, store, name="bench-vm-busybox", tag="latest")
+    res = Resources(cpu=1, memory=256 * MiB, pids=256, disk=64 * MiB)
+    out: dict[str, Any] = {"host": f"{platform.node()} {os.cpu_count()} cpus {platform.release()}",
+                           "load_avg_1m_start": os.getloadavg()[0]}
+    n_boot, n_lat, n_exec, n_idle, window = (3, 8, 20, 20, 10.0) if quick else (10, 20, 50, 300, 30.0)
+    try:
+        be = MicroVMBackend(MicroVMConfig(), name=f"bvm{tag}", state_dir=base / "state", run_dir=base / "run",
+                            id_prefix="bv", store=store)
+        async with be:
+            spec = SandboxSpec(image=ImageRef(base=layer.digest), resources=res, backend="microvm")
+            out.update(await _microvm(be, spec, n_boot=n_boot, n_lat=n_lat, n_exec=n_exec, n_idle=n_idle,
+                                      idle_window_s=window, say=say))
+        say("container: the same spec")
+        cspec = SandboxSpec(image=ImageRef(base=layer.digest), resources=res)
+        out.update(await _container(store, base, tag, cspec, n_lat, n_exec))
+    finally:
+        if not any(f" {base}/" in ln for ln in Path("/proc/self/mountinfo").read_text().splitlines()):
+            shutil.rmtree(base, ignore_errors=True)
+    out["vm_vs_container_exec_ratio"] = out["vm_exec_p50_ms"] / out["container_exec_p50_ms"]
+    out["vm_vs_container_create_exec_ratio"] = out["vm_restore_p50_ms"] / out["container_create_exec_p50_ms"]
+    out["load_avg_1m_end"] = os.getloadavg()[0]
+    return out
+
+
+def run(*, quick: bool = False, say: Progress = _quiet) -> dict[str, Any]:
+    return asyncio.run(measure(quick=quick, say=say))
