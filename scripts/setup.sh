@@ -69,3 +69,9 @@ fi
 .venv/bin/python -m dsec.backends.container.build
 # The gVisor backend's in-sandbox helper (static; see src/dsec/backends/gvisor/build.py).
 .venv/bin/python -m dsec.backends.gvisor.build
+# The microVM backend's guest agent (static; src/dsec/backends/microvm/build.py), and its guest
+# image: Debian's cloud kernel from bookworm-backports (downloaded, not installed) and the
+# initramfs, cached once under /var/lib/dsec/cache/microvm (src/dsec/backends/microvm/guest.py).
+.venv/bin/python -m dsec.backends.microvm.build
+.venv/bin/python -m dsec.backends.microvm.guest /var/lib/dsec/cache/microvm ||
+  echo "setup: warning: no microVM guest image (the microvm backend needs it)" >&2

@@ -74,6 +74,28 @@ def _norm(path: str) -> str:
     return "" if rel == "." else rel
 
 
+_REASONS = {
+    errno.EXDEV: "it crosses into /proc, /dev or /sys, which the files API does not serve",
+    errno.ELOOP: "a symlink loop, or a /proc magic link (refused)",
+    errno.ENOENT: "no such file or directory",
+    errno.ENOTDIR: "a component is not a directory",
+    errno.EISDIR: "it is a directory",
+    errno.ENOSPC: "the sandbox's disk quota is full",
+    errno.EDQUOT: "the sandbox's disk quota is full",
+    errno.EEXIST: "it already exists",
+    errno.ENOTEMPTY: "the directory is not empty (use recursive=True)",
+    errno.EFBIG: "the file is too big",
+}
+
+
+def file_error(err: int, strerror: str, path: str, op: str, sandbox_id: str) -> FileAccessError:
+    """The files API's error for ``op`` on ``path`` failing with ``err`` (also the microVM
+    agent's, dsec/backends/microvm/agent.py): the same message shape from every backend."""
+    reason = _REASONS.get(err, strerror or "failed")
+    return FileAccessError(f"{op} {path!r} in sandbox {sandbox_id}: {reason}",
+                           sandbox_id=sandbox_id, path=path, errno=err or None)
+
+
 class SandboxFiles:
     """File operations inside one sandbox. Blocking syscalls on local filesystems."""
 
@@ -136,22 +158,7 @@ class SandboxFiles:
             raise FileAccessError(f"sandbox {self.sandbox_id} is not reachable: {exc.strerror}", sandbox_id=self.sandbox_id) from None
 
     def _fail(self, exc: OSError, path: str, op: str) -> FileAccessError:
-        reason = {
-            errno.EXDEV: "it crosses into /proc, /dev or /sys, which the files API does not serve",
-            errno.ELOOP: "a symlink loop, or a /proc magic link (refused)",
-            errno.ENOENT: "no such file or directory",
-            errno.ENOTDIR: "a component is not a directory",
-            errno.EISDIR: "it is a directory",
-            errno.ENOSPC: "the sandbox's disk quota is full",
-            errno.EDQUOT: "the sandbox's disk quota is full",
-            errno.EEXIST: "it already exists",
-            errno.ENOTEMPTY: "the directory is not empty (use recursive=True)",
-            errno.EFBIG: "the file is too big",
-        }.get(exc.errno or 0, exc.strerror or "failed")
-        return FileAccessError(
-            f"{op} {path!r} in sandbox {self.sandbox_id}: {reason}",
-            sandbox_id=self.sandbox_id, path=path, errno=exc.errno,
-        )
+        return file_error(exc.errno or 0, exc.strerror or "failed", path, op, self.sandbox_id)
 
     def _parent(self, root: int, rel: str, path: str) -> tuple[int, str]:
         if not rel:
