@@ -143,24 +143,24 @@ def test_every_op_is_covered() -> None:
 
 
 def test_argv_and_env_at_and_over_their_caps(binary: Path) -> None:
-    # A typed exec adds 8 fields after argv, so the token table (MAX_TOK) binds before MAX_ARGS.
-    room = (w.MAX_TOK - 1) // 2 - 8
-    at = w.ExecRequest(argv=("x",) * room)
+    at = w.ExecRequest(argv=("x",) * w.MAX_ARGS)
     assert parse(binary, at)["argv"] == list(at.argv)
-    with pytest.raises(InvalidSpec, match=r"1 over the agent's cap of 4095 \(MAX_TOK\)"):
-        w.request_frame(dataclasses.replace(at, argv=(*at.argv, "y")), 1)
-    # MAX_ARGS itself, on raw frames: at the cap passes the parser, one more is refused.
-    assert parse_raw(binary, raw_frame("exec", [("a", "x")] * w.MAX_ARGS))["argv"] == ["x"] * w.MAX_ARGS
-    assert refused(binary, "exec", [("a", "x")] * (w.MAX_ARGS + 1)) == (errno.E2BIG, "more than 4096 arguments")
-    with pytest.raises(InvalidSpec, match=r"1 over the agent's cap of 4096 \(MAX_ARGS\)"):
-        w.ExecRequest(argv=("x",) * (w.MAX_ARGS + 1)).encode()
-    env = tuple((f"K{i}", "") for i in range(room - 1))
+    with pytest.raises(InvalidSpec, match=r"1 over the agent's cap of 4000 \(MAX_ARGS\)"):
+        dataclasses.replace(at, argv=(*at.argv, "y")).encode()
+    assert refused(binary, "exec", [("a", "x")] * (w.MAX_ARGS + 1)) == (errno.E2BIG, "more than 4000 arguments")
+    env = tuple((f"K{i}", "") for i in range(w.MAX_ENV))
     at_env = w.ExecRequest(argv=("x",), env=env)
-    assert len(parse(binary, at_env)["env"]) == room - 1
-    with pytest.raises(InvalidSpec, match="MAX_ENV"):
-        w.ExecRequest(argv=("x",), env=tuple((f"K{i}", "") for i in range(w.MAX_ENV + 1))).encode()
+    assert len(parse(binary, at_env)["env"]) == w.MAX_ENV
+    with pytest.raises(InvalidSpec, match=r"1 over the agent's cap of 4000 \(MAX_ENV\)"):
+        dataclasses.replace(at_env, env=(*env, ("Y", ""))).encode()
     assert refused(binary, "exec", [("a", "x"), *[("e", f"K{i}=") for i in range(w.MAX_ENV + 1)]]) == (
-        errno.E2BIG, "more than 4096 environment entries")
+        errno.E2BIG, "more than 4000 environment entries")
+    # Together they would pass MAX_TOK: the token table refuses first, on both sides.
+    both = w.ExecRequest(argv=("x",) * w.MAX_ARGS, env=env)
+    with pytest.raises(InvalidSpec, match="MAX_TOK"):
+        w.request_frame(both, 1)
+    errno_, msg = refused(binary, "exec", [("a", "x")] * w.MAX_ARGS + [("e", f"K{i}=") for i in range(w.MAX_ENV)])
+    assert errno_ == errno.E2BIG and "more than 8192 tokens" in msg
 
 
 def test_the_frame_and_token_caps(binary: Path) -> None:

@@ -112,8 +112,8 @@ MAX_FRAME: Final = 65536
 """Payload bytes of one frame."""
 MAX_TOK: Final = 8192
 """Tokens in one request (the op, then two per field)."""
-MAX_ARGS: Final = 4096
-MAX_ENV: Final = 4096
+MAX_ARGS: Final = 4000
+MAX_ENV: Final = 4000
 MAX_PATH: Final = 4096
 """A path token with its NUL: 4095 bytes of text at most."""
 MAX_HOSTNAME: Final = 64

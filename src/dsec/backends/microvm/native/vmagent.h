@@ -14,8 +14,8 @@
 #define HDR_LEN 9                 /* <u32le len><u32le chan><u8 type> */
 #define MAX_FRAME 65536           /* payload bytes of one frame */
 #define MAX_TOK 8192              /* tokens in one request (op, then two per field) */
-#define MAX_ARGS 4096             /* argv entries (key a) */
-#define MAX_ENV 4096              /* environment entries (key e) */
+#define MAX_ARGS 4000             /* argv entries (key a); under MAX_TOK/2 so it binds */
+#define MAX_ENV 4000              /* environment entries (key e) */
 #define MAX_PATH 4096             /* a path token, NUL included (so 4095 bytes of text) */
 #define MAX_HOSTNAME 64
 #define MAX_SEED 256              /* bytes of identity seed (512 hex digits) */
