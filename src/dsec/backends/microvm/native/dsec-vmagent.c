@@ -24,6 +24,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sched.h>
 #include <sys/ioctl.h>
 #include <sys/mount.h>
 #include <sys/reboot.h>
@@ -153,6 +154,9 @@ static void read_cmdline(void) {
     }
 }
 
+static int cg_take(char *out, size_t size);
+static void cg_put(const char *cg);
+
 static void setup_cgroups(void) {
     mkdir("/sys/fs/cgroup", 0755);
     if (mount("cgroup2", "/sys/fs/cgroup", "cgroup2", MS_NOSUID | MS_NODEV | MS_NOEXEC, "nsdelegate") < 0) {
@@ -165,6 +169,10 @@ static void setup_cgroups(void) {
     mkdir(CG_ROOT, 0755);
     write_file(CG_ROOT "/cgroup.subtree_control", "+pids");
     if (write_file(CG_ROOT "/pids.max", pids_max) < 0) logk("pids.max %s: %s\n", pids_max, strerror(errno));
+    for (int i = 0; i < 4; i++) {  /* made before a template snapshot: clones start with them */
+        char cg[64];
+        if (cg_take(cg, sizeof cg) == 0) cg_put(cg);
+    }
 }
 
 /* A block device's node in /dev, made from sysfs when devtmpfs has not made it yet. */
@@ -472,18 +480,47 @@ static void stdin_close(struct chan *c) {
     c->ilen = 0;
 }
 
-/* Cgroups whose processes outlived the exec that made them: removed once empty. */
-static char stale_cg[64][64];
+/* Each exec runs in a cgroup of its own (a tree kill is cgroup.kill). Making and removing
+ * one costs about 7 ms under TCG, so empty ones are kept for the next exec (up to
+ * CG_POOL); those whose processes outlived their exec wait in `stale` until empty. */
+#define CG_POOL 32
+static char cg_pool[CG_POOL][64], cg_stale[64][64];
+static unsigned cg_next;
 
-static void cg_remove(const char *cg) {
-    if (!cg[0] || rmdir(cg) == 0 || errno == ENOENT) return;
+static int cg_empty(const char *cg) {
+    char p[96], buf[128];
+    snprintf(p, sizeof p, "%s/cgroup.events", cg);
+    if (read_file(p, buf, sizeof buf) < 0) return errno == ENOENT ? 1 : 0;
+    return strstr(buf, "populated 0") != NULL;
+}
+
+static void cg_put(const char *cg) {
+    for (int i = 0; i < CG_POOL; i++)
+        if (!cg_pool[i][0]) { snprintf(cg_pool[i], sizeof cg_pool[i], "%.63s", cg); return; }
+    rmdir(cg);
+}
+
+static int cg_take(char *out, size_t size) {
+    for (int i = 0; i < CG_POOL; i++)
+        if (cg_pool[i][0]) {
+            snprintf(out, size, "%s", cg_pool[i]);
+            cg_pool[i][0] = 0;
+            return 0;
+        }
+    snprintf(out, size, CG_ROOT "/x%u", cg_next++);
+    return mkdir(out, 0755) < 0 && errno != EEXIST ? -1 : 0;
+}
+
+static void cg_release(const char *cg) {
+    if (!cg[0]) return;
+    if (cg_empty(cg)) { cg_put(cg); return; }
     for (int i = 0; i < 64; i++)
-        if (!stale_cg[i][0]) { snprintf(stale_cg[i], sizeof stale_cg[i], "%s", cg); return; }
+        if (!cg_stale[i][0]) { snprintf(cg_stale[i], sizeof cg_stale[i], "%.63s", cg); return; }
 }
 
 static void cg_sweep(void) {
     for (int i = 0; i < 64; i++)
-        if (stale_cg[i][0] && (rmdir(stale_cg[i]) == 0 || errno == ENOENT)) stale_cg[i][0] = 0;
+        if (cg_stale[i][0] && cg_empty(cg_stale[i])) { cg_put(cg_stale[i]); cg_stale[i][0] = 0; }
 }
 
 static void chan_free(struct chan *c) {
@@ -494,7 +531,8 @@ static void chan_free(struct chan *c) {
     closefd(&c->dirfd);
     if (c->dir) closedir(c->dir);
     c->dir = NULL;
-    if (c->kind == C_EXEC) cg_remove(c->cg);
+    if (c->kind == C_EXEC) cg_release(c->cg);
+    c->cg[0] = 0;
     c->kind = C_FREE;
 }
 
@@ -1002,6 +1040,15 @@ static void child_exec(struct req *r, struct chan *c, int report, int in_r, int 
     child_fail(report, ST_EXEC);
 }
 
+struct spawn { struct req *r; struct chan *c; int report, in_r, out_w, err_w, slave; };
+static uint8_t child_stack[64 * 1024] __attribute__((aligned(16)));
+
+static int spawn_child(void *arg) {
+    struct spawn *sp = arg;
+    child_exec(sp->r, sp->c, sp->report, sp->in_r, sp->out_w, sp->err_w, sp->slave);
+    return 127;
+}
+
 static void do_exec(struct req *r) {
     int report[2] = {-1, -1}, in[2] = {-1, -1}, out[2] = {-1, -1}, err[2] = {-1, -1};
     int master = -1, slave = -1;
@@ -1009,8 +1056,7 @@ static void do_exec(struct req *r) {
     if (boot_fail[0]) { answer_err(r->chan, EIO, "exec: the guest did not boot: %s", boot_fail); return; }
     if (chan_find(r->chan)) { answer_err(r->chan, EEXIST, "exec: channel %u is in use", r->chan); return; }
     if (!(c = chan_new(r->chan, C_EXEC))) { answer_err(r->chan, EAGAIN, "exec: too many open channels"); return; }
-    snprintf(c->cg, sizeof c->cg, CG_ROOT "/x%u", r->chan);
-    if (mkdir(c->cg, 0755) < 0 && errno != EEXIST) FAIL(r->chan, "exec: cgroup");
+    if (cg_take(c->cg, sizeof c->cg) < 0) { c->cg[0] = 0; FAIL(r->chan, "exec: cgroup"); }
     if (pipe2(report, O_CLOEXEC) < 0) FAIL(r->chan, "exec: pipe");
     if (r->tty) {
         struct winsize ws = {.ws_row = (unsigned short)r->rows, .ws_col = (unsigned short)r->cols};
@@ -1023,9 +1069,11 @@ static void do_exec(struct req *r) {
         if (pipe2(out, O_CLOEXEC) < 0 || pipe2(err, O_CLOEXEC) < 0) FAIL(r->chan, "exec: pipe");
         if (r->with_stdin && pipe2(in, O_CLOEXEC) < 0) FAIL(r->chan, "exec: pipe");
     }
-    pid_t pid = fork();
-    if (pid < 0) FAIL(r->chan, "exec: fork");
-    if (pid == 0) child_exec(r, c, report[1], in[0], out[1], err[1], slave);
+    /* vfork-like (as posix_spawn): no copy-on-write of the agent, whose page faults and
+     * TLB flushes are dear under TCG; the agent waits until the child has exec'd or died. */
+    struct spawn sp = {r, c, report[1], in[0], out[1], err[1], slave};
+    pid_t pid = clone(spawn_child, child_stack + sizeof child_stack, CLONE_VM | CLONE_VFORK | SIGCHLD, &sp);
+    if (pid < 0) FAIL(r->chan, "exec: clone");
     closefd(&report[1]);
     closefd(&in[0]);
     closefd(&out[1]);
