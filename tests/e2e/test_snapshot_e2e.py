@@ -21,7 +21,7 @@ from click.testing import CliRunner
 
 from conftest import edge_config, wait_until
 from dsec import AsyncClient, Client, ImageRef, Resources, SandboxSpec
-from dsec.backends.container.zram import active_swaps, read_label, swap_label
+from dsec.backends.common.zram import active_swaps, read_label, swap_label
 from dsec.edge.testing import EdgeThread, leftovers
 from dsec.errors import (
     ImageError,

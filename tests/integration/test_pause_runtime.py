@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 
 from conftest import CGROUP_ROOT, MiB, RuntimeHarness, pid_alive, wait_until
+from dsec.backends.common.zram import ZramSwap, active_swaps, read_label, swap_label
 from dsec.backends.container.runtime import ContainerRuntime
-from dsec.backends.container.zram import ZramSwap, active_swaps, read_label, swap_label
 from dsec.errors import SandboxNotFound, SandboxStateError
 from dsec.spec import SandboxState
 

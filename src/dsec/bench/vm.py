@@ -16,7 +16,9 @@ QEMU build, guest kernel and guest RAM are in the output (``vm_accel``...).
   ``vm_echo_ms``: the agent's round trip alone (ping).
 - ``vm_idle_mib_per_clone``: drop in MemAvailable / ``vm_idle_n`` idle clones held at once;
   ``vm_idle_pss_mib``: their QEMU processes' PSS per clone; ``vm_idle_cpu_frac``: CPU per
-  idle clone over ``idle_window_s`` (cores).
+  idle clone over ``idle_window_s`` (cores), running; ``vm_idle_cpu_frac_quiet_stop``: the
+  same with quiet VMs stopped (``MicroVMConfig.idle_stop_s``) and ``vm_quiet_resume_exec_ms``,
+  the first exec of a stopped one.
 - ``vm_pause_mem_returned_frac``: memory the pause gave back (cgroup charge before -> after)
   and ``vm_resume_first_exec_ms``.
 """
@@ -201,10 +203,21 @@ async def _microvm(be: Any, spec: Any, *, n_boot: int, n_lat: int, n_exec: int, 
     out["vm_idle_mib_per_clone"] = (base - _mem_available()) / n / MiB if n else 0.0
     pids = [r.qemu_pid for r in idle]
     out["vm_idle_pss_mib"] = sum(_pss(p) for p in pids) / max(1, n) / MiB
-    t0 = [_cpu_ticks(p) for p in pids]
+    ticks0 = [_cpu_ticks(p) for p in pids]
     await asyncio.sleep(idle_window_s)
-    ticks = sum(_cpu_ticks(p) - a for p, a in zip(pids, t0, strict=True))
+    ticks = sum(_cpu_ticks(p) - a for p, a in zip(pids, ticks0, strict=True))
     out["vm_idle_cpu_frac"] = ticks / os.sysconf("SC_CLK_TCK") / idle_window_s / max(1, n)
+    say(f"microvm: the same {n} clones with quiet VMs stopped (MicroVMConfig.idle_stop_s=2)")
+    be._quiet_watch = be.loop.submit(be._watch_quiet(2.0, be.config.idle_cpu_frac))
+    await asyncio.sleep(5)
+    ticks0 = [_cpu_ticks(p) for p in pids]
+    await asyncio.sleep(idle_window_s)
+    ticks = sum(_cpu_ticks(p) - a for p, a in zip(pids, ticks0, strict=True))
+    out["vm_idle_cpu_frac_quiet_stop"] = ticks / os.sysconf("SC_CLK_TCK") / idle_window_s / max(1, n)
+    out["vm_quiet_stopped"] = sum(1 for r in idle if be._vms[r.id].quiet_stopped)
+    t1 = time.perf_counter()
+    await be.exec(idle[0].id, ["true"])
+    out["vm_quiet_resume_exec_ms"] = (time.perf_counter() - t1) * 1000
     alive = 0
     for r in idle:
         with contextlib.suppress(Exception):
@@ -259,7 +272,7 @@ async def measure(*, quick: bool = False, say: Progress = _quiet) -> dict[str, A
                            "load_avg_1m_start": os.getloadavg()[0]}
     n_boot, n_lat, n_exec, n_idle, window = (3, 8, 20, 20, 10.0) if quick else (10, 20, 50, 300, 30.0)
     try:
-        be = MicroVMBackend(MicroVMConfig(), name=f"bvm{tag}", state_dir=base / "state", run_dir=base / "run",
+        be = MicroVMBackend(MicroVMConfig(zram_size=2 << 30), name=f"bvm{tag}", state_dir=base / "state", run_dir=base / "run",
                             id_prefix="bv", store=store)
         async with be:
             spec = SandboxSpec(image=ImageRef(base=layer.digest), resources=res, backend="microvm")

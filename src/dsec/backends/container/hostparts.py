@@ -18,12 +18,12 @@ from typing import Any, Protocol
 from dsec.backends.base import HostFinding
 from dsec.backends.common import cgroupfs
 from dsec.backends.common.fdio import set_done as _set_done
+from dsec.backends.common.zram import ZramStats, ZramSwap
 from dsec.backends.container import pause as pausing
 from dsec.backends.container.node import Node
 from dsec.backends.container.records import ContainerRecord
 from dsec.backends.container.sandbox import RecordView, open_netns
 from dsec.backends.container.slots import UidSlots
-from dsec.backends.container.zram import ZramStats, ZramSwap
 from dsec.errors import HostError
 from dsec.spec import SandboxState
 

@@ -38,6 +38,7 @@ from dsec.backends.common.command import UID_RANGE
 from dsec.backends.common.names import ID_RE, NAME_RE
 from dsec.backends.common.records import RecordBook
 from dsec.backends.common.uppers import UpperStore
+from dsec.backends.common.zram import ZramSwap
 from dsec.backends.container import cgroups, claims, wire
 from dsec.backends.container import pause as pausing
 from dsec.backends.container import snapshot as snapshots
@@ -59,7 +60,6 @@ from dsec.backends.container.sandbox import ContainerSandbox, RecordView, open_n
 from dsec.backends.container.skeletons import make_skeletons, unmount_skeletons
 from dsec.backends.container.slots import UidSlots
 from dsec.backends.container.spawner import Spawner, SpawnError
-from dsec.backends.container.zram import ZramSwap
 from dsec.errors import (
     HostError,
     InvalidSpec,

@@ -44,6 +44,7 @@ from dsec.backends.base import (
     ShellSession,
     check_spec,
 )
+from dsec.backends.common.cgroupsets import SandboxCgroups
 from dsec.backends.common.command import DEFAULT_ENV
 from dsec.backends.common.fsops import SandboxFiles
 from dsec.backends.common.layers import SharedLayers
@@ -51,7 +52,6 @@ from dsec.backends.common.layers import stack as stack_layers
 from dsec.backends.common.names import ID_RE, NAME_RE
 from dsec.backends.common.records import RecordBook
 from dsec.backends.gvisor import bundle as bundles
-from dsec.backends.common.cgroupsets import SandboxCgroups
 from dsec.backends.gvisor.commands import GVisorCommands
 from dsec.backends.gvisor.config import GVisorConfig
 from dsec.backends.gvisor.heal import GVisorRepair

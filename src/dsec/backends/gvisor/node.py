@@ -12,9 +12,9 @@ from typing import Any, Protocol
 
 from dsec.backends.base import DiskRoom, GroupOutcome, HostFinding, SandboxRecord
 from dsec.backends.common import limits as limit_evidence
+from dsec.backends.common.cgroupsets import SandboxCgroups
 from dsec.backends.common.layers import SharedLayers
 from dsec.backends.common.records import RecordBook
-from dsec.backends.common.cgroupsets import SandboxCgroups
 from dsec.backends.gvisor.config import GVisorConfig
 from dsec.backends.gvisor.process import Command
 from dsec.backends.gvisor.records import GVisorRecord, PauseResult

@@ -51,6 +51,7 @@ from dsec.backends.common.layers import stack as stack_layers
 from dsec.backends.common.names import ID_RE, NAME_RE
 from dsec.backends.common.output import check_exec, check_timed_out, collect, start_piped
 from dsec.backends.common.records import RecordBook
+from dsec.backends.common.zram import ZramSwap
 from dsec.backends.microvm import host
 from dsec.backends.microvm.config import MicroVMConfig
 from dsec.backends.microvm.machine import BOOT_ARGS, FAST_BOOT_ARGS, Accel, MachineSpec, Sockets
@@ -95,6 +96,7 @@ class MicroVMBackend(BackendBase):
         self._own_ram_mount = self.config.ram_dir is None
         self._store = store
         self.cgroups = SandboxCgroups(name)
+        self.swap = ZramSwap(name, self.config.zram_size, self.run_dir / "zram.json")
         self.capabilities = Capabilities(
             kind=self.kind,
             ops=frozenset({Capability.SANDBOXES, Capability.EXEC, Capability.SESSIONS, Capability.FILES,
@@ -118,6 +120,8 @@ class MicroVMBackend(BackendBase):
         self._firmware: Path | None = None
         self._tsc_khz: int | None = None
         self._started = False
+        self._quiet_watch: Any = None
+        self.quiet_stops = 0
 
     # ----- read-only views -----
 
@@ -180,6 +184,8 @@ class MicroVMBackend(BackendBase):
             await asyncio.to_thread(_mount_tmpfs, self.ram_dir, cfg.ram_dir_size_mib, self.name)
         os.chmod(self.ram_dir, 0o755)
         await asyncio.to_thread(self.cgroups.setup)
+        if self.swap.size > 0:
+            await asyncio.to_thread(self.swap.ensure)
         self.loop.start()
         self.templates = TemplateStore(
             ram_dir=self.ram_dir, disk_dir=self.state_dir / "templates" / self.name, sock_dir=self.sock_dir, qemu_img=qemu_img,
@@ -188,6 +194,8 @@ class MicroVMBackend(BackendBase):
             release_vm=self._release_template_vm)
         self.accel, self.accel_reason = await self._choose_accel()
         self._started = True
+        if cfg.idle_stop_s is not None:
+            self._quiet_watch = self.loop.submit(self._watch_quiet(cfg.idle_stop_s, cfg.idle_cpu_frac))
         try:
             self.reconciled = await self._reconcile()
         except BaseException:
@@ -209,9 +217,15 @@ class MicroVMBackend(BackendBase):
                 await self.loop.call(vm.detach())
             self._vms.clear()
             self._sandboxes.clear()
+        if self._quiet_watch is not None:
+            self._quiet_watch.cancel()
+            self._quiet_watch = None
         self.loop.stop()
         if destroy_all:
             await asyncio.to_thread(self.cgroups.remove_parents)
+            if self.swap.find() is not None:
+                with contextlib.suppress(HostError):
+                    await asyncio.to_thread(self.swap.teardown)
             if self._own_ram_mount and _is_mount(self.ram_dir):
                 await asyncio.to_thread(_umount, self.ram_dir)
             for d in (self.vms_dir, self.ram_dir, self.sock_dir, self.state_dir / "templates" / self.name,
@@ -219,6 +233,21 @@ class MicroVMBackend(BackendBase):
                 with contextlib.suppress(OSError):
                     d.rmdir()
         self._started = False
+
+    async def _watch_quiet(self, idle_s: float, cpu_frac: float) -> None:
+        """On the VM loop: stop VMs that are quiet (:meth:`MicroVM.stop_if_quiet`), once a second."""
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            for sid, vm in list(self._vms.items()):
+                rec = self._sandboxes.get(sid)
+                if rec is None or rec.state is not SandboxState.RUNNING:
+                    continue
+                try:
+                    if await vm.stop_if_quiet(idle_s, cpu_frac, now):
+                        self.quiet_stops += 1
+                except Exception as exc:  # a VM that died meanwhile: its watcher marks it failed
+                    log.debug("microvm %s: quiet stop of %s: %s", self.name, sid, exc)
 
     async def _reconcile(self) -> dict[str, builtins.list[str]]:
         """What a previous run of the backend left. A VM whose QEMU still runs, whose template
@@ -243,8 +272,11 @@ class MicroVMBackend(BackendBase):
             if alive and tmpl is not None and rec.state in (SandboxState.RUNNING, SandboxState.PAUSED):
                 vm = MicroVM(sid, self.vms_dir / sid, Sockets.under(self.sock_dir, sid), tmpl, [],
                              uid=rec.uid, enter=lambda pid: None)
+                self.cgroups.thaw(sid)  # a paused VM's QEMU is frozen: it must answer QMP to be adopted
                 try:
                     await self.loop.call(vm.attach(rec.qemu_pid, rec.qemu_start))
+                    if rec.state is SandboxState.PAUSED:
+                        self.cgroups.freeze(sid)
                 except (HostError, OSError, TimeoutError) as exc:
                     log.warning("microvm %s: cannot adopt %s: %s", self.name, sid, exc)
                     await self.loop.call(vm.close())
@@ -396,8 +428,17 @@ class MicroVMBackend(BackendBase):
         return rec
 
     def wake(self, sandbox_id: str) -> bool:
-        """A paused VM is resumed by the next call that needs it (asynchronously: :meth:`_vm`)."""
+        """A VM stopped for being quiet runs again at once (its ``cont`` is queued on the VM
+        loop before anything the caller sends next). A paused one is resumed by the next call
+        that needs it (:meth:`_vm`)."""
         rec = self._sandboxes.get(sandbox_id)
+        vm = self._vms.get(sandbox_id)
+        if vm is not None and rec is not None and rec.state is SandboxState.RUNNING:
+            if vm.quiet_stopped:
+                self.loop.submit(vm.ensure_running())
+            else:
+                vm.touch()
+            return True
         return rec is not None and rec.state is SandboxState.PAUSED
 
     async def _vm(self, sandbox_id: str) -> MicroVM:
@@ -416,6 +457,10 @@ class MicroVMBackend(BackendBase):
             raise SandboxFailed(f"sandbox {sandbox_id}: its VM is gone ({rec.reason})", sandbox_id=sandbox_id,
                                 reason="vm_exited")
         self.last_activity[sandbox_id] = time.monotonic()
+        if vm.quiet_stopped:
+            await self.loop.call(vm.ensure_running())
+        else:
+            vm.touch()
         return vm
 
     def _vm_gone(self, sandbox_id: str, why: str = "") -> None:
@@ -655,16 +700,45 @@ class MicroVMBackend(BackendBase):
             raise SandboxStateError(f"sandbox {sandbox_id} is {rec.state.value}, not running",
                                     sandbox_id=sandbox_id, state=rec.state.value)
         vm = self._vms[sandbox_id]
-        out = await self.loop.call(vm.pause(reclaim=reclaim, memory_bytes=lambda: self.cgroups.memory_bytes(sandbox_id)))
+        out = await self.loop.call(vm.pause(reclaim=reclaim, freeze=lambda on: self._freeze(sandbox_id, on),
+                                            push_out=lambda: self._push_out(sandbox_id)))
         self.records.move(rec, SandboxState.PAUSED)
         return out
+
+    def _freeze(self, sandbox_id: str, on: bool) -> None:
+        if on:
+            self.cgroups.freeze(sandbox_id)
+        else:
+            self.cgroups.thaw(sandbox_id)
+
+    def _push_out(self, sandbox_id: str) -> tuple[int, int]:
+        """A paused VM's host memory (QEMU's heap, TCG's code cache, the guest's own pages)
+        pushed out to swap through its memory cgroup; (bytes before, after). The template's
+        pages it shares are not its charge."""
+        from dsec.backends.common import cgroupfs
+
+        mdir = self.cgroups.dir("memory", sandbox_id)
+        before = self.cgroups.memory_bytes(sandbox_id)
+        with contextlib.suppress(OSError):
+            cgroupfs.write(mdir / "memory.swappiness", "100")
+        last = before
+        for _ in range(4):
+            with contextlib.suppress(OSError):
+                cgroupfs.read(mdir / "memory.stat")  # fresh LRU statistics for reclaim
+            with contextlib.suppress(OSError):
+                cgroupfs.write(mdir / "memory.force_empty", "0")
+            now = self.cgroups.memory_bytes(sandbox_id)
+            if last - now < 1 * MiB:
+                break
+            last = now
+        return before, self.cgroups.memory_bytes(sandbox_id)
 
     async def resume(self, sandbox_id: str) -> MicroVMRecord:
         rec = self.get(sandbox_id)
         if rec.state is not SandboxState.PAUSED:
             raise SandboxStateError(f"sandbox {sandbox_id} is {rec.state.value}, not paused",
                                     sandbox_id=sandbox_id, state=rec.state.value)
-        await self.loop.call(self._vms[sandbox_id].resume())
+        await self.loop.call(self._vms[sandbox_id].resume(freeze=lambda on: self._freeze(sandbox_id, on)))
         self.records.move(rec, SandboxState.RUNNING)
         self.last_activity[sandbox_id] = time.monotonic()
         return rec

@@ -52,6 +52,18 @@ class MicroVMConfig(BaseModel):
     """A tmpfs for templates' RAM files; None: the backend mounts its own under its run directory."""
     ram_dir_size_mib: Annotated[int, Field(ge=256)] = 8192
     """Size of the backend's own tmpfs for templates' RAM (pages are used only as touched)."""
+    idle_stop_s: Annotated[float, Field(gt=0)] | None = None
+    """Stop quiet VMs: a running VM with no command, session or terminal open, that nothing
+    reached for this long and whose QEMU used under ``idle_cpu_frac`` of a core meanwhile, is
+    stopped (QMP ``stop``) until the next call, which runs it again first (~1 ms): an idle
+    clone then costs no CPU (under TCG an idle guest costs ~1 % of a core). While stopped
+    its clock stands still: a background job's timers wait, and the guest's clock is behind
+    by the time stopped (not yet stepped on resume). None (default): never."""
+    idle_cpu_frac: Annotated[float, Field(gt=0, le=1)] = 0.02
+    zram_size: Annotated[int, Field(ge=0)] = 0
+    """Bytes of compressed RAM swap (zram) set up at start, where a paused VM's host memory
+    (QEMU's heap, TCG's code cache, the pages the guest wrote) goes; 0: none (a pause then
+    stops and freezes the VM but returns little memory)."""
     uid_base: Annotated[int, Field(ge=1000)] = 720_000
     """QEMU runs as ``uid_base + slot`` (one uid per VM: no VM can signal or trace another)."""
     max_vms: Annotated[int, Field(ge=1, le=60_000)] = 4096

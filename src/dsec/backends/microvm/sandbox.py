@@ -36,6 +36,17 @@ if TYPE_CHECKING:
     from dsec.backends.microvm.templates import Template
 
 HELLO_TIMEOUT_S = 15.0
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def _ticks(pid: int) -> int:
+    """utime + stime of ``pid`` in clock ticks (0 when gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])
+    except (OSError, IndexError, ValueError):
+        return 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +127,9 @@ class MicroVM:
         self._on_exit: list[Callable[[], None]] = []
         self._closing = False
         self.paused = False
+        self.last_used = time.monotonic()
+        self.quiet_stopped = False
+        self._samples: list[tuple[float, int]] = []
         self.timings: dict[str, float] = {}
         """Seconds of each step of the last restore: QEMU up (QMP), state loaded and running,
         the agent's hello, the new identity."""
@@ -224,18 +238,60 @@ class MicroVM:
 
     # ----- pause -----
 
-    async def pause(self, *, reclaim: bool, memory_bytes: Callable[[], int]) -> PauseResult:
-        """Stop the vCPUs (QMP ``stop``): no guest CPU while paused."""
+    async def pause(self, *, reclaim: bool, freeze: Callable[[bool], None],
+                    push_out: Callable[[], tuple[int, int]]) -> PauseResult:
+        """Stop the vCPUs (QMP ``stop``), freeze QEMU's threads (its cgroup: no host CPU at
+        all), then push its memory out to swap (``push_out``: before, after)."""
         t0 = time.perf_counter()
-        before = memory_bytes()
+        await self.ensure_running()
         await self.driver.stop()
+        freeze(True)
         frozen = time.perf_counter() - t0
         self.paused = True
-        return PauseResult(frozen, time.perf_counter() - t0, Reclaim(before, memory_bytes()) if reclaim else None)
+        figures = await asyncio.to_thread(push_out) if reclaim else None
+        return PauseResult(frozen, time.perf_counter() - t0, Reclaim(*figures) if figures else None)
 
-    async def resume(self) -> None:
+    async def resume(self, *, freeze: Callable[[bool], None]) -> None:
+        freeze(False)
         await self.driver.cont()
         self.paused = False
+        self.touch()
+
+    # ----- quiet VMs stop until they are needed -----
+
+    def touch(self) -> None:
+        self.last_used = time.monotonic()
+
+    async def ensure_running(self) -> None:
+        """A VM stopped for being quiet runs again (QMP ``cont``, ~1 ms) before anything reaches it."""
+        self.touch()
+        if self.quiet_stopped:
+            self.quiet_stopped = False
+            await self.driver.cont()
+
+    async def stop_if_quiet(self, idle_s: float, cpu_frac: float, now: float) -> bool:
+        """Stop the VM (its clock stands still) when nothing reached it for ``idle_s`` and its
+        QEMU used under ``cpu_frac`` of a core meanwhile: an idle clone then costs no CPU.
+        A VM busy on its own (a build in the background) keeps running."""
+        if self.paused or self.quiet_stopped or not self.driver.alive() or self.agent is None or \
+                self.agent._chans:
+            return False
+        ticks = _ticks(self.driver.pid)
+        self._samples.append((now, ticks))
+        while len(self._samples) > 1 and now - self._samples[1][0] >= idle_s:
+            self._samples.pop(0)
+        if now - self.last_used < idle_s or now - self._samples[0][0] < idle_s:
+            return False
+        used = (ticks - self._samples[0][1]) / _CLK_TCK / (now - self._samples[0][0])
+        if used >= cpu_frac:
+            return False
+        self.quiet_stopped = True
+        try:
+            await self.driver.stop()
+        except Exception:
+            self.quiet_stopped = False
+            raise
+        return True
 
     # ----- commands -----
 
@@ -305,6 +361,7 @@ class MicroVM:
                     continue
                 except OSError:
                     data = b""
+                await self.ensure_running()
                 if not data:
                     await proc.close_stdin()
                     return
