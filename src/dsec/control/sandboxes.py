@@ -522,7 +522,9 @@ class Sandboxes:
         row = s.get(SandboxRow, key, with_for_update=True)
         if row is None:
             return None
-        if row.id == got.id and row.state in USABLE:  # the watcher adopted it first: same sandbox
+        if row.id == got.id and (row.state in USABLE or row.state == got.state.value == S.FAILED.value):
+            # the watcher's reconcile recorded it first (it listed the edge before this record):
+            # the same sandbox, in the state the edge gave both (failed ones too)
             return self.info(row, who.project, token=True)
         if row.state != S.CREATING.value:  # deleted meanwhile: keep the id so the stop can finish
             row.id = got.id
@@ -828,6 +830,11 @@ class Sandboxes:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+    def recording(self) -> frozenset[str]:
+        """Ids of the sandboxes whose create this replica answered and whose record is not
+        written yet (the watcher leaves them to it)."""
+        return frozenset(self._confirming)
 
     async def settled(self, sandbox_id: str | None = None) -> None:
         """Wait until creates this replica answered are recorded (one id, or all of them)."""

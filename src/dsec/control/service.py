@@ -129,6 +129,7 @@ class Control:
             create_budget_s=cfg.edge_timeout_s * cfg.placement.max_attempts + 5.0,
         )
         self.watcher.holder = self.replica_id
+        self.watcher.recording = self.sandboxes.recording
         self.burst = BurstController(cfg, store, self.sandboxes.health, self.sandboxes.scheduler.cfg,
                                      load_provider(cfg))
         """The burst pool's controller (burst.py): run by the watcher's leader."""

@@ -89,6 +89,9 @@ class Watcher:
         """(edge, epoch, sandboxes destroyed) of the fences this watcher applied (tests, bench)."""
         self.on_tick: Callable[[], Awaitable[None]] | None = None
         """Run at the end of each round this replica leads (the burst controller, burst.py)."""
+        self.recording: Callable[[], frozenset[str]] = frozenset
+        """Ids of the sandboxes whose create this replica answered and is recording now
+        (``Sandboxes.recording``): the reconcile leaves them to that record."""
 
     @property
     def lease_ttl(self) -> float:
@@ -289,7 +292,8 @@ class Watcher:
             return
         self._reconciled[edge_id] = time.time()
         on_edge = {sb.id: sb for sb in listing}
-        doomed = await self.store.write(lambda s: self._reconcile_txn(s, edge_id, on_edge, listed_at))
+        recording = self.recording()  # after the listing: every create it shows was answered before
+        doomed = await self.store.write(lambda s: self._reconcile_txn(s, edge_id, on_edge, listed_at, recording))
         if not doomed:
             return
         sem = asyncio.Semaphore(32)
@@ -308,14 +312,27 @@ class Watcher:
             await self.store.write(lambda s: finish_many(s, gone))
 
     def _reconcile_txn(
-        self, s: Session, edge_id: str, on_edge: dict[str, SandboxInfo], listed_at: float | None = None
+        self, s: Session, edge_id: str, on_edge: dict[str, SandboxInfo], listed_at: float | None = None,
+        recording: frozenset[str] = frozenset(),
     ) -> list[str]:
         """Apply what the edge holds to the store; returns ids to delete on the edge.
 
         ``listed_at``: when the listing was asked for. A row changed since (a create recorded
         after the edge answered the listing) is not judged missing from it: the edge made the
         sandbox after its list was taken, and calling it gone would stop a live sandbox (and
-        the next round would delete it on the edge as "stopped in the store")."""
+        the next round would delete it on the edge as "stopped in the store").
+
+        ``recording``: sandboxes whose create this replica answered and is recording now (the
+        record is group-committed after the answer): left to that record.
+
+        A sandbox the store does not know yet, made under a reservation's key, is recorded into
+        that reservation at once. When it is younger than ``orphan_grace_s`` this is the race
+        between the listing and the sandbox's own record, and harmless: a create's answer
+        being recorded by another replica (or by this one after ``recording`` was read), or an
+        edge's lease report still on its way (edges batch them every 50 ms) — that record then
+        finds the same sandbox recorded and changes nothing (``Sandboxes._commit_txn``,
+        ``Leases.report``); logged at info. Older, the answer was lost (its replica died, the
+        reports failed): a warning."""
         now = time.time()
         ledger = Ledger()
         doomed: list[str] = []
@@ -377,7 +394,7 @@ class Watcher:
                 pending = self._unconfirmed(s, edge_id)  # matching by resemblance needs them all
         for sid in unknown:
             sb = on_edge[sid]
-            if sb.state == S.STOPPED or sid in live_since:
+            if sb.state == S.STOPPED or sid in live_since or sid in recording:
                 continue
             if sid in stopped:  # the store says stopped or lost, the edge still has it
                 doomed.append(sid)
@@ -390,8 +407,14 @@ class Watcher:
                 log.warning("edge %s: %s was made under %s, which had ended (%s): deleting it", edge_id, sid,
                             sb.request_id, row.reason)
             elif sb.request_id and adopt_by_key(pending, sb, ledger):
-                log.warning("edge %s: recorded %s into its reservation %s (its create's answer was never recorded)",
-                            edge_id, sid, sb.request_id)
+                age = now - sb.created_at
+                if age < self.config.orphan_grace_s:
+                    log.info("edge %s: recorded %s into its reservation %s ahead of its own record (made %.1f s "
+                             "ago: its create's answer or the edge's lease report was still on its way, and finds "
+                             "it recorded; a harmless race)", edge_id, sid, sb.request_id, age)
+                else:
+                    log.warning("edge %s: recorded %s into its reservation %s (made %.0f s ago: its create's answer "
+                                "or lease report was lost)", edge_id, sid, sb.request_id, age)
             elif sb.created_at < now - self.config.orphan_grace_s and adopt_unconfirmed(pending, sb, ledger):
                 log.warning("edge %s: adopted %s into its create's reservation (the answer was never recorded)",
                             edge_id, sid)
