@@ -411,3 +411,11 @@ def test_reconnect_and_disconnect_mid_stream(vm: VM) -> None:
     vm.reconnect()
     vm.run(vm.c.hello(10))
     assert vm.sh("echo again")[0] == "again\n"
+
+
+def test_poweroff(vm: VM) -> None:  # last: the module's VM ends here
+    vm.run(vm.c.poweroff())
+    assert vm.proc is not None
+    assert vm.proc.wait(timeout=20) == 0
+    with pytest.raises(HostError):
+        vm.run(vm.c.ping())

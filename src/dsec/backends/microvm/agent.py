@@ -58,6 +58,7 @@ class _Channel:
     def fail(self, exc: BaseException) -> None:
         if not self.answer.done():
             self.answer.set_exception(exc)
+            self.answer.exception()  # retrieved: the caller may be gone, or raise it another way
 
 
 class AgentClient:
@@ -134,6 +135,10 @@ class AgentClient:
         except (OSError, ValueError) as exc:
             self._die(HostError(f"sandbox {self.sandbox_id}: the agent connection failed: {exc}",
                                 sandbox_id=self.sandbox_id, reason=str(exc)))
+        except Exception as exc:  # a caller's output callback raised: nothing may hang on this client
+            self._die(HostError(f"sandbox {self.sandbox_id}: the agent client failed: {exc!r}",
+                                sandbox_id=self.sandbox_id, reason=repr(exc)))
+            raise
 
     def _dispatch(self, ftype: int, chan: int, payload: bytes) -> None:
         if ftype == w.T_HELLO:
