@@ -112,6 +112,11 @@ class AgentClient:
     def alive(self) -> bool:
         return self._dead is None
 
+    @property
+    def open_channels(self) -> int:
+        """Requests, transfers and execs in flight (0: the guest has nothing of ours running)."""
+        return len(self._chans)
+
     # ------------------------------------------------------------ plumbing ----
 
     def _die(self, exc: HostError) -> None:
