@@ -148,6 +148,16 @@ class EdgeBackends:
         self.build_all()
         return {k: b.capabilities.names() for k, b in self.by_kind.items()}
 
+    def facts(self) -> dict[str, dict[str, str]]:
+        """Per backend kind that states them, what it runs on (the microVM backend: its
+        accelerator ``vm_accel`` and why, QEMU's build, the guest kernel)."""
+        out: dict[str, dict[str, str]] = {}
+        for k, b in self.by_kind.items():
+            facts = getattr(b, "facts", None)
+            if callable(facts):
+                out[k] = {str(key): str(v) for key, v in facts().items()}
+        return out
+
     def get(self, kind: str) -> Backend:
         """The backend of this kind; ``Unsupported`` if this edge does not run it."""
         b = self.by_kind.get(kind)

@@ -659,6 +659,7 @@ class EdgeService:
             healthy=not problems, problems=problems, repairs=self.selfcheck.repairs(), runtime=self.config.runtime,
             epoch=self.fencing.epoch,
             backends=self.backends.capabilities(),
+            backend_facts=self.backends.facts(),
             boot_id=self.leases.boot_id,
             registry=self.backends.registry.url if self.backends.registry is not None else "",
         )

@@ -605,6 +605,9 @@ class EdgeHealth(_Wire):
     backends: dict[str, list[str]] = Field(default_factory=lambda: {"container": list[str]()})
     """The execution backends this edge runs, each with the operations it offers
     (:class:`dsec.backends.base.Capability` values); placement honours ``SandboxSpec.backend``."""
+    backend_facts: dict[str, dict[str, str]] = Field(default_factory=dict)
+    """What some backends run on, by kind: the microVM backend's accelerator (``vm_accel``:
+    ``kvm`` or ``tcg``, and ``vm_accel_reason``), QEMU build and guest kernel."""
     epoch: int = 0
     """The highest fence this edge has applied (docs/CONTROL.md, "Fencing"): a control plane
     whose record of the edge has a higher epoch fences it before placing anything there."""
