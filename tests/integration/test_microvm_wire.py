@@ -67,7 +67,7 @@ def expected(req: w.Request) -> dict[str, Any]:
                 "gid": req.gid, "tty": int(req.tty), "rows": req.rows, "cols": req.cols, "stdin": int(req.stdin),
                 "win": req.window}
     if isinstance(req, w.SignalRequest):
-        return {"ch": req.chan, "sig": req.sig, "tree": int(req.tree)}
+        return {"ch": req.chan, "sig": req.sig, "tree": int(req.tree), "spare": int(req.spare)}
     if isinstance(req, w.ResizeRequest):
         return {"ch": req.chan, "rows": req.rows, "cols": req.cols}
     if isinstance(req, w.StatRequest):
@@ -108,6 +108,7 @@ REQUESTS: dict[str, w.Request] = {
                                    window=2**32 - 1),
     "signal": w.SignalRequest(9, 15, tree=False),
     "signal-tree": w.SignalRequest(2**32 - 1, 64),
+    "signal-spare": w.SignalRequest(3, 9, spare=True),
     "resize": w.ResizeRequest(3, 1, 65535),
     "stat": w.StatRequest("/etc/passwd"),
     "stat-follow-root": w.StatRequest("/", follow=True),

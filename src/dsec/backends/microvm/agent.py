@@ -616,9 +616,11 @@ class AgentProcess(_Stream):
         self.client._send(w.frame(w.T_INPUT, self.chan, b""))
         await self.client._drain()
 
-    async def signal(self, sig: int, *, tree: bool = True, timeout: float = ANSWER_TIMEOUT) -> None:
-        """Signal the process (``tree``: every process it started, through its cgroup)."""
-        ans = await self.client._request(w.SignalRequest(self.chan, sig, tree), timeout)
+    async def signal(self, sig: int, *, tree: bool = True, spare: bool = False,
+                     timeout: float = ANSWER_TIMEOUT) -> None:
+        """Signal the process (``tree``: every process it started, through its cgroup;
+        ``spare``: all of those but the process itself)."""
+        ans = await self.client._request(w.SignalRequest(self.chan, sig, tree, spare), timeout)
         if not ans.ok and ans.errno != errno_mod.ESRCH:  # ESRCH: it has exited meanwhile
             raise ExecError(f"sandbox {self.client.sandbox_id}: signal {sig}: {ans.message}",
                             sandbox_id=self.client.sandbox_id, errno=ans.errno)

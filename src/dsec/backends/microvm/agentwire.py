@@ -260,12 +260,20 @@ class Exit:
     utime_s: float
     stime_s: float
     maxrss_kb: int
+    oom_kills: int = 0
+    """OOM kills in the exec's cgroup while it ran (the guest kernel's evidence of its memory limit)."""
+    pids_hits: int = 0
+    """Forks refused at the sandbox's pids limit while it ran."""
+    disk_free: int = -1
+    """Bytes free on the writable disk when it ended (-1: not said)."""
+    inodes_free: int = -1
 
     @classmethod
     def parse(cls, payload: bytes) -> Exit:
         f = pairs(tokens(payload))
         return cls(int(f["code"]), int(f["sig"]), int(f["utime_us"]) / 1e6, int(f["stime_us"]) / 1e6,
-                   int(f["maxrss_kb"]))
+                   int(f["maxrss_kb"]), int(f.get("oom", 0)), int(f.get("pidsmax", 0)), int(f.get("dfree", -1)),
+                   int(f.get("ifree", -1)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -427,10 +435,14 @@ class SignalRequest:
     chan: int
     sig: int
     tree: bool = True
+    spare: bool = False
+    """With ``tree``: every process of the exec's cgroup but the exec's own (a session's shell
+    lives on while what it runs is killed)."""
 
     def encode(self) -> Fields:
-        return [("ch", _int("chan", self.chan, 1, _U32)), ("sig", _int("signal", self.sig, 1, 64)),
-                ("tree", _flag(self.tree))]
+        out = [("ch", _int("chan", self.chan, 1, _U32)), ("sig", _int("signal", self.sig, 1, 64)),
+               ("tree", _flag(self.tree))]
+        return [*out, ("spare", "1")] if self.spare else out
 
 
 @dataclass(frozen=True, slots=True)

@@ -510,7 +510,7 @@ class MicroVMBackend(BackendBase):
         res = spec.resources
         if res.memory < self.config.min_memory_mib * MiB:
             raise InvalidSpec(f"memory {res.memory // MiB} MiB is below the microVM minimum of "
-                              f"{self.config.min_memory_mib} MiB (its kernel and agent need it): ask for more",
+                              f"{self.config.min_memory_mib} MiB (MicroVMConfig.min_memory_mib): ask for more",
                               field="resources.memory")
         if math.ceil(res.cpu) > host.host_cpus():
             raise InvalidSpec(f"cpu {res.cpu:g} needs {math.ceil(res.cpu)} vCPUs; this host has {host.host_cpus()}",
@@ -545,7 +545,8 @@ class MicroVMBackend(BackendBase):
         layers = self._layers_for(spec.image)
         res = spec.resources
         rec = MicroVMRecord(sid, SandboxState.CREATING, spec, time.time(), edge=edge or EdgeMeta(), layers=layers,
-                            vcpus=max(1, math.ceil(res.cpu)), memory_mib=res.memory // MiB)
+                            vcpus=max(1, math.ceil(res.cpu)),
+                            memory_mib=-(-res.memory // MiB) + self.config.guest_overhead_mib)
         self._sandboxes[sid] = rec
         lock = self._locks.setdefault(sid, asyncio.Lock())
         async with lock:
@@ -570,7 +571,7 @@ class MicroVMBackend(BackendBase):
             files.append(await asyncio.to_thread(self.store.open_local, d))
             self.store.pin(d, self.holder)
         machine = self._machine(vcpus=rec.vcpus, memory_mib=rec.memory_mib, layers=tuple(reversed(rec.layers)),
-                                upper_bytes=res.disk, extra=(("pids", str(res.pids)),))
+                                upper_bytes=res.disk, extra=(("pids", str(res.pids)), ("mem", str(res.memory))))
         tmpl: Template = await self.templates.get(machine, files)
         rec.template = tmpl.key
         rec.uid = self._take_uid()
@@ -655,10 +656,8 @@ class MicroVMBackend(BackendBase):
         got = await collect(proc, in_w, out_r, err_r, stdin, limit, idle_timeout, on_output, cap)
         self.last_activity[sandbox_id] = time.monotonic()
         result = got.result(proc.start_latency_s)
-        result.limit = limit_evidence.judge(rec.spec.resources, exit_code=result.exit_code, sig=result.signal,
-                                            timed_out=result.timed_out, timeout_s=limit, idle_timeout_s=idle_timeout,
-                                            truncated=result.truncated, output_cap=cap, before=None, after=None,
-                                            disk=None)
+        result.limit = judge_vm(rec.spec.resources, got.exit, result, timeout_s=limit, idle_timeout_s=idle_timeout,
+                                output_cap=cap)
         self.records.event(rec, "exec_ended", pid=proc.pid, exit_code=result.exit_code, signal=result.signal,
                            duration_s=round(result.duration_s, 6), timed_out=result.timed_out,
                            output_truncated=result.truncated)
@@ -786,6 +785,22 @@ class MicroVMBackend(BackendBase):
                 self._vm_gone(sid)
                 found.append(HostFinding("vm_exited", f"sandbox {sid}: its QEMU process is gone", False))
         return found
+
+
+def judge_vm(res: Any, ex: Any, result: ExecResult, *, timeout_s: float | None, idle_timeout_s: float | None,
+             output_cap: int) -> Any:
+    """Which limit ended a command in a VM, from the guest kernel's evidence the agent sends
+    with its exit (OOM kills in its cgroup, forks refused at the pids limit, the disk's room)."""
+    disk = None
+    if ex.disk_free >= 0:
+        full = ex.disk_free < limit_evidence.DISK_FULL_BYTES or ex.inodes_free == 0
+        disk = DiskRoom(ex.disk_free, ex.inodes_free, full)
+    return limit_evidence.judge(
+        res, exit_code=result.exit_code, sig=result.signal, timed_out=result.timed_out, timeout_s=timeout_s,
+        idle_timeout_s=idle_timeout_s, truncated=result.truncated, output_cap=output_cap,
+        before=limit_evidence.Baseline(limit_evidence.Counters(0, 0)),
+        after=limit_evidence.Counters(ex.oom_kills, ex.pids_hits), disk=disk,
+        output=(result.stderr, result.stdout))
 
 
 def _file_bytes(path: Path) -> int:

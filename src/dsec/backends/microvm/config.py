@@ -42,8 +42,12 @@ class MicroVMConfig(BaseModel):
     qemu_overhead_mib: Annotated[int, Field(ge=32)] = 160
     """Host memory allowed to a VM beyond its guest RAM (QEMU itself, TCG's code cache, device
     buffers): the QEMU process's memory cgroup is the guest's RAM plus this."""
-    min_memory_mib: Annotated[int, Field(ge=48)] = 96
-    """The smallest guest RAM a sandbox may ask for (64 MiB does not boot Debian's cloud kernel)."""
+    guest_overhead_mib: Annotated[int, Field(ge=32)] = 80
+    """Guest RAM beyond the sandbox's memory limit, for the guest's kernel and agent (~40 MiB of
+    a 128 MiB guest are the kernel's own): a VM's RAM is ``Resources.memory`` plus this, and its
+    processes are held to ``Resources.memory`` by a cgroup inside the guest, as in a container."""
+    min_memory_mib: Annotated[int, Field(ge=8)] = 16
+    """The smallest memory limit a sandbox may ask for (its processes' share of the guest)."""
     boot_timeout_s: Annotated[float, Field(gt=0)] = 20.0
     """A cold boot's deadline (spawn to the agent's hello); past it the boot is retried."""
     boot_attempts: Annotated[int, Field(ge=1, le=5)] = 3

@@ -57,6 +57,10 @@ class VmExit:
     signal: int | None
     utime_s: float = 0.0
     stime_s: float = 0.0
+    oom_kills: int = 0
+    pids_hits: int = 0
+    disk_free: int = -1
+    inodes_free: int = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,7 +278,7 @@ class MicroVM:
         QEMU used under ``cpu_frac`` of a core meanwhile: an idle clone then costs no CPU.
         A VM busy on its own (a build in the background) keeps running."""
         if self.paused or self.quiet_stopped or not self.driver.alive() or self.agent is None or \
-                self.agent._chans:
+                self.agent.open_channels():
             return False
         ticks = _ticks(self.driver.pid)
         self._samples.append((now, ticks))
@@ -332,7 +336,8 @@ class MicroVM:
                     os.close(target)
                     outs[fd] = -1
             ex = await proc.wait()
-            h._done(VmExit(None if ex.signal else ex.code, ex.signal or None, ex.utime_s, ex.stime_s))
+            h._done(VmExit(None if ex.signal else ex.code, ex.signal or None, ex.utime_s, ex.stime_s,
+                           ex.oom_kills, ex.pids_hits, ex.disk_free, ex.inodes_free))
         except BaseException as exc:
             h._done(exc if isinstance(exc, HostError) else HostError(f"sandbox {self.id}: lost the command: {exc!r}",
                                                                    sandbox_id=self.id))
@@ -408,4 +413,4 @@ class VmSessionHost:
 
 async def _kill_children(shell: VmProcess) -> None:
     with contextlib.suppress(Exception):
-        await shell.proc.signal(signal.SIGKILL, tree=False, children=True)  # type: ignore[call-arg]
+        await shell.proc.signal(signal.SIGKILL, tree=True, spare=True)

@@ -31,6 +31,7 @@
 #include <sys/resource.h>
 #include <sys/signalfd.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <sys/statfs.h>
 #include <sys/syscall.h>
 #include <sys/sysmacros.h>
@@ -118,6 +119,7 @@ static int devnull = -1;
 static dev_t deny_dev[8];    /* /proc, /sys, /dev, /dev/pts, /dev/shm of the sandbox */
 static int ndeny;
 static char pids_max[24] = "1024";
+static char mem_max[24] = "";  /* dsec.mem=<bytes>: the sandbox's memory limit (memory.max) */
 
 static void fail_boot(const char *fmt, ...) {
     if (boot_fail[0]) return;
@@ -151,6 +153,10 @@ static void read_cmdline(void) {
             int ok = !strcmp(v, "max") || (*v && strspn(v, "0123456789") == strlen(v));
             if (ok) snprintf(pids_max, sizeof pids_max, "%s", v);
         }
+        if (!strncmp(w, "dsec.mem=", 9) && strlen(w + 9) < sizeof mem_max) {
+            const char *v = w + 9;
+            if (*v && strspn(v, "0123456789") == strlen(v)) snprintf(mem_max, sizeof mem_max, "%s", v);
+        }
     }
 }
 
@@ -168,7 +174,15 @@ static void setup_cgroups(void) {
     write_file("/sys/fs/cgroup/cgroup.subtree_control", "+cpu");
     mkdir(CG_ROOT, 0755);
     write_file(CG_ROOT "/cgroup.subtree_control", "+pids");
+    write_file(CG_ROOT "/cgroup.subtree_control", "+memory"); /* each exec's memory.events: its OOM kills */
     if (write_file(CG_ROOT "/pids.max", pids_max) < 0) logk("pids.max %s: %s\n", pids_max, strerror(errno));
+    /* The sandbox's processes get its memory limit (the host sized the guest's RAM as that
+     * plus what the kernel and this agent need): they hit their cgroup's limit, an OOM kill
+     * within about a second, before the whole guest runs low, where reclaim thrashes on the
+     * few file pages left (under TCG, for minutes) before the global OOM killer acts. */
+    if (mem_max[0] && write_file(CG_ROOT "/memory.max", mem_max) < 0)
+        logk("memory.max %s: %s\n", mem_max, strerror(errno));
+    write_file(CG_ROOT "/memory.swap.max", "0");
     for (int i = 0; i < 4; i++) {  /* made before a template snapshot: clones start with them */
         char cg[64];
         if (cg_take(cg, sizeof cg) == 0) cg_put(cg);
@@ -232,10 +246,8 @@ static void setup_sysroot_mounts(void) {
     symlink("/proc/self/fd/0", "/sysroot/dev/stdin");
     symlink("/proc/self/fd/1", "/sysroot/dev/stdout");
     symlink("/proc/self/fd/2", "/sysroot/dev/stderr");
-    struct stat st;
-    if (lstat("/sysroot/tmp", &st) == 0 && S_ISDIR(st.st_mode) &&
-        mount("tmpfs", "/sysroot/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777") < 0)
-        logk("mount /tmp: %s\n", strerror(errno));
+    /* /tmp stays on the writable disk, as in a container: what a sandbox writes there counts
+     * against its disk quota, not its RAM */
     deny("/sysroot/proc");
     deny("/sysroot/sys");
     deny("/sysroot/dev");
@@ -441,6 +453,7 @@ struct chan {
     size_t ilen;
     int ieof, idead;
     char cg[64];
+    uint64_t oom0, pidsmax0; /* the OOM-kill and pids-limit counters when it started */
     /* read, list, write */
     int fd, dirfd;
     DIR *dir;
@@ -486,6 +499,22 @@ static void stdin_close(struct chan *c) {
 #define CG_POOL 32
 static char cg_pool[CG_POOL][64], cg_stale[64][64];
 static unsigned cg_next;
+
+/* One counter of a cgroup events file ("oom_kill 3", "max 1"); 0 when absent. */
+static uint64_t cg_event(const char *file, const char *key) {
+    char buf[512];
+    if (read_file(file, buf, sizeof buf) < 0) return 0;
+    size_t kl = strlen(key);
+    for (char *line = buf; line && *line; line = strchr(line, '\n') ? strchr(line, '\n') + 1 : NULL)
+        if (!strncmp(line, key, kl) && line[kl] == ' ') return strtoull(line + kl + 1, NULL, 10);
+    return 0;
+}
+
+static uint64_t cg_oom_kills(const char *cg) {
+    char p[96];
+    snprintf(p, sizeof p, "%s/memory.events", cg);
+    return cg_event(p, "oom_kill");
+}
 
 static int cg_empty(const char *cg) {
     char p[96], buf[128];
@@ -1057,6 +1086,8 @@ static void do_exec(struct req *r) {
     if (chan_find(r->chan)) { answer_err(r->chan, EEXIST, "exec: channel %u is in use", r->chan); return; }
     if (!(c = chan_new(r->chan, C_EXEC))) { answer_err(r->chan, EAGAIN, "exec: too many open channels"); return; }
     if (cg_take(c->cg, sizeof c->cg) < 0) { c->cg[0] = 0; FAIL(r->chan, "exec: cgroup"); }
+    c->oom0 = cg_oom_kills(c->cg);
+    c->pidsmax0 = cg_event(CG_ROOT "/pids.events", "max");
     if (pipe2(report, O_CLOEXEC) < 0) FAIL(r->chan, "exec: pipe");
     if (r->tty) {
         struct winsize ws = {.ws_row = (unsigned short)r->rows, .ws_col = (unsigned short)r->cols};
@@ -1139,7 +1170,7 @@ static void do_signal(struct req *r) {
     if (!c || c->exited) { answer_err(r->chan, ESRCH, "signal: no running process on channel %u", r->ch); return; }
     if (!r->tree) {
         if (kill(c->pid, r->sig) < 0) { answer_err(r->chan, errno, "signal: %s", strerror(errno)); return; }
-    } else if (r->sig == SIGKILL) {
+    } else if (r->sig == SIGKILL && !r->spare) {
         char p[96];
         snprintf(p, sizeof p, "%s/cgroup.kill", c->cg);
         if (write_file(p, "1") < 0) { answer_err(r->chan, errno, "signal: cgroup.kill: %s", strerror(errno)); return; }
@@ -1156,7 +1187,8 @@ static void do_signal(struct req *r) {
             char *end = strrchr(buf, '\n');
             if (!end) { if (have == sizeof buf - 1) have = 0; continue; }
             *end = 0;
-            for (char *s = NULL, *t = strtok_r(buf, "\n", &s); t; t = strtok_r(NULL, "\n", &s)) kill(atoi(t), r->sig);
+            for (char *s = NULL, *t = strtok_r(buf, "\n", &s); t; t = strtok_r(NULL, "\n", &s))
+                if (!r->spare || atoi(t) != c->pid) kill(atoi(t), r->sig); /* spare: all but the exec's own process */
             size_t rest = have - (size_t)(end + 1 - buf);
             memmove(buf, end + 1, rest);
             have = rest;
@@ -1262,6 +1294,15 @@ static void exec_finish(struct chan *c) {
         tb_ku("utime_us", (uint64_t)c->ru.ru_utime.tv_sec * 1000000ull + (uint64_t)c->ru.ru_utime.tv_usec);
         tb_ku("stime_us", (uint64_t)c->ru.ru_stime.tv_sec * 1000000ull + (uint64_t)c->ru.ru_stime.tv_usec);
         tb_ku("maxrss_kb", (uint64_t)c->ru.ru_maxrss);
+        /* the limits' evidence (the host judges ExecResult.limit from it): OOM kills in the
+         * exec's cgroup, forks refused at the sandbox's pids limit, and the upper's room */
+        tb_ku("oom", c->cg[0] ? cg_oom_kills(c->cg) - c->oom0 : 0);
+        tb_ku("pidsmax", cg_event(CG_ROOT "/pids.events", "max") - c->pidsmax0);
+        struct statvfs vfs;
+        if (statvfs("/upper", &vfs) == 0) {
+            tb_ku("dfree", (uint64_t)vfs.f_bavail * vfs.f_frsize);
+            tb_ku("ifree", (uint64_t)vfs.f_favail);
+        }
         tb_emit(T_EXIT, c->id);
     }
     chan_free(c);
@@ -1562,7 +1603,7 @@ static int parse_mode(void) {
         printf(",\"uid\":%u,\"gid\":%u,\"tty\":%d,\"rows\":%u,\"cols\":%u,\"stdin\":%d,\"win\":%u",
                r->uid, r->gid, r->tty, r->rows, r->cols, r->with_stdin, r->win);
         break;
-    case OP_SIGNAL: printf(",\"ch\":%u,\"sig\":%d,\"tree\":%d", r->ch, r->sig, r->tree); break;
+    case OP_SIGNAL: printf(",\"ch\":%u,\"sig\":%d,\"tree\":%d,\"spare\":%d", r->ch, r->sig, r->tree, r->spare); break;
     case OP_RESIZE: printf(",\"ch\":%u,\"rows\":%u,\"cols\":%u", r->ch, r->rows, r->cols); break;
     case OP_STAT: printf(",\"path\":"); json_str(r->path); printf(",\"follow\":%d", r->follow); break;
     case OP_LIST: printf(",\"path\":"); json_str(r->path); break;

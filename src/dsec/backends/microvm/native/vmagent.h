@@ -60,7 +60,7 @@ struct req {
     uint32_t win;
     /* signal, resize */
     uint32_t ch;
-    int sig, tree;
+    int sig, tree, spare;
     /* files */
     const char *path, *path2;
     int follow, append, parents, recursive;

@@ -60,7 +60,7 @@ static const char *const op_keys[OP_COUNT][12] = {
     [OP_PING] = {0},
     [OP_HELLO] = {0},
     [OP_EXEC] = {"a", "e", "cwd", "uid", "gid", "tty", "rows", "cols", "stdin", "win", 0},
-    [OP_SIGNAL] = {"ch", "sig", "tree", 0},
+    [OP_SIGNAL] = {"ch", "sig", "tree", "spare", 0},
     [OP_RESIZE] = {"ch", "rows", "cols", 0},
     [OP_STAT] = {"path", "follow", 0},
     [OP_LIST] = {"path", 0},
@@ -143,6 +143,8 @@ static int field(struct req *r, const char *k, const char *v) {
             r->sig = (int)n;
         } else if (!strcmp(k, "tree")) {
             return flag(r, k, v, &r->tree);
+        } else if (!strcmp(k, "spare")) {
+            return flag(r, k, v, &r->spare);
         } else {
             if (num(r, k, v, 1, 0xffff, &n)) return -1;
             *(k[0] == 'r' ? &r->rows : &r->cols) = (unsigned)n;
