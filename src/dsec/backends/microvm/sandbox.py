@@ -278,7 +278,7 @@ class MicroVM:
         QEMU used under ``cpu_frac`` of a core meanwhile: an idle clone then costs no CPU.
         A VM busy on its own (a build in the background) keeps running."""
         if self.paused or self.quiet_stopped or not self.driver.alive() or self.agent is None or \
-                self.agent.open_channels():
+                self.agent.open_channels:
             return False
         ticks = _ticks(self.driver.pid)
         self._samples.append((now, ticks))
