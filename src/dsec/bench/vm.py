@@ -146,7 +146,7 @@ async def _microvm(be: Any, spec: Any, *, n_boot: int, n_lat: int, n_exec: int, 
     out["vm_restore_p95_ms"] = percentile(totals, 95)
     out["vm_create_p50_ms"] = percentile(creates, 50)
     out["vm_first_exec_p50_ms"] = percentile(firsts, 50)
-    for step in ("start", "restore", "hello", "identity"):
+    for step in ("start", "restore", "hello", "identity", "warm"):
         out[f"vm_restore_{step}_p50_ms"] = percentile([p.get(step, 0.0) * 1000 for p in parts], 50)
 
     say("microvm: fan-out of 10")

@@ -585,7 +585,7 @@ class MicroVMBackend(BackendBase):
                      enter=lambda pid: self.cgroups.enter(sid, pid))
         self._vms[sid] = vm
         t0 = time.perf_counter()
-        await vm.restore(hostname=sid)
+        await vm.restore(hostname=sid, warm=self.config.warm_up)
         rec.restore_s = time.perf_counter() - t0
         rec.qemu_pid = vm.driver.pid
         rec.qemu_start = proc_start(vm.driver.pid)

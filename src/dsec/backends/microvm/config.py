@@ -64,6 +64,10 @@ class MicroVMConfig(BaseModel):
     its clock stands still: a background job's timers wait, and the guest's clock is behind
     by the time stopped (not yet stepped on resume). None (default): never."""
     idle_cpu_frac: Annotated[float, Field(gt=0, le=1)] = 0.02
+    warm_up: bool = True
+    """Run one short command (``sh -c :``) in each new VM before it is handed out: under TCG a
+    clone translates the guest's code afresh and its first command pays ~200 ms for it; a
+    warm pool then hands out VMs whose first command answers in milliseconds."""
     zram_size: Annotated[int, Field(ge=0)] = 0
     """Bytes of compressed RAM swap (zram) set up at start, where a paused VM's host memory
     (QEMU's heap, TCG's code cache, the pages the guest wrote) goes; 0: none (a pause then
