@@ -100,7 +100,7 @@ class MicroVMBackend(BackendBase):
         self.capabilities = Capabilities(
             kind=self.kind,
             ops=frozenset({Capability.SANDBOXES, Capability.EXEC, Capability.SESSIONS, Capability.FILES,
-                           Capability.PAUSE}),
+                           Capability.PAUSE, Capability.FORK}),
             isolation=ISOLATION,
         )
         self.loop = VmLoop(name)
@@ -702,6 +702,99 @@ class MicroVMBackend(BackendBase):
         rec = self.get(sandbox_id)
         return Usage(memory_bytes=self.cgroups.memory_bytes(rec.id), cpu_s=self.cgroups.cpu_s(rec.id),
                      pids=self.cgroups.host_tasks(rec.id), disk_bytes=_file_bytes(self.vms_dir / rec.id / "disk.qcow2"))
+
+    # ----- fork -----
+
+    async def fork(self, sandbox_id: str, children: int | Sequence[str], *, edges: Sequence[EdgeMeta] | None = None,
+                   exclude: Sequence[str] = ()) -> builtins.list[MicroVMRecord]:
+        """``children`` (a count, or their ids) VMs that continue from the parent's running
+        machine at this instant: its memory (processes, open files, a shell's variables) and
+        its disk, each with a fresh identity (hostname, machine-id, RNG, clock). The parent
+        goes on (a paused one stays paused). ``exclude``: paths removed in the children."""
+        parent = self.get(sandbox_id)
+        if isinstance(children, int):
+            if children < 1:
+                raise InvalidSpec("fork: children must be at least 1", field="children")
+            ids = [self._new_id() for _ in range(children)]
+        else:
+            ids = list(children)
+            if not ids:
+                raise InvalidSpec("fork: give at least one child id", field="children")
+        for cid in ids:
+            if not ID_RE.match(cid):
+                raise InvalidSpec(f"child id {cid!r} must match {ID_RE.pattern}", field="children")
+        if len(set(ids)) != len(ids) or any(cid in self._sandboxes for cid in ids):
+            raise InvalidSpec("fork: a child id is repeated or names a sandbox that exists", field="children")
+        if edges is not None and len(edges) != len(ids):
+            raise InvalidSpec(f"fork: {len(edges)} edge parts for {len(ids)} children (one each)", field="edges")
+        if parent.state not in (SandboxState.RUNNING, SandboxState.PAUSED):
+            raise SandboxStateError(f"sandbox {sandbox_id} is {parent.state.value}: only a running or paused VM forks",
+                                    sandbox_id=sandbox_id, state=parent.state.value)
+        vm = self._vms[sandbox_id]
+        tmpl = vm.template
+        where = self.vms_dir / sandbox_id / f"fork-{secrets.token_hex(4)}"
+        await asyncio.to_thread(where.mkdir, 0o700)
+        paused = parent.state is SandboxState.PAUSED
+        made: list[MicroVMRecord] = []
+        t0 = time.perf_counter()
+        try:
+            async with self._locks.setdefault(sandbox_id, asyncio.Lock()):
+                if paused:
+                    self._freeze(sandbox_id, False)  # QEMU must answer QMP; its vCPUs stay stopped
+                try:
+                    point = await self.loop.call(vm.save_for_fork(where))
+                finally:
+                    if paused:
+                        self._freeze(sandbox_id, True)
+                    else:
+                        await self.loop.call(vm.cont_after_save())
+            saved_s = time.perf_counter() - t0
+
+            async def one(i: int, cid: str) -> MicroVMRecord:
+                rec = MicroVMRecord(cid, SandboxState.CREATING, parent.spec, time.time(),
+                                    edge=(edges[i] if edges is not None else parent.edge), layers=list(parent.layers),
+                                    vcpus=parent.vcpus, memory_mib=parent.memory_mib, stage=parent.stage)
+                self._sandboxes[cid] = rec
+                made.append(rec)
+                self.records.save(rec)
+                await self.loop.call(self._clone(rec, tmpl, point, exclude))
+                self.records.move(rec, SandboxState.RUNNING)
+                self.records.event(rec, "forked", parent=sandbox_id, saved_s=round(saved_s, 6))
+                self.last_activity[cid] = time.monotonic()
+                return rec
+
+            return list(await asyncio.gather(*(one(i, cid) for i, cid in enumerate(ids))))
+        except BaseException:
+            for rec in made:
+                with contextlib.suppress(Exception):
+                    await self.loop.call(self._teardown(rec))
+                self._sandboxes.pop(rec.id, None)
+            raise
+        finally:
+            await asyncio.to_thread(shutil.rmtree, where, True)
+
+    async def _clone(self, rec: MicroVMRecord, tmpl: Template, point: Any, exclude: Sequence[str]) -> None:
+        """On the VM loop: a fork's child from the parent's saved state."""
+        sid = rec.id
+        rec.template = tmpl.key
+        rec.uid = self._take_uid()
+        for d in rec.layers:
+            self.store.pin(d, self.holder)
+        files = [await asyncio.to_thread(self.store.open_local, d) for d in reversed(rec.layers)]
+        vdir = self.vms_dir / sid
+        await asyncio.to_thread(vdir.mkdir, 0o700, True, True)
+        await asyncio.to_thread(self.cgroups.make, sid)
+        await asyncio.to_thread(self.cgroups.limit, sid, memory_bytes=(rec.memory_mib + self.config.qemu_overhead_mib) * MiB,
+                                cpu=rec.spec.resources.cpu, pids=64)
+        vm = MicroVM(sid, vdir, Sockets.under(self.sock_dir, sid), tmpl, files, uid=rec.uid,
+                     enter=lambda pid: self.cgroups.enter(sid, pid))
+        self._vms[sid] = vm
+        await vm.restore(hostname=sid, fork_of=point)
+        if exclude:
+            await vm.forget_paths(exclude)
+        rec.qemu_pid = vm.driver.pid
+        rec.qemu_start = proc_start(vm.driver.pid)
+        vm.on_exit(lambda: self._vm_gone(sid))
 
     # ----- pause -----
 

@@ -104,9 +104,10 @@ class MachineSpec:
 @dataclass(frozen=True, slots=True)
 class RamFile:
     """Guest RAM in a file (tmpfs): ``shared`` for a template (its pages are the file's),
-    else a clone's copy-on-write mapping of the template's file."""
+    else a clone's copy-on-write mapping of the template's file. ``path`` None: anonymous RAM
+    under the same object id (a fork's child: its RAM comes whole from the parent's state)."""
 
-    path: Path
+    path: Path | None
     shared: bool
 
 
@@ -156,7 +157,9 @@ def qemu_argv(m: MachineSpec, disks: Sequence[Disk], sockets: Sockets, *, ram: R
         "-device", "virtio-rng-device",
         "-qmp", f"unix:{sockets.qmp},server=on,wait=off",
     ]
-    if ram is not None:
+    if ram is not None and ram.path is None:
+        argv += ["-object", f"memory-backend-ram,id=ram,size={m.memory_mib}M", "-machine", "memory-backend=ram"]
+    elif ram is not None:
         opts = "share=on" if ram.shared else "share=off,readonly=on,rom=off"
         argv += ["-object", f"memory-backend-file,id=ram,size={m.memory_mib}M,mem-path={ram.path},{opts}",
                  "-machine", "memory-backend=ram"]

@@ -71,6 +71,15 @@ class Reclaim:
 
 
 @dataclass(frozen=True, slots=True)
+class ForkPoint:
+    """A running VM saved for a fork: its whole state (RAM included) and a copy of its disk,
+    both from the same instant (the VM stopped)."""
+
+    state: Path
+    disk: Path
+
+
+@dataclass(frozen=True, slots=True)
 class PauseResult:
     freeze_s: float
     seconds: float
@@ -150,6 +159,26 @@ class MicroVM:
         finally:
             await agent.close()
 
+    async def save_for_fork(self, where: Path) -> ForkPoint:
+        """Stop the VM, save its whole state and copy its disk (same instant), and leave it
+        stopped: the caller continues it (or not, when it was paused)."""
+        state, disk = where / "state", where / "disk.qcow2"
+        if not self.paused:
+            await self.ensure_running()
+        await self.driver.save(state, ignore_shared=False)
+        await asyncio.to_thread(shutil.copyfile, self.disk, disk)
+        return ForkPoint(state, disk)
+
+    async def cont_after_save(self) -> None:
+        """Run again after :meth:`save_for_fork` (its disks are taken back for writing)."""
+        await self.driver.cont()
+
+    async def forget_paths(self, paths: Sequence[str]) -> None:
+        agent = self._agent()
+        for p in paths:
+            with contextlib.suppress(Exception):
+                await agent.remove(p if p.startswith("/") else "/" + p, recursive=True)
+
     async def _warm_up(self) -> None:
         """Run one short command: under TCG each clone translates the guest's code afresh, and
         the first command's fork, exec and exit paths cost ~200 ms of translation. Paid here,
@@ -159,9 +188,13 @@ class MicroVM:
             proc = await agent.exec(["sh", "-c", ":"], cwd="/")
             await proc.wait(timeout=30)
 
-    async def restore(self, *, hostname: str, warm: bool = False) -> None:
+    async def restore(self, *, hostname: str, warm: bool = False, fork_of: ForkPoint | None = None) -> None:
+        """Start this VM as a clone of its template (its RAM a copy-on-write map of the
+        template's), or, with ``fork_of``, as a child of a running VM saved at that instant
+        (its RAM loaded whole from the parent's state, its disk a copy of the parent's)."""
         tmpl = self.template
-        await asyncio.to_thread(shutil.copyfile, tmpl.overlay_seed, self.disk)
+        src = tmpl.overlay_seed if fork_of is None else fork_of.disk
+        await asyncio.to_thread(shutil.copyfile, src, self.disk)
         # QEMU (as the VM's uid) opens its writable disk again when the restored machine
         # starts (an incoming machine's disks are held read-only until then): the disk and
         # its directory are the VM's uid's, and nobody else's
@@ -170,7 +203,8 @@ class MicroVM:
         os.chown(self.dir, self.uid, self.uid)
         disks = [*(Disk(p, f"dsec-l{i}") for i, p in enumerate(self.layers)),
                  Disk(self.disk, "dsec-up", readonly=False, format="qcow2")]
-        argv = qemu_argv(tmpl.machine, disks, self.sockets, ram=RamFile(tmpl.ram, shared=False), incoming=True,
+        ram = RamFile(tmpl.ram, shared=False) if fork_of is None else RamFile(None, shared=False)
+        argv = qemu_argv(tmpl.machine, disks, self.sockets, ram=ram, incoming=True,
                          name=f"dsec-{self.id}", run_as=(self.uid, self.uid))
         self.driver = QemuDriver(argv, qmp_socket=self.sockets.qmp, log=self.dir / "qemu.log",
                                  cgroup_enter=self._enter)
@@ -182,9 +216,19 @@ class MicroVM:
         connecting = asyncio.ensure_future(AgentClient.connect(self.sockets.agent, timeout=HELLO_TIMEOUT_S,
                                                                sandbox_id=self.id))
         try:
-            await self.driver.restore(tmpl.state, ignore_shared=True)
+            if fork_of is None:
+                await self.driver.restore(tmpl.state, ignore_shared=True)
+            else:
+                await self.driver.restore(fork_of.state, ignore_shared=False)
             marks.append(time.perf_counter())
             self.agent = await connecting
+            if fork_of is not None:
+                # The child's agent holds the parent's channels (its sessions, commands in flight)
+                # as if its host were still there: a disconnect makes it let go of them (their
+                # output is dropped from then on), and the new connection starts clean.
+                await self.agent.close()
+                self.agent = await AgentClient.connect(self.sockets.agent, timeout=HELLO_TIMEOUT_S,
+                                                       sandbox_id=self.id)
         except BaseException:
             connecting.cancel()
             with contextlib.suppress(BaseException):

@@ -167,6 +167,8 @@ class TemplateStore:
             self.builds += 1
             return Template(key, machine, ram, state, upper, seed, boot_s, save_s, attempt)
         await asyncio.to_thread(self._clear, key)
+        for p in (sockets.qmp, sockets.agent):
+            p.unlink(missing_ok=True)
         raise SandboxFailed(f"the microVM template did not boot in {self.boot_attempts} attempts "
                             f"({self.boot_timeout_s:g} s each): {last}", reason="boot")
 
