@@ -19,8 +19,14 @@ QEMU build, guest kernel and guest RAM are in the output (``vm_accel``...).
   idle clone over ``idle_window_s`` (cores), running; ``vm_idle_cpu_frac_quiet_stop``: the
   same with quiet VMs stopped (``MicroVMConfig.idle_stop_s``) and ``vm_quiet_resume_exec_ms``,
   the first exec of a stopped one.
+- ``vm_fork8_s``: fork of a running VM into 8, each answering (``vm_fork8_data_ok``: children
+  that read what the parent wrote just before).
 - ``vm_pause_mem_returned_frac``: memory the pause gave back (cgroup charge before -> after)
   and ``vm_resume_first_exec_ms``.
+- ``vm_sdk_pool_create_exec_p50_ms`` / ``_p95``: through the SDK on a real edge (HTTP on
+  loopback) whose warm pool keeps restored VMs, create -> first ``exec(true)`` answered;
+  ``vm_sdk_create_exec_p50_ms``: the same with the pool emptied (each create restores).
+- ``vm_conformance_passed`` / ``_total`` (full mode): ``pytest tests/conformance -k microvm``.
 """
 
 from __future__ import annotations
@@ -177,6 +183,16 @@ async def _microvm(be: Any, spec: Any, *, n_boot: int, n_lat: int, n_exec: int, 
 
     out["vm_echo_ms"] = percentile(await be.loop.call(pings()), 50)
 
+    say("microvm: fork of a running VM into 8")
+    marker = os.urandom(8).hex()
+    await be.exec(first.id, f"echo {marker} > /root/fork-mark")
+    t0 = time.perf_counter()
+    kids = await be.fork(first.id, 8)
+    answers = await asyncio.gather(*(be.exec(k.id, ["cat", "/root/fork-mark"]) for k in kids))
+    out["vm_fork8_s"] = time.perf_counter() - t0
+    out["vm_fork8_data_ok"] = sum(1 for a in answers if a.stdout.decode().strip() == marker)
+    await asyncio.gather(*(be.destroy(k.id) for k in kids))
+
     say("microvm: pause and resume")
     before = be.cgroups.memory_bytes(first.id)
     await be.pause(first.id)
@@ -231,6 +247,86 @@ async def _microvm(be: Any, spec: Any, *, n_boot: int, n_lat: int, n_exec: int, 
     return out
 
 
+async def _through_the_sdk(base: Path, tag: str, n: int, pool_size: int, say: Progress) -> dict[str, Any]:
+    """Create through the SDK on a real edge (HTTP on loopback) whose warm pool keeps restored,
+    warmed-up VMs, to the first exec of ``true`` answered; the pool refills between creates."""
+    import secrets
+
+    from dsec.backends.container.config import ContainerConfig
+    from dsec.backends.microvm.config import MicroVMConfig
+    from dsec.edge.config import EdgeConfig, PoolConfig
+    from dsec.edge.testing import EdgeThread, prepare_busybox
+    from dsec.sdk import AsyncClient
+    from dsec.spec import ImageRef, Resources, SandboxSpec
+
+    state = base / "edge-state"
+    prepare_busybox(state)
+    res = Resources(cpu=1, memory=256 * MiB, pids=256, disk=64 * MiB)
+    cfg = EdgeConfig(edge_id="bvm", cluster_key=secrets.token_bytes(32), port=0, state_dir=state, run_dir=base / "run",
+                     destroy_on_shutdown=True, runtime_name=f"bve{tag}",
+                     backends=[ContainerConfig(), MicroVMConfig()],
+                     pools=[PoolConfig(image=ImageRef(base="busybox:test"), resources=res, size=pool_size,
+                                       backend="microvm", name="vm")])
+    edge = EdgeThread(cfg).start()
+    out: dict[str, Any] = {}
+    try:
+        async with AsyncClient(edge.url, edge.admin_token()) as c:
+            spec = SandboxSpec(image=ImageRef(base="busybox:test"), resources=res, backend="microvm")
+
+            async def pool_full() -> None:
+                deadline = time.monotonic() + 300
+                while time.monotonic() < deadline:
+                    if len(edge.service.pools.pools[0].ready) >= pool_size:
+                        return
+                    await asyncio.sleep(0.2)
+
+            await pool_full()
+            totals, cold = [], []
+            for _ in range(n):
+                await pool_full()
+                t0 = time.perf_counter()
+                sb = await c.create(spec)
+                r = await sb.exec(["true"])
+                totals.append((time.perf_counter() - t0) * 1000)
+                assert r.exit_code == 0, r
+                await sb.close()
+            say("microvm: through the SDK without a pool (each create restores a clone)")
+            edge.service.pools.pools[0].target = 0
+            while edge.service.pools.pools[0].ready:  # what the pool still holds goes first, unmeasured
+                await (await c.create(spec)).close()
+            for _ in range(max(3, n // 2)):
+                t0 = time.perf_counter()
+                sb = await c.create(spec)
+                await sb.exec(["true"])
+                cold.append((time.perf_counter() - t0) * 1000)
+                await sb.close()
+        out["vm_sdk_pool_create_exec_p50_ms"] = percentile(totals, 50)
+        out["vm_sdk_pool_create_exec_p95_ms"] = percentile(totals, 95)
+        out["vm_sdk_create_exec_p50_ms"] = percentile(cold, 50)
+        out["vm_sdk_create_exec_p95_ms"] = percentile(cold, 95)
+    finally:
+        edge.stop()
+    return out
+
+
+def _conformance() -> tuple[int, int]:
+    """The conformance suite's microvm cases, run by pytest in a child (a source checkout's
+    tests/): (passed, total of those not skipped); (-1, -1) without the suite."""
+    import re
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[3]
+    if not (root / "tests" / "conformance").is_dir():
+        return -1, -1
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "tests/conformance", "-k",
+                           "microvm"], cwd=root, capture_output=True, text=True, timeout=1800)
+    counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|error|errors|xfailed)", proc.stdout)}
+    passed = counts.get("passed", 0)
+    return passed, passed + counts.get("failed", 0) + counts.get("error", 0) + counts.get("errors", 0) + \
+        counts.get("xfailed", 0)
+
+
 async def _container(store: Any, base: Path, tag: str, spec: Any, n_lat: int, n_exec: int) -> dict[str, float]:
     from dsec.backends.container.runtime import ContainerRuntime
 
@@ -278,12 +374,17 @@ async def measure(*, quick: bool = False, say: Progress = _quiet) -> dict[str, A
             spec = SandboxSpec(image=ImageRef(base=layer.digest), resources=res, backend="microvm")
             out.update(await _microvm(be, spec, n_boot=n_boot, n_lat=n_lat, n_exec=n_exec, n_idle=n_idle,
                                       idle_window_s=window, say=say))
+        say("microvm: through the SDK on a real edge with a warm pool")
+        out.update(await _through_the_sdk(base, tag, n_lat, 4, say))
         say("container: the same spec")
         cspec = SandboxSpec(image=ImageRef(base=layer.digest), resources=res)
         out.update(await _container(store, base, tag, cspec, n_lat, n_exec))
     finally:
         if not any(f" {base}/" in ln for ln in Path("/proc/self/mountinfo").read_text().splitlines()):
             shutil.rmtree(base, ignore_errors=True)
+    if not quick:
+        say("microvm: the conformance suite (pytest tests/conformance -k microvm)")
+        out["vm_conformance_passed"], out["vm_conformance_total"] = await asyncio.to_thread(_conformance)
     out["vm_vs_container_exec_ratio"] = out["vm_exec_p50_ms"] / out["container_exec_p50_ms"]
     out["vm_vs_container_create_exec_ratio"] = out["vm_restore_p50_ms"] / out["container_create_exec_p50_ms"]
     out["load_avg_1m_end"] = os.getloadavg()[0]
