@@ -651,14 +651,21 @@ class MicroVMBackend(BackendBase):
         argv, limit = check_exec(cmd, timeout=timeout, idle_timeout=idle_timeout, output_cap=output_cap)
         rec = self.get(sandbox_id)
         cap = output_cap or rec.spec.output_cap
-        proc, in_w, out_r, err_r = await start_piped(lambda i, o, e: self.start_process(
-            sandbox_id, argv, stdin=i, stdout=o, stderr=e, env=env, cwd=cwd, user=user))
-        got = await collect(proc, in_w, out_r, err_r, stdin, limit, idle_timeout, on_output, cap)
+        if on_output is None:  # kept whole on the VM loop: no pipes, one hand-over each way
+            vm = await self._vm(sandbox_id)
+            got = await self.loop.call(vm.run(argv, env={**rec.spec.env, **(env or {})}, cwd=cwd, user=user,
+                                              stdin=stdin, limit=limit, idle_timeout=idle_timeout, cap=cap))
+            pid, latency = 0, 0.0
+        else:  # streamed: the caller's callback runs on its own loop, fed through pipes
+            proc, in_w, out_r, err_r = await start_piped(lambda i, o, e: self.start_process(
+                sandbox_id, argv, stdin=i, stdout=o, stderr=e, env=env, cwd=cwd, user=user))
+            got = await collect(proc, in_w, out_r, err_r, stdin, limit, idle_timeout, on_output, cap)
+            pid, latency = proc.pid, proc.start_latency_s
         self.last_activity[sandbox_id] = time.monotonic()
-        result = got.result(proc.start_latency_s)
+        result = got.result(latency)
         result.limit = judge_vm(rec.spec.resources, got.exit, result, timeout_s=limit, idle_timeout_s=idle_timeout,
                                 output_cap=cap)
-        self.records.event(rec, "exec_ended", pid=proc.pid, exit_code=result.exit_code, signal=result.signal,
+        self.records.event(rec, "exec_ended", pid=pid, exit_code=result.exit_code, signal=result.signal,
                            duration_s=round(result.duration_s, 6), timed_out=result.timed_out,
                            output_truncated=result.truncated)
         check_timed_out(result, sandbox_id, limit=limit, idle_timeout=idle_timeout)

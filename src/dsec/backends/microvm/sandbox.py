@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from dsec.backends.common.command import check_argv, command_env, user_ids
 from dsec.backends.common.fdio import set_done, write_all
+from dsec.backends.common.output import BoundedCapture, Collected
 from dsec.backends.microvm.agent import AgentClient, AgentProcess
 from dsec.backends.microvm.machine import Disk, RamFile, Sockets, qemu_argv
 from dsec.backends.microvm.qemu import QemuDriver
@@ -376,6 +377,64 @@ class MicroVM:
                 os.set_blocking(fd, False)
         self.spawn(self._bridge(handle, *fds))
         return handle
+
+    async def run(self, argv: Sequence[str], *, env: Mapping[str, str], cwd: str, user: int | str,
+                  stdin: bytes | None, limit: float | None, idle_timeout: float | None, cap: int) -> Collected[VmExit]:
+        """A command to its end, on the VM loop, its output kept (head and tail, ``cap`` each)
+        straight from the agent's frames: no pipes, one hand-over each way. ``limit`` and
+        ``idle_timeout`` kill its whole tree (what :func:`collect` does for a streamed exec)."""
+        check_argv(self.id, argv, cwd)
+        uid, gid = user_ids(user)
+        merged = command_env({}, env)
+        agent = self._agent()
+        caps = {1: BoundedCapture(cap), 2: BoundedCapture(cap)}
+        last = [time.monotonic()]
+
+        def feed(fd: int) -> Callable[[bytes], None]:
+            def take(data: bytes) -> None:
+                caps[fd].feed(data)
+                last[0] = time.monotonic()
+            return take
+
+        t0 = time.monotonic()
+        proc = await agent.exec(argv, env=list(merged.items()), cwd=cwd, uid=uid, gid=gid, stdin=stdin is not None,
+                                on_stdout=feed(1), on_stderr=feed(2))
+        timed_out: list[str] = []
+
+        async def kill(reason: str) -> None:
+            timed_out.append(reason)
+            with contextlib.suppress(Exception):
+                await proc.signal(signal.SIGKILL, tree=True)
+
+        async def watch() -> None:
+            while True:
+                now = time.monotonic()
+                waits = []
+                if limit is not None:
+                    waits.append((t0 + limit - now, "timeout"))
+                if idle_timeout is not None:
+                    waits.append((last[0] + idle_timeout - now, "idle_timeout"))
+                wait, why = min(waits)
+                if wait <= 0:
+                    await kill(why)
+                    return
+                await asyncio.sleep(wait)
+
+        watcher = asyncio.ensure_future(watch()) if limit is not None or idle_timeout is not None else None
+        try:
+            if stdin is not None:
+                await proc.write_stdin(stdin)
+                await proc.close_stdin()
+            ex = await proc.wait()
+        except BaseException:
+            self.spawn(kill("cancelled"))
+            raise
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+        exit_ = VmExit(None if ex.signal else ex.code, ex.signal or None, ex.utime_s, ex.stime_s, ex.oom_kills,
+                       ex.pids_hits, ex.disk_free, ex.inodes_free)
+        return Collected(exit_, caps[1], caps[2], timed_out[0] if timed_out else None, time.monotonic() - t0)
 
     async def _bridge(self, h: VmProcess, in_fd: int, out_fd: int, err_fd: int) -> None:
         proc = h.proc
