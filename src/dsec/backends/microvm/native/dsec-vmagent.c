@@ -26,6 +26,8 @@
 #include <string.h>
 #include <sched.h>
 #include <sys/ioctl.h>
+#include <sys/socket.h>
+#include <net/if.h>
 #include <sys/mount.h>
 #include <sys/reboot.h>
 #include <sys/resource.h>
@@ -162,6 +164,23 @@ static void read_cmdline(void) {
 
 static int cg_take(char *out, size_t size);
 static void cg_put(const char *cg);
+
+/* The loopback interface up (127.0.0.1, ::1): a program that serves and calls itself on
+ * localhost works as in a container. The kernel brings lo up only when something asks. */
+static void loopback_up(void) {
+    int fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) { logk("loopback: socket: %s\n", strerror(errno)); return; }
+    struct ifreq ifr;
+    memset(&ifr, 0, sizeof ifr);
+    snprintf(ifr.ifr_name, sizeof ifr.ifr_name, "lo");
+    if (ioctl(fd, SIOCGIFFLAGS, &ifr) == 0) {
+        ifr.ifr_flags |= IFF_UP | IFF_RUNNING;
+        if (ioctl(fd, SIOCSIFFLAGS, &ifr) < 0) logk("loopback: up: %s\n", strerror(errno));
+    } else {
+        logk("loopback: %s\n", strerror(errno));
+    }
+    close(fd);
+}
 
 static void setup_cgroups(void) {
     mkdir("/sys/fs/cgroup", 0755);
@@ -327,6 +346,7 @@ static void boot(void) {
     load_modules();
     read_cmdline();
     setup_cgroups();
+    loopback_up();
     devnull = open("/dev/null", O_RDWR | O_CLOEXEC);
     setup_root();
     sysroot_fd = open("/sysroot", O_PATH | O_DIRECTORY | O_CLOEXEC);
