@@ -185,6 +185,25 @@ def test_bash(up: dict[str, str]) -> None:
     assert (r.run_result.stdout, r.run_result.return_code) == ("hi dsec\n", 3)
 
 
+def test_localhost_resolves_in_a_toolchain_sandbox(up: dict[str, str]) -> None:
+    """A program that starts a server and talks to ``localhost``: the toolchain base is a
+    debootstrap minbase, which has no /etc/hosts; every sandbox gets its own (issue 27)."""
+    code = ("import socket, threading\n"
+            "srv = socket.create_server(('localhost', 0))\n"
+            "threading.Thread(target=lambda: srv.accept()[0].sendall(b'hi'), daemon=True).start()\n"
+            "c = socket.create_connection(('localhost', srv.getsockname()[1]), timeout=5)\n"
+            "name = socket.gethostname()\n"
+            "print(c.recv(2).decode(), socket.gethostbyname('localhost'), socket.gethostbyname(name),\n"
+            "      open('/etc/hostname').read().strip() == name)\n")
+    r = run(up["ep"], code)
+    assert r.status == sf.RunStatus.Success and r.run_result is not None, r
+    assert r.run_result.stdout == "hi 127.0.0.1 127.0.1.1 True\n", r.run_result
+    r = run(up["ep"], "getent hosts localhost; getent hosts $(hostname)", language="bash")
+    assert r.status == sf.RunStatus.Success and r.run_result is not None, r
+    lines = [ln.split() for ln in (r.run_result.stdout or "").splitlines()]
+    assert lines[0][1:2] == ["localhost"] and lines[1][0] == "127.0.1.1", r.run_result
+
+
 def test_what_cannot_run_is_a_sandbox_error_saying_why(up: dict[str, str]) -> None:
     r = post(up["ep"], {"code": "<?php echo 1;", "language": "php"}).json()
     assert r["status"] == "SandboxError" and "not served" in r["message"] and "python" in r["message"]

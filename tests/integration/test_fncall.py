@@ -194,6 +194,21 @@ def test_output_past_the_cap_is_an_error(rtx: RuntimeHarness, pool: FnCallPool) 
     assert call(rtx, pool, "print('ok')\n1", output_cap=1024).stdout == "ok\n"
 
 
+def test_a_call_resolves_localhost_and_its_workers_own_name(rtx: RuntimeHarness, pool: FnCallPool) -> None:
+    """The image is a debootstrap minbase (no /etc/hosts; its /etc/hostname is the build
+    machine's): a call still resolves localhost, and the worker's name is its own (issue 27)."""
+    src = ("import socket\n"
+           "def main():\n"
+           "    name = socket.gethostname()\n"
+           "    srv = socket.create_server(('localhost', 0))\n"
+           "    with socket.create_connection(('localhost', srv.getsockname()[1]), timeout=5):\n"
+           "        pass\n"
+           "    return [socket.gethostbyname('localhost'), name, socket.gethostbyname(name),\n"
+           "            open('/etc/hostname').read()]\n")
+    r = call(rtx, pool, src)
+    assert r.value == ["127.0.0.1", r.worker, "127.0.1.1", r.worker + "\n"], r
+
+
 def test_200_calls_in_a_row_each_a_fresh_process(rtx: RuntimeHarness, pool: FnCallPool) -> None:
     src = "import os\ncount = 0\ndef main(i):\n    global count\n    count += 1\n    return [i, os.getpid(), count]\n"
     out = [call(rtx, pool, src, i).value for i in range(200)]

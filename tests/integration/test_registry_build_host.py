@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from dsec.images import LocalLayerStore, build_busybox, build_debootstrap, build_from_dir
-from dsec.images.debootstrap import NEUTRAL_HOSTNAME, scrub_build_host
+from dsec.images.debootstrap import NEUTRAL_HOSTNAME, NEUTRAL_HOSTS, scrub_build_host
 
 pytestmark = [pytest.mark.skipif(shutil.which("mkfs.erofs") is None, reason="needs mkfs.erofs (erofs-utils)")]
 
@@ -119,6 +119,25 @@ def test_scrub_takes_out_what_a_build_copies_from_the_host(work: Path) -> None:
     assert _host_facts_in(tree, store.blob_path(layer.digest)) == []
 
 
+def test_scrub_writes_a_neutral_hosts_file_where_the_tree_has_none(work: Path) -> None:
+    """debootstrap's minbase leaves no /etc/hosts: in the tree (in a chroot, before any sandbox
+    writes its own) localhost must still resolve. A toolkit's diff gets none of its own."""
+    root = work / "rootfs"
+    (root / "etc").mkdir(parents=True)
+    assert scrub_build_host(root) == ["etc/hosts"]
+    assert (root / "etc/hosts").read_text() == NEUTRAL_HOSTS
+    assert (root / "etc/hosts").stat().st_mode & 0o777 == 0o644
+    assert "127.0.0.1\tlocalhost\n" in NEUTRAL_HOSTS and "::1\tlocalhost ip6-localhost ip6-loopback\n" in NEUTRAL_HOSTS
+    assert not (root / "etc/hostname").exists()  # a sandbox's own comes at create
+    assert scrub_build_host(root) == []
+    diff = work / "toolkit-upper"
+    (diff / "etc").mkdir(parents=True)
+    assert scrub_build_host(diff, add_missing=False) == [] and not (diff / "etc/hosts").exists()
+    bare = work / "no-etc"
+    bare.mkdir()
+    assert scrub_build_host(bare) == [] and not (bare / "etc").exists()
+
+
 @pytest.mark.skipif(not Path("/bin/busybox").is_file(), reason="needs busybox-static")
 def test_busybox_layer_has_no_host_facts(work: Path) -> None:
     store = LocalLayerStore(work / "store")
@@ -126,6 +145,7 @@ def test_busybox_layer_has_no_host_facts(work: Path) -> None:
     tree = _extract(store, layer.digest, work / "x")
     assert _host_facts_in(tree, store.blob_path(layer.digest)) == []
     assert not (tree / "etc/hostname").exists() and not (tree / "etc/machine-id").exists()
+    assert (tree / "etc/hosts").read_text() == NEUTRAL_HOSTS
 
 
 @pytest.mark.slow

@@ -147,7 +147,8 @@ def test_snapshot_keeps_everything_and_new_sandboxes_start_from_it(snap: Runtime
         h.ok(parent.id, WRITES)
         os.setxattr(f"/proc/{parent.init_pid}/root/data/a", "user.note", b"kept")
         os.setxattr(f"/proc/{parent.init_pid}/root/data/sub", "user.dir", b"d")
-        want = manifest(h, parent.id, skip=("/data/cache", "/tmp"))
+        own = ("/etc/hostname", "/etc/hosts")  # every sandbox's own (the child's are checked below)
+        want = manifest(h, parent.id, skip=("/data/cache", "/tmp", *own))
         want.pop("/data/sub/mod.pyc")
         layer = h.run(h.rt.snapshot(parent.id, name="integrity", exclude=["/data/cache", "*.pyc", "/tmp"]))
         assert layer.kind is LayerKind.SNAPSHOT and layer.name == "integrity"
@@ -156,7 +157,7 @@ def test_snapshot_keeps_everything_and_new_sandboxes_start_from_it(snap: Runtime
         h.ok(parent.id, "echo after > /data/after")  # not in the snapshot
         child = _create(h, _spec("integrity"))  # a snapshot brings its lineage
         assert h.rt.get(child.id).layers == [layer.digest, *layer.parents]
-        got = manifest(h, child.id, skip=("/data/cache", "/tmp"))
+        got = manifest(h, child.id, skip=("/data/cache", "/tmp", *own))
         assert got.pop("/data/after", None) is None
         diff = {k: (want.get(k), got.get(k)) for k in set(want) | set(got) if want.get(k) != got.get(k)}
         assert not diff, diff
@@ -178,6 +179,9 @@ def test_snapshot_keeps_everything_and_new_sandboxes_start_from_it(snap: Runtime
         assert got["/ws/file_to_dir"]["type"] == stat.S_IFDIR and "/ws/file_to_dir/in" in got
         assert h.ok(child.id, "cat /ws/modify /ws/keep/a; cat /data/h2") == "newalinked"
         assert h.ok(child.id, "hostname").strip() == child.id
+        assert h.ok(child.id, "cat /etc/hostname") == f"{child.id}\n"  # not the parent's, kept in the snapshot
+        assert f"127.0.1.1\t{child.id}\n" in h.ok(child.id, "cat /etc/hosts") and parent.id not in h.ok(
+            child.id, "cat /etc/hosts")
         # The child's own writes stay its own.
         h.ok(child.id, "echo mine > /data/a")
         assert h.ok(parent.id, "cat /data/a") == "hello"

@@ -68,7 +68,7 @@ def _quiet(_msg: str) -> None:
 
 def python_rootfs(cache: Path, packages: Sequence[str] = PACKAGES, say: Progress = _quiet) -> Path:
     """A Debian bookworm minbase tree with ``packages``, made once with debootstrap and cached."""
-    from dsec.images.debootstrap import find_mirror, run_debootstrap, slim_rootfs
+    from dsec.images.debootstrap import find_mirror, run_debootstrap, scrub_build_host, slim_rootfs
 
     target = cache / ("debian-bookworm-" + "-".join(sorted(packages)))
     done = target / ".dsec-complete"
@@ -80,6 +80,7 @@ def python_rootfs(cache: Path, packages: Sequence[str] = PACKAGES, say: Progress
     cache.mkdir(parents=True, exist_ok=True)
     run_debootstrap(target, suite="bookworm", variant="minbase", packages=packages, mirror=find_mirror("bookworm"))
     slim_rootfs(target)
+    scrub_build_host(target)  # the build machine's hostname and resolver out, a neutral /etc/hosts in
     done.write_text("ok\n")
     return target
 

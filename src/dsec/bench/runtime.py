@@ -459,7 +459,7 @@ def keep_keys(runtime: str, *, n: int, done_s: Sequence[float], idle_bytes: floa
 
 def debian_rootfs(cache: Path, say: Progress) -> Path:
     """A Debian bookworm minbase rootfs with python3, made once and cached (debootstrap, ~1 min)."""
-    from dsec.images.debootstrap import find_mirror, run_debootstrap, slim_rootfs
+    from dsec.images.debootstrap import find_mirror, run_debootstrap, scrub_build_host, slim_rootfs
 
     target = cache / "debian-bookworm-python3"
     done = target / ".dsec-complete"
@@ -473,6 +473,7 @@ def debian_rootfs(cache: Path, say: Progress) -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     run_debootstrap(target, suite="bookworm", variant="minbase", packages=("python3",), mirror=find_mirror("bookworm"))
     slim_rootfs(target)
+    scrub_build_host(target)  # the build machine's hostname and resolver out, a neutral /etc/hosts in
     done.write_text("ok\n")
     return target
 

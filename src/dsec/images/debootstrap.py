@@ -195,24 +195,29 @@ def slim_rootfs(root: Path) -> int:
 NEUTRAL_HOSTNAME = "localhost\n"
 NEUTRAL_HOSTS = (
     "127.0.0.1\tlocalhost\n"
-    "::1\t\tlocalhost ip6-localhost ip6-loopback\n"
-    "ff02::1\t\tip6-allnodes\n"
-    "ff02::2\t\tip6-allrouters\n"
+    "::1\tlocalhost ip6-localhost ip6-loopback\n"
+    "fe00::0\tip6-localnet\n"
+    "ff00::0\tip6-mcastprefix\n"
+    "ff02::1\tip6-allnodes\n"
+    "ff02::2\tip6-allrouters\n"
 )
-"""What a built layer's /etc/hostname and /etc/hosts say, when it has them: nothing of the
-build machine (a sandbox gets its own hostname at create)."""
+"""What a built layer's /etc/hostname and /etc/hosts say: nothing of the build machine
+(Docker's lines for /etc/hosts). Every sandbox gets its own pair at create, these lines
+plus its hostname (dsec.backends.common.identity), whatever its image holds."""
 
 
-def scrub_build_host(root: Path) -> list[str]:
+def scrub_build_host(root: Path, *, add_missing: bool = True) -> list[str]:
     """Take out of a built tree what the build copied or wrote from the build machine.
 
     debootstrap copies the host's ``/etc/hostname`` and ``/etc/resolv.conf`` into
     its target; package scripts may write a machine-id, ssh host keys or a random
     seed; apt and dpkg leave their lists, caches and logs. A layer built with them
     would hand the build machine's name, resolver and identity to every sandbox
-    (and every sandbox the same "unique" ids). So: ``/etc/hostname`` and
-    ``/etc/hosts`` (when present) become :data:`NEUTRAL_HOSTNAME` /
-    :data:`NEUTRAL_HOSTS`; ``/etc/resolv.conf`` goes; ``/etc/machine-id`` (when
+    (and every sandbox the same "unique" ids). So: ``/etc/hostname`` (when present)
+    becomes :data:`NEUTRAL_HOSTNAME`, and ``/etc/hosts`` :data:`NEUTRAL_HOSTS` — written
+    when missing too (a debootstrap minbase has none, and a program run in the tree without
+    a sandbox around it, in a chroot, should still resolve ``localhost``), unless
+    ``add_missing`` is false (a toolkit's diff: its base has one); ``/etc/resolv.conf`` goes; ``/etc/machine-id`` (when
     present) is empty, as Debian images ship it (made at first boot);
     ``/var/lib/dbus/machine-id`` is a link to it; ssh host keys, random seeds,
     apt lists and caches, ``/tmp``, ``/var/tmp`` and shell history go; logs under
@@ -258,7 +263,7 @@ def scrub_build_host(root: Path) -> list[str]:
 
     if real_dir("etc") is not None:
         for rel, text in (("etc/hostname", NEUTRAL_HOSTNAME), ("etc/hosts", NEUTRAL_HOSTS)):
-            if os.path.lexists(root / rel):
+            if os.path.lexists(root / rel) or (add_missing and rel == "etc/hosts"):
                 replace(rel, text, 0o644)
         remove("etc/resolv.conf")
         if os.path.lexists(root / "etc/machine-id"):

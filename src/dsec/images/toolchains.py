@@ -205,7 +205,7 @@ def build_toolkit(
         upper = work / "upper"
         report("slim", 0, None)
         slim_rootfs(upper)
-        scrub_build_host(upper)
+        scrub_build_host(upper, add_missing=False)  # the base layer has its /etc/hosts
         # A plain copy of the diff: overlayfs's own bookkeeping (trusted.overlay.origin,
         # impure...) describes the build's stack and is left behind; whiteouts stay.
         tree = scratch / "rootfs"

@@ -44,6 +44,7 @@ from dsec.backends.base import (
     ShellSession,
     check_spec,
 )
+from dsec.backends.common import identity
 from dsec.backends.common.cgroupsets import SandboxCgroups
 from dsec.backends.common.command import DEFAULT_ENV
 from dsec.backends.common.fsops import SandboxFiles
@@ -418,6 +419,8 @@ class GVisorBackend(GVisorCommands, GVisorPausing, GVisorRepair, BackendBase):
             upper_dir = await asyncio.to_thread(store.create, sid, quota=res.disk, uid=0)
         else:
             upper_dir = await asyncio.to_thread(bundles.make_tmpfs_upper, bundle / "upper", res.disk)
+        # its own /etc/hostname and /etc/hosts (localhost and its name resolve), whatever the image holds
+        await asyncio.to_thread(identity.write_identity, upper_dir / "upper", sid, 0)
         rootfs = self.rootfs(sid)
         bind_tmp = await asyncio.to_thread(bundles.mount_rootfs, rootfs, lowers, upper_dir)
         env = {**DEFAULT_ENV, **rec.spec.env}
