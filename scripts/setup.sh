@@ -53,6 +53,21 @@ if ! dpkg-query -W -f='${Version}' runsc 2>/dev/null | grep -q 'bpo'; then
   fi
 fi
 
+# QEMU 10 for the microVM backend (docs/MICROVM.md): bookworm's 7.2 lacks what its templates
+# need (a private mapping of a read-only RAM file, x-ignore-shared restores), so take it from
+# bookworm-backports too.
+if ! dpkg-query -W -f='${Version}' qemu-system-x86 2>/dev/null | grep -q 'bpo' ||
+   ! dpkg-query -W -f='${Status}' qemu-utils 2>/dev/null | grep -q 'ok installed'; then
+  echo "setup: installing QEMU (qemu-system-x86, qemu-utils) from bookworm-backports"
+  if ! grep -rqs 'bookworm-backports' /etc/apt/sources.list /etc/apt/sources.list.d/; then
+    echo "setup: warning: no bookworm-backports source; QEMU (microvm backend) not installed" >&2
+  else
+    apt-cache policy qemu-system-x86 | grep -q bpo || apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends -t bookworm-backports \
+      qemu-system-x86 qemu-utils >/dev/null
+  fi
+fi
+
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
