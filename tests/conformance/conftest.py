@@ -81,9 +81,6 @@ KINDS: dict[str, Callable[[], Any]] = {"container": _container_config, "gvisor":
 """Each backend kind and how to make its (default) config; skips when the host cannot run it."""
 
 KNOWN_BUGS: dict[tuple[str, str], str] = {
-    ("microvm", "test_a_sandbox_has_its_own_hostname_and_hosts_whatever_its_image_holds"):
-        "the guest's loopback is down: its /etc/hosts is right, but a server it starts on localhost "
-        "is unreachable (wget: Network is unreachable); found by test_identity.py (issue 27)",
 }
 """Backend bugs this suite found, by (kind, case): those cases are expected to fail (strict: once
 fixed they pass, and the run says to drop the entry)."""
