@@ -35,8 +35,8 @@ class MicroVMConfig(BaseModel):
     accel: Literal["auto", "tcg", "kvm"] = "auto"
     """``auto``: KVM when a canary VM boots under it at start, else TCG (the edge's health and
     every bench key say which: ``vm_accel``)."""
-    tb_size_mib: Annotated[int, Field(ge=8, le=1024)] = 32
-    """TCG's translated-code cache per VM (MiB): memory per VM against re-translation."""
+    tb_size_mib: Annotated[int, Field(ge=8, le=1024)] = 16
+X
     fast_boot: bool = True
     """Skip kernel initcalls a sandbox does not need (machine.FAST_BOOT_ARGS): ~0.8 s of a cold boot."""
     qemu_overhead_mib: Annotated[int, Field(ge=32)] = 160
