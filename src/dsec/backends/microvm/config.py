@@ -35,9 +35,11 @@ class MicroVMConfig(BaseModel):
     accel: Literal["auto", "tcg", "kvm"] = "auto"
     """``auto``: KVM when a canary VM boots under it at start, else TCG (the edge's health and
     every bench key say which: ``vm_accel``)."""
-    tb_size_mib: Annotated[int, Field(ge=8, le=1024)] = 16
-    """TCG's translated-code cache per VM (MiB): memory per VM against re-translation. 16:
-    idle clones held 45 MiB each at N = 171 with 32 (the cache grows to its cap), ~30 with 16."""
+    tb_size_mib: Annotated[int, Field(ge=8, le=1024)] = 32
+    """TCG's translated-code cache per VM (MiB): memory per VM against re-translation. Measured
+    (docs/PERFORMANCE.md): 32 holds the warmed-up code, and a pooled VM answers its first
+    command in ~50 ms (idle clones ~45 MiB each at N = 171); 16 gives ~38 MiB at N = 300 but
+    evicts it, and the first command takes ~120 ms."""
     fast_boot: bool = True
     """Skip kernel initcalls a sandbox does not need (machine.FAST_BOOT_ARGS): ~0.8 s of a cold boot."""
     qemu_overhead_mib: Annotated[int, Field(ge=32)] = 160
