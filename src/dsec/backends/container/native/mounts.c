@@ -94,7 +94,8 @@ int tmpl_make(const char *at, const char **what) {
  * gives each container.  They are the sandbox's files (its root owns and may edit them); a
  * snapshot keeps them and a sandbox made from it writes its own again.  The text is
  * dsec.backends.common.identity's (tests/conformance/test_identity.py compares).
- * The upper is always new here (a fresh subvolume or tmpfs): O_EXCL, nothing followed. */
+ * The upper is new here (a fresh subvolume or tmpfs) but for a create retried with the same
+ * id: what is there is replaced, nothing followed. */
 static const char HOSTS_HEAD[] =
     "127.0.0.1\tlocalhost\n"
     "::1\tlocalhost ip6-localhost ip6-loopback\n"
@@ -104,6 +105,7 @@ static const char HOSTS_HEAD[] =
     "ff02::2\tip6-allrouters\n";
 
 static int put_file(int dir, const char *name, const char *text, size_t n, uid_t ub) {
+    if (unlinkat(dir, name, 0) < 0 && errno != ENOENT) return -1; /* a retried create's upper */
     int fd = openat(dir, name, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
     if (fd < 0) return -1;
     int ok = write(fd, text, n) == (ssize_t)n && fchown(fd, ub, ub) == 0;
@@ -115,7 +117,10 @@ static int put_file(int dir, const char *name, const char *text, size_t n, uid_t
  * DSEC_SPAWNER_TRACE; docs/PERFORMANCE.md). */
 static void write_identity(int updir, const char *id, uid_t ub, int rfd) {
     char text[sizeof HOSTS_HEAD + 128];
-    if (mkdirat(updir, "etc", 0755) < 0 || fchownat(updir, "etc", ub, ub, AT_SYMLINK_NOFOLLOW) < 0)
+    /* EEXIST: the upper of a create retried with the same id (the spawner died half-way and
+     * the edge made it again); what is there must be a directory, never followed */
+    if ((mkdirat(updir, "etc", 0755) < 0 && errno != EEXIST) ||
+        fchownat(updir, "etc", ub, ub, AT_SYMLINK_NOFOLLOW) < 0)
         child_fail(rfd, "identity", "mkdir upper/etc");
     int etc = openat(updir, "etc", O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
     if (etc < 0) child_fail(rfd, "identity", "open upper/etc");
