@@ -646,6 +646,7 @@ def _dsec_leak_check(dsec_base: Path) -> Iterator[None]:
         if slots.is_dir():
             out += list(slots.iterdir())
         out += list(dsec_base.glob("state-*/sandboxes/*/*.json"))
+        out += list(Path("/run").glob(f"dsec-vm-{RT_PREFIX}*"))  # a microVM backend's socket directory
         return out
 
     # Processes and cgroups go away asynchronously; give them a moment.

@@ -228,7 +228,9 @@ class MicroVMBackend(BackendBase):
                     await asyncio.to_thread(self.swap.teardown)
             if self._own_ram_mount and _is_mount(self.ram_dir):
                 await asyncio.to_thread(_umount, self.ram_dir)
-            for d in (self.vms_dir, self.ram_dir, self.sock_dir, self.state_dir / "templates" / self.name,
+            # sockets a killed QEMU could not take with it (the backend's own: no VM is left)
+            await asyncio.to_thread(shutil.rmtree, self.sock_dir, True)
+            for d in (self.vms_dir, self.ram_dir, self.state_dir / "templates" / self.name,
                       self.run_dir / "canary", self.run_dir):
                 with contextlib.suppress(OSError):
                     d.rmdir()
@@ -376,6 +378,8 @@ class MicroVMBackend(BackendBase):
         finally:
             await vm.quit(timeout_s=2.0)
             shutil.rmtree(d, ignore_errors=True)
+            for p in (sockets.qmp, sockets.agent):
+                p.unlink(missing_ok=True)
 
     # ----- machines -----
 
