@@ -373,7 +373,7 @@ async def measure(*, quick: bool = False, say: Progress = _quiet) -> dict[str, A
                            "load_avg_1m_start": os.getloadavg()[0]}
     n_boot, n_lat, n_exec, n_idle, window = (3, 8, 20, 20, 10.0) if quick else (10, 20, 50, 300, 30.0)
     try:
-        be = MicroVMBackend(MicroVMConfig(zram_size=2 << 30), name=f"bvm{tag}", state_dir=base / "state", run_dir=base / "run",
+        be = MicroVMBackend(MicroVMConfig(zram_size=12 << 30), name=f"bvm{tag}", state_dir=base / "state", run_dir=base / "run",
                             id_prefix="bv", store=store)
         async with be:
             spec = SandboxSpec(image=ImageRef(base=layer.digest), resources=res, backend="microvm")

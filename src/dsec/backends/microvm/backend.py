@@ -248,6 +248,9 @@ class MicroVMBackend(BackendBase):
                 try:
                     if await vm.stop_if_quiet(idle_s, cpu_frac, now):
                         self.quiet_stops += 1
+                        if self.config.idle_reclaim and self.swap.find() is not None:
+                            # its memory to zram, as a pause does: it comes back as it is touched
+                            await asyncio.to_thread(self._push_out, sid)
                 except Exception as exc:  # a VM that died meanwhile: its watcher marks it failed
                     log.debug("microvm %s: quiet stop of %s: %s", self.name, sid, exc)
 

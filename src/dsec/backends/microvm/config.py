@@ -67,6 +67,9 @@ class MicroVMConfig(BaseModel):
     its clock stands still: a background job's timers wait, and the guest's clock is behind
     by the time stopped (not yet stepped on resume). None (default): never."""
     idle_cpu_frac: Annotated[float, Field(gt=0, le=1)] = 0.02
+    idle_reclaim: bool = True
+    """A VM stopped for being quiet also has its host memory pushed to the node's zram swap
+    (``zram_size``), as a pause does; it comes back page by page as the VM runs again."""
     warm_up: bool = True
     """Run one short command (``sh -c :``) in each new VM before it is handed out: under TCG a
     clone translates the guest's code afresh and its first command pays ~200 ms for it; a
