@@ -247,3 +247,24 @@ def test_a_template_is_tied_to_its_machine(vms: VMs) -> None:
         vms.run(vms.be.destroy(again.id))
     finally:
         vms.run(vms.be.destroy(sb.id))
+
+
+def test_quiet_vms_are_stopped_until_their_next_call_and_busy_ones_are_not(dsec_base: Path,
+                                                                          busybox_seed: Path) -> None:
+    v = VMs(dsec_base, busybox_seed, "tvmquiet", idle_stop_s=1.0, zram_size=1 << 30)
+    try:
+        v.run(v.be.start())
+        quiet, busy = v.create(), v.create()
+        v.ok(busy.id, "sh -c 'while :; do :; done' >/dev/null 2>&1 &")  # busy on its own: CPU, no channel
+        before = v.be.cgroups.memory_bytes(quiet.id)
+        deadline = time.monotonic() + 20
+        while not v.be._vms[quiet.id].quiet_stopped and time.monotonic() < deadline:
+            v.run(asyncio.sleep(0.5))
+        v.run(asyncio.sleep(2))  # its memory pushed out meanwhile
+        assert v.be._vms[quiet.id].quiet_stopped
+        assert not v.be._vms[busy.id].quiet_stopped
+        assert v.be.cgroups.memory_bytes(quiet.id) < before / 2, (before, v.be.cgroups.memory_bytes(quiet.id))
+        assert v.ok(quiet.id, "echo back") == "back\n"  # the next call runs it again first
+        assert not v.be._vms[quiet.id].quiet_stopped
+    finally:
+        v.close()
