@@ -43,6 +43,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from dsec.backends.common.procstat import cpu_ticks as _cpu_ticks
 from dsec.bench.stats import percentile
 
 Progress = Callable[[str], None]
@@ -70,15 +71,6 @@ def _pss(pid: int) -> int:
     except OSError:
         pass
     return 0
-
-
-def _cpu_ticks(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        return int(fields[11]) + int(fields[12])
-    except (OSError, IndexError, ValueError):
-        return 0
 
 
 async def _cold_boots(be: Any, layer_files: list[Path], n: int, say: Progress) -> list[float]:

@@ -22,7 +22,7 @@ import contextlib
 import os
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dsec.errors import InvalidSpec
 from dsec.images.layer import LayerKind
@@ -175,3 +175,13 @@ class SharedLayers:
         for layer in store.list():
             if self.holder in store.holders(layer.digest) and layer.digest not in self.users:
                 mounts.release(layer.digest, self.holder)
+
+
+def stack_in_store(image: ImageRef, store: Any, *, max_layers: int) -> list[str]:
+    """:func:`stack` over a layer store: refs resolved by it, snapshots expanded to their lineage."""
+    def lineage(digest: str) -> tuple[str, ...] | None:
+        layer = store.get(digest)
+        return tuple(layer.parents) if layer.kind is LayerKind.SNAPSHOT else None
+
+    return stack(image, resolve=lambda ref: str(store.resolve(ref).digest), kind_of=lambda d: store.get(d).kind,
+                 lineage_of=lineage, max_layers=max_layers)

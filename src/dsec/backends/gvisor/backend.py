@@ -48,9 +48,9 @@ from dsec.backends.common import identity
 from dsec.backends.common.cgroupsets import SandboxCgroups
 from dsec.backends.common.command import DEFAULT_ENV
 from dsec.backends.common.fsops import SandboxFiles
-from dsec.backends.common.layers import SharedLayers
-from dsec.backends.common.layers import stack as stack_layers
+from dsec.backends.common.layers import SharedLayers, stack_in_store
 from dsec.backends.common.names import ID_RE, NAME_RE
+from dsec.backends.common.procstat import proc_start as _proc_start
 from dsec.backends.common.records import RecordBook
 from dsec.backends.gvisor import bundle as bundles
 from dsec.backends.gvisor.commands import GVisorCommands
@@ -64,7 +64,6 @@ from dsec.backends.gvisor.records import (
     GVisorRecord,
     _children,
     _our_zombie,
-    _proc_start,
 )
 from dsec.backends.gvisor.runsc import (
     Exit,
@@ -316,19 +315,9 @@ class GVisorBackend(GVisorCommands, GVisorPausing, GVisorRepair, BackendBase):
 
     # ----- layers -----
 
-    def _resolve(self, ref: str) -> str:
-        return str(self.store.resolve(ref).digest)
-
     def _layers_for(self, image: ImageRef) -> builtins.list[str]:
         """Digests to stack, top first (:func:`dsec.backends.common.layers.stack`)."""
-        from dsec.images.layer import LayerKind
-
-        def lineage(digest: str) -> tuple[str, ...] | None:
-            layer = self.store.get(digest)
-            return tuple(layer.parents) if layer.kind is LayerKind.SNAPSHOT else None
-
-        return stack_layers(image, resolve=self._resolve, kind_of=lambda d: self.store.get(d).kind,
-                            lineage_of=lineage, max_layers=MAX_LOWERS)
+        return stack_in_store(image, self.store, max_layers=MAX_LOWERS)
 
     async def _use_layer(self, digest: str, sandbox_id: str) -> Path:
         known, remounted = await self._layers.use(digest, sandbox_id)

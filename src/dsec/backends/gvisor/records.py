@@ -36,18 +36,6 @@ ISOLATION: Final = ("gVisor application kernel (runsc, systrap): the sandbox's s
                     "namespaces, mounts or signals to pid 1); loopback-only network")
 
 
-def _proc_start(pid: int, *, zombie: bool = False) -> int:
-    """Start time of ``pid`` (clock ticks since boot): with the pid, a process identity; 0 if
-    gone (or exited and not reaped yet, unless ``zombie``)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
-        return 0
-    fields = data[data.rindex(b")") + 2:].split()
-    return 0 if fields[0] in (b"Z", b"X") and not zombie else int(fields[19])
-
-
 @dataclass(slots=True)
 class GVisorRecord(SandboxRecord):
     """A gVisor sandbox: the runsc container, its layers and its sentry process."""

@@ -47,7 +47,7 @@ from dsec.backends.base import (
 )
 from dsec.backends.common import limits as limit_evidence
 from dsec.backends.common.cgroupsets import SandboxCgroups
-from dsec.backends.common.layers import stack as stack_layers
+from dsec.backends.common.layers import stack_in_store
 from dsec.backends.common.names import ID_RE, NAME_RE
 from dsec.backends.common.output import check_exec, check_timed_out, collect, start_piped
 from dsec.backends.common.records import RecordBook
@@ -494,19 +494,9 @@ class MicroVMBackend(BackendBase):
 
     # ----- layers -----
 
-    def _resolve(self, ref: str) -> str:
-        return str(self.store.resolve(ref).digest)
-
     def _layers_for(self, image: ImageRef) -> builtins.list[str]:
-        """Digests to stack, top first."""
-        from dsec.images.layer import LayerKind
-
-        def lineage(digest: str) -> tuple[str, ...] | None:
-            layer = self.store.get(digest)
-            return tuple(layer.parents) if layer.kind is LayerKind.SNAPSHOT else None
-
-        return stack_layers(image, resolve=self._resolve, kind_of=lambda d: self.store.get(d).kind,
-                            lineage_of=lineage, max_layers=MAX_LAYERS)
+        """Digests to stack, top first (:func:`dsec.backends.common.layers.stack`)."""
+        return stack_in_store(image, self.store, max_layers=MAX_LAYERS)
 
     # ----- create / destroy -----
 

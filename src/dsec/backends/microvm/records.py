@@ -7,7 +7,10 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Final
 
 from dsec.backends.base import EdgeMeta, SandboxRecord
+from dsec.backends.common.procstat import proc_start
 from dsec.spec import SandboxSpec, SandboxState
+
+__all__ = ["ISOLATION", "MAX_LAYERS", "MicroVMRecord", "proc_start"]
 
 MAX_LAYERS: Final = 6
 """Layer disks a VM gets (virtio-mmio transports are few: serial, rng, upper and these)."""
@@ -52,14 +55,3 @@ class MicroVMRecord(SandboxRecord):
             qemu_start=int(d.get("qemu_start", 0)), template=d.get("template", ""), uid=int(d.get("uid", 0)),
             vcpus=int(d.get("vcpus", 1)), memory_mib=int(d.get("memory_mib", 0)),
         )
-
-
-def proc_start(pid: int) -> int:
-    """Start time of ``pid`` (clock ticks since boot); 0 if gone or a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
-        return 0
-    fields = data[data.rindex(b")") + 2:].split()
-    return 0 if fields[0] in (b"Z", b"X") else int(fields[19])

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from dsec.backends.common.command import check_argv, command_env, user_ids
 from dsec.backends.common.fdio import set_done, write_all
 from dsec.backends.common.output import BoundedCapture, Collected
+from dsec.backends.common.procstat import cpu_ticks
 from dsec.backends.microvm.agent import AgentClient, AgentProcess
 from dsec.backends.microvm.machine import Disk, RamFile, Sockets, qemu_argv
 from dsec.backends.microvm.qemu import QemuDriver
@@ -38,16 +39,6 @@ if TYPE_CHECKING:
 
 HELLO_TIMEOUT_S = 15.0
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-def _ticks(pid: int) -> int:
-    """utime + stime of ``pid`` in clock ticks (0 when gone)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        return int(fields[11]) + int(fields[12])
-    except (OSError, IndexError, ValueError):
-        return 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -337,7 +328,7 @@ class MicroVM:
         if self.paused or self.quiet_stopped or not self.driver.alive() or self.agent is None or \
                 self.agent.open_channels:
             return False
-        ticks = _ticks(self.driver.pid)
+        ticks = cpu_ticks(self.driver.pid)
         self._samples.append((now, ticks))
         while len(self._samples) > 1 and now - self._samples[1][0] >= idle_s:
             self._samples.pop(0)
