@@ -337,3 +337,74 @@ def test_dsec_env_e2b_prints_the_four_lines(up: dict[str, str]) -> None:
     bad = subprocess.run([sys.executable, "-m", "dsec.cli.main", "env", "e2b"], capture_output=True, text=True,
                          env={k: v for k, v in os.environ.items() if k != "DSEC_TOKEN"}, timeout=60)
     assert bad.returncode == 1 and "no API token" in bad.stderr
+
+
+# ------------------------------------------------------------ template builds ----
+
+
+def _dsec_client(up: dict[str, str]) -> object:
+    import dsec
+
+    return dsec.Client(up["DSEC_URL"], up["DSEC_TOKEN"])
+
+
+def _leftovers(up: dict[str, str]) -> list[str]:
+    """Build sandboxes still alive (every build deletes its own, whatever the outcome)."""
+    with _dsec_client(up) as c:  # type: ignore[attr-defined]
+        return [i.id for i in c.list(labels={"dsec.compat": "e2b-build"})]
+
+
+def test_template_build_from_image_then_create(up: dict[str, str]) -> None:
+    """mini-swe-agent's path: Template.exists, else Template().from_image(image) built with
+    cpu 2 / 2048 MB, then Sandbox.create(template=name); all through the released client."""
+    from e2b import Sandbox, Template
+
+    name = f"swe-{uuid.uuid4().hex[:8]}"
+    assert Template.exists(name) is False
+    logs: list[str] = []
+    tpl = (Template().from_image("tc-base:bookworm")
+           .set_envs({"TPL_VAR": "from-template"})
+           .run_cmd("echo built-as-$(whoami) > /home/user/built.txt; echo step-output")
+           .set_workdir("/srv/app")
+           .run_cmd("touch made-here && mkdir -p /opt/tool && echo tool > /opt/tool/v", user="root"))
+    info = Template.build(tpl, name, cpu_count=2, memory_mb=2048, on_build_logs=lambda e: logs.append(e.message))
+    try:
+        assert info.template_id == name and info.build_id
+        assert any("step-output" in m for m in logs), logs  # a RUN step's output came as build logs
+        assert Template.exists(name) is True
+        sb = Sandbox.create(template=name, envs={"OWN": "1"})
+        try:
+            assert sb.get_info().template_id == name
+            assert sb.files.read("/home/user/built.txt") == "built-as-user\n"
+            assert sb.files.read("/opt/tool/v") == "tool\n"
+            assert sb.files.exists("/srv/app/made-here")
+            assert sb.commands.run("echo $TPL_VAR-$OWN").stdout == "from-template-1\n"
+        finally:
+            sb.kill()
+    finally:
+        with _dsec_client(up) as c:  # type: ignore[attr-defined]
+            c.delete_snapshot(f"e2b-{name}:default")
+    assert Template.exists(name) is False
+    assert _leftovers(up) == []
+
+
+def test_template_build_errors_are_typed(up: dict[str, str]) -> None:
+    """An image no registry here can give, a failing step, COPY: BuildException with why; no
+    sandbox, no template left behind."""
+    from e2b import Template
+    from e2b.exceptions import BuildException
+
+    name = f"bad-{uuid.uuid4().hex[:8]}"
+    with pytest.raises(BuildException, match=r"image 'python:3\.12' cannot be had.*dsec image import"):
+        Template.build(Template().from_image("python:3.12").run_cmd("true"), name)
+    with pytest.raises(BuildException, match=r"step 2: .*failed \(exit code 3\)"):
+        Template.build(Template().from_image("tc-base:bookworm").run_cmd("true").run_cmd("echo no >&2; exit 3"), name)
+    with pytest.raises(BuildException, match="COPY is not served"):
+        Template.build(Template().from_image("tc-base:bookworm").copy("test_e2b.py", "/home/user/"), name)
+    with pytest.raises(BuildException, match="template 'no-such' not found"):
+        Template.build(Template().from_template("no-such"), name)
+    assert Template.exists(name) is False
+    assert _leftovers(up) == []
+    r = httpx.post(up["E2B_API_URL"] + "/v3/templates", json={"name": "Not A Name"},
+                   headers={"X-API-KEY": up["E2B_API_KEY"]}, timeout=10)
+    assert r.status_code == 400 and "template name" in r.json()["message"], r.text

@@ -52,3 +52,10 @@ class E2BConfig(BaseModel):
     """Reported in ``envdVersion``: every client feature gate (e2b/envd/versions.py) is at or below it."""
     max_clients: Annotated[int, Field(ge=1, le=4096)] = 64
     """SDK clients (one per API key) kept open by the front."""
+    images: dict[str, str] = Field(default_factory=lambda: {"e2bdev/base": "base", "e2bdev/base:latest": "base"})
+    """A template build's ``fromImage`` -> a template name here or a DSec layer (``name:tag``).
+    ``e2bdev/base`` is what ``Template()`` starts from when no image is given. Other images
+    must be layers the cluster holds (``dsec image import``): the front pulls from no registry."""
+    build_network: tuple[str, ...] = ()
+    """Named network permissions (the edge's, e.g. ``pkgs``, ``dns``) a template build's sandbox
+    gets for its RUN steps (``apt_install``, ``pip_install``). Empty: no network, as any sandbox."""

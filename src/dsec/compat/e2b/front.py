@@ -38,6 +38,7 @@ from dsec.compat.e2b.config import E2BConfig
 from dsec.compat.e2b.rest import E2BApi, E2BError, error_response
 from dsec.compat.e2b.rooms import Room, Rooms
 from dsec.compat.e2b.scope import header as _header
+from dsec.compat.e2b.templates import Templates
 from dsec.errors import AuthError, DsecError, FileAccessError, SandboxNotFound
 
 if TYPE_CHECKING:
@@ -66,6 +67,8 @@ class E2BFront:
         from dsec.compat.e2b.interpreter import Interpreter
 
         self.interpreter = Interpreter(self.rooms)
+        self.templates = Templates(config, self.api)
+        self.api.templates = self.templates
         self.rest = Router(routes=[
             Route("/sandboxes", self._wrap(self.api.create), methods=["POST"]),
             Route("/v2/sandboxes", self._wrap(self.api.create), methods=["POST"]),
@@ -79,7 +82,14 @@ class E2BFront:
             Route("/sandboxes/{sandbox_id}/resume", self._wrap(self.api.connect), methods=["POST"]),
             Route("/v2/sandboxes/{sandbox_id}/connect", self._wrap(self.api.connect), methods=["POST"]),
             Route("/sandboxes/{sandbox_id}/metrics", self._wrap(self.api.metrics), methods=["GET"]),
-            Route("/templates/aliases/{alias}", self._wrap(self.api.template_alias), methods=["GET"]),
+            Route("/templates/aliases/{alias}", self._wrap(self.templates.alias), methods=["GET"]),
+            Route("/v3/templates", self._wrap(self.templates.request_build), methods=["POST"]),
+            Route("/templates/{template_id}/files/{files_hash}", self._wrap(self.templates.file_upload),
+                  methods=["GET"]),
+            Route("/v2/templates/{template_id}/builds/{build_id}", self._wrap(self.templates.start_build),
+                  methods=["POST"]),
+            Route("/templates/{template_id}/builds/{build_id}/status", self._wrap(self.templates.status),
+                  methods=["GET"]),
         ])
         self._reaper: asyncio.Task[None] | None = None
 
@@ -112,6 +122,7 @@ class E2BFront:
                 await self._reaper
         for task in list(self.api.setups.values()):
             task.cancel()
+        await self.templates.aclose()
         await self.rooms.aclose()
         await self.api.aclose()
         await self._data.aclose()

@@ -47,6 +47,7 @@ from dsec.errors import (
 )
 
 if TYPE_CHECKING:
+    from dsec.compat.e2b.templates import Templates
     from dsec.sdk.client import AsyncClient
     from dsec.spec.api import SandboxInfo
 
@@ -160,6 +161,8 @@ class E2BApi:
         """Creates whose in-sandbox setup (user, envVars) is still running: envd calls wait for it."""
         self.created = 0
         self.errors = 0
+        self.templates: Templates | None = None
+        """The template builds (set by the front)."""
 
     # ------------------------------------------------------------ helpers ----
 
@@ -241,7 +244,15 @@ class E2BApi:
         template_id = body.get("templateID") or "base"
         if not isinstance(template_id, str):
             raise E2BError(400, "templateID must be a string")
-        tpl = self.template(template_id)
+        client = self.client(token)
+        tpl_envs: dict[str, str] = {}
+        tpl = self.config.templates.get(template_id)
+        if tpl is None:  # a template built here (templates.py), else 404
+            built = await self.templates.find(client, token, template_id) if self.templates is not None else None
+            if built is None:
+                tpl = self.template(template_id)
+            else:
+                tpl, tpl_envs = built.template, built.envs
         timeout = body.get("timeout", DEFAULT_TIMEOUT_S)
         if not isinstance(timeout, int | float) or isinstance(timeout, bool) or timeout <= 0:
             raise E2BError(400, f"timeout must be a positive number of seconds, not {timeout!r}")
@@ -262,7 +273,8 @@ class E2BApi:
                            resources=Resources(cpu=tpl.cpu, memory=tpl.memory_mb * MiB, disk=tpl.disk_mb * MiB),
                            backend=self.config.backend)
         request_id = request.headers.get("idempotency-key") or None
-        client = self.client(token)
+        if tpl_envs:
+            env_vars = {**tpl_envs, **env_vars}
         try:
             # The DSec lifetime leaves room for set_timeout to extend; E2B's own end is the front's deadline.
             ttl = min(self.config.max_timeout_s, max(float(timeout), self.config.lifetime_floor_s))
@@ -411,13 +423,6 @@ class E2BApi:
         client = self.client(await self.token(request))
         await self._info(client, request.path_params["sandbox_id"])
         return JSONResponse([])
-
-    async def template_alias(self, request: Request) -> Response:
-        await self.token(request)
-        name = request.path_params["alias"]
-        if name not in self.config.templates:
-            raise E2BError(404, f"template '{name}' not found")
-        return JSONResponse({"templateID": name, "public": True})
 
     async def aclose(self) -> None:
         for c in self._clients.values():

@@ -1,0 +1,434 @@
+"""E2B's template builds (``Template.build``: ``from_image``, ``run_cmd``, ``set_envs``...) as
+DSec builds: a sandbox of the base image runs the steps, its disk changes become a snapshot
+layer (``e2b-<name>:<tag>``, the caller's project's, in its storage quota), and the template
+name then starts sandboxes of that layer.
+
+The calls, as the released client makes them (``e2b/template_sync/build_api.py``):
+
+1. ``POST /v3/templates`` ``{name, tags, cpuCount, memoryMB}`` -> 202 ``{templateID, buildID, ...}``;
+2. ``GET /templates/{id}/files/{hash}`` for each ``COPY`` -> ``{present: false}`` with no upload
+   URL (the client then uploads nothing; the build fails at that step: COPY is not served);
+3. ``POST /v2/templates/{id}/builds/{build}`` with the steps -> 202, the build starts;
+4. ``GET /templates/{id}/builds/{build}/status?logsOffset=`` until ``ready`` or ``error``
+   (``reason: {message, step}``: the client raises ``BuildException(message)``).
+
+The base (``fromImage``/``fromTemplate``) resolves, in order, through ``e2b.images`` (E2B's own
+names, ``e2bdev/base`` -> ``base``), the front's templates, the templates built here, and the
+layers the cluster can run (``GET /v1/images``). The front fetches nothing from outside
+registries: another image is a build error that says how to bring it in (``dsec image import``).
+
+Build records are this replica's memory (bounded); the templates are the project's snapshots,
+so any replica finds them by name. Never blocks the event loop; every build's sandbox is
+deleted when its build ends, whatever the outcome.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from dsec.compat.e2b.config import E2BConfig, E2BTemplate
+from dsec.errors import DsecError
+
+if TYPE_CHECKING:
+    from dsec.compat.e2b.rest import E2BApi
+    from dsec.sdk.client import AsyncClient, AsyncSandbox
+
+log = logging.getLogger("dsec.compat.e2b")
+
+SNAPSHOT_PREFIX = "e2b-"
+DEFAULT_TAG = "default"
+_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,119}$")
+_TAG = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+BUILD_LABEL = ("dsec.compat", "e2b-build")
+MAX_BUILDS = 256
+"""Build records kept per replica (the oldest finished ones go first)."""
+MAX_LOG_ENTRIES = 5000
+MAX_STEPS = 256
+BUILD_TIMEOUT_S = 1800.0
+_USER_SETUP = (
+    "grep -q '^user:' /etc/passwd 2>/dev/null || echo 'user:x:1000:1000:user:/home/user:/bin/bash' >> /etc/passwd; "
+    "grep -q '^user:' /etc/group 2>/dev/null || echo 'user:x:1000:' >> /etc/group; "
+    "mkdir -p /home/user && chown 1000:1000 /home/user"
+)
+
+
+class BuildFailed(Exception):
+    """A build step failed; ``step`` is E2B's name for it ("base", "1", "2"... or "finalize")."""
+
+    def __init__(self, message: str, step: str) -> None:
+        super().__init__(message)
+        self.message = message
+        self.step = step
+
+
+def split_name(text: str) -> tuple[str, str]:
+    """E2B's ``name`` or ``name:tag`` -> (name, tag); a name that does not fit is 400."""
+    from dsec.compat.e2b.rest import E2BError
+
+    name, _, tag = text.partition(":")
+    tag = tag or DEFAULT_TAG
+    if not _NAME.match(name):
+        raise E2BError(400, f"template name {name!r}: lowercase letters, digits, '.', '_' and '-', at most 120 "
+                            "(DSec keeps a template as the snapshot layer e2b-<name>)")
+    if not _TAG.match(tag):
+        raise E2BError(400, f"template tag {tag!r}: letters, digits, '.', '_' and '-', at most 64")
+    return name, tag
+
+
+def snapshot_ref(name: str, tag: str) -> str:
+    return f"{SNAPSHOT_PREFIX}{name}:{tag}"
+
+
+@dataclass(slots=True)
+class Built:
+    """A template built here: the snapshot it runs and the size and envs the build gave it."""
+
+    template: E2BTemplate
+    envs: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Build:
+    template_id: str
+    build_id: str
+    name: str
+    tag: str
+    token: str
+    cpu: float
+    memory_mb: int
+    status: str = "waiting"
+    entries: list[dict[str, Any]] = field(default_factory=list)
+    reason: dict[str, Any] | None = None
+    task: asyncio.Task[None] | None = None
+    started: float = field(default_factory=time.time)
+
+    def log(self, message: str, level: str = "info", step: str | None = None) -> None:
+        if len(self.entries) >= MAX_LOG_ENTRIES:
+            return
+        from dsec.compat.e2b.rest import rfc3339
+
+        entry: dict[str, Any] = {"timestamp": rfc3339(time.time()), "level": level, "message": message}
+        if step is not None:
+            entry["step"] = step
+        self.entries.append(entry)
+
+
+class Templates:
+    """The build calls and the templates they make, for one front."""
+
+    def __init__(self, config: E2BConfig, api: E2BApi) -> None:
+        self.config = config
+        self.api = api
+        self.builds: OrderedDict[str, Build] = OrderedDict()
+        self.built: dict[tuple[str, str], Built] = {}
+        """(token hash, ``name:tag``) -> what a build here made (sizes, envs); the snapshot outlives it."""
+
+    # ------------------------------------------------------------ lookups ----
+
+    async def find(self, client: AsyncClient, token: str, template_id: str, *, fresh: bool = False) -> Built | None:
+        """A template built for this project (``name`` or ``name:tag``), else None. ``fresh``:
+        ask the store even when this replica built it (its snapshot may have been deleted)."""
+        try:
+            name, tag = split_name(template_id)
+        except Exception:
+            return None
+        key = (_hash(token), f"{name}:{tag}")
+        got = self.built.get(key)
+        if got is not None and not fresh:
+            return got
+        ref = snapshot_ref(name, tag)
+        if not any(s.ref == ref for s in await client.snapshots()):
+            self.built.pop(key, None)
+            return None
+        if got is not None:
+            return got
+        # built by another replica, or before a restart: its size is the default template's
+        default = self.config.templates.get("base")
+        got = Built(E2BTemplate(base=ref, cpu=default.cpu if default else 1.0,
+                                memory_mb=default.memory_mb if default else 1024,
+                                disk_mb=default.disk_mb if default else 2048))
+        self.built[key] = got
+        return got
+
+    async def _base(self, client: AsyncClient, token: str, body: dict[str, Any]) -> tuple[E2BTemplate, dict[str, str]]:
+        """The image a build starts from, or :class:`BuildFailed` at step ``base``."""
+        from_template = body.get("fromTemplate")
+        image = body.get("fromImage")
+        if isinstance(from_template, str) and from_template:
+            tpl = self.config.templates.get(from_template)
+            if tpl is not None:
+                return tpl, {}
+            built = await self.find(client, token, from_template)
+            if built is not None:
+                return built.template, dict(built.envs)
+            raise BuildFailed(f"template '{from_template}' not found", "base")
+        if not isinstance(image, str) or not image:
+            raise BuildFailed("the build names no base: fromImage or fromTemplate", "base")
+        mapped = self.config.images.get(image) or self.config.images.get(image.split("@", 1)[0])
+        if mapped is not None:
+            tpl = self.config.templates.get(mapped)
+            if tpl is not None:
+                return tpl, {}
+            image = mapped
+        tpl = self.config.templates.get(image)
+        if tpl is not None:
+            return tpl, {}
+        built = await self.find(client, token, image)
+        if built is not None:
+            return built.template, dict(built.envs)
+        ref = image if ":" in image.rsplit("/", 1)[-1] else f"{image}:latest"
+        held = {str(i.get("ref")) for i in (await client._call("GET", "/v1/images")).json()}
+        if ref in held:
+            default = self.config.templates.get("base")
+            return E2BTemplate(base=ref, disk_mb=default.disk_mb if default else 2048), {}
+        raise BuildFailed(
+            f"image '{image}' cannot be had: this DSec cluster holds no layer of that name (GET /v1/images) and "
+            "its E2B front pulls from no registry; import it once with `dsec image import "
+            f"REGISTRY/REPO:TAG --name {ref}` (or `dsec image build ... --name {ref.split(':')[0]} --tag "
+            f"{ref.split(':')[1]}`), or map it to a template in e2b.images", "base")
+
+    # ------------------------------------------------------------ routes ----
+
+    async def request_build(self, request: Request) -> Response:
+        from dsec.compat.e2b.rest import E2BError, _json_body
+
+        token = await self.api.token(request)
+        body = await _json_body(request)
+        raw = body.get("name") or body.get("alias")
+        if not isinstance(raw, str) or not raw:
+            raise E2BError(400, "the build request has no template name")
+        name, tag = split_name(raw)
+        tags = body.get("tags") or []
+        if not isinstance(tags, list) or not all(isinstance(t, str) and _TAG.match(t) for t in tags):
+            raise E2BError(400, "tags must be a list of tags (letters, digits, '.', '_', '-')")
+        if tags:
+            tag = tags[0]  # DSec keeps one tag per build: the first
+        cpu = body.get("cpuCount", 2)
+        mem = body.get("memoryMB", 1024)
+        if not isinstance(cpu, int) or isinstance(cpu, bool) or not 1 <= cpu <= 256:
+            raise E2BError(400, f"cpuCount {cpu!r}: an integer from 1 to 256")
+        if not isinstance(mem, int) or isinstance(mem, bool) or not 128 <= mem <= 1 << 20:
+            raise E2BError(400, f"memoryMB {mem!r}: an integer from 128")
+        build = Build(template_id=name, build_id=str(uuid.uuid4()), name=name, tag=tag, token=token,
+                      cpu=float(cpu), memory_mb=mem)
+        self._keep(build)
+        return JSONResponse({"templateID": name, "buildID": build.build_id, "public": False,
+                             "names": [f"{name}:{tag}"], "tags": [tag], "aliases": [name]}, status_code=202)
+
+    async def file_upload(self, request: Request) -> Response:
+        await self.api.token(request)
+        self._get(request)
+        # no URL: the client uploads nothing and the COPY step fails with why
+        return JSONResponse({"present": False}, status_code=201)
+
+    async def start_build(self, request: Request) -> Response:
+        from dsec.compat.e2b.rest import E2BError, _json_body
+
+        token = await self.api.token(request)
+        build = self._build(request, token)
+        if build.status != "waiting":
+            raise E2BError(409, f"build {build.build_id} was started already ({build.status})")
+        body = await _json_body(request)
+        steps = body.get("steps") or []
+        if not isinstance(steps, list) or len(steps) > MAX_STEPS \
+                or not all(isinstance(s, dict) and isinstance(s.get("type"), str)
+                           and isinstance(s.get("args", []), list) for s in steps):
+            raise E2BError(400, f"steps: a list of at most {MAX_STEPS} {{type, args}} objects")
+        build.status = "building"
+        build.task = asyncio.get_running_loop().create_task(self._run(build, body), name=f"e2b-build-{build.build_id}")
+        return Response(status_code=202)
+
+    async def status(self, request: Request) -> Response:
+        from dsec.compat.e2b.rest import E2BError
+
+        token = await self.api.token(request)
+        build = self._build(request, token)
+        try:
+            offset = max(0, int(request.query_params.get("logsOffset") or 0))
+            limit = max(1, min(100, int(request.query_params.get("limit") or 100)))
+        except ValueError:
+            raise E2BError(400, "logsOffset and limit must be integers") from None
+        entries = build.entries[offset:offset + limit]
+        out: dict[str, Any] = {"templateID": build.template_id, "buildID": build.build_id, "status": build.status,
+                               "logs": [e["message"] for e in entries], "logEntries": entries}
+        if build.reason is not None:
+            out["reason"] = build.reason
+        return JSONResponse(out)
+
+    async def alias(self, request: Request) -> Response:
+        from dsec.compat.e2b.rest import E2BError
+
+        token = await self.api.token(request)
+        name = request.path_params["alias"]
+        if name in self.config.templates or await self.find(self.api.client(token), token, name, fresh=True) is not None:
+            return JSONResponse({"templateID": name.split(":", 1)[0], "public": name in self.config.templates})
+        raise E2BError(404, f"template '{name}' not found")
+
+    # ------------------------------------------------------------ the build ----
+
+    async def _run(self, build: Build, body: dict[str, Any]) -> None:
+        client = self.api.client(build.token)
+        sb: AsyncSandbox | None = None
+        try:
+            build.log(f"Building template {build.name}:{build.tag} on DSec (build {build.build_id})")
+            base, envs = await self._base(client, build.token, body)
+            for key in ("startCmd", "readyCmd"):
+                if body.get(key):
+                    raise BuildFailed(f"{key} is not served by DSec's E2B front: a template holds files, "
+                                      "envs and a size, not a process started with each sandbox", "finalize")
+            sb = await self._sandbox(client, build, base)
+            build.log(f"Base: {base.base}" + (f" + {', '.join(base.toolkits)}" if base.toolkits else ""), step="base")
+            envs = await self._steps(sb, build, body.get("steps") or [], envs)
+            build.log("Saving the template's layer", step="finalize")
+            ref = snapshot_ref(build.name, build.tag)
+            with contextlib.suppress(DsecError):  # a rebuild replaces it (409 while a sandbox runs the old one)
+                if any(s.ref == ref for s in await client.snapshots()):
+                    await client.delete_snapshot(ref)
+            snap = await sb.snapshot(name=SNAPSHOT_PREFIX + build.name, tag=build.tag,
+                                     exclude=["/tmp", "/var/tmp", "/var/cache/apt/archives", "__pycache__"])
+            self.built[(_hash(build.token), f"{build.name}:{build.tag}")] = Built(
+                E2BTemplate(base=snap.ref, cpu=build.cpu, memory_mb=build.memory_mb, disk_mb=base.disk_mb), envs)
+            build.log(f"Template {build.name}:{build.tag} is ready: layer {snap.ref} ({snap.size} bytes)",
+                      step="finalize")
+            build.status = "ready"
+        except BuildFailed as exc:
+            self._fail(build, exc.message, exc.step)
+        except asyncio.CancelledError:
+            self._fail(build, "the build was cancelled (the server stopped)", "finalize")
+            raise
+        except DsecError as exc:
+            self._fail(build, f"{exc.code}: {exc.message}", "finalize")
+        except Exception as exc:
+            log.exception("E2B template build %s failed", build.build_id)
+            self._fail(build, f"internal error: {type(exc).__name__}: {exc}", "finalize")
+        finally:
+            if sb is not None:
+                with contextlib.suppress(BaseException):
+                    await asyncio.shield(sb.close())
+
+    async def _sandbox(self, client: AsyncClient, build: Build, base: E2BTemplate) -> AsyncSandbox:
+        from dsec.spec import ImageRef, NetworkPolicy, Resources, SandboxSpec
+
+        spec = SandboxSpec(image=ImageRef(base=base.base, toolkits=base.toolkits),
+                           resources=Resources(cpu=build.cpu, memory=build.memory_mb << 20, disk=base.disk_mb << 20),
+                           backend=self.config.backend,
+                           network=NetworkPolicy(allow=self.config.build_network) if self.config.build_network else None)
+        try:
+            sb = await client.create(spec, labels={BUILD_LABEL[0]: BUILD_LABEL[1], "e2b/build": build.build_id},
+                                     ttl_s=BUILD_TIMEOUT_S)
+        except DsecError as exc:
+            raise BuildFailed(f"base image {base.base}: {exc.message}", "base") from None
+        res = await sb.exec(["/bin/sh", "-c", _USER_SETUP], timeout=60)
+        if res.exit_code != 0:
+            await sb.close()
+            raise BuildFailed(f"the base image has no usable /bin/sh or /etc/passwd: {res.stderr_text.strip()[:300]}",
+                              "base")
+        return sb
+
+    async def _steps(self, sb: AsyncSandbox, build: Build, steps: list[dict[str, Any]],
+                     envs: dict[str, str]) -> dict[str, str]:
+        user, workdir = "user", "/home/user"
+        deadline = time.monotonic() + BUILD_TIMEOUT_S
+        for i, step in enumerate(steps, start=1):
+            kind, args = str(step["type"]).upper(), [str(a) for a in step.get("args") or []]
+            n = str(i)
+            build.log(f"[{n}/{len(steps)}] {kind} {' '.join(args)[:500]}", step=n)
+            if kind == "ENV":
+                if len(args) % 2:
+                    raise BuildFailed("ENV takes key, value pairs", n)
+                envs.update(dict(zip(args[::2], args[1::2], strict=True)))
+            elif kind == "WORKDIR" and args:
+                workdir = args[0] if args[0].startswith("/") else f"{workdir.rstrip('/')}/{args[0]}"
+                await self._exec(sb, build, n, ["mkdir", "-p", workdir], "root", "/", envs, deadline)
+                await self._exec(sb, build, n, ["chown", user, workdir], "root", "/", envs, deadline)
+            elif kind == "USER" and args:
+                await self._exec(sb, build, n, ["id", "-u", args[0]], "root", "/", envs, deadline, quiet=True)
+                user = args[0]
+            elif kind == "RUN" and args:
+                await self._exec(sb, build, n, ["/bin/sh", "-c", args[0]], args[1] if len(args) > 1 and args[1] else user,
+                                 workdir, envs, deadline)
+            elif kind == "COPY":
+                raise BuildFailed("COPY is not served by DSec's E2B front yet: the build context is not uploaded "
+                                  "(write the files with run_cmd, or build the image with `dsec image build`)", n)
+            else:
+                raise BuildFailed(f"step type {kind!r} with {len(args)} argument(s) is not one this server runs "
+                                  "(RUN, ENV, WORKDIR, USER)", n)
+        return envs
+
+    async def _exec(self, sb: AsyncSandbox, build: Build, step: str, cmd: list[str], user: str, cwd: str,
+                    envs: dict[str, str], deadline: float, *, quiet: bool = False) -> None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise BuildFailed(f"the build took longer than {BUILD_TIMEOUT_S:g} s", step)
+        uid: int | str = 0 if user == "root" else 1000 if user == "user" else user
+        home = "/root" if user == "root" else "/home/user" if user == "user" else "/"
+        env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": home, "USER": user,
+               "LANG": "C.UTF-8", "DEBIAN_FRONTEND": "noninteractive", **envs}
+        res = await sb.exec(cmd, env=env, cwd=cwd, user=uid, timeout=left)
+        if not quiet:
+            for stream, level in ((res.stdout_text, "info"), (res.stderr_text, "info")):
+                for line in stream.splitlines()[-200:]:
+                    build.log(line, level, step)
+        if res.exit_code != 0:
+            tail = (res.stderr_text or res.stdout_text).strip()[-500:]
+            why = res.limit.message if res.limit is not None else f"exit code {res.exit_code}"
+            raise BuildFailed(f"step {step}: {' '.join(cmd)[:200]!r} failed ({why}): {tail}", step)
+
+    # ------------------------------------------------------------ records ----
+
+    def _fail(self, build: Build, message: str, step: str) -> None:
+        build.status = "error"
+        build.log(message, "error", step)
+        build.reason = {"message": message, "step": step, "logEntries": build.entries[-1:]}
+
+    def _keep(self, build: Build) -> None:
+        self.builds[build.build_id] = build
+        while len(self.builds) > MAX_BUILDS:
+            old = next((b for b in self.builds.values() if b.status in ("ready", "error", "waiting")), None)
+            if old is None:
+                break
+            self.builds.pop(old.build_id)
+
+    def _get(self, request: Request) -> Build:
+        from dsec.compat.e2b.rest import E2BError
+
+        tid = request.path_params["template_id"]
+        for b in reversed(self.builds.values()):
+            if b.template_id == tid:
+                return b
+        raise E2BError(404, f"template '{tid}' has no build on this server")
+
+    def _build(self, request: Request, token: str) -> Build:
+        from dsec.compat.e2b.rest import E2BError
+
+        build = self.builds.get(request.path_params["build_id"])
+        if build is None or build.template_id != request.path_params["template_id"] \
+                or _hash(build.token) != _hash(token):
+            raise E2BError(404, f"build {request.path_params['build_id']} of template "
+                                f"'{request.path_params['template_id']}' not found")
+        return build
+
+    async def aclose(self) -> None:
+        tasks = [b.task for b in self.builds.values() if b.task is not None and not b.task.done()]
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(BaseException):
+                await t
+
+
+def _hash(token: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(token.encode()).hexdigest()
