@@ -24,9 +24,21 @@ pytestmark = [pytest.mark.root, pytest.mark.timeout(900)]
 E2B_VARS = ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY", "E2B_DOMAIN")
 
 
+TINY = "tiny"
+"""A template with a 32 MiB disk (the quota tests)."""
+
+
 @pytest.fixture(scope="module")
-def up() -> Iterator[dict[str, str]]:
-    with e2b_up() as env, pytest.MonkeyPatch.context() as mp:
+def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    import json
+
+    from dsec.compat.e2b import E2BConfig
+
+    templates = {k: v.model_dump() for k, v in E2BConfig().templates.items()}
+    templates[TINY] = {**templates["base"], "memory_mb": 256, "disk_mb": 32}
+    cfg = tmp_path_factory.mktemp("e2b-config") / "control.json"
+    cfg.write_text(json.dumps({"e2b": {"templates": templates}}))
+    with e2b_up("--control-config", str(cfg)) as env, pytest.MonkeyPatch.context() as mp:
         for k in E2B_VARS:
             mp.setenv(k, env[k])
         yield env
@@ -201,6 +213,39 @@ def test_files_write_read_list_exists_mkdir_rename_remove_url(sandbox: object) -
     r = httpx.post(up_url, files={"file": ("up.txt", b"uploaded")}, timeout=30)
     assert r.status_code == 200, r.text
     assert sb.files.read("/home/user/up.txt") == "uploaded"  # type: ignore[attr-defined]
+
+
+def test_an_upload_past_the_disk_quota_is_507_and_leaves_nothing(up: dict[str, str]) -> None:
+    """A 48 MiB upload into a 32 MiB disk: NotEnoughSpaceException (HTTP 507, as the client maps
+    it) for root and for `user`, in both upload forms; no partial file stays, the room is back."""
+    from e2b import Sandbox
+    from e2b.exceptions import NotEnoughSpaceException
+
+    sb = Sandbox.create(template=TINY)
+    try:
+        big = os.urandom(48 << 20)  # incompressible
+        for path, user, data in (("/root/big.bin", "root", big), ("/home/user/big.bin", "user", io.BytesIO(big))):
+            with pytest.raises(NotEnoughSpaceException):
+                sb.files.write(path, data, user=user)
+            assert not sb.files.exists(path), path
+        r = httpx.post(up["E2B_SANDBOX_URL"] + "/files", params={"path": "/tmp/raw.bin"}, content=big,
+                       headers={"E2b-Sandbox-Id": sb.sandbox_id, "X-Access-Token": sb._envd_access_token,
+                                "Content-Type": "application/octet-stream"}, timeout=60)
+        assert r.status_code == 507 and r.json()["code"] == 507, r.text
+        assert not sb.files.exists("/tmp/raw.bin")
+        # past the room left (the body fits the disk, the write does not): ENOSPC -> 507 too
+        sb.commands.run("head -c 20M /dev/urandom > /home/user/fill")
+        for path, user in (("/root/mid.bin", "root"), ("/home/user/mid.bin", "user")):
+            with pytest.raises(NotEnoughSpaceException):
+                sb.files.write(path, big[: 20 << 20], user=user)
+            assert not sb.files.exists(path), path
+        sb.commands.run("rm /home/user/fill; sync")
+        # the room is back: what failed left no data behind (the quota counts every byte)
+        sb.files.write("/home/user/again.bin", big[: 20 << 20])
+        used_kib = int(sb.commands.run("du -sk /home/user /root /tmp | awk '{s += $1} END {print s}'").stdout)
+        assert 20 << 10 <= used_kib <= (20 << 10) + 256, used_kib
+    finally:
+        sb.kill()
 
 
 def test_files_errors_are_typed(sandbox: object) -> None:

@@ -39,7 +39,7 @@ from dsec.compat.e2b.rest import E2BApi, E2BError, error_response
 from dsec.compat.e2b.rooms import Room, Rooms
 from dsec.compat.e2b.scope import header as _header
 from dsec.compat.e2b.templates import Templates
-from dsec.errors import AuthError, DsecError, FileAccessError, SandboxNotFound
+from dsec.errors import AuthError, FileAccessError, PayloadTooLarge, SandboxNotFound
 
 if TYPE_CHECKING:
     from connectrpc.request import Headers
@@ -249,6 +249,6 @@ def _files_error(exc: BaseException, sandbox_id: str) -> JSONResponse:
         status = {errno_mod.ENOENT: 404, errno_mod.ENOSPC: 507, errno_mod.EDQUOT: 507, errno_mod.EACCES: 403,
                   errno_mod.EPERM: 403}.get(no, 400)
         return _json_error(status, exc.message)
-    if isinstance(exc, E2BError | DsecError):
-        return error_response(exc)
+    if isinstance(exc, PayloadTooLarge):  # the edge reads no file bigger than the sandbox's disk
+        return _json_error(507, f"not enough disk space: {exc.message}")
     return error_response(exc)
