@@ -53,6 +53,55 @@ class InvalidSpec(DsecError, ValueError):
     http_status: ClassVar[int] = 422
 
 
+class ExceedsCapacity(InvalidSpec):
+    """The sandbox asks for more than an edge holds in all, even empty: it can never be placed
+    there, and waiting does not help (a full edge answers ``Backpressure`` instead). From the
+    control plane: no edge that could run it (its backend, its ``edge_selector``) is big
+    enough. Fields: ``asked`` and ``capacity`` (``{"cpu": cores, "memory": bytes, "disk":
+    bytes, "sandboxes": n}``: the request, and the whole capacity of the largest such edge),
+    ``edge_id`` (that edge), ``reasons`` (the dimensions short: ``cpu``, ``memory``, ``disk``,
+    ``count``), ``field``. Ask for at most ``capacity``, or add a larger edge."""
+
+    code = "exceeds_capacity"
+    http_status: ClassVar[int] = 422
+
+    DIMENSIONS: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("cpu", "cpu"), ("memory", "memory"), ("disk", "disk"), ("count", "sandboxes"))
+
+    @classmethod
+    def of(cls, asked: Mapping[str, float], capacity: Mapping[str, float], *, edge_id: str,
+           cluster: bool, what: str = "the sandbox", **fields: Any) -> ExceedsCapacity:
+        """The error for a request ``asked`` over ``capacity`` (same keys: cpu in cores, memory
+        and disk in bytes, sandboxes); ``cluster``: said by the control plane of every edge
+        (the largest is ``edge_id``), else by edge ``edge_id`` of itself; ``what`` asks;
+        ``fields``: more fields (``reason`` defaults to the first of ``reasons``)."""
+        reasons = [r for r, k in cls.DIMENSIONS if float(asked.get(k, 0)) > float(capacity.get(k, 0)) + 1e-9]
+        wants = ", ".join(_amount(k, asked.get(k, 0)) for r, k in cls.DIMENSIONS if r in reasons and k != "sandboxes")
+        has = ", ".join(_amount(k, capacity.get(k, 0)) for _, k in cls.DIMENSIONS[:3])
+        if "count" in reasons:
+            wants = ", ".join(x for x in (wants, f"{int(asked.get('sandboxes', 1))} sandbox slot(s)") if x)
+            has += f", {int(capacity.get('sandboxes', 0))} sandboxes"
+        where = (f"more than any edge can ever hold: the largest, {edge_id}, has {has} in all" if cluster
+                 else f"more than {f'edge {edge_id}' if edge_id else 'this edge'} can ever hold: it has {has} in all")
+        first = next((k for r, k in cls.DIMENSIONS if r in reasons), "cpu")
+        return cls(f"{what} asks for {wants}, {where}; ask for at most that "
+                   f"(SandboxSpec.resources; `dsec run/create --cpu/--memory/--disk`) or add a larger edge",
+                   **{"asked": dict(asked), "capacity": dict(capacity), "edge_id": edge_id, "reasons": reasons,
+                      "reason": reasons[0] if reasons else "",
+                      "field": f"resources.{first}" if first != "sandboxes" else "resources", **fields})
+
+
+def _amount(key: str, value: float) -> str:
+    """``cpu 99``, ``memory 3.5 GiB``: one figure of a request or a capacity, as a person reads it."""
+    if key in ("memory", "disk"):
+        n = float(value)
+        for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+            if n >= size:
+                return f"{key} {n / size:.3g} {unit}"
+        return f"{key} {int(n)} B"
+    return f"{key} {float(value):g}"
+
+
 class SandboxNotFound(DsecError, LookupError):
     code = "sandbox_not_found"
     http_status: ClassVar[int] = 404
@@ -305,6 +354,7 @@ ERRORS_BY_CODE: dict[str, type[DsecError]] = {
     for cls in (
         DsecError,
         InvalidSpec,
+        ExceedsCapacity,
         SandboxNotFound,
         SandboxLost,
         SandboxStateError,

@@ -86,6 +86,43 @@ def test_batch_create_and_rm_by_label(up: dict[str, str]) -> None:
     assert not json.loads(dsec(up, "ls", "--json", "--label", "batch=cli", "--state", "running").stdout)
 
 
+def test_rm_says_what_is_true(up: dict[str, str]) -> None:
+    """As `docker rm`: an id that does not exist is an error on stderr and exit 1, the others
+    are still removed; one that had ended already is said, not counted (issue 28)."""
+    sid = dsec(up, "create", "busybox").stdout.strip()
+    assert sid.startswith("e1-")
+    r = dsec(up, "rm", "nosuch", sid, "e1-000000000000")
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.splitlines() == ["error: no such sandbox: nosuch", "error: no such sandbox: e1-000000000000",
+                                     "removed 1"], r.stderr
+    assert sid not in dsec(up, "ls").stdout
+    r = dsec(up, "rm", sid)
+    assert r.returncode == 0 and r.stderr.splitlines() == [f"{sid}: had ended already (stopped (deleted))",
+                                                           "removed 0"], r.stderr
+    r = dsec(up, "rm", "nosuch")
+    assert r.returncode == 1 and r.stderr.splitlines() == ["error: no such sandbox: nosuch", "removed 0"]
+
+
+def test_run_too_big_for_any_edge_is_not_a_wait(up: dict[str, str]) -> None:
+    """More cpu than the edge holds in all (its cores x 8 by default) is refused for good
+    with what was asked and the largest edge's capacity; a request that fits once room comes
+    back is still told to retry (issue 28)."""
+    cap = json.loads(dsec(up, "edge", "ls", "--json").stdout)[0]["health"]["cpu_capacity"]
+    big = str(int(cap) + 1)
+    r = dsec(up, "run", "busybox", "--cpu", big, "--", "true")
+    assert r.returncode == 2, r.stderr  # a bad argument (as a usage error), not a failure to retry
+    line, = r.stderr.splitlines()
+    assert line.startswith(f"error: --cpu {big}: the sandbox asks for cpu {big}, more than any edge can ever hold: "
+                           f"the largest, e1, has cpu {cap:g}, "), line
+    assert "retry" not in line and "Traceback" not in r.stderr
+    sid = dsec(up, "create", "busybox", "--cpu", f"{cap:g}").stdout.strip()  # the edge full of cpu
+    try:
+        r = dsec(up, "run", "busybox", "--cpu", "1", "--", "true")
+        assert r.returncode == 1 and "no edge can take this sandbox now" in r.stderr and "retry after" in r.stderr
+    finally:
+        assert dsec(up, "rm", sid).returncode == 0
+
+
 def test_errors_are_one_clear_line(up: dict[str, str]) -> None:
     r = dsec(up, "run", "no-such-image", "--", "true")
     assert r.returncode == 1

@@ -202,3 +202,81 @@ async def test_pause_fork_snapshot_and_stages_through_the_control_plane_on_a_rea
         await asyncio.to_thread(edge.stop)
         await ctl.stop()
     assert not leftovers(cfg), leftovers(cfg)
+
+
+async def test_a_sandbox_too_big_for_any_edge_is_refused_for_good_and_a_full_edge_says_wait(
+    edge_state: tuple[Path, str], dsec_base: Path, tmp_path: Path
+) -> None:
+    """Issue 28: more than any edge holds even empty is a typed 422 naming what was asked and the
+    largest edge's capacity, never a 429, and the SDK does not retry it; a request that only
+    waits for room is still a 429 with Retry-After. Deletes say what is true."""
+    import time
+
+    import dsec
+    from dsec.control import ControlConfig, serve_control
+    from dsec.edge.config import EdgeConfig
+    from dsec.edge.testing import EdgeThread, leftovers
+    from dsec.errors import Backpressure, ExceedsCapacity, SandboxNotFound
+
+    state, name = edge_state
+    ctl = await serve_control(ControlConfig(
+        data_dir=tmp_path / "control", cluster_key=KEY, port=0, watcher=False, auth_cache_s=0.0,
+    ))
+    cfg = EdgeConfig(
+        edge_id="rz", cluster_key=KEY, port=0, state_dir=state, run_dir=dsec_base / "run", runtime_name=name,
+        destroy_on_shutdown=True, watchdog_interval_s=0.2, max_sandboxes=4, cpu_capacity=2.0,
+        memory_capacity=1 << 30, control_plane_url=ctl.url, heartbeat_interval_s=0.2,
+    )
+    edge = await asyncio.to_thread(lambda: EdgeThread(cfg).start())
+
+    def spec(cpu: float) -> Any:
+        return dsec.SandboxSpec.model_validate({**SPEC, "resources": {**SPEC["resources"], "cpu": cpu}})
+
+    try:
+        async with dsec.AsyncClient(ctl.url, ctl.admin_token) as c:
+            for _ in range(100):
+                if [e for e in await c.edges() if e.get("health")]:
+                    break
+                await asyncio.sleep(0.05)
+            with pytest.raises(ExceedsCapacity) as too_big:
+                await c.create(spec(99))
+            e = too_big.value
+            assert e.fields["status"] == 422 and not isinstance(e, Backpressure)
+            assert (e.fields["asked"]["cpu"], e.fields["capacity"]["cpu"], e.fields["edge_id"]) == (99, 2, "rz")
+            assert e.fields["reasons"] == ["cpu"] and e.fields["field"] == "resources.cpu"
+            assert str(e).startswith("the sandbox asks for cpu 99, more than any edge can ever hold: the largest, rz,")
+            # a burst hears it at once, per item, through the lease path, instead of retrying for max_wait_s
+            t0 = time.monotonic()
+            outs = [o async for o in c.create_many(spec(99), 3, max_wait_s=60)]
+            assert time.monotonic() - t0 < 20
+            assert sorted(o.index for o in outs) == [0, 1, 2]
+            assert all(isinstance(o.error, ExceedsCapacity) for o in outs), [o.error for o in outs]
+            # the same size once the edge is full is a wait: 429 with Retry-After, as before
+            async with await c.create(spec(2)) as full:
+                with pytest.raises(Backpressure) as wait:
+                    await c.create(spec(0.5))
+                assert not isinstance(wait.value, ExceedsCapacity)
+                assert "no edge can take this sandbox now" in str(wait.value) and wait.value.fields["status"] == 429
+                sid = full.id
+        async with httpx.AsyncClient(base_url=ctl.url, timeout=60,
+                                     headers={"authorization": f"Bearer {ctl.admin_token}"}) as h:
+            r = await h.delete(f"/v1/sandboxes/{sid}")  # ended by the `async with` above
+            assert r.status_code == 204 and r.headers["dsec-ended"] == "stopped (deleted)", r.headers
+            for _ in range(50):  # the edge's next heartbeat reports the room the delete gave back
+                r = await h.post("/v1/sandboxes", json={"spec": SPEC})
+                if r.status_code != 429:
+                    break
+                await asyncio.sleep(0.1)
+            assert r.status_code == 201, r.text
+            r = await h.delete(f"/v1/sandboxes/{r.json()['id']}")
+            assert r.status_code == 204 and "dsec-ended" not in r.headers  # this call stopped it
+            r = await h.delete("/v1/sandboxes/rz-000000000000")
+            assert r.status_code == 404 and r.json()["error"]["code"] == "sandbox_not_found"
+        async with dsec.AsyncClient(ctl.url, ctl.admin_token) as c:
+            with pytest.raises(SandboxNotFound):
+                await c.info("rz-000000000000")
+            assert [s for s in await c.list()] == []
+    finally:
+        await asyncio.to_thread(edge.stop)
+        await ctl.stop()
+    assert not leftovers(cfg), leftovers(cfg)

@@ -70,7 +70,7 @@ def test_admission_refuses_over_budget(small_edge: EdgeThread) -> None:
         assert first.status_code == 201, first.text
         refusals: list[tuple[dict[str, Any], int, str, str]] = [
             (spec(cpu=1.0), 429, "backpressure", "cpu"),            # 1.5 + 1.0 > 2
-            (spec(memory=600 * MiB), 403, "quota_exceeded", "memory"),  # more than the whole node
+            (spec(memory=600 * MiB), 422, "exceeds_capacity", "memory"),  # more than the whole node: never
             (spec(memory=480 * MiB), 429, "backpressure", "memory"),
             (spec(disk=250 * MiB), 429, "backpressure", "disk"),
         ]
@@ -82,6 +82,10 @@ def test_admission_refuses_over_budget(small_edge: EdgeThread) -> None:
             assert e["cpu_capacity"] == 2.0 and e["memory_capacity"] == 512 * MiB
             if status == 429:
                 assert r.headers["retry-after"] == "1" and e["retry_after"] == 1.0
+            else:  # what was asked and what the edge holds in all, and no retry
+                assert "retry-after" not in r.headers and "retry_after" not in e
+                assert (e["asked"]["memory"], e["capacity"]["memory"], e["edge_id"]) == (600 * MiB, 512 * MiB, "ad")
+                assert e["message"].startswith("the sandbox asks for memory 600 MiB, more than edge ad can ever hold")
         assert len(rt.sandboxes) == 1  # refusals created nothing
         for _ in range(2):
             assert api.post("/v1/sandboxes", json={"spec": spec(cpu=0.1)}).status_code == 201

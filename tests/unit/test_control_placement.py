@@ -16,6 +16,7 @@ from dsec.control.placement import (
     fits,
     layer_set,
     load_after,
+    never_fits,
     normalize_ref,
     place,
     room_of_health,
@@ -119,6 +120,30 @@ def test_place_excludes_refusing_edges_and_reports_why() -> None:
     assert why_nothing_fits([edge("a", draining=True)], ONE) == "every live edge is draining"
     assert "memory on 1" in why_nothing_fits([edge("a", Room(0, 0, 64 * GiB, 0))], ONE)
     assert "edge_selector" in why_nothing_fits([a], Demand(need=ONE.need, selector={"x": "y"}))
+
+
+def test_never_fits_tells_too_big_from_full() -> None:
+    big = Demand(need=Room(1, 99_000, 1 * GiB, 1 * GiB))  # 99 cores; the edges have 64
+    full = edge("a", Room(100, 64_000, 64 * GiB, 100 * GiB))
+    assert never_fits([full], ONE) is None  # full now: a wait, not a never
+    assert never_fits([full, edge("b")], big).id == "a"  # type: ignore[union-attr]
+    # the closest edge is named: b is short of cpu by less than a
+    small = edge("s", capacity=Room(100, 8_000, 64 * GiB, 100 * GiB))
+    assert never_fits([small, edge("b", capacity=Room(100, 96_000, 64 * GiB, 100 * GiB))], big).id == "b"  # type: ignore[union-attr]
+    # one edge with the cpu and another with the memory: neither holds it alone
+    odd = Demand(need=Room(1, 32_000, 100 * GiB, 0))
+    many = edge("m", capacity=Room(100, 64_000, 256 * GiB, 100 * GiB), labels={"zone": "x"})
+    assert never_fits([edge("c", capacity=Room(10, 64_000, 1 * GiB, 0)),
+                       edge("d", capacity=Room(10, 1_000, 200 * GiB, 0))], odd) is not None
+    # an edge that could hold it counts even when dead or draining (it may come back)
+    assert never_fits([edge("a"), edge("m2", capacity=many.capacity, alive=False)], odd) is None
+    assert never_fits([edge("a"), edge("m3", capacity=many.capacity, draining=True)], odd) is None
+    # only edges that could run it count: its selector and its backend
+    assert never_fits([edge("a"), many], odd) is None
+    assert never_fits([edge("y", labels={"zone": "y"}), many],
+                      Demand(need=odd.need, selector={"zone": "y"})).id == "y"  # type: ignore[union-attr]
+    assert never_fits([many], Demand(need=odd.need, backend="gvisor")) is None  # no edge runs it: another answer
+    assert never_fits([], big) is None
 
 
 def test_room_of_health() -> None:

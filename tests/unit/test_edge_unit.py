@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from dsec.edge.admission import Admission, Budgets, Usage, over, resolve_budgets
 from dsec.edge.config import EdgeConfig, PoolConfig
 from dsec.edge.events import EventLog, Tombstone
-from dsec.errors import Backpressure, ExecTimeout, QuotaExceeded
+from dsec.errors import Backpressure, ExceedsCapacity, ExecTimeout
 from dsec.spec import ImageRef, Resources
 from dsec.spec.api import EdgeCreateSandbox, SandboxInfo, StreamChunk
 from dsec.spec.results import ExecResult
@@ -79,9 +79,14 @@ def test_admission_refusals_and_reasons() -> None:
     adm = Admission(Budgets(sandboxes=3, cpu=2.0, memory=300 * MiB, disk=100 * MiB), retry_after_s=2.5)
     assert adm.check(res()) is None
     adm.reserve("a", res())
-    with pytest.raises(QuotaExceeded) as q:
+    with pytest.raises(ExceedsCapacity) as q:  # more than the whole edge: never fits here, not a 429
         adm.check(res(cpu=3))
-    assert q.value.reason == "cpu"  # type: ignore[attr-defined]
+    assert q.value.reasons == ["cpu"] and q.value.http_status == 422  # type: ignore[attr-defined]
+    assert q.value.fields["asked"]["cpu"] == 3 and q.value.fields["capacity"]["cpu"] == 2.0
+    assert "cpu 3, more than edge this edge" not in str(q.value) and "it has cpu 2" in str(q.value)
+    with pytest.raises(ExceedsCapacity) as q:
+        adm.check_room(res(cpu=0.5), 5)  # a fork into 5: 2.5 cpu of 2
+    assert q.value.reasons == ["cpu", "memory", "count"] and str(q.value).startswith("a fork into 5 sandboxes asks for cpu 2.5, memory 500 MiB, 5 sandbox slot(s)")
     with pytest.raises(Backpressure) as bp:
         adm.check(res(cpu=1.5))
     assert bp.value.reason == "cpu" and bp.value.retry_after == 2.5  # type: ignore[attr-defined]

@@ -290,6 +290,7 @@ def test_public_surface_is_deliberate() -> None:
         "Client",
         "CreateOutcome",
         "DsecError",
+        "ExceedsCapacity",
         "ExecError",
         "ExecResult",
         "ExecTimeout",

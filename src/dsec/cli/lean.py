@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlencode, urlsplit
 
 from dsec.errors import AuthError, DsecError, SandboxNotFound, decode_error, error_from_wire
+from dsec.http import ENDED_HEADER
 
 CONNECT_TIMEOUT_S = 10.0
 TIMEOUT_S = 60.0
@@ -397,8 +398,16 @@ class LeanClient:
         return items
 
     def delete(self, sandbox_id: str) -> None:
+        """Delete a sandbox; deleting one that is gone is fine (as the SDK's)."""
         with contextlib.suppress(SandboxNotFound):
             self.cp.call("DELETE", f"/v1/sandboxes/{sandbox_id}")
+
+    def remove(self, sandbox_id: str) -> str | None:
+        """Delete a sandbox that exists (``dsec rm``): None when this call stopped it, how it
+        had ended (``stopped (expired)``) when it had ended before; an unknown id raises
+        SandboxNotFound."""
+        ans = self.cp.call("DELETE", f"/v1/sandboxes/{sandbox_id}")
+        return ans.headers.get(ENDED_HEADER) or None
 
     def delete_where(self, *, labels: Mapping[str, str] | None = None, task: str | None = None) -> int:
         params = [("label", f"{k}={v}") for k, v in (labels or {}).items()]

@@ -389,12 +389,31 @@ def register(main: click.Group) -> None:
     @click.option("--label", "-l", multiple=True, help="Every sandbox with these labels.")
     @click.option("--all", "all_", is_flag=True, help="Every sandbox the token can see.")
     def rm(ids: tuple[str, ...], task: str | None, label: tuple[str, ...], all_: bool) -> None:
-        """Destroy sandboxes."""
+        """Destroy sandboxes.
+
+        Each ID is removed on its own, as `docker rm` does: one that does not exist (or
+        that the call could not remove) is said on stderr and the others are still
+        removed; the exit status is then 1. One that had ended already is said, not counted."""
+        from dsec.errors import DsecError, SandboxNotFound
+
+        failed = 0
         with lean() as c:
             n = 0
             for sid in ids:
-                c.delete(sid)
-                n += 1
+                try:
+                    ended = c.remove(sid)
+                except SandboxNotFound:
+                    say(f"error: no such sandbox: {sid}")
+                    failed += 1
+                    continue
+                except DsecError as exc:
+                    say(f"error: {sid}: {exc}")
+                    failed += 1
+                    continue
+                if ended is not None:
+                    say(f"{sid}: had ended already ({ended})")
+                else:
+                    n += 1
             if task or label:
                 n += c.delete_where(labels=parse_kv(label, "--label"), task=task)
             if all_:
@@ -403,6 +422,8 @@ def register(main: click.Group) -> None:
                         c.delete(info["id"])
                         n += 1
         say(f"removed {n}")
+        if failed:
+            sys.exit(1)
 
     class _SnapshotGroup(click.Group):
         """``dsec snapshot ID ...`` takes a snapshot; ``dsec snapshot ls|rm`` manage them."""

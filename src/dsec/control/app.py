@@ -31,6 +31,7 @@ from dsec.control.membership import router as membership_router
 from dsec.control.sandboxes import parse_label_filters
 from dsec.control.service import Control
 from dsec.errors import AuthError, DsecError, Forbidden, InvalidSpec, encode_error
+from dsec.http import ENDED_HEADER
 from dsec.http.fastroute import Answer, FastRequest, FastRoutes, answer_of
 from dsec.http.limits import BodyLimit
 from dsec.spec import SandboxState
@@ -336,7 +337,11 @@ def create_app(config: ControlConfig, *, control: Control | None = None) -> Fast
 
     @app.delete("/v1/sandboxes/{sandbox_id}", status_code=204, response_class=Response, tags=["sandboxes"])
     async def delete_sandbox(ctl: Ctl, who: Who, sandbox_id: str) -> Response:
-        await ctl.sandboxes.delete(who, validate.sandbox_id(sandbox_id))
+        """Stop and destroy the sandbox (idempotent: 204 again for one that had ended, with
+        ``Dsec-Ended`` saying how it ended, e.g. ``stopped (expired)``); 404 for an unknown id."""
+        ended = await ctl.sandboxes.delete(who, validate.sandbox_id(sandbox_id))
+        if ended is not None:
+            return Response(status_code=204, headers={ENDED_HEADER: ended.encode("ascii", "replace").decode()})
         return Response(status_code=204)
 
     @app.delete("/v1/sandboxes", tags=["sandboxes"])

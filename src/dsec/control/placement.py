@@ -246,6 +246,27 @@ def place(
     return choose_power_of_k(cands, demand, k, rng)
 
 
+def never_fits(edges: Iterable[EdgeView], demand: Demand) -> EdgeView | None:
+    """When no registered edge that could run the demand (its backend, its selector; alive or
+    not, draining or not: those may come back) could hold it even empty, the edge that comes
+    closest (the smallest largest shortfall ratio): the demand is too big for this cluster and
+    waiting does not help. None when some edge is big enough, or none could run it at all
+    (other answers cover that)."""
+    closest: tuple[float, str, EdgeView] | None = None
+    for e in edges:
+        if demand.backend not in e.backends or any(e.labels.get(k) != v for k, v in demand.selector.items()):
+            continue
+        worst = 0.0
+        for (_, c), (_, n) in zip(e.capacity.items(), demand.need.items(), strict=True):
+            if n > c:
+                worst = max(worst, n / c if c > 0 else float("inf"))
+        if worst == 0.0:
+            return None
+        if closest is None or (worst, e.id) < closest[:2]:
+            closest = (worst, e.id, e)
+    return closest[2] if closest is not None else None
+
+
 def why_nothing_fits(edges: Sequence[EdgeView], demand: Demand) -> str:
     """A short human reason for a 429 (which filter removed the edges)."""
     if not edges:

@@ -69,7 +69,14 @@ from dsec.control.ledger import (
     move,
 )
 from dsec.control.locking import lock_one
-from dsec.control.placement import Demand, EdgeView, Room, normalize_ref, why_nothing_fits
+from dsec.control.placement import (
+    Demand,
+    EdgeView,
+    Room,
+    never_fits,
+    normalize_ref,
+    why_nothing_fits,
+)
 from dsec.control.planner import LaunchPlanner, Plan, Seen
 from dsec.control.sched import Placed, Preempting, is_burst
 from dsec.control.scheduler import PREEMPT_ROUNDS, NeedsRoom, Scheduler
@@ -77,6 +84,7 @@ from dsec.control.stats import CreateStats
 from dsec.errors import (
     Backpressure,
     DsecError,
+    ExceedsCapacity,
     InvalidSpec,
     LayerNotFound,
     QuotaExceeded,
@@ -173,6 +181,15 @@ def request_hash(req: CreateSandbox, dumped: dict[str, Any] | None = None) -> st
 
 
 # ---------------------------------------------------------------- results ----
+
+
+def too_big(need: Room, edge: EdgeView) -> ExceedsCapacity:
+    """The typed refusal of a demand that no edge holds even empty (:func:`never_fits`)."""
+
+    def figures(r: Room) -> dict[str, float]:
+        return {"cpu": r.cpu_m / 1000, "memory": r.memory, "disk": r.disk, "sandboxes": r.sandboxes}
+
+    return ExceedsCapacity.of(figures(need), figures(edge.capacity), edge_id=edge.id, cluster=True)
 
 
 @dataclass(frozen=True)
@@ -326,6 +343,9 @@ class Sandboxes:
                 "pick one of those in SandboxSpec.backend, or add the backend to an edge's configuration",
                 operation="create", backend=demand.backend,
             )
+        largest = never_fits(views, demand)
+        if largest is not None:  # too big for every edge, even empty: waiting does not help
+            return too_big(demand.need, largest)
         if reason is None or reason == "no edge has room":
             reason = why_nothing_fits(views, demand) if not tried else f"edges {sorted(tried)} refused or failed"
         retry = self.config.placement.retry_after_s
@@ -948,25 +968,30 @@ class Sandboxes:
 
     # ------------------------------------------------------------ delete ----
 
-    def _stop_txn(self, s: Session, who: Principal, sandbox_id: str) -> tuple[str, str] | None:
+    def _stop_txn(self, s: Session, who: Principal, sandbox_id: str) -> tuple[str, str] | str:
+        """The sandbox's (edge, url) once it is moved to stopping; for one that had ended
+        already, how it ended (``stopped (expired)``)."""
         row, _ = self.visible_row(s, who, sandbox_id, lock=True)
         if row.state in (S.STOPPED.value, S.LOST.value):  # lost: the edge destroys it if it comes back
-            return None
+            return f"{row.state} ({row.reason})" if row.reason else str(row.state)
         ledger = Ledger()
         move(row, S.STOPPING, ledger, reason="deleted")
         ledger.flush(s)
         return row.edge_id or edge_of(sandbox_id), row.edge_url
 
-    async def delete(self, who: Principal, sandbox_id: str) -> None:
+    async def delete(self, who: Principal, sandbox_id: str) -> str | None:
+        """Stop the sandbox (idempotent). None when this call stopped it; how it had ended
+        (``stopped (expired)``, ``lost (...)``) when it had ended before."""
         await self.settled(sandbox_id)
         target = await self._found(
             who, sandbox_id, lambda: self.store.write(lambda s: self._stop_txn(s, who, sandbox_id)))
-        if target is None:
-            return
+        if isinstance(target, str):
+            return target
         edge_id, stored = target
         url = await self.fresh_url(sandbox_id, stored)
         if await self.edge_delete_quietly(edge_id, url, sandbox_id):
             await self.store.write(lambda s: self._finish_stopped_txn(s, sandbox_id))
+        return None
 
     async def delete_where(
         self, who: Principal, *, task: str | None, labels: dict[str, str | None], states: Sequence[str], everything: bool

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dsec.edge.config import BYTES_PER_SANDBOX_SLOT, CPU_OVERCOMMIT, MEMORY_FRACTION, EdgeConfig
-from dsec.errors import Backpressure, QuotaExceeded
+from dsec.errors import Backpressure, ExceedsCapacity
 from dsec.spec import Resources
 
 REASONS = ("count", "cpu", "memory", "disk")
@@ -129,10 +129,12 @@ class Admission:
     """Committed resources of this edge, split into real sandboxes and pooled ones."""
 
     def __init__(self, budgets: Budgets, *, retry_after_s: float = 1.0,
-                 store_free: Callable[[], int] | None = None, disk_reserve: int = 0) -> None:
+                 store_free: Callable[[], int] | None = None, disk_reserve: int = 0, edge_id: str = "") -> None:
         """``store_free`` tells the free bytes of the disk holding writable layers (cheap,
-        cached by the caller); below ``disk_reserve`` disk-medium creates are refused."""
+        cached by the caller); below ``disk_reserve`` disk-medium creates are refused.
+        ``edge_id`` names this edge in refusals."""
         self.budgets = budgets
+        self.edge_id = edge_id
         self.retry_after_s = retry_after_s
         self.store_free = store_free
         self.disk_reserve = disk_reserve
@@ -230,8 +232,8 @@ class Admission:
     def check(self, res: Resources) -> Usage | None:
         """Admit one sandbox of ``res``: None if it fits as things are, else the shortfall
         that evicting pooled sandboxes must free. Raises when it cannot fit at all:
-        QuotaExceeded if it exceeds the node's whole budget (never fits here),
-        Backpressure if real sandboxes hold the room (retry later or elsewhere)."""
+        ExceedsCapacity if it exceeds the node's whole budget (never fits here: a larger edge
+        may take it), Backpressure if real sandboxes hold the room (retry later or elsewhere)."""
         self._check_store(res)
         b, r, pl = self.budgets, self.real, self.pooled
         if (r.sandboxes + pl.sandboxes + 1 <= b.sandboxes and r.cpu + pl.cpu + res.cpu <= b.cpu + _EPS
@@ -239,13 +241,8 @@ class Admission:
                 and r.disk + pl.disk + disk_of(res) <= b.disk):
             return None
         want = Usage.of(res)
-        alone = over(want, self.budgets)
-        if alone:
-            raise QuotaExceeded(
-                f"the request ({res.cpu:g} cpu, {res.memory} B memory, {res.disk} B disk) exceeds this "
-                f"edge's whole {alone[0]} budget; it can never be placed here",
-                reason=alone[0], reasons=alone, **self._figures(),
-            )
+        if over(want, self.budgets):
+            raise self._too_big(want)
         if not over(self.real.plus(self.pooled).plus(want), self.budgets):
             return None
         full = over(self.real.plus(want), self.budgets)
@@ -260,6 +257,14 @@ class Admission:
             max(0, total.sandboxes - b.sandboxes), max(0.0, total.cpu - b.cpu),
             max(0, total.memory - b.memory), max(0, total.disk - b.disk),
         )
+
+    def _too_big(self, want: Usage, what: str = "the sandbox") -> ExceedsCapacity:
+        """More than this edge's whole budget: it never fits here (a larger edge may take it)."""
+        b = self.budgets
+        return ExceedsCapacity.of(
+            {"cpu": want.cpu, "memory": want.memory, "disk": want.disk, "sandboxes": want.sandboxes},
+            {"cpu": b.cpu, "memory": b.memory, "disk": b.disk, "sandboxes": b.sandboxes},
+            edge_id=self.edge_id, cluster=False, what=what, **self._figures())
 
     def _check_store(self, res: Resources) -> None:
         """The disk itself, whatever was committed: layers, snapshots and other writers share it."""
@@ -279,12 +284,8 @@ class Admission:
         pooled ones (a fork checks this before it freezes and packs anything)."""
         want = Usage(n, n * res.cpu, n * res.memory, n * disk_of(res))
         self._check_store(res)
-        alone = over(want, self.budgets)
-        if alone:
-            raise QuotaExceeded(
-                f"{n} sandboxes of ({res.cpu:g} cpu, {res.memory} B memory, {res.disk} B disk) exceed this "
-                f"edge's whole {alone[0]} budget", reason=alone[0], reasons=alone, **self._figures(),
-            )
+        if over(want, self.budgets):
+            raise self._too_big(want, what=f"a fork into {n} sandboxes")
         full = over(self.real.plus(want), self.budgets)
         if full:
             raise Backpressure(

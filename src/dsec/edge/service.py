@@ -52,11 +52,11 @@ from dsec.edge.selfcheck import SelfCheck
 from dsec.errors import (
     Backpressure,
     DsecError,
+    ExceedsCapacity,
     ExecTimeout,
     FileAccessError,
     HostError,
     InvalidSpec,
-    QuotaExceeded,
     SandboxEvicted,
     SandboxLost,
     SandboxNotFound,
@@ -237,7 +237,7 @@ class EdgeService:
         self.budgets = await asyncio.to_thread(resolve_budgets, self.config)
         reserve = await asyncio.to_thread(disk_reserve, self.config)
         self.admission = Admission(self.budgets, retry_after_s=self.config.retry_after_s,
-                                   store_free=self._store_free, disk_reserve=reserve)
+                                   store_free=self._store_free, disk_reserve=reserve, edge_id=self.edge_id)
         await self.backends.start()
         for rec in self.backends.records():
             if rec.edge.request_id:
@@ -474,8 +474,8 @@ class EdgeService:
         res = req.spec.resources
         try:
             shortfall = self.admission.check(res)
-        except (Backpressure, QuotaExceeded) as exc:
-            reason = str(getattr(exc, "reason", "count"))
+        except (Backpressure, ExceedsCapacity) as exc:
+            reason = str(exc.fields.get("reason") or (exc.fields.get("reasons") or ["count"])[0])
             self.metrics.admission_refusals.labels(reason).inc()
             self.metrics.creates.labels("failed", "cold", exc.code).inc()
             raise
