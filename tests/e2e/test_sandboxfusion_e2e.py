@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import shutil
+import socket
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -34,40 +35,51 @@ DEFAULT = ("python", "bash")
 EVERYTHING = ("python", "pytest", "c", "cpp", "go", "java", "nodejs", "typescript", "rust", "bash", "jupyter")
 
 
-def _toolchains(names: Sequence[str]) -> Any:
-    """The cache store, holding (building once, if needed) the toolchains ``names``."""
+def _toolchains(names: Sequence[str], profile: str | None = None) -> Any:
+    """The cache store, holding (building once, if needed) the toolchains ``names`` (and
+    ``profile``'s library layers over them)."""
     from dsec.errors import LayerNotFound
     from dsec.images.store import LocalLayerStore
-    from dsec.images.toolchains import BASE_NAME, build_toolchains, toolkit_name
+    from dsec.images.toolchains import (
+        BASE_NAME,
+        TOOLCHAINS,
+        build_toolchains,
+        parse_toolchains,
+        toolkit_name,
+    )
 
     store = LocalLayerStore(CACHE)
     try:
         base = store.resolve(f"{BASE_NAME}:bookworm")
-        for n in names:
-            if n != "bash" and store.resolve(f"{toolkit_name(n)}:bookworm").parents[:1] != (base.digest,):
+        for n in parse_toolchains(names, profile):
+            over = TOOLCHAINS[n].over
+            lowers = (base.digest,) if over is None else (
+                base.digest, store.resolve(f"{toolkit_name(over)}:bookworm").digest)
+            if n != "bash" and store.resolve(f"{toolkit_name(n)}:bookworm").parents[:len(lowers)] != lowers:
                 raise LayerNotFound(n)
         return store
     except LayerNotFound:
         pass
     if shutil.which("debootstrap") is None:
         pytest.skip("needs debootstrap (or cached toolchain layers) to build the toolchains")
-    build_toolchains(store, names)
+    build_toolchains(store, names, profile=profile)
     return store
 
 
 @contextlib.contextmanager
 def _all_in_one(names: Sequence[str], *, edge: dict[str, Any] | None = None,
-                control: dict[str, Any] | None = None) -> Iterator[dict[str, str]]:
-    """``dsec up`` (a subprocess) whose edge holds the toolchains ``names``; yields ``url``,
-    ``token`` and ``ep`` (the SandboxFusion endpoint with the token in the path)."""
+                control: dict[str, Any] | None = None, profile: str | None = None) -> Iterator[dict[str, str]]:
+    """``dsec up`` (a subprocess) whose edge holds the toolchains ``names`` (with ``profile``'s
+    library layers); yields ``url``, ``token``, ``ep`` (the SandboxFusion endpoint with the
+    token in the path) and ``data`` (its data directory)."""
     from dsec.images.store import LocalLayerStore
     from dsec.images.toolchains import copy_toolchains
 
-    cache = _toolchains(names)
+    cache = _toolchains(names, profile)
     with tempfile.TemporaryDirectory(prefix="dsec-test-sf-") as tmp:
         data = Path(tmp)
         dst = LocalLayerStore(data / "layers")
-        copy_toolchains(cache, dst, names)
+        copy_toolchains(cache, dst, names, profile=profile)
         dst.close()
         extra: list[str] = []
         for flag, cfg in (("--edge-config", edge), ("--control-config", control)):
@@ -77,7 +89,7 @@ def _all_in_one(names: Sequence[str], *, edge: dict[str, Any] | None = None,
                 extra += [flag, str(f)]
         with dsec_up(data, {**os.environ, "DSEC_STATE_DIR": str(data)}, *extra) as env:
             url, token = env["DSEC_URL"], env["DSEC_TOKEN"]
-            yield {"url": url, "token": token, "ep": f"{url}/sandboxfusion/{token}"}
+            yield {"url": url, "token": token, "ep": f"{url}/sandboxfusion/{token}", "data": str(data)}
 
 
 @pytest.fixture(scope="module")
@@ -205,13 +217,40 @@ def test_localhost_resolves_in_a_toolchain_sandbox(up: dict[str, str]) -> None:
 
 
 def test_what_cannot_run_is_a_sandbox_error_saying_why(up: dict[str, str]) -> None:
-    r = post(up["ep"], {"code": "<?php echo 1;", "language": "php"}).json()
+    r = post(up["ep"], {"code": "select 1;", "language": "sql"}).json()  # SandboxFusion serves no sql either
     assert r["status"] == "SandboxError" and "not served" in r["message"] and "python" in r["message"]
+    r = post(up["ep"], {"code": "<?php echo 1;", "language": "php"}).json()  # served, its layers not here
+    assert r["status"] == "SandboxError" and "dsec image build --toolchains php" in r["message"], r
     r = post(up["ep"], {"code": "fn main(){}", "language": "rust"}).json()  # its layers are not on this edge
     assert r["status"] == "SandboxError" and "dsec image build --toolchains rust" in r["message"], r
     assert post(up["ep"], {"code": "x", "language": "cobol"}).status_code == 422
     assert post(up["ep"], {"code": "x", "language": "python", "files": {"a": "%%%"}}).json()["status"] == \
         "SandboxError"
+
+
+def test_languages_no_debian_package_supplies_answer_as_sandboxfusion_without_their_program(
+        up: dict[str, str]) -> None:
+    """julia, swift, lean, cuda, python_gpu: the stage that calls the missing program finishes
+    with bash's 127, as SandboxFusion's server answers when its image lacks it (issue 27)."""
+    for language, stage, program in (("julia", "run_result", "julia"), ("lean", "run_result", "lake"),
+                                     ("swift", "compile_result", "swiftc"), ("cuda", "compile_result", "nvcc"),
+                                     ("python_gpu", "compile_result", "nvcc")):
+        r = post(up["ep"], {"code": "x", "language": language}).json()
+        other = "compile_result" if stage == "run_result" else "run_result"
+        assert r["status"] == "Failed" and r[other] is None and r["executor_pod_name"] is None, r
+        assert (r[stage]["status"], r[stage]["return_code"]) == ("Finished", 127), r
+        assert r[stage]["stderr"] == f"/bin/bash: line 1: {program}: command not found\n", r
+        assert r["message"].startswith(f"dsec: {language} cannot run here: "), r
+    r = run(up["ep"], 'println("x")', language="julia")  # the released client reads it as a failed case
+    assert sf.summary_run_code_result(r, sf.SummaryMapping(RunFailed="RE")) == "RE"
+
+
+def test_scala_without_an_object_is_sandboxfusions_sandbox_error(up: dict[str, str]) -> None:
+    """SandboxFusion names scala's class after its first ``object``; with none it answers a
+    compile stage in Error, so SandboxError, before anything runs (no layer needed)."""
+    r = post(up["ep"], {"code": 'println("no object")', "language": "scala"}).json()
+    assert r["status"] == "SandboxError" and r["message"] == "Object name not found.", r
+    assert r["compile_result"]["status"] == "Error" and r["run_result"] is None, r
 
 
 def test_tokens(up: dict[str, str]) -> None:
@@ -256,6 +295,39 @@ def test_a_full_cluster_queues_then_answers_504_which_the_client_retries() -> No
         results = sf.run_concurrent(sf.run_code, kwargs=[{"request": r, "endpoint": live["ep"]} for r in reqs],
                                     concurrency=24)
         assert [r.run_result.stdout for r in results] == [f"{i + 1}\n" for i in range(24)]
+
+
+def test_a_token_free_listener_for_skyrl_charges_the_project_in_its_config() -> None:
+    """SkyRL posts to ``http://<host>:8080/run_code`` with no token: the listener (off by
+    default, loopback) runs such calls as the configured project, whose quota they spend."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    control = {"sandboxfusion": {"queue_timeout_s": 1.0,
+                                 "listener": {"enabled": True, "port": port, "project": "rl"}}}
+    with _all_in_one(("python",), control=control) as live:
+        sky = f"http://127.0.0.1:{port}"
+        admin = {"Authorization": f"Bearer {live['token']}"}
+        assert requests.get(f"{sky}/v1/ping", timeout=10).json() == "pong"
+        body = {"code": "print(6 * 7)", "language": "python", "run_timeout": 10, "memory_limit_MB": 256}
+        r = requests.post(f"{sky}/run_code", json=body, timeout=60).json()  # the project does not exist yet
+        assert r["status"] == "SandboxError" and "no project 'rl'" in r["message"], r
+        made = requests.post(f"{live['url']}/v1/projects", headers=admin, timeout=30, json={
+            "name": "rl", "quota": {"sandboxes": 4, "cpu": 4, "memory": 512 << 20}})
+        assert made.status_code == 201, made.text
+        r = requests.post(f"{sky}/run_code", json=body, timeout=60).json()
+        assert r["status"] == "Success" and r["run_result"]["stdout"] == "42\n", r
+        # 1 GiB does not fit rl's 512 MiB (the root has room): charged to rl, so refused, then 504
+        big = requests.post(f"{sky}/run_code", json={**body, "memory_limit_MB": 1024}, timeout=60)
+        assert big.status_code == 504 and "no sandbox free" in big.json()["detail"], big.text
+        tokens = requests.get(f"{live['url']}/v1/tokens", headers=admin, timeout=30).json()
+        mine = [t for t in tokens if t["name"] == "sandboxfusion-listener"]
+        assert [(t["project"], t["revoked_at"]) for t in mine] == [("rl", None)], tokens
+        assert not any(t.get("token") for t in tokens)  # its secret never leaves the process
+        # the path-token API is still there, and still needs its token
+        assert post(f"{live['url']}/sandboxfusion", {"code": "print(1)", "language": "python"}).status_code == 401
+    with _all_in_one(("python",)), pytest.raises(requests.ConnectionError):  # off by default: no listener
+        requests.post(f"{sky}/run_code", json=body, timeout=10)
 
 
 def test_the_cli_keeps_current_toolchains() -> None:
@@ -452,3 +524,146 @@ def test_jupyter_time_limits_and_files(every: dict[str, str]) -> None:
     r = jupyter(every["ep"], ["data = open('in.txt').read()", "open('out.txt', 'w').write(data * 2)"],
                 files={"in.txt": b64(b"hi")}, fetch_files=["out.txt"])
     assert r.status == sf.RunStatus.Success and base64.b64decode(r.files["out.txt"]) == b"hihi", r
+
+
+# ------------------------------------- SandboxFusion's other languages (issue 27) ----
+
+MORE = ("php", "csharp", "ruby", "perl", "lua", "r", "scala", "kotlin", "d", "racket", "jest", "junit", "verilog")
+"""Toolchains of the languages SandboxFusion serves beyond the first eleven."""
+
+
+@pytest.fixture(scope="module")
+def more() -> Iterator[dict[str, str]]:
+    with _all_in_one(MORE) as live:
+        yield live
+
+
+TRIVIAL: dict[str, tuple[str, str]] = {  # language -> (code that reads "40 2" and prints 42, what stdout starts with)
+    "php": ("[$a, $b] = array_map('intval', explode(' ', trim(fgets(STDIN))));\necho $a + $b, \"\\n\";\n", "42\n"),
+    "csharp": ("class Program { static void Main() {\n  var p = Console.ReadLine().Split(' ').Select(long.Parse)"
+               ".ToArray();\n  Console.WriteLine(p[0] + p[1]);\n} }\n", "42\n"),  # System and Linq: implicit in .NET
+    "ruby": ("a, b = gets.split.map(&:to_i)\nputs a + b\n", "42\n"),
+    "perl": ("my ($a, $b) = split ' ', <STDIN>;\nprint $a + $b, \"\\n\";\n", "42\n"),
+    "lua": ("local luaunit = require('luaunit')\nlocal a, b = io.read('*n', '*n')\nprint(a + b)\n", "42\n"),
+    "R": ("x <- scan(file('stdin'), quiet = TRUE)\ncat(sum(x), '\\n', sep = '')\n", "42\n"),
+    "scala": ("object Adder {\n  def main(args: Array[String]): Unit = {\n    val Array(a, b) = scala.io.StdIn.readLine()"
+              ".trim.split(\" \").map(_.toLong)\n    println(a + b)\n  }\n}\n", "42\n"),
+    "kotlin_script": ("val (a, b) = readLine()!!.trim().split(\" \").map { it.toLong() }\nprintln(a + b)\n", "42\n"),
+    "D_ut": ("import std.stdio, std.conv, std.string, std.array, std.algorithm;\nunittest { assert(1 + 1 == 2); }\n"
+             "void main() { auto p = readln().strip().split().map!(to!long).array; writeln(p[0] + p[1]); }\n", "42\n"),
+    "racket": ("#lang racket\n(define a (read))\n(define b (read))\n(displayln (+ a b))\n", "42\n"),
+    "verilog": ("module tb;\n  integer a = 40, b = 2;\n  initial begin\n    $display(\"%0d\", a + b);\n    $finish;\n"
+                "  end\nendmodule\n", "42\n"),
+}
+TEST_RUNNERS: dict[str, tuple[str, str, str]] = {  # language -> (passing tests, failing tests, where a pass shows)
+    "jest": ("import _ from 'lodash';\nconst add = (a: number, b: number): number => a + b;\n"
+             "test('adds', () => { expect(add(40, 2)).toBe(42); expect(_.sum([40, 2])).toBe(42); });\n",
+             "test('fails', () => { expect(1 + 1).toBe(3); });\n", "PASS"),
+    "junit": ("import org.junit.jupiter.api.Test;\nimport static org.junit.jupiter.api.Assertions.assertEquals;\n"
+              "public class AddTest {\n  @Test void adds() { assertEquals(42, 40 + 2); }\n}\n",
+              "import org.junit.jupiter.api.Test;\nimport static org.junit.jupiter.api.Assertions.assertEquals;\n"
+              "public class BadTest {\n  @Test void bad() { assertEquals(3, 1 + 1); }\n}\n", "1 tests successful"),
+}
+MORE_BROKEN = {  # does not compile (the compiled ones) or does not parse
+    "php": "echo 1 +;\n", "csharp": "class Program { static void Main() { undefined_name(); } }\n",
+    "ruby": "def x(\n", "perl": "my $x = ;\n", "lua": "local = 1\n", "R": "x <- (\n",
+    "scala": "object Main { def main(a: Array[String]): Unit = undefinedName() }\n",
+    "kotlin_script": "val x: Int = \"no\"\n", "D_ut": "void main() { undefined_name(); }\n",
+    "racket": "#lang racket\n(define (x)\n", "verilog": "module tb; initial begin undefined_task; end endmodule\n",
+}
+MORE_COMPILED = ("scala", "D_ut", "verilog", "junit")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("language", list(TRIVIAL))
+def test_more_languages_read_stdin_and_answer(more: dict[str, str], language: str) -> None:
+    code, out = TRIVIAL[language]
+    r = _ask(more["ep"], language, code, stdin="40 2\n", run_timeout=60)
+    assert r["status"] == "Success", r
+    assert r["run_result"]["stdout"].startswith(out), r
+    assert (r["compile_result"] is not None) == (language in MORE_COMPILED), r
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("language", list(MORE_BROKEN))
+def test_more_languages_report_a_compile_or_syntax_error(more: dict[str, str], language: str) -> None:
+    r = _ask(more["ep"], language, MORE_BROKEN[language], run_timeout=60)
+    assert r["status"] == "Failed", r
+    stage = r["compile_result"] if language in MORE_COMPILED else r["run_result"]
+    assert stage["status"] == "Finished" and stage["return_code"] != 0 and (stage["stderr"] or stage["stdout"]), r
+    if language in MORE_COMPILED:
+        assert r["run_result"] is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("language", list(TEST_RUNNERS))
+def test_jest_and_junit_run_tests_like_pytest(more: dict[str, str], language: str) -> None:
+    good, bad, shows = TEST_RUNNERS[language]
+    r = _ask(more["ep"], language, good, run_timeout=90, compile_timeout=60)
+    assert r["status"] == "Success", r
+    assert shows in r["run_result"]["stdout"] + r["run_result"]["stderr"], r
+    r = _ask(more["ep"], language, bad, run_timeout=90, compile_timeout=60)
+    assert r["status"] == "Failed" and r["run_result"]["return_code"] == 1, r
+
+
+@pytest.mark.slow
+def test_php_gets_its_tag_and_more_languages_time_out(more: dict[str, str]) -> None:
+    r = _ask(more["ep"], "php", "<?php\necho 'tagged', PHP_EOL;\n")
+    assert r["status"] == "Success" and r["run_result"]["stdout"] == "tagged\n", r
+    r = _ask(more["ep"], "ruby", "loop { }\n", run_timeout=2)
+    assert r["status"] == "Failed" and r["run_result"]["status"] == "TimeLimitExceeded", r
+    r = _ask(more["ep"], "perl", "die 'boom'\n")
+    assert r["status"] == "Failed" and r["run_result"]["return_code"] != 0 and "boom" in r["run_result"]["stderr"]
+
+
+# ------------------------------------------ the sandboxfusion profile (issue 27) ----
+
+PROFILED = ("python", "nodejs", "typescript", "go")
+
+
+@pytest.fixture(scope="module")
+def profiled() -> Iterator[dict[str, str]]:
+    with _all_in_one(PROFILED, profile="sandboxfusion", control={"sandboxfusion": {"profile": "sandboxfusion"}}) as live:
+        yield live
+
+
+VERL_NUMPY = '''import numpy as np
+import sys
+
+def solve(lines):
+    n = int(lines[0])
+    a = np.array(list(map(int, lines[1].split())), dtype=np.int64)
+    return int(np.sort(a)[-n:].sum())
+
+print(solve(sys.stdin.read().split("\\n")))
+'''
+
+
+@pytest.mark.slow
+def test_a_verl_reference_solution_importing_numpy_runs_unchanged(profiled: dict[str, str]) -> None:
+    """What verl posts for a code dataset's test case (its fields, raw), with a reference
+    solution that imports numpy: the profile's library layer is stacked over python."""
+    body = {"compile_timeout": 10, "run_timeout": 10, "code": VERL_NUMPY, "stdin": "2\n5 1 9 3\n",
+            "memory_limit_MB": 1024, "language": "python", "files": {}, "fetch_files": []}
+    r = post(profiled["ep"], body).json()
+    assert r["status"] == "Success" and r["run_result"]["stdout"] == "14\n", r
+    libs = ("import numpy, pandas, matplotlib, requests, scipy, sympy, sklearn\n"
+            "matplotlib.use('Agg')\nimport matplotlib.pyplot as plt\nplt.plot([1, 2]); plt.savefig('p.png')\n"
+            "print(pandas.DataFrame({'a': [1, 2]}).a.sum(), sympy.factorint(12), scipy.special.comb(5, 2))\n")
+    r = _ask(profiled["ep"], "python", libs, fetch_files=["p.png"], run_timeout=60)
+    assert r["status"] == "Success" and r["run_result"]["stdout"] == "3 {2: 2, 3: 1} 10.0\n", r
+    assert base64.b64decode(r["files"]["p.png"])[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_the_profile_gives_node_lodash_and_go_testify(profiled: dict[str, str]) -> None:
+    for language, code in (("nodejs", "const _ = require('lodash');\nconsole.log(_.chunk([1, 2, 3], 2));\n"),
+                           ("typescript", "import _ from 'lodash';\nconsole.log(_.chunk([1, 2, 3], 2));\n")):
+        r = _ask(profiled["ep"], language, code)
+        assert r["status"] == "Success" and r["run_result"]["stdout"] == "[ [ 1, 2 ], [ 3 ] ]\n", r
+    go = ('package main\nimport (\n  "testing"\n  "github.com/stretchr/testify/assert"\n)\n'
+          'func TestAdd(t *testing.T) { assert.Equal(t, 42, 40+2) }\n')
+    r = _ask(profiled["ep"], "go_test", go, run_timeout=120)
+    assert r["status"] == "Success" and "PASS" in r["run_result"]["stdout"], r
+    r = _ask(profiled["ep"], "go_test", go.replace("40+2", "40+1"), run_timeout=120)
+    assert r["status"] == "Failed" and "Not equal" in r["run_result"]["stdout"], r

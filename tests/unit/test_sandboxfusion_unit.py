@@ -143,7 +143,7 @@ def test_java_puts_the_requests_jars_on_the_class_path_quoted() -> None:
 
 def test_toolchain_names_and_images() -> None:
     assert parse_toolchains("cpp, python") == ["python", "cpp"]  # table order
-    assert parse_toolchains("all") == list(TOOLCHAINS)
+    assert parse_toolchains("all") == [t for t in TOOLCHAINS if not t.startswith("sf-")]  # library layers: a profile
     with pytest.raises(ValueError, match="unknown toolchain 'cobol'"):
         parse_toolchains("python,cobol")
     assert image_for("cpp") == ("tc-base:bookworm", ("tc-cpp:bookworm",))
@@ -276,3 +276,118 @@ def test_dsec_up_takes_a_sandboxfusion_section(tmp_path: Any) -> None:
     f.write_text('port = 9\n')  # dsec up sets these itself
     with pytest.raises(click.BadParameter, match="sets port itself"):
         load_control_overrides(f)
+
+
+# ------------------------------------------- more languages, profiles (issue 27) ----
+
+
+def test_sandboxfusions_languages_are_served_or_answered_as_it_answers_a_missing_runner() -> None:
+    """Every language SandboxFusion's server runs is either served (a recipe on a toolchain)
+    or listed as unavailable with the stage and program it would lack; none is both."""
+    known = set(RunCodeRequest.model_fields["language"].annotation.__args__)  # type: ignore[union-attr]
+    assert set(languages.SANDBOXFUSION_LANGUAGES) <= known
+    for lang in languages.SANDBOXFUSION_LANGUAGES:
+        assert (lang in languages.RECIPES) != (lang in languages.UNAVAILABLE), lang
+    assert set(languages.UNAVAILABLE) == {"julia", "swift", "lean", "cuda", "python_gpu"}
+    assert len(languages.served()) == 23 and len(languages.SANDBOXFUSION_LANGUAGES) == 28
+    entry, stderr = languages.unavailable("swift")
+    assert (entry.stage, stderr) == ("compile", "/bin/bash: line 1: swiftc: command not found\n")
+    for name in ("php", "csharp", "ruby", "perl", "lua", "R", "scala", "kotlin_script", "D_ut", "racket", "jest",
+                 "junit", "verilog"):
+        assert languages.RECIPES[name].toolchain in TOOLCHAINS, name
+
+
+def test_sources_are_named_and_changed_as_sandboxfusion_does() -> None:
+    junit = languages.plan(languages.RECIPES["junit"], "public final class AddTest { }", ["lib/x.jar", "Util.java",
+                                                                                         "AddTest.java", "a.txt"])
+    assert junit.source == "AddTest.java"
+    assert junit.compile == ("javac -cp .:/usr/share/java/junit-platform-console-standalone.jar:lib/x.jar "
+                             "AddTest.java Util.java")  # the request's other .java files too, once each
+    assert "--class-path .:/usr/share/java/junit-platform-console-standalone.jar:lib/x.jar --scan-class-path" in \
+        junit.run
+    assert languages.plan(languages.RECIPES["junit"], "class T {}", []).source == "Main.java"  # no public class
+    scala = languages.plan(languages.RECIPES["scala"], "object Adder extends App {}", [])
+    assert (scala.compile, scala.run) == ("scalac main.scala", "scala Adder")
+    with pytest.raises(languages.PlanError, match=r"^Object name not found\.$"):
+        languages.plan(languages.RECIPES["scala"], "println(1)", [])
+    assert languages.plan(languages.RECIPES["php"], "  echo 1;", []).code == "<?php\necho 1;"
+    assert languages.plan(languages.RECIPES["php"], "<?php echo 1;", []).code == "<?php echo 1;"
+    cs = languages.plan(languages.RECIPES["csharp"], "class P {}", []).code
+    assert cs.startswith("using System;") and cs.endswith("\n#line 1\nclass P {}")  # line numbers stay the code's
+    for recipe in languages.RECIPES.values():  # still no shell syntax, with every placeholder filled
+        p = languages.plan(recipe, "object O {} public class C {}", ["a b.jar", "B.java"])
+        for cmd in (p.compile, p.run):
+            assert cmd is None or (languages.shell_syntax(cmd) == [] and "{" not in cmd), (recipe, cmd)
+
+
+def test_profiles_stack_library_layers_over_toolkits() -> None:
+    assert image_for("python", profile="sandboxfusion") == ("tc-base:bookworm",
+                                                            ("tc-python:bookworm", "tc-sf-python:bookworm"))
+    assert image_for("jupyter", profile="sandboxfusion")[1][-1] == "tc-sf-python:bookworm"
+    assert image_for("typescript", profile="sandboxfusion")[1] == ("tc-typescript:bookworm", "tc-sf-node:bookworm")
+    assert image_for("cpp", profile="sandboxfusion") == image_for("cpp")  # nothing to add
+    assert image_for("python") == ("tc-base:bookworm", ("tc-python:bookworm",))
+    # asking for typescript with the profile builds nodejs too (sf-node is built over it), in table order
+    assert parse_toolchains("typescript", "sandboxfusion") == ["nodejs", "typescript", "sf-node"]
+    assert parse_toolchains("sf-go") == ["go", "sf-go"]
+    for name, tc in TOOLCHAINS.items():
+        if tc.over is not None:
+            assert list(TOOLCHAINS).index(tc.over) < list(TOOLCHAINS).index(name)
+    with pytest.raises(ValueError, match="unknown profile 'conda'"):
+        parse_toolchains("python", "conda")
+    assert SandboxFusionConfig().profile is None
+    assert SandboxFusionConfig(profile="sandboxfusion").profile == "sandboxfusion"
+    with pytest.raises(ValidationError):
+        SandboxFusionConfig(profile="conda")  # type: ignore[arg-type]
+
+
+def test_the_token_free_listener_is_off_by_default_and_guarded() -> None:
+    from dsec.compat.sandboxfusion.config import ListenerConfig
+    from dsec.compat.sandboxfusion.listener import allowed
+
+    cfg = SandboxFusionConfig()
+    assert cfg.listener.enabled is False and cfg.listener.host == "127.0.0.1" and cfg.listener.port == 8080
+    with pytest.raises(ValidationError, match="project"):
+        ListenerConfig(enabled=True)
+    with pytest.raises(ValidationError, match="not loopback"):
+        ListenerConfig(enabled=True, project="rl", host="0.0.0.0")
+    with pytest.raises(ValidationError, match="/0"):
+        ListenerConfig(enabled=True, project="rl", host="0.0.0.0", allow=("0.0.0.0/0",))
+    with pytest.raises(ValidationError):
+        ListenerConfig(allow=("10.0.0.300/8",))
+    lan = ListenerConfig(enabled=True, project="rl", host="0.0.0.0", allow=("10.1.0.0/16",)).networks()
+    assert allowed("10.1.2.3", lan) and not allowed("10.2.0.1", lan) and not allowed("127.0.0.1", lan)
+    assert allowed("::ffff:10.1.0.9", lan)  # an IPv4 peer on a dual-stack socket
+    loop = ListenerConfig().networks()
+    assert allowed("127.0.0.1", loop) and allowed("::1", loop) and not allowed("192.0.2.1", loop)
+    assert not allowed(None, loop) and not allowed("not-an-address", loop)
+
+
+def test_the_listener_refuses_peers_outside_allow_before_anything_runs() -> None:
+    """Through the listener's own app: a peer outside ``allow`` gets 403 and no token is
+    minted (the store is never touched); one inside reaches the routes."""
+    import httpx
+
+    from dsec.compat.sandboxfusion.config import ListenerConfig
+    from dsec.compat.sandboxfusion.listener import ProjectToken, create_listener_app
+
+    class NoStore:
+        async def write(self, fn: Any) -> Any:
+            raise AssertionError("the store was touched")
+
+    class NoService:
+        async def run_code(self, *a: Any) -> Any:
+            raise AssertionError("a call ran")
+
+    cfg = ListenerConfig(enabled=True, project="rl", host="0.0.0.0", allow=("10.1.0.0/16",))
+    app = create_listener_app(NoService(), ProjectToken(NoStore(), "rl"), cfg, "http://x")  # type: ignore[arg-type]
+
+    async def ask(peer: str) -> httpx.Response:
+        transport = httpx.ASGITransport(app=app, client=(peer, 5000))
+        async with httpx.AsyncClient(transport=transport, base_url="http://listener") as c:
+            return await c.post("/run_code", json={"code": "print(1)", "language": "python"})
+
+    out = asyncio.run(ask("192.0.2.7"))
+    assert out.status_code == 403 and "192.0.2.7 is not allowed" in out.json()["detail"]
+    with pytest.raises(AssertionError, match="the store was touched"):  # allowed: it goes on to mint a token
+        asyncio.run(ask("10.1.0.5"))

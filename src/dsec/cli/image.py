@@ -209,11 +209,15 @@ _KINDS = ("base", "workspace", "toolkit")
     metavar="A,B",
     help="Build language toolchains: tc-base:SUITE (debootstrap) and a toolkit layer "
     "tc-NAME:SUITE per toolchain (python, pytest, c, cpp, go, java, nodejs, typescript, rust, "
-    "bash, jupyter, or all); existing current ones are kept. docs/COMPAT.md.",
+    "bash, jupyter, php, csharp, ruby, perl, lua, r, scala, kotlin, d, racket, jest, junit, verilog, "
+    "or all); existing current ones are kept. docs/COMPAT.md.",
 )
 @click.option("--suite", "suite_tc", default="bookworm", show_default=True,
               help="With --toolchains: Debian suite (the tag).")
 @click.option("--rebuild", is_flag=True, help="With --toolchains: build again even what exists.")
+@click.option("--profile", "tc_profile", type=click.Choice(["sandboxfusion"]), default=None,
+              help="With --toolchains: also the library layers of this profile (sandboxfusion: the packages "
+                   "of SandboxFusion's image: numpy, pandas... for python, lodash for node, testify for go).")
 @click.option(
     "--apt-option",
     "apt_options",
@@ -267,6 +271,7 @@ def build_cmd(
     toolchains: str | None,
     suite_tc: str,
     rebuild: bool,
+    tc_profile: str | None,
     apt_options: tuple[str, ...],
     oci_ref: str | None,
     packages: str,
@@ -292,10 +297,10 @@ def build_cmd(
                 or parents or kind != "base" or tag != "latest" or variant != "minbase":
             raise click.UsageError("--toolchains takes no other source, --name, --tag, --kind, --parent, "
                                    "--packages or --variant (the names are tc-base:SUITE and tc-NAME:SUITE)")
-        _build_toolchains(ctx, toolchains, suite_tc, mirror, rebuild, apt_options, as_json, quiet)
+        _build_toolchains(ctx, toolchains, suite_tc, mirror, rebuild, apt_options, as_json, quiet, tc_profile)
         return
-    if suite_tc != "bookworm" or rebuild or apt_options:
-        raise click.UsageError("--suite, --rebuild and --apt-option only apply to --toolchains")
+    if suite_tc != "bookworm" or rebuild or apt_options or tc_profile:
+        raise click.UsageError("--suite, --rebuild, --profile and --apt-option only apply to --toolchains")
     if name is None:
         raise click.UsageError("--name is required")
 
@@ -361,7 +366,7 @@ def build_cmd(
 
 
 def _build_toolchains(ctx: click.Context, spec: str, suite: str, mirror: str | None, rebuild: bool,
-                      apt_options: tuple[str, ...], as_json: bool, quiet: bool) -> None:
+                      apt_options: tuple[str, ...], as_json: bool, quiet: bool, profile: str | None = None) -> None:
     """``build --toolchains``: one line per layer on stderr (built or kept), its digest on stdout."""
     from dsec.images.toolchains import build_toolchains
 
@@ -370,7 +375,7 @@ def _build_toolchains(ctx: click.Context, spec: str, suite: str, mirror: str | N
         store = _store(ctx)
         with _progress_display(enabled=not quiet, stages=stages) as progress:
             done = build_toolchains(store, spec.split(","), suite=suite, mirror=mirror, rebuild=rebuild,
-                                    apt_options=apt_options, progress=progress)
+                                    apt_options=apt_options, progress=progress, profile=profile)
     for item in done:
         if item.layer is None:
             if not quiet:

@@ -424,6 +424,10 @@ async def run_foreground(data_dir: Path, *, port: int, edges: int, host: str, sa
     if sf is not None:
         say(f"SandboxFusion API: export SANDBOX_FUSION_ENDPOINT={cluster.url}{sf.config.prefix}/"
             f"$(cat {admin_token_path(cluster.data_dir)}) (any project token; docs/COMPAT.md)")
+    listener = getattr(cluster.control, "sandboxfusion_listener", None)
+    if listener is not None:
+        say(f"SandboxFusion without a token (SkyRL): {listener.url}/run_code, charged to project "
+            f"{listener.token.project!r}, peers in {', '.join(sf.config.listener.allow) if sf else '?'}")
     if ccfg_e2b(cluster):
         say(f"E2B clients: eval \"$(DSEC_URL={cluster.url} DSEC_TOKEN=$(cat {admin_token_path(cluster.data_dir)}) "
             "dsec env e2b)\" (docs/COMPAT.md, \"E2B\")")

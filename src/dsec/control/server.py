@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Generator
+from typing import TYPE_CHECKING
 
 import uvicorn
 from fastapi import FastAPI
@@ -21,6 +22,9 @@ from dsec.control.config import ControlConfig
 from dsec.control.service import Control
 from dsec.errors import HostError
 from dsec.http.limits import LimitedHttpToolsProtocol
+
+if TYPE_CHECKING:
+    from dsec.compat.sandboxfusion.listener import Listener
 
 
 class _Server(uvicorn.Server):
@@ -36,6 +40,8 @@ class ControlHandle:
         self.server = server
         self._task = task
         self.url = url
+        self.sandboxfusion_listener: Listener | None = None
+        """The token-free SandboxFusion listener, when configured (compat/sandboxfusion/listener.py)."""
 
     @property
     def admin_token(self) -> str | None:
@@ -43,6 +49,9 @@ class ControlHandle:
         return self.control.admin_token
 
     async def stop(self, timeout: float = 10.0) -> None:
+        listener, self.sandboxfusion_listener = self.sandboxfusion_listener, None
+        if listener is not None:
+            await listener.stop()  # before the app: its calls use the app's service and store
         if self._task.done():
             await self.control.stop()
             return
@@ -90,4 +99,15 @@ async def serve_control(config: ControlConfig) -> ControlHandle:
     local = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(sock[0], sock[0])
     app.state.local_url = f"http://[{local}]:{sock[1]}" if ":" in local else f"http://{local}:{sock[1]}"
     control.url = url.rstrip("/")
-    return ControlHandle(control, app, server, task, url.rstrip("/"))
+    handle = ControlHandle(control, app, server, task, url.rstrip("/"))
+    sf = config.sandboxfusion
+    if sf.enabled and sf.listener.enabled:
+        from dsec.compat.sandboxfusion.listener import start_listener
+
+        try:
+            handle.sandboxfusion_listener = await start_listener(app.state.sandboxfusion, control.db,
+                                                                 sf.listener, app.state.local_url)
+        except BaseException:
+            await handle.stop()
+            raise
+    return handle

@@ -4,9 +4,10 @@ The one privileged step of a toolchain build (toolchains.py), run as a process o
 own inside fresh mount and pid namespaces::
 
     unshare --mount --pid --fork --propagation private -- \\
-        python -m dsec.images.chroot_apt --base LAYER.erofs --dir SCRATCH --packages a,b
+        python -m dsec.images.chroot_apt --base LAYER.erofs [--base OVER.erofs] --dir SCRATCH --packages a,b
 
-In there it mounts the base layer (file-backed EROFS, read-only) under an overlay whose
+In there it mounts the base layer (file-backed EROFS, read-only; for a library layer, the
+toolkit it goes over as well) under an overlay whose
 upper directory is ``SCRATCH/upper``, gives the merged tree a /proc, the host's /dev and
 tmpfs on the paths whose content must not end up in the layer (/tmp, apt's lists and
 downloaded packages), and runs ``apt-get update`` and ``apt-get install
@@ -58,14 +59,19 @@ def _run(root: Path, argv: list[str], what: str) -> None:
         raise SystemExit(10 + min(proc.returncode, 100))
 
 
-def install(base: Path, scratch: Path, packages: list[str], apt_options: list[str]) -> None:
-    lower, upper, work, root = (scratch / n for n in ("lower", "upper", "work", "root"))
-    for d in (lower, upper, work, root):
+def install(bases: list[Path], scratch: Path, packages: list[str], apt_options: list[str]) -> None:
+    """``bases``: the lower layers, bottom first (the base, then e.g. the toolkit a library
+    layer goes over)."""
+    upper, work, root = (scratch / n for n in ("upper", "work", "root"))
+    lowers = [scratch / f"lower{i}" for i in range(len(bases))]
+    for d in (*lowers, upper, work, root):
         d.mkdir(exist_ok=True)
     os.chmod(upper, 0o755)
-    mount(str(base), str(lower), "erofs", MS_RDONLY | MS_NODEV)
+    for base, lower in zip(bases, lowers, strict=True):
+        mount(str(base), str(lower), "erofs", MS_RDONLY | MS_NODEV)
+    stack = ":".join(str(d) for d in reversed(lowers))  # overlayfs: topmost first
     mount("overlay", str(root), "overlay", 0,
-          f"lowerdir={lower},upperdir={upper},workdir={work},redirect_dir=off,index=off,metacopy=off,xino=off")
+          f"lowerdir={stack},upperdir={upper},workdir={work},redirect_dir=off,index=off,metacopy=off,xino=off")
     mount("proc", str(root / "proc"), "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     mount("/dev", str(root / "dev"), "", MS_BIND | MS_REC)
     for rel in SCRATCH_TMPFS:
@@ -94,12 +100,14 @@ def install(base: Path, scratch: Path, packages: list[str], apt_options: list[st
         for rel in (*reversed(SCRATCH_TMPFS), "dev", "proc"):
             umount(str(root / rel), MNT_DETACH)
         umount(str(root))  # flushes the upper directory; an error here must fail the build
-        umount(str(lower), MNT_DETACH)
+        for lower in lowers:
+            umount(str(lower), MNT_DETACH)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dsec.images.chroot_apt", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--base", type=Path, required=True, help="the base layer's EROFS file")
+    ap.add_argument("--base", type=Path, action="append", required=True,
+                    help="a lower layer's EROFS file (repeat: bottom first)")
     ap.add_argument("--dir", type=Path, required=True, help="scratch directory: lower/, upper/, work/, root/")
     ap.add_argument("--packages", required=True, help="comma-separated Debian package names")
     ap.add_argument("--apt-option", action="append", default=[], help="KEY=VALUE for apt-get -o (repeatable)")

@@ -53,6 +53,9 @@ class Toolchain:
     """Installed with ``--no-install-recommends`` over the base; empty: the base alone serves."""
     provides: str
     """What a sandbox gets, for people (``dsec image build --help``, docs)."""
+    over: str | None = None
+    """A library layer: built over ``tc-base`` + this toolchain's toolkit (stacked, so the
+    layer holds the libraries alone) and put above a language's toolkit by a profile."""
 
 
 TOOLCHAINS: dict[str, Toolchain] = {t.name: t for t in (
@@ -67,7 +70,39 @@ TOOLCHAINS: dict[str, Toolchain] = {t.name: t for t in (
     Toolchain("rust", ("rustc",), "rustc (1.63 on bookworm)"),
     Toolchain("bash", (), "bash and coreutils (the base itself)"),
     Toolchain("jupyter", ("python3-ipykernel", "python3-jupyter-client"), "an IPython kernel and jupyter_client"),
+    # SandboxFusion's other languages that Debian bookworm packages (docs/COMPAT.md lists those it does not).
+    Toolchain("php", ("php-cli",), "php (8.2 on bookworm)"),
+    Toolchain("csharp", ("mono-mcs", "mono-runtime", "libmono-system-core4.0-cil", "libmono-system-numerics4.0-cil"),
+              "Mono's C# compiler mcs and runtime (6.8 on bookworm; SandboxFusion has .NET 8)"),
+    Toolchain("ruby", ("ruby",), "ruby (3.1 on bookworm)"),
+    Toolchain("perl", ("perl",), "perl (5.36 on bookworm) with its full standard library"),
+    Toolchain("lua", ("lua5.2", "lua-unit"), "lua 5.2 with luaunit, as SandboxFusion's image"),
+    Toolchain("r", ("r-base-core",), "R (4.2 on bookworm): Rscript"),
+    Toolchain("scala", ("scala",), "scala (2.11 on bookworm) on OpenJDK 17"),
+    Toolchain("kotlin", ("kotlin",), "kotlin (1.3 on bookworm; SandboxFusion has 2.0) on OpenJDK 17"),
+    Toolchain("d", ("ldc",), "LDC (1.30 on bookworm) with its dmd-compatible driver ldmd2"),
+    Toolchain("racket", ("racket",), "racket (8.7 on bookworm)"),
+    Toolchain("jest", ("jest", "node-babel7", "node-lodash"),
+              "jest (29.3 on bookworm) with babel's env and typescript presets, and lodash"),
+    Toolchain("junit", ("default-jdk-headless", "junit5"), "OpenJDK 17 with JUnit 5's console launcher"),
+    Toolchain("verilog", ("iverilog",), "Icarus Verilog (11 on bookworm): iverilog and vvp"),
+    # Library layers: SandboxFusion's image's packages (``--profile sandboxfusion``), from Debian.
+    Toolchain("sf-python", ("python3-numpy", "python3-pandas", "python3-matplotlib", "python3-requests",
+                            "python3-scipy", "python3-sympy", "python3-sklearn"),
+              "numpy, pandas, matplotlib, requests, scipy, sympy, scikit-learn", over="python"),
+    Toolchain("sf-node", ("node-lodash",), "lodash", over="nodejs"),
+    Toolchain("sf-go", ("golang-github-stretchr-testify-dev",), "testify (in GOPATH /usr/share/gocode)", over="go"),
 )}
+PROFILES: dict[str, dict[str, tuple[str, ...]]] = {
+    "sandboxfusion": {
+        "python": ("sf-python",), "pytest": ("sf-python",), "jupyter": ("sf-python",),
+        "nodejs": ("sf-node",), "typescript": ("sf-node",), "go": ("sf-go",),
+    },
+}
+"""Profile -> toolchain -> library layers stacked above its toolkit. ``sandboxfusion``: the
+packages of SandboxFusion's image that its reward snippets import (docs/COMPAT.md). A library
+layer built over one toolkit serves others of the same interpreter (sf-python over pytest and
+jupyter, sf-node over typescript): its files are the libraries and their dependencies."""
 _TOOLCHAIN_NAME = re.compile(r"^[a-z][a-z0-9-]{0,30}$")
 
 
@@ -75,24 +110,43 @@ def toolkit_name(toolchain: str) -> str:
     return f"tc-{toolchain}"
 
 
-def image_for(toolchain: str, suite: str = DEFAULT_SUITE) -> tuple[str, tuple[str, ...]]:
-    """``(base ref, toolkit refs)`` of a sandbox that runs ``toolchain``."""
+def image_for(toolchain: str, suite: str = DEFAULT_SUITE,
+              profile: str | None = None) -> tuple[str, tuple[str, ...]]:
+    """``(base ref, toolkit refs)`` of a sandbox that runs ``toolchain``: its toolkit, then
+    (topmost) the library layers ``profile`` puts over it."""
     tc = TOOLCHAINS[toolchain]
-    return f"{BASE_NAME}:{suite}", ((f"{toolkit_name(tc.name)}:{suite}",) if tc.packages else ())
+    names = ((tc.name,) if tc.packages else ()) + (profile_layers(profile).get(toolchain, ()) if profile else ())
+    return f"{BASE_NAME}:{suite}", tuple(f"{toolkit_name(n)}:{suite}" for n in names)
 
 
-def parse_toolchains(spec: str | Iterable[str]) -> list[str]:
-    """``"python,cpp"`` (or ``"all"``) -> toolchain names, checked, in table order."""
+def profile_layers(profile: str) -> dict[str, tuple[str, ...]]:
+    """Toolchain -> the library layers ``profile`` stacks over it (InvalidSpec if unknown)."""
+    try:
+        return PROFILES[profile]
+    except KeyError:
+        raise InvalidSpec(f"unknown profile {profile!r}: choose from {', '.join(PROFILES)}",
+                          field="profile") from None
+
+
+def parse_toolchains(spec: str | Iterable[str], profile: str | None = None) -> list[str]:
+    """``"python,cpp"`` (or ``"all"``) -> toolchain names, checked, in table order (which
+    puts a library layer after the toolkit it is built over). With ``profile``, the library
+    layers it stacks over the named toolchains (and the toolkits those are built over) too."""
     words = [w.strip() for w in (spec.split(",") if isinstance(spec, str) else spec) if w.strip()]
     if not words:
         raise InvalidSpec("no toolchain named: give e.g. --toolchains python,cpp (or all)", field="toolchains")
+    extra = profile_layers(profile) if profile else {}
     if "all" in words:
-        return list(TOOLCHAINS)
+        words = [t for t in TOOLCHAINS if TOOLCHAINS[t].over is None]
     unknown = [w for w in words if w not in TOOLCHAINS]
     if unknown:
         raise InvalidSpec(f"unknown toolchain {unknown[0]!r}: choose from {', '.join(TOOLCHAINS)} (or all)",
                           field="toolchains")
-    return [t for t in TOOLCHAINS if t in words]
+    chosen = set(words)
+    for w in words:
+        chosen.update(extra.get(w, ()))
+    chosen.update({o for t in chosen if (o := TOOLCHAINS[t].over) is not None})
+    return [t for t in TOOLCHAINS if t in chosen]
 
 
 @dataclass(frozen=True)
@@ -113,16 +167,19 @@ def build_toolchains(
     rebuild: bool = False,
     apt_options: Sequence[str] = (),
     progress: Progress | None = None,
+    profile: str | None = None,
 ) -> list[Built]:
     """Make sure ``tc-base:<suite>`` and the toolkits of ``toolchains`` exist and are current.
 
     The base is built when missing (or with ``rebuild``); each toolkit when missing, when it
-    was built on another base, or with ``rebuild``. ``apt_options`` go to apt-get as ``-o``
-    (e.g. ``Acquire::http::Proxy=http://...``). Returns the base first, then the toolkits."""
+    was built on another base (a library layer: on other lowers), or with ``rebuild``.
+    ``profile`` adds the library layers it stacks over those toolchains (PROFILES).
+    ``apt_options`` go to apt-get as ``-o`` (e.g. ``Acquire::http::Proxy=http://...``).
+    Returns the base first, then the toolkits."""
     from .build import _noop, build_debootstrap
     from .debootstrap import check_args
 
-    names = parse_toolchains(toolchains)
+    names = parse_toolchains(toolchains, profile)
     check_args(suite, "minbase", ())
     for o in apt_options:
         if "=" not in o or "\n" in o:
@@ -142,11 +199,13 @@ def build_toolchains(
         out.append(Built("base", base, True))
     else:
         out.append(Built("base", base, False))
+    made: dict[str, Layer] = {}
     for name in names:
         tc = TOOLCHAINS[name]
         if not tc.packages:
             out.append(Built(name, None, False))
             continue
+        lowers = (base,) if tc.over is None else (base, made[tc.over])  # table order: `over` came first
         ref = f"{toolkit_name(name)}:{suite}"
         current: Layer | None = None
         if not rebuild:
@@ -154,24 +213,26 @@ def build_toolchains(
                 current = store.resolve(ref)
             except LayerNotFound:
                 current = None
-        if current is not None and current.parents[:1] == (base.digest,):
+        wanted = tuple(lay.digest for lay in lowers)
+        if current is not None and tuple(current.parents[:len(wanted)]) == wanted:
+            made[name] = current
             out.append(Built(name, current, False))
             continue
-        out.append(Built(name, build_toolkit(store, base, tc, suite=suite, apt_options=apt_options,
-                                             progress=report), True))
+        made[name] = build_toolkit(store, lowers, tc, suite=suite, apt_options=apt_options, progress=report)
+        out.append(Built(name, made[name], True))
     return out
 
 
 def copy_toolchains(src: LayerStore, dst: LayerStore, toolchains: Sequence[str], *,
-                    suite: str = DEFAULT_SUITE) -> list[Layer]:
-    """Put ``tc-base:<suite>`` and the toolkits of ``toolchains`` from ``src`` into ``dst``
-    (same digests, names and lineage; a copy of each file). LayerNotFound when ``src``
-    lacks one: build them there first (:func:`build_toolchains`)."""
+                    suite: str = DEFAULT_SUITE, profile: str | None = None) -> list[Layer]:
+    """Put ``tc-base:<suite>`` and the toolkits of ``toolchains`` (with ``profile``'s library
+    layers) from ``src`` into ``dst`` (same digests, names and lineage; a copy of each file).
+    LayerNotFound when ``src`` lacks one: build them there first (:func:`build_toolchains`)."""
     from .layer import LayerKind
 
     base = src.resolve(f"{BASE_NAME}:{suite}")
     out = [dst.add_erofs(Path(src.open_local(base.digest)), name=BASE_NAME, tag=suite, kind=LayerKind.BASE)]
-    for name in parse_toolchains(toolchains):
+    for name in parse_toolchains(toolchains, profile):
         if not TOOLCHAINS[name].packages:
             continue
         layer = src.resolve(f"{toolkit_name(name)}:{suite}")
@@ -182,14 +243,18 @@ def copy_toolchains(src: LayerStore, dst: LayerStore, toolchains: Sequence[str],
 
 def build_toolkit(
     store: LayerStore,
-    base: Layer,
+    lowers: Layer | Sequence[Layer],
     toolchain: Toolchain,
     *,
     suite: str,
     apt_options: Sequence[str] = (),
     progress: Progress | None = None,
 ) -> Layer:
-    """``tc-<name>:<suite>``: the diff ``toolchain.packages`` make over ``base``, as a toolkit layer."""
+    """``tc-<name>:<suite>``: the diff ``toolchain.packages`` make over ``lowers`` (the base,
+    then for a library layer the toolkit it goes over), as a toolkit layer whose parents are
+    those lowers."""
+    if not isinstance(lowers, Sequence):
+        lowers = (lowers,)
     from .build import _noop, _to_layer
     from .debootstrap import scrub_build_host, slim_rootfs
     from .diff import apply_diff, open_dir
@@ -200,7 +265,7 @@ def build_toolkit(
     with store.scratch("toolchain") as scratch:
         work = scratch / "overlay"
         work.mkdir()
-        _install(Path(store.open_local(base.digest)), work, toolchain.packages, apt_options,
+        _install([Path(store.open_local(lay.digest)) for lay in lowers], work, toolchain.packages, apt_options,
                  lambda n: report(stage, n, None))
         upper = work / "upper"
         report("slim", 0, None)
@@ -217,15 +282,15 @@ def build_toolkit(
             os.close(fd)
         report("slim", 1, 1)
         log.info("toolchain %s: %d files, %d whiteouts, %d bytes over %s", toolchain.name, stats.files,
-                 stats.whiteouts, stats.bytes, base.ref)
+                 stats.whiteouts, stats.bytes, " + ".join(lay.ref for lay in lowers))
         return _to_layer(store, tree, scratch, name=toolkit_name(toolchain.name), tag=suite,
-                         kind=LayerKind.TOOLKIT, parents=(base.digest,), progress=report)
+                         kind=LayerKind.TOOLKIT, parents=tuple(lay.digest for lay in lowers), progress=report)
 
 
 _PACKAGE_DONE = re.compile(r"^(Setting up|Unpacking) ")
 
 
-def _install(base_file: Path, work: Path, packages: Sequence[str], apt_options: Sequence[str],
+def _install(lower_files: Sequence[Path], work: Path, packages: Sequence[str], apt_options: Sequence[str],
              on_package: Callable[[int], None]) -> None:
     """Run chroot_apt.py in fresh mount and pid namespaces; its output's tail goes into the error."""
     if os.geteuid() != 0:
@@ -234,7 +299,7 @@ def _install(base_file: Path, work: Path, packages: Sequence[str], apt_options: 
     if unshare is None or shutil.which("chroot") is None:
         raise HostError("unshare and chroot are needed: apt-get install util-linux coreutils", binary="unshare")
     cmd = [unshare, "--mount", "--pid", "--fork", "--propagation", "private", "--",
-           sys.executable, "-m", "dsec.images.chroot_apt", "--base", str(base_file), "--dir", str(work),
+           sys.executable, "-m", "dsec.images.chroot_apt", *[f"--base={f}" for f in lower_files], "--dir", str(work),
            "--packages", ",".join(packages), *[f"--apt-option={o}" for o in apt_options]]
     tail: deque[str] = deque(maxlen=30)
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -272,6 +337,6 @@ def _package_root() -> str:
     return str(Path(__file__).resolve().parents[2])
 
 
-__all__ = ["BASE_NAME", "DEFAULT_SUITE", "TOOLCHAINS", "Built", "Toolchain", "build_toolchains", "build_toolkit",
+__all__ = ["BASE_NAME", "DEFAULT_SUITE", "PROFILES", "TOOLCHAINS", "Built", "Toolchain", "build_toolchains", "build_toolkit",
            "copy_toolchains",
-           "image_for", "parse_toolchains", "toolkit_name"]
+           "image_for", "parse_toolchains", "profile_layers", "toolkit_name"]

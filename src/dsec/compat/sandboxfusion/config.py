@@ -2,11 +2,59 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+import ipaddress
+from typing import Annotated, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from dsec.spec.api import NAME_PATTERN
 
 MiB = 1024 * 1024
+
+
+LOOPBACK: Final = ("127.0.0.0/8", "::1/128")
+
+
+class ListenerConfig(BaseModel):
+    """``[sandboxfusion.listener]``: SandboxFusion's routes at the root of a port of their own,
+    with no token, every call charged to ``project`` (listener.py). For clients with no place
+    for a token (SkyRL's verifier posts to ``http://<host>:8080/run_code``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = False
+    host: str = "127.0.0.1"
+    """The address to bind: loopback by default. Another needs ``allow`` set to the networks
+    that may call (everyone who reaches it spends ``project``'s quota)."""
+    port: Annotated[int, Field(ge=0, le=65535)] = 8080
+    project: Annotated[str | None, Field(pattern=NAME_PATTERN)] = None
+    """The project every call runs as (its quota, its sandboxes); required when enabled."""
+    allow: tuple[str, ...] = LOOPBACK
+    """Networks (CIDR) whose peers are served; others get 403."""
+
+    @model_validator(mode="after")
+    def _check(self) -> ListenerConfig:
+        nets = self.networks()  # every entry parses
+        if not self.enabled:
+            return self
+        if self.project is None:
+            raise ValueError("sandboxfusion.listener: `project` is required (the project every call is charged to)")
+        try:
+            loopback = ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            loopback = self.host == "localhost"
+        if not loopback and self.allow == LOOPBACK:
+            raise ValueError(f"sandboxfusion.listener: host {self.host!r} is not loopback: list the networks that "
+                             "may call it in `allow` (whoever reaches it spends the project's quota)")
+        if any(n.prefixlen == 0 for n in nets):
+            raise ValueError("sandboxfusion.listener: `allow` may not hold a /0 (everyone): name the networks")
+        return self
+
+    def networks(self) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+        try:
+            return tuple(ipaddress.ip_network(a, strict=False) for a in self.allow)
+        except ValueError as exc:
+            raise ValueError(f"sandboxfusion.listener.allow: {exc}") from None
 
 
 class SandboxFusionConfig(BaseModel):
@@ -17,6 +65,11 @@ class SandboxFusionConfig(BaseModel):
     prefix: Annotated[str, Field(pattern=r"^(/[a-z0-9][a-z0-9_.-]*)+$")] = "/sandboxfusion"
     suite: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9.-]*$")] = "bookworm"
     """The tag of the toolchain layers (``tc-base:<suite>``, ``tc-<language>:<suite>``)."""
+    profile: Literal["sandboxfusion"] | None = None
+    """Library layers over the toolchains (``dsec image build --toolchains ... --profile
+    sandboxfusion``): numpy, pandas... for python, lodash for node, testify for go, as in
+    SandboxFusion's image. None: the toolchains alone (Debian's interpreters, standard
+    libraries only)."""
     backend: Annotated[str, Field(pattern=r"^[a-z][a-z0-9_-]{0,31}$")] = "container"
     cpu: Annotated[float, Field(gt=0, le=256)] = 1.0
     """Cores of each request's sandbox (a CFS quota: compile and run get one core)."""
@@ -39,3 +92,5 @@ class SandboxFusionConfig(BaseModel):
     compile and run timeouts before it gives up on a request."""
     max_waiting: Annotated[int, Field(ge=0, le=1_000_000)] = 4096
     """Requests waiting for room beyond this are answered 504 at once."""
+    listener: ListenerConfig = ListenerConfig()
+    """A token-free listener for SkyRL-style clients (off by default)."""

@@ -52,11 +52,39 @@ require(main);
 """
 
 
+CSRUN_SH = r"""# dsec: C# as SandboxFusion runs it with `dotnet run` (build, then run, in one stage), with
+# Mono: every .cs file of the working directory is compiled (as a .NET project's are), then run.
+out=$(mktemp -d) || exit 1
+mcs -nologo -r:System.Numerics.dll -r:System.Core.dll -out:"$out/Program.exe" ./*.cs || exit $?
+exec mono "$out/Program.exe" "$@"
+"""
+
+JEST_CONFIG_JS = r"""'use strict';
+// dsec: jest as SandboxFusion runs it (`npm run test` over its package.json and babel.config.js):
+// tests in the working directory, TypeScript and modern JS through babel's env and typescript
+// presets (resolved here, from Debian's node modules), two workers at most.
+const babel = {
+  presets: [[require.resolve('@babel/preset-env'), {targets: {node: 'current'}}],
+            require.resolve('@babel/preset-typescript')],
+};
+module.exports = {
+  rootDir: process.cwd(),
+  maxWorkers: 2,
+  cacheDirectory: '/tmp/jest-cache',
+  transform: {'\\.[jt]sx?$': [require.resolve('babel-jest'), babel]},
+};
+"""
+
+
 @cache
 def helper(name: str) -> bytes:
-    """The bytes of helper ``name`` (``tsrun.js``, ``jupyter_driver.py``)."""
+    """The bytes of helper ``name`` (``tsrun.js``, ``jupyter_driver.py``, ``csrun.sh``, ``jest.config.js``)."""
     if name == "tsrun.js":
         return TSRUN_JS.encode()
+    if name == "csrun.sh":
+        return CSRUN_SH.encode()
+    if name == "jest.config.js":
+        return JEST_CONFIG_JS.encode()
     if name == "jupyter_driver.py":
         return Path(__file__).with_name("jupyter_driver.py").read_bytes()
     raise KeyError(name)

@@ -105,22 +105,33 @@ class SandboxFusion:
         self.served = 0
         self.sandbox_errors = 0
         self.busy = 0
+        self.unavailable = 0
 
     # ------------------------------------------------------------ requests ----
 
     async def run_code(self, control_url: str, token: str, req: RunCodeRequest) -> RunCodeResponse:
         recipe = languages.RECIPES.get(req.language)
         if recipe is None:
+            if req.language in languages.UNAVAILABLE:
+                return self._unavailable(req.language)
             served = ", ".join(languages.RECIPES)
             return self._error(RunCodeResponse, f"language {req.language!r} is not served by DSec (it serves {served})")
         self._check_timeouts(req.compile_timeout, req.run_timeout)
-        spec = self._spec(recipe.toolchain, req.memory_limit_MB)
-        ttl = req.compile_timeout + req.run_timeout + TTL_MARGIN_S
         try:
             files = _decode_files(req.files)
-            compile_cmd, run_cmd = languages.commands(recipe, list(files))
+            plan = languages.plan(recipe, req.code, list(files))
+        except languages.PlanError as exc:  # as SandboxFusion: a compile stage in Error, so SandboxError
+            stage = CommandRunResult(status=CommandRunStatus.Error, return_code=1, stderr=str(exc))
+            status, message = run_status(stage, None)
+            return RunCodeResponse(status=status, message=message, compile_result=stage)
+        except _Failed as exc:
+            return self._error(RunCodeResponse, str(exc))
+        spec = self._spec(recipe.toolchain, req.memory_limit_MB)
+        ttl = req.compile_timeout + req.run_timeout + TTL_MARGIN_S
+        compile_cmd, run_cmd = plan.compile, plan.run
+        try:
             async with self._sandbox(control_url, token, spec, ttl, recipe.toolchain) as sb:
-                await _put(sb, {recipe.source: req.code.encode(), **files}, recipe.helpers)
+                await _put(sb, {plan.source: plan.code.encode(), **files}, recipe.helpers)
                 env = {**languages.BASE_ENV, **recipe.env}
                 compiled = None
                 if compile_cmd is not None:
@@ -190,12 +201,22 @@ class SandboxFusion:
         if mb > cfg.max_memory_mb:
             raise InvalidSpec(f"memory_limit_MB {memory_mb} is more than this service allows ({cfg.max_memory_mb})",
                               field="memory_limit_MB")
-        base, toolkits = image_for(toolchain, cfg.suite)
+        base, toolkits = image_for(toolchain, cfg.suite, cfg.profile)
         return SandboxSpec(
             image=ImageRef(base=base, toolkits=toolkits),
             resources=Resources(cpu=cfg.cpu, memory=mb * MiB, disk=cfg.disk_mb * MiB, pids=cfg.pids),
             output_cap=cfg.output_cap, backend=cfg.backend, labels=dict(LABELS),
         )
+
+    def _unavailable(self, language: str) -> RunCodeResponse:
+        """SandboxFusion's answer when its image lacks the language's program (no sandbox made)."""
+        entry, stderr = languages.unavailable(language)
+        stage = CommandRunResult(status=CommandRunStatus.Finished, execution_time=0.0, return_code=127, stdout="",
+                                 stderr=stderr)
+        self.unavailable += 1
+        return RunCodeResponse(status=RunStatus.Failed, message=f"dsec: {language} cannot run here: {entry.why}",
+                               compile_result=stage if entry.stage == "compile" else None,
+                               run_result=stage if entry.stage == "run" else None)
 
     def _error(self, model: type[R], message: str) -> R:
         self.sandbox_errors += 1
@@ -252,8 +273,9 @@ class SandboxFusion:
                 continue
             except ImageError as exc:
                 self.window.release()
+                profile = f" --profile {self.config.profile}" if self.config.profile else ""
                 raise _Failed(f"{exc.message} (the {toolchain} toolchain: `dsec image build --toolchains "
-                              f"{toolchain}`)") from None
+                              f"{toolchain}{profile}`)") from None
             except DsecError as exc:
                 self.window.release()
                 raise _Failed(f"could not create a sandbox: {exc.code}: {exc.message}") from None
@@ -307,6 +329,7 @@ class SandboxFusion:
 
     def stats(self) -> dict[str, Any]:
         return {"served": self.served, "sandbox_errors": self.sandbox_errors, "busy": self.busy,
+                "unavailable": self.unavailable,
                 "deleting": len(self._deletes), "window": self.window.stats()}
 
     async def aclose(self) -> None:
