@@ -325,6 +325,8 @@ static long op(const char *name, const char *arg) {
     }
     if (!strcmp(name, "af_packet")) return socket(AF_PACKET, SOCK_RAW, 0);
     if (!strcmp(name, "raw_socket")) return socket(AF_INET, SOCK_RAW, 1);
+    if (!strcmp(name, "netlink_route_raw")) return socket(AF_NETLINK, SOCK_RAW, 0 /* NETLINK_ROUTE */);
+    if (!strcmp(name, "netlink_audit")) return socket(AF_NETLINK, SOCK_RAW, 9 /* NETLINK_AUDIT */);
     if (!strcmp(name, "tiocsti")) { char c = 'x'; return ioctl(0, TIOCSTI, &c); }
     if (!strcmp(name, "mknod")) return mknod("/tmp/dsec-probe-null", S_IFCHR | 0666, makedev(1, 3));
     if (!strcmp(name, "setuid0")) return setuid(0);

@@ -223,7 +223,7 @@ DENIED_EPERM = [
     "unshare_net", "clone_newuser", "clone_newns", "setns", "keyctl", "add_key", "request_key",
     "bpf", "perf_event_open", "userfaultfd", "kexec_load", "init_module", "finit_module",
     "delete_module", "reboot", "swapon", "clock_settime", "settimeofday", "open_by_handle_at",
-    "io_uring_setup", "io_uring_enter", "acct", "syslog", "kcmp", "af_packet", "raw_socket",
+    "io_uring_setup", "io_uring_enter", "acct", "syslog", "kcmp", "af_packet", "raw_socket", "netlink_route_raw",
     "tiocsti", "mknod", "kexec_file_load", "name_to_handle_at", "fanotify_init", "process_madvise",
     "get_mempolicy", "set_mempolicy", "quotactl", "swapoff",
 ]
@@ -260,6 +260,8 @@ def test_seccomp_denies_what_a_sandbox_never_needs(rtx: RuntimeHarness, sb) -> N
     wrong = {op: v for op, v in res.items() if op != "clone3" and v[1] != "EPERM"}
     assert not wrong, f"not denied with EPERM: {wrong}"
     assert res["clone3"] == (-1, "ENOSYS")  # so libc falls back to clone(), whose flags seccomp can see
+    # The audit socket answers as a kernel without audit: useradd and passwd carry on (EPERM aborts them).
+    assert rtx.probe(sb.id, "netlink_audit")["netlink_audit"] == (-1, "EPROTONOSUPPORT")
     # A non-root user inside gets no further.
     res = rtx.probe(sb.id, "setuid0", "mount", "unshare_user", "keyctl", user=1000)
     assert all(v[0] < 0 for v in res.values()), res

@@ -41,8 +41,19 @@ int build_seccomp(void) {
     /* Raw and packet sockets (also refused by capabilities; belt and braces). */
     if (seccomp_rule_add(ctx, SCMP_ACT_ERRNO(EPERM), SCMP_SYS(socket), 1,
                          SCMP_A0(SCMP_CMP_EQ, 17 /* AF_PACKET */)) < 0) goto fail;
-    if (seccomp_rule_add(ctx, SCMP_ACT_ERRNO(EPERM), SCMP_SYS(socket), 1,
+    if (seccomp_rule_add(ctx, SCMP_ACT_ERRNO(EPERM), SCMP_SYS(socket), 2,
+                         SCMP_A0(SCMP_CMP_NE, 16 /* AF_NETLINK */),
                          SCMP_A1(SCMP_CMP_MASKED_EQ, 0xf, 3 /* SOCK_RAW */)) < 0) goto fail;
+    if (seccomp_rule_add(ctx, SCMP_ACT_ERRNO(EPERM), SCMP_SYS(socket), 3,
+                         SCMP_A0(SCMP_CMP_EQ, 16 /* AF_NETLINK */),
+                         SCMP_A1(SCMP_CMP_MASKED_EQ, 0xf, 3 /* SOCK_RAW */),
+                         SCMP_A2(SCMP_CMP_NE, 9 /* NETLINK_AUDIT */)) < 0) goto fail;
+    /* The audit socket, raw or not, answers as a kernel without audit does: useradd, passwd and
+     * friends carry on (EPERM makes them abort: "Cannot open audit interface"). Disjoint from the
+     * rules above, so no two actions compete. */
+    if (seccomp_rule_add(ctx, SCMP_ACT_ERRNO(EPROTONOSUPPORT), SCMP_SYS(socket), 2,
+                         SCMP_A0(SCMP_CMP_EQ, 16 /* AF_NETLINK */),
+                         SCMP_A2(SCMP_CMP_EQ, 9 /* NETLINK_AUDIT */)) < 0) goto fail;
     /* ioctl(TIOCSTI) injects input into a terminal another process reads. */
     if (seccomp_rule_add(ctx, SCMP_ACT_ERRNO(EPERM), SCMP_SYS(ioctl), 1,
                          SCMP_A1(SCMP_CMP_MASKED_EQ, 0xffffffffULL, 0x5412 /* TIOCSTI */)) < 0) goto fail;
