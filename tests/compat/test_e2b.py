@@ -453,3 +453,60 @@ def test_template_build_errors_are_typed(up: dict[str, str]) -> None:
     r = httpx.post(up["E2B_API_URL"] + "/v3/templates", json={"name": "Not A Name"},
                    headers={"X-API-KEY": up["E2B_API_KEY"]}, timeout=10)
     assert r.status_code == 400 and "template name" in r.json()["message"], r.text
+
+
+# ------------------------------------------------------------ an RL framework's shape ----
+
+
+def test_slime_shaped_flow(up: dict[str, str]) -> None:
+    """slime's agent sandbox (slime/agent/sandbox.py, E2BSandbox): one AsyncSandbox per
+    trajectory, the image named by a metadata key, root sets up an unprivileged `agent`
+    user, byte uploads as octet-stream without gzip, str writes and reads as `agent`,
+    commands with envs and streaming callbacks, a failing command read from
+    CommandExitException; 8 trajectories at once, each sees only its own files."""
+    import asyncio
+
+    from e2b import AsyncSandbox, SandboxQuery
+    from e2b.sandbox.commands.command_handle import CommandExitException
+
+    run = uuid.uuid4().hex[:12]
+
+    async def trajectory(i: int) -> tuple[str, str]:
+        sb = await AsyncSandbox.create(timeout=3600, metadata={"image": "tc-base:bookworm", "size": "md", "run": run})
+        try:
+            r = await sb.commands.run("id agent >/dev/null 2>&1 || useradd -m -s /bin/bash agent; "
+                                      "mkdir -p /testbed && chown -R agent:agent /home/agent /testbed && id -u agent",
+                                      user="root", timeout=60, on_stdout=lambda s: None, on_stderr=lambda s: None)
+            assert r.exit_code == 0 and r.stdout.strip().isdigit()
+            blob = bytes([i]) * 300_000 + os.urandom(1000)
+            await sb.files.write("/testbed/blob.bin", io.BytesIO(blob), user="agent", gzip=False,
+                                 use_octet_stream=True, request_timeout=600)
+            await sb.files.write("/testbed/task.py", f"print('trajectory {i}')\n", user="agent")
+            seen: list[str] = []
+            r = await sb.commands.run("cd /testbed && python3 task.py 2>/dev/null || sed -n 's/.*(.\\(.*\\).)/\\1/p' task.py; "
+                                      "echo $RUN_ID; whoami; stat -c '%U %s' blob.bin; sha256sum blob.bin | cut -c1-16",
+                                      user="agent", envs={"RUN_ID": f"{run}-{i}"}, timeout=120,
+                                      on_stdout=seen.append, on_stderr=lambda s: None)
+            assert "".join(seen) == r.stdout
+            lines = r.stdout.split("\n")
+            import hashlib
+
+            assert lines[1:5] == [f"{run}-{i}", "agent", f"agent {len(blob)}", hashlib.sha256(blob).hexdigest()[:16]], r.stdout
+            with pytest.raises(CommandExitException) as exc:
+                await sb.commands.run("touch /etc/not-for-agent", user="agent", timeout=30)
+            assert exc.value.exit_code != 0 and "Permission denied" in exc.value.stderr
+            assert await sb.files.read("/testbed/task.py", user="agent") == f"print('trajectory {i}')\n"
+            await sb.files.write("/root/verdict.txt", f"reward={i % 2}", user="root")
+            return sb.sandbox_id, await sb.files.read("/root/verdict.txt", user="root")
+        finally:
+            await sb.kill()
+
+    async def main() -> list[tuple[str, str]]:
+        return await asyncio.gather(*(trajectory(i) for i in range(8)))
+
+    out = asyncio.run(main())
+    assert len({sid for sid, _ in out}) == 8
+    assert [v for _, v in out] == [f"reward={i % 2}" for i in range(8)]
+    from e2b import Sandbox
+
+    assert Sandbox.list(query=SandboxQuery(metadata={"run": run})).next_items() == []
