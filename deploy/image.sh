@@ -26,9 +26,9 @@ packages() {
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends "${keep[@]}" "${IMAGE_PACKAGES[@]}"
-  printf '%s\n' 'Types: deb' 'URIs: http://deb.debian.org/debian' 'Suites: bookworm-backports' \
-    'Components: main' 'Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg' \
-    > /etc/apt/sources.list.d/bookworm-backports.sources
+  # from the mirror the image's own apt sources name (src/dsec/images/aptsources.py, standard
+  # library only; python3 came with python3-venv above): a build behind a mirror keeps using it
+  python3 src/dsec/images/aptsources.py stanza bookworm-backports > /etc/apt/sources.list.d/bookworm-backports.sources
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends -t bookworm-backports runsc
   rm -rf /var/lib/apt/lists/*

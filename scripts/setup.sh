@@ -29,19 +29,17 @@ if [ "${#missing[@]}" -gt 0 ]; then
 fi
 
 # gVisor's runsc with the systrap platform: bookworm's own build (2022) has ptrace only, so
-# take it from bookworm-backports (docs/GVISOR.md). The sources file is written once.
+# take it from bookworm-backports (docs/GVISOR.md). The sources file is written once, from the
+# mirror apt's own sources name (src/dsec/images/aptsources.py: the debootstrap builder's choice,
+# standard library only): a machine behind its own mirror keeps using it.
 BACKPORTS=/etc/apt/sources.list.d/bookworm-backports.sources
 if grep -q '^VERSION_CODENAME=bookworm' /etc/os-release 2>/dev/null && [ ! -f "$BACKPORTS" ] &&
    ! grep -rqs 'bookworm-backports' /etc/apt/sources.list /etc/apt/sources.list.d/; then
-  echo "setup: enabling bookworm-backports (for gVisor's runsc)"
-  cat > "$BACKPORTS" <<'SOURCES'
-Types: deb
-URIs: http://deb.debian.org/debian
-Suites: bookworm-backports
-Components: main
-Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
-SOURCES
-  apt-get update -qq
+  if stanza=$(python3 src/dsec/images/aptsources.py stanza bookworm-backports); then
+    echo "setup: enabling bookworm-backports from $(python3 src/dsec/images/aptsources.py mirror bookworm-backports) (for gVisor's runsc)"
+    printf '%s\n' "$stanza" > "$BACKPORTS"
+    apt-get update -qq
+  fi  # else aptsources.py said why on stderr; runsc and QEMU 10 are skipped below with a warning
 fi
 if ! dpkg-query -W -f='${Version}' runsc 2>/dev/null | grep -q 'bpo'; then
   echo "setup: installing runsc from bookworm-backports"

@@ -16,6 +16,7 @@ import pytest
 
 from dsec.errors import ImageError, InvalidSpec, LayerInUse, LayerNotFound
 from dsec.images import Layer, LayerKind, LayerMounts, LocalLayerStore, UnsafeArchive, parse_ref
+from dsec.images.aptsources import deb822_sources, pick_source
 from dsec.images.debootstrap import (
     apt_sources,
     check_args,
@@ -400,6 +401,78 @@ def test_apt_one_line_format_and_missing_mirror(tmp_path: Path) -> None:
     (etc / "sources.list").write_text("deb cdrom:[Debian]/ bookworm main\n")
     with pytest.raises(LayerBuildError, match="--mirror"):
         find_mirror("bookworm", etc_apt=etc)
+
+
+REPO = Path(__file__).resolve().parents[2]
+APTSOURCES = REPO / "src" / "dsec" / "images" / "aptsources.py"
+
+
+def _corp_apt(tmp_path: Path) -> Path:
+    """A machine behind its own mirror, with a third-party repository listed first."""
+    etc = tmp_path / "apt"
+    (etc / "sources.list.d").mkdir(parents=True)
+    (etc / "sources.list").write_text(
+        "deb [signed-by=/usr/share/keyrings/cloud.gpg] https://packages.example.com/apt cloud-sdk main\n")
+    (etc / "sources.list.d/debian.sources").write_text(
+        "Types: deb\nURIs: http://mirror.corp.example/debian-security\nSuites: bookworm-security\n"
+        "Components: main\nSigned-By: /etc/apt/keyrings/corp.gpg\n\n"
+        "Types: deb\nURIs: http://mirror.corp.example/debian/\nSuites: bookworm bookworm-updates\n"
+        "Components: main non-free-firmware\nSigned-By: /etc/apt/keyrings/corp.gpg\n")
+    (etc / "sources.list.d/z-cdrom.list").write_text("deb cdrom:[Debian 12]/ bookworm main\n")
+    return etc
+
+
+def test_the_mirror_for_a_suite_is_the_release_archive_not_a_third_party_repo(tmp_path: Path) -> None:
+    etc = _corp_apt(tmp_path)
+    srcs = apt_sources(etc)
+    assert [s.uri for s in srcs] == ["https://packages.example.com/apt", "http://mirror.corp.example/debian-security",
+                                     "http://mirror.corp.example/debian/", "cdrom:[Debian 12]/"]
+    # the third-party repository comes first in apt's order and has a plain suite with main,
+    # but the release's own archive carries bookworm-backports
+    got = pick_source("bookworm-backports", srcs)
+    assert got is not None and (got.uri, got.signed_by) == ("http://mirror.corp.example/debian/", "/etc/apt/keyrings/corp.gpg")
+    assert find_mirror("bookworm-backports", etc_apt=etc).uri == "http://mirror.corp.example/debian"
+    # a source that carries the suite itself wins over the archive
+    (etc / "sources.list.d/backports.list").write_text("deb http://bpo.example/debian bookworm-backports main\n")
+    got = pick_source("bookworm-backports", apt_sources(etc))
+    assert got is not None and got.uri == "http://bpo.example/debian"
+
+
+def test_aptsources_runs_by_path_for_the_setup_scripts(tmp_path: Path) -> None:
+    """scripts/setup.sh and deploy/image.sh run it with the system python3 before any venv:
+    standard library only, no import of the dsec package."""
+    import subprocess
+    import sys
+
+    python = "/usr/bin/python3" if Path("/usr/bin/python3").exists() else sys.executable
+    etc = _corp_apt(tmp_path)
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([python, "-I", str(APTSOURCES), "--etc-apt", str(etc), *args], capture_output=True,
+                              text=True, cwd=tmp_path, timeout=30)
+
+    r = run("stanza", "bookworm-backports")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == ("Types: deb\nURIs: http://mirror.corp.example/debian\nSuites: bookworm-backports\n"
+                        "Components: main\nSigned-By: /etc/apt/keyrings/corp.gpg\n")
+    assert [s.suites for s in deb822_sources(r.stdout, "written")] == [("bookworm-backports",)]  # apt reads it back
+    assert run("mirror", "bookworm").stdout == "http://mirror.corp.example/debian\n"
+    for f in etc.rglob("*"):
+        if f.is_file():
+            f.write_text("deb cdrom:[Debian 12]/ bookworm main\n")
+    r = run("stanza", "bookworm-backports")
+    assert r.returncode == 1 and r.stdout == "" and "no Debian mirror for 'bookworm-backports'" in r.stderr
+    assert f"{etc}/sources.list.d/*.list and *.sources" in r.stderr
+    assert run("stanza", "bookworm; rm -rf /").returncode == 2
+
+
+def test_set_up_scripts_name_no_mirror_host() -> None:
+    for rel in ("scripts/setup.sh", "deploy/image.sh", "docs/GVISOR.md"):
+        text = (REPO / rel).read_text()
+        assert "deb.debian.org" not in text and "URIs: http" not in text, rel
+        assert "src/dsec/images/aptsources.py stanza bookworm-backports" in text, rel
+    assert "COPY src/dsec/images/aptsources.py src/dsec/images/aptsources.py" in (
+        REPO / "deploy" / "Containerfile").read_text()  # there before `image.sh packages` runs
 
 
 def test_debootstrap_argument_checks() -> None:

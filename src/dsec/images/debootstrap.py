@@ -1,6 +1,7 @@
 """Debian base trees with debootstrap, using the mirror apt already uses.
 
-Owns: choosing a mirror (from apt's own sources unless one is given), running
+Owns: choosing a mirror (from apt's own sources, read by :mod:`.aptsources`, unless one
+is given), running
 ``debootstrap`` into a staging directory, and slimming the result. Never
 hard-codes a mirror host: this machine may reach Debian only through the
 mirror its apt configuration names. debootstrap mounts /proc, /sys and maybe
@@ -19,30 +20,19 @@ import signal
 import subprocess
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from dsec.errors import HostError, InvalidSpec
 
+from .aptsources import ETC_APT, AptSource, apt_sources, pick_source, where
 from .errors import LayerBuildError
 from .fsutil import remove_tree
 
-ETC_APT = Path("/etc/apt")
 _PACKAGE = re.compile(r"^[a-z0-9][a-z0-9+.-]+$")
 _SUITE = re.compile(r"^[a-z0-9][a-z0-9.-]*$")
 _VARIANTS = ("minbase", "buildd", "fakechroot", "-")
-
-
-@dataclass(frozen=True)
-class AptSource:
-    """One ``deb`` line (or deb822 stanza expanded to one URI)."""
-
-    uri: str
-    suites: tuple[str, ...]
-    components: tuple[str, ...]
-    signed_by: str | None = None
-    origin: str = ""
 
 
 @dataclass(frozen=True)
@@ -52,102 +42,14 @@ class Mirror:
     origin: str = field(default="", compare=False)
 
 
-def _one_line_sources(text: str, origin: str) -> Iterator[AptSource]:
-    for raw in text.splitlines():
-        line = raw.split("#", 1)[0].strip()
-        if not line:
-            continue
-        options: dict[str, str] = {}
-        m = re.match(r"^(\S+)\s+\[([^\]]*)\]\s+(.*)$", line)
-        if m:
-            kind, opts, rest = m.groups()
-            for opt in opts.split():
-                k, _, v = opt.partition("=")
-                options[k.lower()] = v
-        else:
-            kind, _, rest = line.partition(" ")
-        if kind != "deb":
-            continue
-        words = rest.split()
-        if len(words) < 2:
-            continue
-        yield AptSource(
-            uri=words[0],
-            suites=(words[1],),
-            components=tuple(words[2:]),
-            signed_by=options.get("signed-by"),
-            origin=origin,
-        )
-
-
-def _deb822_sources(text: str, origin: str) -> Iterator[AptSource]:
-    stanzas: list[dict[str, str]] = [{}]
-    key: str | None = None
-    for raw in text.splitlines():
-        if raw.startswith("#"):
-            continue
-        if not raw.strip():
-            if stanzas[-1]:
-                stanzas.append({})
-            key = None
-            continue
-        if raw[0] in " \t" and key is not None:
-            stanzas[-1][key] += "\n" + raw.strip()
-            continue
-        k, sep, v = raw.partition(":")
-        if not sep:
-            continue
-        key = k.strip().lower()
-        stanzas[-1][key] = v.strip()
-    for st in stanzas:
-        if not st or st.get("enabled", "yes").lower() == "no":
-            continue
-        if "deb" not in st.get("types", "").split():
-            continue
-        signed = st.get("signed-by", "").strip()
-        keyring = signed if signed.startswith("/") and "\n" not in signed else None
-        for uri in st.get("uris", "").split():
-            yield AptSource(
-                uri=uri,
-                suites=tuple(st.get("suites", "").split()),
-                components=tuple(st.get("components", "").split()),
-                signed_by=keyring,
-                origin=origin,
-            )
-
-
-def apt_sources(etc_apt: Path = ETC_APT) -> list[AptSource]:
-    """Every enabled ``deb`` source, in apt's own order (files apt ignores are ignored)."""
-    out: list[AptSource] = []
-    main = etc_apt / "sources.list"
-    if main.is_file():
-        out.extend(_one_line_sources(main.read_text(errors="replace"), str(main)))
-    d = etc_apt / "sources.list.d"
-    if d.is_dir():
-        for f in sorted(d.iterdir()):
-            if f.suffix == ".list" and f.is_file():
-                out.extend(_one_line_sources(f.read_text(errors="replace"), str(f)))
-            elif f.suffix == ".sources" and f.is_file():
-                out.extend(_deb822_sources(f.read_text(errors="replace"), str(f)))
-    return out
-
-
 def find_mirror(suite: str, *, etc_apt: Path = ETC_APT) -> Mirror:
-    """The mirror apt uses for ``suite`` (or, failing that, for the host's Debian release)."""
-    sources = [
-        s
-        for s in apt_sources(etc_apt)
-        if s.uri.split(":", 1)[0] in ("http", "https", "ftp", "file")
-    ]
-    exact = [s for s in sources if suite in s.suites and "main" in s.components]
-    # A plain release suite (no -security/-updates) marks a full archive mirror, which
-    # normally carries the other releases too.
-    archive = [s for s in sources if any("-" not in x for x in s.suites) and "main" in s.components]
-    for s in exact or archive:
+    """The mirror apt uses for ``suite`` (or, failing that, the host's Debian archive mirror):
+    :func:`dsec.images.aptsources.pick_source`, the same choice the set-up scripts make."""
+    s = pick_source(suite, apt_sources(etc_apt))
+    if s is not None:
         return Mirror(uri=s.uri.rstrip("/"), keyring=s.signed_by, origin=s.origin)
     raise LayerBuildError(
-        f"no Debian mirror for {suite!r} in apt's sources ({etc_apt}/sources.list"
-        f"{'' if etc_apt != ETC_APT else ', sources.list.d/*'}); pass one with --mirror URL",
+        f"no Debian mirror for {suite!r} in apt's sources ({where(etc_apt)}); pass one with --mirror URL",
         stage="debootstrap",
     )
 
