@@ -192,7 +192,7 @@ def test_without_a_free_subnet_dsec_up_runs_loopback_only_and_says_why(
     import asyncio
 
     from dsec import AsyncClient, ImageRef, NetworkPolicy, SandboxSpec
-    from dsec.backends.container import claims
+    from dsec.backends.common import claims
     from dsec.cli.up import start_cluster
     from dsec.errors import InvalidSpec
 

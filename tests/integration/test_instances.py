@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from conftest import CGROUP_ROOT, RuntimeHarness, edge_config, pid_alive, running_edge, wait_until
-from dsec.backends.container import claims
+from dsec.backends.common import claims
 from dsec.errors import HostError
 
 pytestmark = pytest.mark.root

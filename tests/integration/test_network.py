@@ -36,7 +36,7 @@ def remote() -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def nrt(make_runtime: Callable[[str], RuntimeHarness], remote: str) -> Iterator[RuntimeHarness]:
-    from dsec.backends.container.network import NetworkConfig, Permission
+    from dsec.backends.common.network import NetworkConfig, Permission
     from dsec.backends.container.runtime import ContainerRuntime
 
     h = make_runtime("net").prepare()
@@ -52,7 +52,7 @@ def nrt(make_runtime: Callable[[str], RuntimeHarness], remote: str) -> Iterator[
     )
     h.rt = ContainerRuntime(name=h.name, state_dir=h.state_dir, run_dir=h.run_dir, network=cfg)
     names = {"remote.dsec.test": [remote]}
-    from dsec.backends.container.network import _resolve_v4
+    from dsec.backends.common.network import _resolve_v4
 
     # remote.dsec.test stands in for a DNS name (this machine has no DNS server to change)
     h.rt.net._resolver = lambda host: names[host] if host in names else _resolve_v4(host)
@@ -336,7 +336,7 @@ def test_fork_children_get_the_parents_current_policy(nrt: RuntimeHarness, remot
 
 def test_two_runtimes_on_one_host_never_collide(nrt: RuntimeHarness, make_runtime: Callable[[str], RuntimeHarness],
                                                 remote: str) -> None:
-    from dsec.backends.container.network import NetworkConfig, Permission
+    from dsec.backends.common.network import NetworkConfig, Permission
     from dsec.backends.container.runtime import ContainerRuntime
 
     other = make_runtime("net2").prepare()

@@ -1,4 +1,4 @@
-"""Host-wide claims (:mod:`dsec.backends.container.claims`) with real flock on real files:
+"""Host-wide claims (:mod:`dsec.backends.common.claims`) with real flock on real files:
 names, network tags and subnets two instances must never share, and how a holder's death
 frees them. No root needed (the claims live in a temporary directory)."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dsec.backends.container import claims
+from dsec.backends.common import claims
 from dsec.errors import HostError
 
 
@@ -78,7 +78,7 @@ def test_two_names_with_one_network_tag_are_refused(tmp_path: Path) -> None:
 
 
 def test_a_dead_holder_frees_its_claim(tmp_path: Path) -> None:
-    code = ("import sys, time; from pathlib import Path; from dsec.backends.container import claims; "
+    code = ("import sys, time; from pathlib import Path; from dsec.backends.common import claims; "
             "claims.claim_runtime(Path(sys.argv[1]), 'crashy'); print('held', flush=True); time.sleep(60)")
     proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:
@@ -172,7 +172,7 @@ def test_host_routes_are_read_from_the_kernel_table(tmp_path: Path) -> None:
 
 
 def test_the_files_of_killed_holders_are_swept_by_the_next_runtime_and_held_ones_stay(tmp_path: Path) -> None:
-    code = ("import sys, time; from pathlib import Path; from dsec.backends.container import claims; "
+    code = ("import sys, time; from pathlib import Path; from dsec.backends.common import claims; "
             "claims.claim_runtime(Path(sys.argv[1]), sys.argv[2]); print('held', flush=True); time.sleep(60)")
     procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path), name], stdout=subprocess.PIPE, text=True)
              for name in ("killed-a", "alive-b")]

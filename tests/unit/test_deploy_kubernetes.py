@@ -434,7 +434,8 @@ def test_edge_command_line_gives_a_valid_config_with_a_stable_edge_id(tmp_path: 
 
 
 def test_edge_daemonset_is_privileged_on_the_host_and_mounts_what_the_runtime_touches() -> None:
-    from dsec.backends.container import cgroups, claims
+    from dsec.backends.common import claims
+    from dsec.backends.container import cgroups
     from dsec.edge.config import EdgeConfig
 
     objs = rendered("overlays/external-postgres")

@@ -10,8 +10,8 @@ from typing import Annotated
 
 from pydantic import Field
 
+from dsec.backends.common.netconfig import NetworkConfig, Permission
 from dsec.backends.container.config import ContainerConfig
-from dsec.backends.container.netconfig import NetworkConfig, Permission
 from dsec.backends.fncall.config import FnCallConfig
 from dsec.backends.gvisor.config import GVisorConfig
 from dsec.backends.microvm.config import MicroVMConfig

@@ -11,7 +11,7 @@ port. Every host resource is named after the instance: its *node name*
 (``--node-name``, default ``up-<8 hex>``, a hash of the data directory's real
 path) names each edge's runtime ``<node>-<edge id>``, which names its cgroups,
 run directory, writable-layer store and network objects, all claimed host-wide
-at start (:mod:`dsec.backends.container.claims`). The data directory itself is
+at start (:mod:`dsec.backends.common.claims`). The data directory itself is
 locked (``up.lock``, flock, for the process's lifetime): a second instance on
 it is refused before anything starts. Each edge has a network out of the box
 (an ``"auto"`` subnet that no other instance holds), so policies work without
@@ -63,7 +63,7 @@ def check_node_name(name: str) -> str:
 def lock_data_dir(data_dir: Path) -> Any:
     """Hold ``<data_dir>/up.lock`` (a :class:`claims.Claim`, released with the process):
     HostError in one line when another ``dsec up`` runs on this data directory."""
-    from dsec.backends.container import claims
+    from dsec.backends.common import claims
 
     data_dir.mkdir(parents=True, exist_ok=True)
     claim = claims.try_claim(lock_path(data_dir), "dsec up")
@@ -109,7 +109,7 @@ def check_port_free(host: str, port: int) -> None:
 
 def data_dir_in_use(data_dir: Path) -> str:
     """Who holds ``data_dir``'s lock ("" when nobody): for a check before detaching."""
-    from dsec.backends.container import claims
+    from dsec.backends.common import claims
 
     path = lock_path(data_dir)
     if not path.exists():
@@ -314,7 +314,7 @@ def load_network_config(path: Path) -> dict[str, Any]:
     import click
     from pydantic import ValidationError
 
-    from dsec.backends.container.network import NetworkConfig
+    from dsec.backends.common.network import NetworkConfig
 
     data = _read_config(path, "--network-config")
     data = data.get("network", data) if isinstance(data, dict) else data

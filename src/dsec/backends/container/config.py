@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from dsec.backends.container.netconfig import NetworkConfig
+from dsec.backends.common.netconfig import NetworkConfig
 
 if TYPE_CHECKING:
     from dsec.backends import BackendContext

@@ -16,7 +16,7 @@ import time
 from typing import TYPE_CHECKING, Protocol
 
 from dsec.backends.base import HostFinding
-from dsec.backends.container import claims
+from dsec.backends.common import claims
 from dsec.backends.container import pause as pausing
 from dsec.backends.container.node import Node
 from dsec.backends.container.procs import pid_alive

@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
+from dsec.backends.common.network import NetworkManager
 from dsec.backends.common.records import RecordBook
 from dsec.backends.common.uppers import UpperStore
 from dsec.backends.container import pause as pausing
 from dsec.backends.container.cgroups import RuntimeCgroups
 from dsec.backends.container.layerbook import NodeLayers
-from dsec.backends.container.network import NetworkManager
 from dsec.backends.container.records import ContainerRecord
 from dsec.backends.container.spawner import Spawner
 

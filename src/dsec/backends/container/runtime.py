@@ -34,12 +34,14 @@ from dsec.backends.base import (
     HostFinding,
     check_spec,
 )
+from dsec.backends.common import claims
 from dsec.backends.common.command import UID_RANGE
 from dsec.backends.common.names import ID_RE, NAME_RE
+from dsec.backends.common.network import Lease, NetworkConfig, NetworkManager
 from dsec.backends.common.records import RecordBook
 from dsec.backends.common.uppers import UpperStore
 from dsec.backends.common.zram import ZramSwap
-from dsec.backends.container import cgroups, claims, wire
+from dsec.backends.container import cgroups, wire
 from dsec.backends.container import pause as pausing
 from dsec.backends.container import snapshot as snapshots
 from dsec.backends.container import stages as staging
@@ -49,7 +51,6 @@ from dsec.backends.container.groups import NodeGroups
 from dsec.backends.container.heal import NodeRepair
 from dsec.backends.container.hostparts import NodeHostParts
 from dsec.backends.container.layerbook import NodeLayers
-from dsec.backends.container.network import Lease, NetworkConfig, NetworkManager
 from dsec.backends.container.procs import (
     proc_identity,
     proc_start_time,

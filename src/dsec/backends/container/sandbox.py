@@ -432,7 +432,7 @@ class ContainerSandbox(SandboxCommands):
         if bad:
             raise InvalidSpec(f"not a net.* sysctl: {', '.join(bad)}", field="sysctls")
         rec = self.running()
-        from dsec.backends.container import netfilter
+        from dsec.backends.common import netfilter
 
         fd = os.open(f"/proc/{rec.init_pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
         try:

@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from dsec.backends.container.claims import AUTO
+from dsec.backends.common.claims import AUTO
 from dsec.spec import NetRule
 
 ALWAYS_BLOCKED: tuple[str, ...] = (

@@ -43,11 +43,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsec.backends.container import claims, netfilter
-from dsec.backends.container.claims import AUTO
-from dsec.backends.container.netconfig import ALWAYS_BLOCKED, NetworkConfig, Permission
-from dsec.backends.container.netmaker import NetMaker
-from dsec.backends.container.netns import (
+from dsec.backends.common import claims, netfilter
+from dsec.backends.common.claims import AUTO
+from dsec.backends.common.netconfig import ALWAYS_BLOCKED, NetworkConfig, Permission
+from dsec.backends.common.netmaker import NetMaker
+from dsec.backends.common.netns import (
     GATEWAY,
     Element,
     SlotTaken,

@@ -12,7 +12,7 @@ import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dsec.backends.container import netfilter
+from dsec.backends.common import netfilter
 from dsec.errors import HostError
 
 GATEWAY = "169.254.1.1"

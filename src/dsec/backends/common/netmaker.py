@@ -23,7 +23,7 @@ import sys
 import threading
 from typing import Any
 
-from dsec.backends.container.netns import SlotTaken
+from dsec.backends.common.netns import SlotTaken
 from dsec.errors import HostError
 
 _MAX = 64 * 1024
@@ -60,7 +60,7 @@ class NetMaker:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "dsec.backends.container.netmaker", str(child.fileno())],
+                [sys.executable, "-m", "dsec.backends.common.netmaker", str(child.fileno())],
                 pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, close_fds=True,
                 start_new_session=True,
             )
@@ -119,7 +119,7 @@ class NetMaker:
 def main(argv: list[str]) -> int:
     import ctypes
 
-    from dsec.backends.container.netns import wire_netns
+    from dsec.backends.common.netns import wire_netns
 
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL: never outlive the runtime
