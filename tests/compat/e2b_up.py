@@ -5,6 +5,7 @@ prints. The layers are built once (debootstrap + apt) and cached like the Sandbo
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import subprocess
@@ -48,6 +49,36 @@ def client_env(url: str, dsec_token: str) -> dict[str, str]:
                          env={**os.environ, "DSEC_URL": url, "DSEC_TOKEN": dsec_token}, capture_output=True,
                          text=True, timeout=60, check=True).stdout
     return dict(line.split("=", 1) for line in out.splitlines() if line)
+
+
+TINY = "tiny"
+"""A template with a 32 MiB disk (the quota tests)."""
+EXTERNAL = "DSEC_E2B_UP"
+"""JSON of a running server's env (DSEC_URL, DSEC_TOKEN, E2B's four): the tests use it instead
+of starting their own (the floor run: clients in another venv, the server in this one)."""
+
+
+def e2b_test_config(where: Path) -> Path:
+    """The control-plane config the E2B tests run with: E2B's templates plus ``tiny``."""
+    from dsec.compat.e2b import E2BConfig
+
+    templates = {k: v.model_dump() for k, v in E2BConfig().templates.items()}
+    templates[TINY] = {**templates["base"], "memory_mb": 256, "disk_mb": 32}
+    cfg = where / "e2b-control.json"
+    cfg.write_text(json.dumps({"e2b": {"templates": templates}}))
+    return cfg
+
+
+@contextlib.contextmanager
+def e2b_test_up() -> Iterator[dict[str, str]]:
+    """The server of tests/compat/test_e2b.py: $DSEC_E2B_UP's, else ``e2b_up`` with ``e2b_test_config``."""
+    given = os.environ.get(EXTERNAL)
+    if given:
+        yield json.loads(given)
+        return
+    with tempfile.TemporaryDirectory(prefix="dsec-test-e2b-cfg-") as tmp, \
+            e2b_up("--control-config", str(e2b_test_config(Path(tmp)))) as env:
+        yield env
 
 
 @contextlib.contextmanager

@@ -17,28 +17,16 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from e2b_up import e2b_up
+from e2b_up import TINY, e2b_test_up
 
 pytestmark = [pytest.mark.root, pytest.mark.timeout(900)]
 
 E2B_VARS = ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY", "E2B_DOMAIN")
 
 
-TINY = "tiny"
-"""A template with a 32 MiB disk (the quota tests)."""
-
-
 @pytest.fixture(scope="module")
-def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    import json
-
-    from dsec.compat.e2b import E2BConfig
-
-    templates = {k: v.model_dump() for k, v in E2BConfig().templates.items()}
-    templates[TINY] = {**templates["base"], "memory_mb": 256, "disk_mb": 32}
-    cfg = tmp_path_factory.mktemp("e2b-config") / "control.json"
-    cfg.write_text(json.dumps({"e2b": {"templates": templates}}))
-    with e2b_up("--control-config", str(cfg)) as env, pytest.MonkeyPatch.context() as mp:
+def up() -> Iterator[dict[str, str]]:
+    with e2b_test_up() as env, pytest.MonkeyPatch.context() as mp:
         for k in E2B_VARS:
             mp.setenv(k, env[k])
         yield env

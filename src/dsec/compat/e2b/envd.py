@@ -240,13 +240,21 @@ class ProcessService(Process):
         q = proc.subscribe()
         proc.pump = asyncio.get_running_loop().create_task(_pump(room, proc), name=f"e2b-proc-{room.id}-{proc.pid}")
         timeout_ms = ctx.timeout_ms
+        expired: list[asyncio.Future[Any]] = []  # the kill, once the deadline passed
+
+        def expire() -> None:
+            expired.append(asyncio.ensure_future(proc.term.signal("KILL")))
+
         if timeout_ms is not None and timeout_ms > 0:
             # envd ends a process with its request's deadline (Connect-Timeout-Ms: the command's timeout)
-            proc.killer = asyncio.get_running_loop().call_later(
-                timeout_ms / 1000.0, lambda: asyncio.ensure_future(proc.term.signal("KILL")))
+            proc.killer = asyncio.get_running_loop().call_later(timeout_ms / 1000.0, expire)
         try:
             yield ppb.StartResponse(event=_start_event(proc.pid))
             async for ev in _events(q, _keepalive_s(ctx.request_headers)):
+                if expired and ev.event is not None and ev.event.field == "end":
+                    # as envd: the request's context ended, not the process (clients raise TimeoutException)
+                    raise ConnectError(Code.DEADLINE_EXCEEDED, f"the command's timeout ({timeout_ms} ms) passed: "
+                                                               "it was killed")
                 yield ppb.StartResponse(event=ev)
         finally:
             proc.unsubscribe(q)
