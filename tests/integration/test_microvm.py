@@ -157,6 +157,52 @@ def test_the_guest_sees_none_of_the_host(vms: VMs) -> None:
         vms.run(vms.be.destroy(sb.id))
 
 
+def test_qemu_runs_in_its_sandboxs_network_namespace_and_reaches_none_of_the_host(vms: VMs) -> None:
+    """QEMU runs in the sandbox's own network namespace (not the host's): it and the guest
+    reach nothing the policy does not allow, the host's loopback services included; the
+    guest's eth0 is the host's to set; destroying the VM leaves its namespace clean."""
+    import socket
+
+    from dsec.backends.common.netfilter import in_netns, nft
+    from dsec.backends.microvm.network import GUEST_IP, NAT_TABLE
+
+    def has_tap() -> bool:
+        try:
+            socket.if_nametoindex("vm0")
+        except OSError:
+            return False
+        return True
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(4)
+    port = srv.getsockname()[1]
+    sb = vms.create()
+    fd = vms.be._netns_of(sb.id)
+    try:
+        assert fd is not None
+        rec = vms.be.get(sb.id)
+        assert os.stat(f"/proc/{rec.qemu_pid}/ns/net").st_ino != os.stat("/proc/self/ns/net").st_ino
+        assert rec.net is not None and vms.be.network_info(sb.id) is None  # a namespace, no policy: loopback only
+        assert in_netns(fd, has_tap)
+        assert f"inet {GUEST_IP}/30" in vms.ok(sb.id, "ip -4 addr show eth0")
+        r = vms.sh(sb.id, "ip link set eth0 down; ip addr add 10.9.9.9/24 dev eth0")
+        assert r.exit_code != 0 and b"not permitted" in r.stderr.lower(), r  # no CAP_NET_ADMIN in the guest
+        # the host's loopback services are not QEMU's: its namespace's loopback has nothing
+        assert in_netns(fd, lambda: socket.socket().connect_ex(("127.0.0.1", port))) != 0
+    finally:
+        vms.run(vms.be.destroy(sb.id))
+        srv.close()
+    try:  # the namespace went back to the pool without the VM's tap and NAT table
+        assert fd is not None
+        listing = in_netns(fd, lambda: nft("list ruleset"))
+        assert NAT_TABLE not in listing and "table inet dsec" in listing
+        assert not in_netns(fd, has_tap)
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
 def test_a_guest_that_panics_fails_its_sandbox_and_spares_its_neighbours(vms: VMs) -> None:
     from dsec.spec import SandboxState
 

@@ -271,3 +271,21 @@ def test_frames_and_answers_decode() -> None:
     assert (err.ok, err.errno, err.message) == (False, 2, "no such file")
     with pytest.raises(ValueError, match="stream broken"):
         list(w.FrameReader().feed((w.MAX_FRAME + 1).to_bytes(4, "little") + bytes(5)))
+
+
+def test_the_guest_network_constants_agree_with_the_agent() -> None:
+    """The guest's addresses are set by the agent (vmagent.h) and by the host's tap
+    (network.py): the two must say the same, or the guest's packets go nowhere."""
+    import ipaddress
+    import re
+    from pathlib import Path
+
+    from dsec.backends.microvm import network
+
+    header = (Path(network.__file__).parent / "native" / "vmagent.h").read_text()
+    got = dict(re.findall(r'#define (NET_\w+) "([^"]+)"', header))
+    assert got["NET_GUEST_IP"] == network.GUEST_IP and got["NET_GATEWAY_IP"] == network.GATEWAY_IP
+    assert got["NET_GATEWAY_MAC"] == network.GATEWAY_MAC
+    assert str(ipaddress.ip_network(f"0.0.0.0/{got['NET_NETMASK']}").prefixlen) == str(network.PREFIX)
+    net = ipaddress.ip_network(f"{network.GATEWAY_IP}/{network.PREFIX}", strict=False)
+    assert ipaddress.ip_address(network.GUEST_IP) in net

@@ -47,6 +47,12 @@ def _setns(fd: int) -> None:
         raise OSError(err, f"setns(CLONE_NEWNET): {os.strerror(err)}")
 
 
+def enter_netns(netns_fd: int) -> None:
+    """Move the calling thread into the network namespace ``netns_fd`` for good (a child
+    between fork and exec: ``preexec_fn``). Anything else uses :func:`in_netns`."""
+    _setns(netns_fd)
+
+
 def in_netns(netns_fd: int, fn: Callable[[], T]) -> T:
     """Call ``fn`` on this thread inside the namespace ``netns_fd``, then return to the host's.
 

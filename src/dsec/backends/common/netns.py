@@ -66,10 +66,18 @@ table inet dsec {{
 """
 
 
+GUEST_LINK = "vm0"
+"""A VM's tap in its sandbox's namespace: what the guest sends is forwarded, not sent, so the
+``forward`` chain sends it through the same generation chains as a process's packets (output
+for what the guest sends, input for what comes back). Containers have no such link."""
+_FORWARD = "add chain inet dsec forward { type filter hook forward priority 0; policy drop; }\n"
+"""Made by every generation (an existing chain is kept): namespaces wired before it existed get it too."""
+
+
 def generation_cmd(gen: int, elements: Sequence[Element]) -> str:
     """One transaction adding policy generation ``gen`` and making it the one in force."""
     elems = f" elements = {{ {', '.join(e.nft() for e in elements)} }} ;" if elements else ""
-    return (
+    return _FORWARD + (
         f"add set inet dsec a{gen} {{ type ipv4_addr . inet_proto . inet_service; flags interval;{elems} }}\n"
         f"add chain inet dsec o{gen}\n"
         f"add rule inet dsec o{gen} oifname \"lo\" accept\n"
@@ -83,7 +91,14 @@ def generation_cmd(gen: int, elements: Sequence[Element]) -> str:
         f"add rule inet dsec i{gen} drop\n"
         f"insert rule inet dsec output goto o{gen}\n"
         f"insert rule inet dsec input goto i{gen}\n"
+        f"{forward_gotos(gen, 'insert')}"
     )
+
+
+def forward_gotos(gen: int, verb: str) -> str:
+    """The ``forward`` chain's two rules for generation ``gen`` (``verb``: insert or add)."""
+    return (f"{verb} rule inet dsec forward iifname \"{GUEST_LINK}\" goto o{gen}\n"
+            f"{verb} rule inet dsec forward oifname \"{GUEST_LINK}\" goto i{gen}\n")
 
 
 def wire_netns(ip: str, ifname: str, never: str, into_fd: int | None = None) -> int:
@@ -164,4 +179,4 @@ def _host_ipv4_addrs() -> set[str]:
     return out
 
 
-__all__ = ["GATEWAY", "Element", "SlotTaken", "generation_cmd", "wire_netns"]
+__all__ = ["GATEWAY", "GUEST_LINK", "Element", "SlotTaken", "forward_gotos", "generation_cmd", "wire_netns"]

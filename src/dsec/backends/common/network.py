@@ -53,6 +53,7 @@ from dsec.backends.common.netns import (
     SlotTaken,
     _host_ipv4_addrs,
     _resolve_v4,
+    forward_gotos,
     generation_cmd,
     wire_netns,
 )
@@ -523,8 +524,9 @@ table ip {self.nat_table} {{
                         old.append(f"delete {kind} inet dsec {name}")
             if not old:
                 return
-            cmd = (f"flush chain inet dsec output\nflush chain inet dsec input\n"
-                   f"add rule inet dsec output goto o{keep}\nadd rule inet dsec input goto i{keep}\n")
+            cmd = (f"flush chain inet dsec output\nflush chain inet dsec input\nflush chain inet dsec forward\n"
+                   f"add rule inet dsec output goto o{keep}\nadd rule inet dsec input goto i{keep}\n"
+                   f"{forward_gotos(keep, 'add')}")
             # chains before the sets their rules use
             cmd += "\n".join(sorted(old, key=lambda c: c.split()[1] == "set")) + "\n"
             netfilter.nft(cmd)

@@ -38,6 +38,7 @@ from dsec.backends.base import (
     EdgeMeta,
     GroupOutcome,
     HostFinding,
+    NetworkFacts,
     OutputCallback,
     ShellSession,
     TtySize,
@@ -45,16 +46,19 @@ from dsec.backends.base import (
     _Unset,
     check_spec,
 )
+from dsec.backends.common import claims
 from dsec.backends.common import limits as limit_evidence
 from dsec.backends.common.cgroupsets import SandboxCgroups
 from dsec.backends.common.layers import stack_in_store
 from dsec.backends.common.names import ID_RE, NAME_RE
+from dsec.backends.common.network import Lease, NetworkManager
 from dsec.backends.common.output import check_exec, check_timed_out, collect, start_piped
 from dsec.backends.common.records import RecordBook
 from dsec.backends.common.zram import ZramSwap
 from dsec.backends.microvm import host
 from dsec.backends.microvm.config import MicroVMConfig
 from dsec.backends.microvm.machine import BOOT_ARGS, FAST_BOOT_ARGS, Accel, MachineSpec, Sockets
+from dsec.backends.microvm.network import close_tap, open_tap, qemu_netns
 from dsec.backends.microvm.qemu import QemuDriver, VmDriverError, qemu_build
 from dsec.backends.microvm.records import ISOLATION, MAX_LAYERS, MicroVMRecord, proc_start
 from dsec.backends.microvm.sandbox import MicroVM, PauseResult
@@ -67,7 +71,7 @@ from dsec.errors import (
     SandboxNotFound,
     SandboxStateError,
 )
-from dsec.spec import ImageRef, SandboxSpec, SandboxState, can_move
+from dsec.spec import ImageRef, NetworkPolicy, SandboxSpec, SandboxState, can_move
 from dsec.spec.results import ExecResult
 
 log = logging.getLogger("dsec.microvm")
@@ -100,10 +104,13 @@ class MicroVMBackend(BackendBase):
         self.capabilities = Capabilities(
             kind=self.kind,
             ops=frozenset({Capability.SANDBOXES, Capability.EXEC, Capability.SESSIONS, Capability.FILES,
-                           Capability.PAUSE, Capability.FORK}),
+                           Capability.PAUSE, Capability.FORK, Capability.NETWORK}),
             isolation=ISOLATION,
         )
         self.loop = VmLoop(name)
+        self.net = NetworkManager(self.config.network, runtime=name, claims_dir=claims.claims_dir())
+        """Every VM's network namespace (:mod:`dsec.backends.microvm.network`); used on the VM loop."""
+        self.net.open_netns = self._netns_of
         self._sandboxes: dict[str, MicroVMRecord] = {}
         self._vms: dict[str, MicroVM] = {}
         self._locks: dict[str, asyncio.Lock] = {}
@@ -187,6 +194,7 @@ class MicroVMBackend(BackendBase):
         if self.swap.size > 0:
             await asyncio.to_thread(self.swap.ensure)
         self.loop.start()
+        await self.loop.call(self.net.start(prefill=self.config.network is not None))
         self.templates = TemplateStore(
             ram_dir=self.ram_dir, disk_dir=self.state_dir / "templates" / self.name, sock_dir=self.sock_dir, qemu_img=qemu_img,
             boot_timeout_s=cfg.boot_timeout_s, boot_attempts=cfg.boot_attempts, start_vm=self._start_template_vm,
@@ -220,6 +228,12 @@ class MicroVMBackend(BackendBase):
         if self._quiet_watch is not None:
             self._quiet_watch.cancel()
             self._quiet_watch = None
+        if self.loop.loop is not None:
+            with contextlib.suppress(Exception):
+                await self.loop.call(self.net.close())
+            if destroy_all and self.net.host_tables_made and not self._sandboxes:
+                with contextlib.suppress(Exception):
+                    await asyncio.to_thread(self.net.remove_host_rules)
         self.loop.stop()
         if destroy_all:
             await asyncio.to_thread(self.cgroups.remove_parents)
@@ -287,6 +301,8 @@ class MicroVMBackend(BackendBase):
                     await self.loop.call(vm.close())
                 else:
                     vm.paused = rec.state is SandboxState.PAUSED
+                    if rec.net is not None:
+                        self.net.adopt(sid, rec.net, rec.current_policy())
                     vm.on_exit(lambda s=sid: self._vm_gone(s))  # type: ignore[misc]
                     self._vms[sid] = vm
                     self._sandboxes[sid] = rec
@@ -396,7 +412,7 @@ class MicroVMBackend(BackendBase):
                            kernel=self.guest.vmlinux, initrd=self.guest.initrd, guest_digest=self.guest.digest,
                            accel=accel or self.accel, vcpus=vcpus, memory_mib=memory_mib,
                            tb_size_mib=self.config.tb_size_mib, cmdline=cmdline,
-                           layer_digests=tuple(layers), upper_bytes=upper_bytes, extra=extra)
+                           layer_digests=tuple(layers), upper_bytes=upper_bytes, extra=extra, net=True)
 
     async def _start_template_vm(self, label: str, argv: list[str], sockets: Any, logfile: Path) -> QemuDriver:
         cg = label
@@ -539,6 +555,8 @@ class MicroVMBackend(BackendBase):
         existing = self._sandboxes.get(sid)
         if existing is not None:
             return existing
+        if spec.network is not None:  # bad names fail first, before anything is made
+            await self.loop.call(self.net.compile(spec.network))
         layers = self._layers_for(spec.image)
         res = spec.resources
         rec = MicroVMRecord(sid, SandboxState.CREATING, spec, time.time(), edge=edge or EdgeMeta(), layers=layers,
@@ -582,7 +600,7 @@ class MicroVMBackend(BackendBase):
                      enter=lambda pid: self.cgroups.enter(sid, pid))
         self._vms[sid] = vm
         t0 = time.perf_counter()
-        await vm.restore(hostname=sid, warm=self.config.warm_up)
+        await self._restore_networked(rec, vm, rec.spec.network, warm=self.config.warm_up)
         rec.restore_s = time.perf_counter() - t0
         rec.qemu_pid = vm.driver.pid
         rec.qemu_start = proc_start(vm.driver.pid)
@@ -616,11 +634,24 @@ class MicroVMBackend(BackendBase):
         sid = rec.id
         left: list[str] = []
         vm = self._vms.pop(sid, None)
+        # its network namespace, taken before QEMU (which holds it) goes: back to the pool
+        netns = self._netns_of(sid) if rec.net is not None else None
         if vm is not None:
             await vm.close()
         elif rec.qemu_pid > 0 and proc_start(rec.qemu_pid) == rec.qemu_start:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(rec.qemu_pid, 9)
+        if netns is not None:
+            try:
+                await asyncio.to_thread(close_tap, netns)
+            except Exception as exc:
+                log.debug("microvm %s: the network of %s: %s", self.name, sid, exc)
+                os.close(netns)
+                self.net.forget(sid)
+            else:
+                self.net.recycle(sid, netns)  # takes the fd
+        else:
+            self.net.forget(sid)
         left += [f"cgroup {p}" for p in await self.cgroups.remove(sid)]
         await asyncio.to_thread(shutil.rmtree, self.vms_dir / sid, True)
         for p in (Sockets.under(self.sock_dir, sid).qmp, Sockets.under(self.sock_dir, sid).agent):
@@ -761,7 +792,7 @@ class MicroVMBackend(BackendBase):
                 self._sandboxes[cid] = rec
                 made.append(rec)
                 self.records.save(rec)
-                await self.loop.call(self._clone(rec, tmpl, point, exclude))
+                await self.loop.call(self._clone(rec, tmpl, point, exclude, parent.current_policy()))
                 self.records.move(rec, SandboxState.RUNNING)
                 self.records.event(rec, "forked", parent=sandbox_id, saved_s=round(saved_s, 6))
                 self.last_activity[cid] = time.monotonic()
@@ -777,8 +808,10 @@ class MicroVMBackend(BackendBase):
         finally:
             await asyncio.to_thread(shutil.rmtree, where, True)
 
-    async def _clone(self, rec: MicroVMRecord, tmpl: Template, point: Any, exclude: Sequence[str]) -> None:
-        """On the VM loop: a fork's child from the parent's saved state."""
+    async def _clone(self, rec: MicroVMRecord, tmpl: Template, point: Any, exclude: Sequence[str],
+                     policy: NetworkPolicy | None) -> None:
+        """On the VM loop: a fork's child from the parent's saved state (``policy``: the
+        parent's, in force in the child from its first instruction)."""
         sid = rec.id
         rec.template = tmpl.key
         rec.uid = self._take_uid()
@@ -793,7 +826,7 @@ class MicroVMBackend(BackendBase):
         vm = MicroVM(sid, vdir, Sockets.under(self.sock_dir, sid), tmpl, files, uid=rec.uid,
                      enter=lambda pid: self.cgroups.enter(sid, pid))
         self._vms[sid] = vm
-        await vm.restore(hostname=sid, fork_of=point)
+        await self._restore_networked(rec, vm, policy, fork_of=point)
         if exclude:
             await vm.forget_paths(exclude)
         rec.qemu_pid = vm.driver.pid
@@ -871,8 +904,107 @@ class MicroVMBackend(BackendBase):
     def store_space(self) -> tuple[int, int] | None:
         return None
 
+    # ----- network -----
+
+    def _netns_of(self, sandbox_id: str) -> int | None:
+        """An fd of a networked VM's namespace (its QEMU's); None when it is gone or has none."""
+        rec = self._sandboxes.get(sandbox_id)
+        if rec is None or rec.net is None or rec.qemu_pid <= 0 or proc_start(rec.qemu_pid) != rec.qemu_start:
+            return None
+        return qemu_netns(rec.qemu_pid)
+
+    async def _restore_networked(self, rec: MicroVMRecord, vm: MicroVM, policy: NetworkPolicy | None,
+                                 **restore: Any) -> None:
+        """On the VM loop: a namespace from the node's pool, the guest's tap in it, ``policy``
+        in force (or deny-all), then the VM restored with QEMU in that namespace. QEMU holds
+        the namespace and the tap from then on; on failure the lease is given back."""
+        sid = rec.id
+        lease: Lease = await self.net.take()
+        tap = -1
+        try:
+            tap = await asyncio.to_thread(open_tap, lease.fd)
+            if policy is not None:
+                await self.net.apply(sid, lease.fd, lease.info(), policy, fresh=True)
+            else:
+                self.net.adopt(sid, lease.info(), None)
+            rec.net = {**lease.info(), "policy": None if policy is None else policy.model_dump(mode="json")}
+            await vm.restore(hostname=sid, netns_fd=lease.fd, tap_fd=tap, **restore)
+            rec.qemu_pid = vm.driver.pid
+            rec.qemu_start = proc_start(vm.driver.pid)
+        except BaseException:
+            if sid in self.net.sandboxes:
+                self.net.forget(sid)
+            else:
+                self.net.release(lease)
+            rec.net = None
+            raise
+        finally:
+            if tap >= 0:
+                os.close(tap)
+            os.close(lease.fd)  # QEMU holds the namespace now (or it goes with the failure)
+
+    async def set_policy(self, sandbox_id: str, policy: NetworkPolicy | None) -> MicroVMRecord:
+        """Replace a VM's network policy at once (one nftables transaction in its namespace);
+        ``None``: nothing beyond loopback. Works while paused or stopped for being quiet."""
+        rec = self.get(sandbox_id)
+        if rec.state not in (SandboxState.RUNNING, SandboxState.PAUSED):
+            raise SandboxStateError(f"sandbox {sandbox_id} is {rec.state.value}", sandbox_id=sandbox_id,
+                                    state=rec.state.value)
+        async with self._locks.setdefault(sandbox_id, asyncio.Lock()):
+            cut = await self.loop.call(self._set_policy(rec, policy))
+        dumped = None if policy is None else policy.model_dump(mode="json")
+        self.records.save(rec)
+        self.records.event(rec, "policy_changed", policy=dumped, connections_cut=cut)
+        return rec
+
+    async def _set_policy(self, rec: MicroVMRecord, policy: NetworkPolicy | None) -> int:
+        compiled = None if policy is None else await self.net.compile(policy)
+        fd = self._netns_of(rec.id)
+        if fd is None or rec.net is None:
+            raise SandboxFailed(f"sandbox {rec.id}: its VM (and network namespace) is gone", sandbox_id=rec.id,
+                                reason="vm_exited")
+        try:
+            cut = await self.net.apply(rec.id, fd, rec.net, policy, compiled=compiled)
+        finally:
+            os.close(fd)
+        rec.net = {**rec.net, "policy": None if policy is None else policy.model_dump(mode="json")}
+        return cut
+
+    def network_info(self, sandbox_id: str) -> NetworkFacts | None:
+        """Address, policy and refused-packet counts; None when no policy is in force (the VM
+        then reaches nothing beyond its loopback)."""
+        rec = self.get(sandbox_id)
+        if rec.net is None or rec.net.get("policy") is None:
+            return None
+        st = self.net.sandboxes.get(sandbox_id)
+        return {"ip": rec.net.get("ip"), "ifname": rec.net.get("ifname"), "gateway": self.net.gateway,
+                "policy": rec.net.get("policy"), "denied_packets": st.denied_seen if st else 0,
+                "denied_recent": list(st.denied_recent) if st else []}
+
     async def collect_denied(self) -> dict[str, int]:
-        return {}
+        """Read every VM's refused-packet counter; a ``net_denied`` event where it grew."""
+        return await self.loop.call(self._collect_denied())
+
+    async def _collect_denied(self) -> dict[str, int]:
+        grown: dict[str, int] = {}
+        for sid, st in list(self.net.sandboxes.items()):
+            rec = self._sandboxes.get(sid)
+            if rec is None or rec.state not in (SandboxState.RUNNING, SandboxState.PAUSED):
+                continue
+            fd = self._netns_of(sid)
+            if fd is None:
+                continue
+            try:
+                total, dests = await self.net.denied(sid, fd)
+            except Exception:
+                continue
+            finally:
+                os.close(fd)
+            st.denied_recent = dests[-16:]
+            if total > st.denied_seen:
+                grown[sid], st.denied_seen = total - st.denied_seen, total
+                self.records.event(rec, "net_denied", count=grown[sid], total=total, destinations=dests[-16:])
+        return grown
 
     async def heal(self, *, repair: bool = True) -> builtins.list[HostFinding]:
         found: list[HostFinding] = []

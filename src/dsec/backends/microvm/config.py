@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from dsec.backends.common.netconfig import NetworkConfig
+
 if TYPE_CHECKING:
     from dsec.backends import BackendContext
     from dsec.backends.base import Backend
@@ -22,6 +24,11 @@ class MicroVMConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     kind: Literal["microvm"] = "microvm"
+    network: NetworkConfig | None = None
+    """Sandbox networking, as a container's (named permissions, always-blocked ranges, the
+    prepared-namespace pool; docs/EDGE.md): every VM's QEMU runs in its sandbox's namespace
+    and its NIC is a tap there (docs/MICROVM.md, "Network"). None: the defaults (no named
+    permissions; a policy's own rules still apply)."""
     qemu: Path | None = None
     """``qemu-system-x86_64``; None: on PATH (QEMU 10 from bookworm-backports; scripts/setup.sh)."""
     kernel: Path | None = None

@@ -47,12 +47,12 @@ META_PACKAGE = "linux-image-cloud-amd64/bookworm-backports"
 MODULES: tuple[str, ...] = (
     "virtio_mmio", "virtio_blk", "libcrc32c", "erofs", "overlay",
     "vsock", "vmw_vsock_virtio_transport_common", "vmw_vsock_virtio_transport",
-    "virtio_rng", "virtio_balloon",
+    "virtio_rng", "virtio_balloon", "virtio_net", "inet_diag", "tcp_diag",
 )
 """Modules the initramfs carries (with their dependencies), loaded in dependency order.
 ``virtio_console`` and ext4 are built into Debian's cloud kernel."""
 OPTIONAL_MODULES = frozenset({"vsock", "vmw_vsock_virtio_transport_common", "vmw_vsock_virtio_transport",
-                              "virtio_rng", "virtio_balloon"})
+                              "virtio_rng", "virtio_balloon", "inet_diag", "tcp_diag"})
 TUNE = ("console=hvc0 quiet panic=-1 reboot=t "
         "initcall_blacklist=load_system_certificate_list,jent_mod_init,bpf_tcp_ca_kfunc_init,"
         "bpf_dummy_struct_ops_init,bert_init,init_encrypted,lockup_detector_check,trace_eval_init,"
@@ -124,13 +124,19 @@ def kernel_cmdline(*extra: str) -> str:
 # ---------------------------------------------------------------- the kernel ----
 
 
+def _kernel_dir(cache_dir: Path, deb_sha: str) -> Path:
+    """Named by the package and the module list: a new MODULES extracts the package again."""
+    mods = hashlib.sha256("\n".join(MODULES).encode()).hexdigest()[:8]
+    return cache_dir / "kernels" / f"{deb_sha[:16]}-{mods}"
+
+
 def _debian_kernel(cache_dir: Path, *, refresh: bool) -> Path:
     """The extracted kernel directory, downloading and extracting when needed."""
     meta_path = cache_dir / "kernel.json"
     if not refresh and meta_path.is_file():
         try:
             meta = json.loads(meta_path.read_text())
-            kdir = cache_dir / "kernels" / str(meta["deb"])[:16]
+            kdir = _kernel_dir(cache_dir, str(meta["deb"]))
             if (kdir / "vmlinux").is_file() and (kdir / "release").is_file():
                 return kdir
         except (ValueError, KeyError, TypeError):
@@ -139,7 +145,7 @@ def _debian_kernel(cache_dir: Path, *, refresh: bool) -> Path:
     package = _kernel_package()
     deb = _download(package, cache_dir / "debs")
     sha = _sha256(deb)
-    kdir = cache_dir / "kernels" / sha[:16]
+    kdir = _kernel_dir(cache_dir, sha)
     if not (kdir / "vmlinux").is_file():
         _extract(deb, kdir)
     release = (kdir / "release").read_text().strip()

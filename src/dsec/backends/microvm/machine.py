@@ -74,6 +74,9 @@ class MachineSpec:
     """The writable disk's size (the sandbox's disk quota)."""
     extra: tuple[tuple[str, str], ...] = field(default_factory=tuple)
     """Guest settings passed on the kernel command line as ``dsec.<key>=<value>``."""
+    net: bool = False
+    """A virtio-net NIC (:mod:`dsec.backends.microvm.network`): its template boots with it on
+    an empty hub; a clone's is the tap in its sandbox's namespace."""
 
     def append(self) -> str:
         return " ".join([*self.cmdline, *(f"dsec.{k}={v}" for k, v in self.extra)])
@@ -137,11 +140,14 @@ class Sockets:
 
 def qemu_argv(m: MachineSpec, disks: Sequence[Disk], sockets: Sockets, *, ram: RamFile | None,
               incoming: bool = False, name: str = "dsec-vm", run_as: tuple[int, int] | None = None,
-              confine: bool = True) -> list[str]:
+              confine: bool = True, tap_fd: int | None = None) -> list[str]:
     """The command line of one microVM. ``incoming``: start stopped, waiting for a restore
     (``migrate-incoming``). ``run_as``: QEMU drops to this uid:gid once its files are open.
     ``confine``: QEMU's seccomp filter (no new processes, no privilege changes, no obsolete
-    system calls, no resource-control calls)."""
+    system calls, no resource-control calls). ``tap_fd``: the NIC's tap (QEMU inherits the
+    fd); without it a machine with ``net`` has its NIC on a hub with nothing else (a template).
+    Neither offers a virtio-net header (the tap is made without ``IFF_VNET_HDR``): the NIC's
+    features are the same on both, so a clone restores what its template negotiated."""
     machine = "microvm,x-option-roms=off,isa-serial=off,pic=on,rtc=on"
     accel = "kvm" if m.accel == "kvm" else f"tcg,thread=single,tb-size={m.tb_size_mib}"
     argv = [
@@ -163,6 +169,11 @@ def qemu_argv(m: MachineSpec, disks: Sequence[Disk], sockets: Sockets, *, ram: R
         opts = "share=on" if ram.shared else "share=off,readonly=on,rom=off"
         argv += ["-object", f"memory-backend-file,id=ram,size={m.memory_mib}M,mem-path={ram.path},{opts}",
                  "-machine", "memory-backend=ram"]
+    if m.net:
+        from dsec.backends.microvm.network import GUEST_MAC
+
+        backend = "hubport,id=n0,hubid=0" if tap_fd is None else f"tap,id=n0,fd={tap_fd}"
+        argv += ["-netdev", backend, "-device", f"virtio-net-device,netdev=n0,mac={GUEST_MAC}"]
     for i, d in enumerate(disks):
         # a writable disk is the sandbox's own and disposable: the guest's flushes are not
         # waited for (the host's page cache holds its writes; a snapshot freezes the guest first)

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 from qemu.qmp import QMPClient
 from qemu.qmp.error import QMPError
 
+from dsec.backends.common.netfilter import enter_netns
 from dsec.backends.microvm.records import proc_start as _proc_start
 from dsec.errors import HostError
 
@@ -65,8 +66,13 @@ class QemuDriver:
     QMP, ended by :meth:`quit` or :meth:`kill`. Its stdout/stderr go to ``log``."""
 
     def __init__(self, argv: Sequence[str], *, qmp_socket: Path, log: Path,
-                 cgroup_enter: Any = None, env: Mapping[str, str] | None = None) -> None:
+                 cgroup_enter: Any = None, env: Mapping[str, str] | None = None,
+                 netns_fd: int | None = None, pass_fds: Sequence[int] = ()) -> None:
+        """``netns_fd``: the network namespace QEMU starts in (its sandbox's); ``pass_fds``:
+        fds QEMU inherits under their numbers (the NIC's tap)."""
         self.argv = list(argv)
+        self._netns_fd = netns_fd
+        self._pass_fds = tuple(pass_fds)
         self.qmp_socket = qmp_socket
         self.log = log
         self._enter = cgroup_enter
@@ -82,9 +88,11 @@ class QemuDriver:
     async def start(self, *, deadline_s: float = 10.0) -> None:
         """Start QEMU and connect to its QMP socket (QEMU makes it within ~20-30 ms)."""
         with open(self.log, "ab") as out:
+            netns = self._netns_fd
             self._proc = await asyncio.create_subprocess_exec(
                 *self.argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=self._env,
-                start_new_session=True,
+                start_new_session=True, pass_fds=self._pass_fds,
+                preexec_fn=None if netns is None else (lambda: enter_netns(netns)),
             )
         self.pid = self._proc.pid
         if self._enter is not None:

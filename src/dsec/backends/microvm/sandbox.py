@@ -180,10 +180,13 @@ class MicroVM:
             proc = await agent.exec(["sh", "-c", ":"], cwd="/")
             await proc.wait(timeout=30)
 
-    async def restore(self, *, hostname: str, warm: bool = False, fork_of: ForkPoint | None = None) -> None:
+    async def restore(self, *, hostname: str, warm: bool = False, fork_of: ForkPoint | None = None,
+                      netns_fd: int | None = None, tap_fd: int | None = None) -> None:
         """Start this VM as a clone of its template (its RAM a copy-on-write map of the
         template's), or, with ``fork_of``, as a child of a running VM saved at that instant
-        (its RAM loaded whole from the parent's state, its disk a copy of the parent's)."""
+        (its RAM loaded whole from the parent's state, its disk a copy of the parent's).
+        ``netns_fd``/``tap_fd``: the sandbox's network namespace, where QEMU runs, and the
+        NIC's tap in it (:mod:`dsec.backends.microvm.network`); the caller keeps both fds."""
         tmpl = self.template
         src = tmpl.overlay_seed if fork_of is None else fork_of.disk
         await asyncio.to_thread(shutil.copyfile, src, self.disk)
@@ -197,9 +200,10 @@ class MicroVM:
                  Disk(self.disk, "dsec-up", readonly=False, format="qcow2")]
         ram = RamFile(tmpl.ram, shared=False) if fork_of is None else RamFile(None, shared=False)
         argv = qemu_argv(tmpl.machine, disks, self.sockets, ram=ram, incoming=True,
-                         name=f"dsec-{self.id}", run_as=(self.uid, self.uid))
+                         name=f"dsec-{self.id}", run_as=(self.uid, self.uid), tap_fd=tap_fd)
         self.driver = QemuDriver(argv, qmp_socket=self.sockets.qmp, log=self.dir / "qemu.log",
-                                 cgroup_enter=self._enter)
+                                 cgroup_enter=self._enter, netns_fd=netns_fd,
+                                 pass_fds=() if tap_fd is None else (tap_fd,))
         marks = [time.perf_counter()]
         await self.driver.start()
         marks.append(time.perf_counter())

@@ -28,6 +28,11 @@
 #include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <net/if.h>
+#include <net/if_arp.h>
+#include <net/route.h>
+#include <netinet/in.h>
+#include <arpa/inet.h>
+#include <sys/prctl.h>
 #include <sys/mount.h>
 #include <sys/reboot.h>
 #include <sys/resource.h>
@@ -42,6 +47,10 @@
 #include <termios.h>
 #include <time.h>
 #include <unistd.h>
+
+#ifndef CAP_NET_ADMIN
+#define CAP_NET_ADMIN 12 /* linux/capability.h (not in musl's headers) */
+#endif
 
 /* Kernel ABI the musl headers lack (linux/fs.h, linux/openat2.h, linux/random.h). */
 #define FIFREEZE _IOWR('X', 119, int)
@@ -179,6 +188,55 @@ static void loopback_up(void) {
     } else {
         logk("loopback: %s\n", strerror(errno));
     }
+    close(fd);
+}
+
+static void set_sin(struct sockaddr *sa, const char *ip) {
+    struct sockaddr_in sin;
+    memset(&sin, 0, sizeof sin);
+    sin.sin_family = AF_INET;
+    inet_pton(AF_INET, ip, &sin.sin_addr);
+    memcpy(sa, &sin, sizeof sin);
+}
+
+/* eth0 (a VM given a NIC: its sandbox may have network) addressed, up and routed through the
+ * gateway, whose MAC is fixed (a permanent neighbour). A clone keeps all of it from its
+ * template; the host's tap answers as the gateway. Commands run without CAP_NET_ADMIN
+ * (child_exec), so root inside cannot change it, as in a container. */
+static void network_up(void) {
+    int fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return;
+    struct ifreq ifr;
+    memset(&ifr, 0, sizeof ifr);
+    snprintf(ifr.ifr_name, sizeof ifr.ifr_name, "eth0");
+    if (ioctl(fd, SIOCGIFFLAGS, &ifr) < 0) { close(fd); return; } /* no NIC: no network */
+    set_sin(&ifr.ifr_addr, NET_GUEST_IP);
+    if (ioctl(fd, SIOCSIFADDR, &ifr) < 0) logk("eth0: address: %s\n", strerror(errno));
+    set_sin(&ifr.ifr_netmask, NET_NETMASK);
+    if (ioctl(fd, SIOCSIFNETMASK, &ifr) < 0) logk("eth0: netmask: %s\n", strerror(errno));
+    if (ioctl(fd, SIOCGIFFLAGS, &ifr) == 0) {
+        ifr.ifr_flags |= IFF_UP | IFF_RUNNING;
+        if (ioctl(fd, SIOCSIFFLAGS, &ifr) < 0) logk("eth0: up: %s\n", strerror(errno));
+    }
+    struct arpreq ar;
+    memset(&ar, 0, sizeof ar);
+    set_sin(&ar.arp_pa, NET_GATEWAY_IP);
+    ar.arp_ha.sa_family = ARPHRD_ETHER;
+    unsigned m[6];
+    if (sscanf(NET_GATEWAY_MAC, "%x:%x:%x:%x:%x:%x", &m[0], &m[1], &m[2], &m[3], &m[4], &m[5]) == 6)
+        for (int i = 0; i < 6; i++) ar.arp_ha.sa_data[i] = (char)m[i];
+    ar.arp_flags = ATF_PERM | ATF_COM;
+    snprintf(ar.arp_dev, sizeof ar.arp_dev, "eth0");
+    if (ioctl(fd, SIOCSARP, &ar) < 0) logk("eth0: gateway neighbour: %s\n", strerror(errno));
+    struct rtentry rt;
+    memset(&rt, 0, sizeof rt);
+    set_sin(&rt.rt_dst, "0.0.0.0");
+    set_sin(&rt.rt_genmask, "0.0.0.0");
+    set_sin(&rt.rt_gateway, NET_GATEWAY_IP);
+    rt.rt_flags = RTF_UP | RTF_GATEWAY;
+    char dev[] = "eth0";
+    rt.rt_dev = dev;
+    if (ioctl(fd, SIOCADDRT, &rt) < 0) logk("eth0: default route: %s\n", strerror(errno));
     close(fd);
 }
 
@@ -347,6 +405,7 @@ static void boot(void) {
     read_cmdline();
     setup_cgroups();
     loopback_up();
+    network_up();
     devnull = open("/dev/null", O_RDWR | O_CLOEXEC);
     setup_root();
     sysroot_fd = open("/sysroot", O_PATH | O_DIRECTORY | O_CLOEXEC);
@@ -1084,6 +1143,8 @@ static void child_exec(struct req *r, struct chan *c, int report, int in_r, int 
     umask(022);
     if (chroot("/sysroot") < 0 || chdir("/") < 0) child_fail(report, ST_SETUP);
     if (chdir(r->cwd) < 0) child_fail(report, ST_CWD);
+    /* The guest's network is the host's to set (network_up): no command may change it. */
+    if (prctl(PR_CAPBSET_DROP, CAP_NET_ADMIN, 0, 0, 0) < 0) child_fail(report, ST_SETUP);
     if (setgroups(0, NULL) < 0 || setgid(r->gid) < 0 || setuid(r->uid) < 0) child_fail(report, ST_USER);
     exec_search(r);
     child_fail(report, ST_EXEC);

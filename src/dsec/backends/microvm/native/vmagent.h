@@ -23,6 +23,13 @@
 #define MAX_LAYERS 16             /* dsec-l0 .. dsec-l15 */
 #define STDIN_WINDOW (256 * 1024) /* stdin bytes the host may have in flight per exec */
 #define DEFAULT_WINDOW (256 * 1024)
+/* The guest's network (network.py holds the same values): eth0, when the VM has a NIC, is
+ * NET_GUEST_IP/30 behind NET_GATEWAY_IP, the tap in its sandbox's network namespace on the
+ * host, whose MAC is fixed (a permanent neighbour: nothing to resolve after a restore). */
+#define NET_GUEST_IP "192.0.2.2"
+#define NET_GATEWAY_IP "192.0.2.1"
+#define NET_NETMASK "255.255.255.252"
+#define NET_GATEWAY_MAC "02:64:73:65:63:01"
 #define DEFAULT_PATH "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 /* frame types */
