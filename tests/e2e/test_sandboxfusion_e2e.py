@@ -549,7 +549,7 @@ TRIVIAL: dict[str, tuple[str, str]] = {  # language -> (code that reads "40 2" a
     "scala": ("object Adder {\n  def main(args: Array[String]): Unit = {\n    val Array(a, b) = scala.io.StdIn.readLine()"
               ".trim.split(\" \").map(_.toLong)\n    println(a + b)\n  }\n}\n", "42\n"),
     "kotlin_script": ("val (a, b) = readLine()!!.trim().split(\" \").map { it.toLong() }\nprintln(a + b)\n", "42\n"),
-    "D_ut": ("import std.stdio, std.conv, std.string, std.array, std.algorithm;\nunittest { assert(1 + 1 == 2); }\n"
+    "D_ut": ("import std.stdio, std.conv, std.string, std.array, std.algorithm;\n"
              "void main() { auto p = readln().strip().split().map!(to!long).array; writeln(p[0] + p[1]); }\n", "42\n"),
     "racket": ("#lang racket\n(define a (read))\n(define b (read))\n(displayln (+ a b))\n", "42\n"),
     "verilog": ("module tb;\n  integer a = 40, b = 2;\n  initial begin\n    $display(\"%0d\", a + b);\n    $finish;\n"
@@ -614,6 +614,13 @@ def test_php_gets_its_tag_and_more_languages_time_out(more: dict[str, str]) -> N
     assert r["status"] == "Failed" and r["run_result"]["status"] == "TimeLimitExceeded", r
     r = _ask(more["ep"], "perl", "die 'boom'\n")
     assert r["status"] == "Failed" and r["run_result"]["return_code"] != 0 and "boom" in r["run_result"]["stderr"]
+    # D_ut: built with -unittest; with unittest blocks they run (not main), a failing one fails the run
+    d = "unittest { assert(1 + 1 == 2); }\nunittest { assert(1 + 1 == 3, \"math\"); }\nvoid main() {}\n"
+    r = _ask(more["ep"], "D_ut", d)
+    assert r["status"] == "Failed" and r["compile_result"]["return_code"] == 0, r
+    assert r["run_result"]["return_code"] == 1 and "1/1 modules FAILED unittests" in r["run_result"]["stderr"], r
+    r = _ask(more["ep"], "D_ut", "import std.stdio;\nunittest { assert(1 + 1 == 2); }\nvoid main() { writeln(1); }\n")
+    assert r["status"] == "Success" and r["run_result"]["return_code"] == 0, r
 
 
 # ------------------------------------------ the sandboxfusion profile (issue 27) ----

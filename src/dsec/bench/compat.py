@@ -33,6 +33,9 @@ HTTP request per call, no kept-alive session):
   like on a host whose load changes;
 - ``load1``: the host's load average at the end (a loaded host inflates every figure).
 
+**sf_languages**: :mod:`dsec.bench.compat_languages` (``sf_languages_served``, each
+language's p50 beside a local run, the toolkit layers' sizes).
+
 **swerex**: :mod:`dsec.bench.compat_swerex` (its module says what it measures).
 
 Must never: leave a sandbox behind (each all-in-one stops with Ctrl-C, destroying them).
@@ -310,6 +313,12 @@ def run_sandboxfusion(quick: bool, say: Say) -> dict[str, Any]:
         cache.close()
 
 
+def _run_languages(quick: bool, say: Say) -> dict[str, Any]:
+    from dsec.bench import compat_languages
+
+    return compat_languages.run(quick, say)
+
+
 def _run_swerex(quick: bool, say: Say) -> dict[str, Any]:
     from dsec.bench import compat_swerex
 
@@ -318,6 +327,8 @@ def _run_swerex(quick: bool, say: Say) -> dict[str, Any]:
 
 PHASES: tuple[Phase, ...] = (
     Phase("sandboxfusion", run_sandboxfusion, "SandboxFusion's API through its released client; vs a local subprocess"),
+    Phase("sf_languages", _run_languages, "every SandboxFusion language DSec serves: a trivial program's p50 beside a "
+          "local run of the same toolchain; the toolkit layers' sizes"),
     Phase("swerex", _run_swerex, "SWE-ReX's own test suite against DSecRuntime; run_in_session vs swerex-remote"),
 )
 

@@ -80,7 +80,7 @@ TOOLCHAINS: dict[str, Toolchain] = {t.name: t for t in (
     Toolchain("r", ("r-base-core",), "R (4.2 on bookworm): Rscript"),
     Toolchain("scala", ("scala",), "scala (2.11 on bookworm) on OpenJDK 17"),
     Toolchain("kotlin", ("kotlin",), "kotlin (1.3 on bookworm; SandboxFusion has 2.0) on OpenJDK 17"),
-    Toolchain("d", ("ldc",), "LDC (1.30 on bookworm) with its dmd-compatible driver ldmd2"),
+    Toolchain("d", ("ldc", "gcc", "libc6-dev"), "LDC (1.30 on bookworm) with its dmd-compatible driver ldmd2 (gcc links)"),
     Toolchain("racket", ("racket",), "racket (8.7 on bookworm)"),
     Toolchain("jest", ("jest", "node-babel7", "node-lodash"),
               "jest (29.3 on bookworm) with babel's env and typescript presets, and lodash"),

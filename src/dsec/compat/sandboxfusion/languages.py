@@ -56,9 +56,12 @@ class Recipe:
 
 _JAVA_CP = ".:/usr/share/java/javatuples.jar"
 _JUNIT_JAR = "/usr/share/java/junit-platform-console-standalone.jar"
-_GO_ENV = {"GOCACHE": "/tmp/go-build", "GOPATH": "/tmp/go:/usr/share/gocode", "GO111MODULE": "auto"}
+_GO_ENV = {"GOCACHE": "/tmp/go-build", "GOPATH": "/tmp/go:/usr/share/gocode", "GO111MODULE": "auto",
+           "CGO_ENABLED": "0"}
 """GOPATH mode (no go.mod, no module proxy): a second GOPATH entry holds the Debian Go
-libraries of the sandboxfusion profile (testify: ``/usr/share/gocode/src/github.com/...``)."""
+libraries of the sandboxfusion profile (testify: ``/usr/share/gocode/src/github.com/...``).
+No cgo: the go toolchain has no C compiler, and ``net`` (which testify imports) would
+otherwise try to build runtime/cgo."""
 
 RECIPES: Final[dict[str, Recipe]] = {
     "python": Recipe("python", "main.py", "python3 main.py"),
