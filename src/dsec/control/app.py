@@ -185,11 +185,16 @@ def _check_create(body: CreateSandbox | CreateBatch) -> None:
         iam.check_name(body.task, "task")
 
 
-async def _create(ctl: Control, who: Principal, body: CreateSandbox) -> str:
+async def create_info(ctl: Control, who: Principal, body: CreateSandbox) -> SandboxInfo:
+    """A create as ``POST /v1/sandboxes`` makes it, checks included: the route's code, for the
+    callers inside this process (the E2B front) that would otherwise call it over HTTP."""
     _check_create(body)
-    info = await ctl.sandboxes.create(who, body)
+    return await ctl.sandboxes.create(who, body)
+
+
+async def _create(ctl: Control, who: Principal, body: CreateSandbox) -> str:
     # serialized here: FastAPI would validate the answer against its model once more
-    return info.model_dump_json()
+    return (await create_info(ctl, who, body)).model_dump_json()
 
 
 def _check_health(body: EdgeHealth) -> None:
