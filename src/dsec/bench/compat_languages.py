@@ -181,9 +181,16 @@ def run(quick: bool, say: Say) -> dict[str, Any]:
             with all_in_one(work, say, "sf_languages") as (url, token, _pid):
                 ep = f"{url}/sandboxfusion/{token}"
                 for lang in served:
-                    absent = local_programs(lang)
-                    say(f"sf_languages: {lang} x{n}" + (f" (no local run: {', '.join(absent)} not on this host)"
-                                                        if absent else ", each beside a local run"))
+                    absent = ", ".join(local_programs(lang))
+                    if absent:
+                        absent += " not on this host"
+                    else:
+                        try:
+                            _local_ms(lang)  # unmeasured: can this host run it (e.g. pytest importable)?
+                        except Exception as exc:
+                            absent = str(exc)[:200]
+                    say(f"sf_languages: {lang} x{n}" + (f" (no local run: {absent})" if absent
+                                                        else ", each beside a local run"))
                     try:
                         if absent:
                             missing_here.append(lang)
