@@ -620,32 +620,50 @@ def _dsec_leak_check(dsec_base: Path) -> Iterator[None]:
     if os.environ.get("DSEC_LEAK_CHECK_BY_PARENT") == "1":
         yield
         return
+    from ownership import NameWatch, own_cgroups, own_mount, own_netns, own_table
+
     before_mounts = {_mount_key(ln) for ln in mountinfo_lines() if "dsec" in ln}
     before_netns = netns_names()
     before_tables = nft_tables()
     before_procs = set(dsec_processes()) if IS_ROOT else set()
     before_roots = dsec_cgroup_roots()
+    # the runtime names this session's processes claim (a user's own `dsec up`, or another
+    # test run, may make and remove resources of its own meanwhile: not this run's leaks)
+    watch = NameWatch(RT_PREFIX, _ours).start() if IS_ROOT else None
     yield
-    if not IS_ROOT:
+    if not IS_ROOT or watch is None:
         return
+    watch.stop()
 
     def new_dsec_mounts() -> list[str]:
         return [ln for ln in mountinfo_lines() if "dsec" in ln and _mount_key(ln) not in before_mounts]
 
     def mounts() -> list[str]:
         # Ours: under this session's temporary directory (every tempdir of the session and
-        # of the processes it starts), or the runtime's default directories. Other new
-        # "dsec" mounts come from another test run or tool on a shared machine (another
-        # session's /tmp/dsec-test-s<token>, benchmarks in /tmp/dsec-bench-*...):
-        # reported, not failed.
-        ours = (f"{SESSION_TMP}/", f"{dsec_base}/", "/run/dsec/", "/var/lib/dsec/")
-        return [ln for ln in new_dsec_mounts() if any(o in ln for o in ours)]
+        # of the processes it starts), or in the run or state directory of one of its
+        # runtimes (/run/dsec/<name>/...). Other new "dsec" mounts come from another
+        # instance, test run or tool on a shared machine (a user's `dsec up`, another
+        # session's /tmp/dsec-test-s<token>, benchmarks in /tmp/dsec-bench-*...): reported,
+        # not failed.
+        ours = (f"{SESSION_TMP}/", f"{dsec_base}/")
+        return [ln for ln in new_dsec_mounts() if own_mount(ln, watch, ours)]
 
     def procs() -> dict[int, str]:
         return {p: d for p, d in dsec_processes().items() if p not in before_procs}
 
     def cgroups() -> list[Path]:
-        return runtime_cgroups(RT_PREFIX)
+        return own_cgroups(CGROUP_ROOT, watch)
+
+    def new_roots() -> list[Path]:
+        # a `dsec` root this run made and left empty (one that holds another instance's
+        # runtimes is that instance's)
+        def empty(p: Path) -> bool:
+            try:
+                return not any(c.is_dir() for c in p.iterdir())
+            except OSError:  # removed meanwhile
+                return False
+
+        return [p for p in sorted(dsec_cgroup_roots() - before_roots) if empty(p)]
 
     def files() -> list[Path]:
         out = []
@@ -661,10 +679,10 @@ def _dsec_leak_check(dsec_base: Path) -> Iterator[None]:
     problems: list[str] = []
     problems += [f"mount: {ln}" for ln in mounts()]
     problems += [f"cgroup: {p}" for p in cgroups()]
-    problems += [f"cgroup: {p} (a dsec root this run made and left)" for p in sorted(dsec_cgroup_roots() - before_roots)]
+    problems += [f"cgroup: {p} (a dsec root this run made and left)" for p in new_roots()]
     problems += [f"process: {d}" for d in procs().values()]
-    problems += [f"netns: {n}" for n in sorted(netns_names() - before_netns)]
-    problems += [f"nftables table: {t}" for t in sorted(nft_tables() - before_tables)]
+    problems += [f"netns: {n}" for n in sorted(netns_names() - before_netns) if own_netns(n, SESSION_TOKEN)]
+    problems += [f"nftables table: {t}" for t in sorted(nft_tables() - before_tables) if own_table(t, watch)]
     problems += [f"file: {p}" for p in files()]
     problems += [f"loop device: {d} ({f})" for d, f in loop_backing_files().items() if f.startswith(str(dsec_base))]
     foreign = [ln for ln in new_dsec_mounts() if ln not in mounts()]

@@ -54,6 +54,7 @@ from dsec.bench.abuse_cases import (
     NeighbourLoad,
     Outcome,
     kmsg_records,
+    memory_check,
     outcomes_json,
 )
 from dsec.bench.abuse_helper import build_static
@@ -963,12 +964,13 @@ async def _fork_bomb(a: GVisorAttack) -> None:
 
 @case("gvisor_memory_hog",
       attack="allocate and touch 512 MiB in a 96 MiB sandbox; fill /dev/shm (the sentry's memory)",
-      asserts="the hog dies with limit=memory; the memory cgroup's peak within the limit; host MemAvailable "
-              "did not drop by 256 MiB; the sandbox answers, or is failed with the memory reason",
+      asserts="the hog dies with limit=memory; the memory cgroup's peak within the limit; the lab's memory "
+              "(its sandboxes' cgroups and process tree) did not grow by 256 MiB; the sandbox answers, or is "
+              "failed with the memory reason",
       defence="the sandbox's memory cgroup (sentry, gofer and all sandbox memory; memsw = limit): the host's "
               "OOM killer acts inside it only", resources={"memory": 96 * MiB}, heavy=True)
 async def _memory_hog(a: GVisorAttack) -> None:
-    avail0 = HostState.take().mem_available
+    held0 = HostState.take(a.backend.cgroups.name)
     out = await a.helper("alloc=512", timeout=60)
     r = out.result
     a.check("the hog failed", r.exit_code != 0 or r.signal is not None, r)
@@ -979,9 +981,7 @@ async def _memory_hog(a: GVisorAttack) -> None:
     peak_file = a.backend.cgroups.dir("memory", a.sid) / "memory.max_usage_in_bytes"
     peak = int(peak_file.read_text()) if peak_file.exists() else 0
     a.check("memory cgroup peak within the 96 MiB limit", peak <= 96 * MiB, f"{peak >> 20} MiB")
-    avail1 = HostState.take().mem_available
-    a.check("host MemAvailable did not drop by 256 MiB", avail0 - avail1 < 256 * MiB,
-            f"{avail0 >> 20} -> {avail1 >> 20} MiB")
+    a.check(*memory_check(held0, HostState.take(a.backend.cgroups.name), 256 * MiB))
     rec = a.backend.get(a.sid)
     if rec.state.value == "running":
         a.check("sandbox still answers", await a.alive())
@@ -1230,10 +1230,8 @@ async def gv_host_healthy(lab: GVisorLab, before: HostState, outcome: Outcome, *
         add(Check("backend: destroy left nothing", not sandbox_leftovers(b, rec.id), sandbox_leftovers(b, rec.id)))
     except DsecError as exc:
         add(Check("backend: create/exec/destroy", False, repr(exc)))
-    now = HostState.take()
-    add(Check("host: MemAvailable >= 1 GiB and did not drop by 1 GiB",
-              now.mem_available >= 1 << 30 and before.mem_available - now.mem_available < 1 << 30,
-              f"{before.mem_available >> 20} -> {now.mem_available >> 20} MiB"))
+    now = HostState.take(b.cgroups.name)
+    add(Check(*memory_check(before, now, 1 << 30)))
     add(Check("host: load average sane", now.load1 < before.load1 + 8 * now.ncpu, f"{before.load1:.1f} -> {now.load1:.1f}"))
     bad = [m for s, m in kmsg_records() if s > before.kmsg_seq and BAD_KMSG.search(m)]
     add(Check("host: kernel logged no BUG/Oops/lockup", not bad, bad[:5]))
@@ -1256,7 +1254,7 @@ async def run_gvisor_case(lab: GVisorLab, c: GVisorCase, *, load: NeighbourLoad 
     if c.needs_helper and lab.helper is None:
         out.skipped = "no static attack program (gcc -static unavailable)"
         return out
-    before = HostState.take()
+    before = HostState.take(lab.backend.cgroups.name)
     t0 = time.perf_counter()
     rec = None
     try:
