@@ -99,6 +99,48 @@ def test_the_pool_hands_out_restored_vms_and_health_says_which_accelerator(edge:
     asyncio.run(go())
 
 
+def test_a_terminal_in_a_vm_through_the_edge(edge: Any) -> None:
+    """The edge's terminal relay over a VM's pty: size, ^C to the foreground job, a signal by
+    name (sent through the backend: a guest pid is never the host's), resize, exit status."""
+    import re
+
+    async def until(it: Any, buf: list[bytes], pattern: bytes, timeout: float = 30.0) -> bytes:
+        async def read() -> bytes:
+            while not (m := re.search(pattern, buf[0])):
+                buf[0] += (await it.__anext__()).data
+            seen, buf[0] = buf[0][: m.end()], buf[0][m.end():]
+            return seen
+        return await asyncio.wait_for(read(), timeout)
+
+    async def go() -> None:
+        async with client(edge) as c, await c.create(spec()) as sb, \
+                await sb.pty(rows=30, cols=90, env={"PS1": "P$ "}) as term:
+            it, buf = term.output().__aiter__(), [b""]
+            await until(it, buf, rb"P\$ ")
+            await term.send("stty size; tty\n")
+            assert b"30 90" in await until(it, buf, rb"/dev/pts/\d+")
+            await term.send("sh -c 'echo run''ning; exec sleep 100'\n")
+            await until(it, buf, rb"running")
+            await term.send(b"\x03")  # ^C: the foreground job, not the shell
+            await until(it, buf, rb"P\$ ")
+            await term.send("echo rc=$?\n")
+            assert b"rc=130" in await until(it, buf, rb"rc=\d+")
+            await term.send("sh -c 'echo wait''ing; exec sleep 100'\n")
+            await until(it, buf, rb"waiting")
+            await term.signal("TERM")  # by name, through the edge: the foreground job in the guest
+            await until(it, buf, rb"P\$ ")
+            await term.send("echo rc=$?\n")
+            assert b"rc=143" in await until(it, buf, rb"rc=\d+")
+            await term.resize(50, 120)
+            await asyncio.sleep(0.3)  # the size follows to the guest's pty within ~50 ms
+            await term.send("stty size\n")
+            assert b"50 120" in await until(it, buf, rb"\d+ \d+\r\n")
+            await term.send("exit 7\n")
+            await term.wait()
+            assert term.exit is not None and term.exit.exit_code == 7
+    asyncio.run(go())
+
+
 def test_bad_input_is_refused_with_what_to_fix(edge: Any) -> None:
     async def go() -> None:
         async with client(edge) as c:

@@ -271,7 +271,11 @@ class GroupOutcome:
 
 class ProcessHandle(Protocol):
     """A process started in a sandbox by ``start_process`` / ``start_tty``. ``exited``
-    resolves to its exit (``exit_code``, ``signal`` attributes) once it is reaped."""
+    resolves to its exit (``exit_code``, ``signal`` attributes) once it is reaped.
+
+    A backend whose ``pid`` is not a host pid (a VM's guest pid) also gives the handle
+    ``signal_job(sig)``: the edge's terminals then signal through it, never with the host's
+    ``killpg``."""
 
     pid: int
     exited: asyncio.Future[Any]

@@ -205,6 +205,10 @@ class Terminal:
             raise InvalidSpec(f"signal {name!r}: one of {', '.join(SIGNALS)}", field="signal")
         if self.exit is not None:
             return
+        job = getattr(self.proc, "signal_job", None)
+        if job is not None:  # a process whose pid is not the host's (a VM's): its backend signals it
+            job(sig)
+            return
         pgid = self.proc.pid
         if self.tty:
             with contextlib.suppress(OSError):

@@ -46,7 +46,8 @@ Ops (request keys -> answer):
   exits, what its pipes hold is still sent (within credit), then X; descendants that
   keep the pipes open do not hold X back.
 - ``signal`` ch sig tree(0/1) -> ok. ``tree=1`` signals every process of the exec's
-  cgroup (SIGKILL through ``cgroup.kill``); ``tree=0`` the process alone.
+  cgroup (SIGKILL through ``cgroup.kill``); ``tree=0`` the process alone, or on a terminal
+  (an exec with ``tty``) its foreground job, as ^C would reach.
 - ``resize`` ch rows cols -> ok (TIOCSWINSZ on the exec's pty).
 - ``stat`` path follow(0/1) -> ok type(f/d/l/o) size mode uid gid mtime_ns [target].
 - ``list`` path -> D frames, then ok.

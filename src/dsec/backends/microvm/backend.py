@@ -25,6 +25,7 @@ import secrets
 import shutil
 import subprocess
 import time
+import tty as tty_mod
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,7 @@ from dsec.backends.base import (
     Usage,
     _Unset,
     check_spec,
+    set_tty_size,
 )
 from dsec.backends.common import claims
 from dsec.backends.common import limits as limit_evidence
@@ -103,8 +105,8 @@ class MicroVMBackend(BackendBase):
         self.swap = ZramSwap(name, self.config.zram_size, self.run_dir / "zram.json")
         self.capabilities = Capabilities(
             kind=self.kind,
-            ops=frozenset({Capability.SANDBOXES, Capability.EXEC, Capability.SESSIONS, Capability.FILES,
-                           Capability.PAUSE, Capability.FORK, Capability.NETWORK}),
+            ops=frozenset({Capability.SANDBOXES, Capability.EXEC, Capability.SESSIONS, Capability.PTY,
+                           Capability.FILES, Capability.PAUSE, Capability.FORK, Capability.NETWORK}),
             isolation=ISOLATION,
         )
         self.loop = VmLoop(name)
@@ -700,17 +702,35 @@ class MicroVMBackend(BackendBase):
         return result
 
     async def start_process(self, sandbox_id: str, argv: Sequence[str], *, stdin: int, stdout: int, stderr: int,
-                            env: Mapping[str, str] | None = None, cwd: str = "/", user: int | str = 0) -> Any:
+                            env: Mapping[str, str] | None = None, cwd: str = "/", user: int | str = 0,
+                            tty: TtySize | None = None) -> Any:
         rec = self.get(sandbox_id)
         vm = await self._vm(sandbox_id)
         return await self.loop.call(vm.start_process(argv, stdin=stdin, stdout=stdout, stderr=stderr,
                                                      env={**rec.spec.env, **(env or {})}, cwd=cwd, user=user,
-                                                     caller=asyncio.get_running_loop()))
+                                                     caller=asyncio.get_running_loop(), tty=tty is not None,
+                                                     size=(tty.rows, tty.cols) if tty else (24, 80)))
 
     async def start_tty(self, sandbox_id: str, argv: Sequence[str], *, size: TtySize,
                         env: Mapping[str, str] | None = None, cwd: str = "/",
                         user: int | str = 0) -> tuple[Any, int]:
-        raise self._unsupported("terminals")
+        """``argv`` on a new pseudo-terminal in the guest (the agent's: the guest's line
+        discipline, ^C and job control are the guest kernel's). The host side is a pty pair in
+        raw mode that only carries bytes: the caller gets its master, as from a container;
+        its size, set on that master, follows to the guest's pty."""
+        master, slave = os.openpty()
+        try:
+            tty_mod.setraw(slave)
+            set_tty_size(master, size)
+            os.set_blocking(master, False)
+            proc = await self.start_process(sandbox_id, argv, stdin=slave, stdout=slave, stderr=-1, env=env,
+                                            cwd=cwd, user=user, tty=size)
+        except BaseException:
+            os.close(master)
+            raise
+        finally:
+            os.close(slave)  # the bridge holds its own copies
+        return proc, master
 
     async def open_session(self, sandbox_id: str, *, env: Mapping[str, str] | None = None,
                            cwd: str = "/", user: int | str = 0) -> ShellSession:

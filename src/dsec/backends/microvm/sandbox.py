@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import os
 import secrets
 import shutil
 import signal
+import struct
+import termios
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -111,6 +114,18 @@ class VmProcess:
 
     async def wait(self) -> VmExit:
         return await self.exited
+
+    def signal_job(self, sig: int) -> None:
+        """``sig`` to what a terminal's ^C would reach: on a tty, its foreground job (the
+        agent asks the guest's pty); otherwise everything the command started. Its pid is the
+        guest's: nothing on the host may be signalled by it (edge terminals call this)."""
+        self.vm.spawn(self._signal_job(sig))
+
+    async def _signal_job(self, sig: int) -> None:
+        with contextlib.suppress(Exception):
+            await self.proc.signal(sig, tree=not self.tty)
+
+    tty = False
 
 
 class MicroVM:
@@ -365,6 +380,7 @@ class MicroVM:
         proc = await agent.exec(argv, env=list(merged.items()), cwd=cwd, uid=uid, gid=gid, stdin=stdin >= 0,
                                 tty=tty, size=size)
         handle = VmProcess(self, proc, caller)
+        handle.tty = tty
         handle.start_latency_s = time.perf_counter() - t0
         fds = [os.dup(fd) if fd >= 0 else -1 for fd in (stdin, stdout, stderr)]
         for fd in fds:
@@ -434,6 +450,7 @@ class MicroVM:
     async def _bridge(self, h: VmProcess, in_fd: int, out_fd: int, err_fd: int) -> None:
         proc = h.proc
         feeder = asyncio.ensure_future(self._feed(proc, in_fd)) if in_fd >= 0 else None
+        sizer = asyncio.ensure_future(self._follow_size(proc, out_fd)) if h.tty and out_fd >= 0 else None
         outs = {1: out_fd, 2: err_fd}
         try:
             async for fd, data in proc.output():
@@ -459,6 +476,25 @@ class MicroVM:
                     os.close(fd)
             if feeder is not None:
                 feeder.cancel()
+            if sizer is not None:
+                sizer.cancel()
+
+    async def _follow_size(self, proc: AgentProcess, slave: int) -> None:
+        """A terminal's size, as its host side was last set (``TIOCSWINSZ`` on the master the
+        caller holds), carried to the guest's pty, which signals the program (SIGWINCH). The
+        host's pty has no session to tell: its size is looked at 20 times a second."""
+        last = None
+        while True:
+            try:
+                rows, cols = struct.unpack("HHHH", fcntl.ioctl(slave, termios.TIOCGWINSZ, b"\0" * 8))[:2]
+            except OSError:
+                return
+            if last is not None and (rows, cols) != last and rows > 0 and cols > 0:
+                with contextlib.suppress(Exception):
+                    await self.ensure_running()
+                    await proc.resize(rows, cols)
+            last = (rows, cols)
+            await asyncio.sleep(0.05)
 
     async def _feed(self, proc: AgentProcess, fd: int) -> None:
         loop = asyncio.get_running_loop()

@@ -1250,7 +1250,13 @@ static void do_signal(struct req *r) {
     struct chan *c = exec_chan(r->ch);
     if (!c || c->exited) { answer_err(r->chan, ESRCH, "signal: no running process on channel %u", r->ch); return; }
     if (!r->tree) {
-        if (kill(c->pid, r->sig) < 0) { answer_err(r->chan, errno, "signal: %s", strerror(errno)); return; }
+        /* on a terminal: its foreground job, as ^C would reach (the exec's own process when
+         * the pty says none) */
+        pid_t fg = c->tty && c->out_fd >= 0 ? tcgetpgrp(c->out_fd) : -1;
+        if (fg > 0 ? kill(-fg, r->sig) < 0 : kill(c->pid, r->sig) < 0) {
+            answer_err(r->chan, errno, "signal: %s", strerror(errno));
+            return;
+        }
     } else if (r->sig == SIGKILL && !r->spare) {
         char p[96];
         snprintf(p, sizeof p, "%s/cgroup.kill", c->cg);
