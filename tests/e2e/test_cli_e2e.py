@@ -143,3 +143,47 @@ def test_tokens_and_projects(up: dict[str, str]) -> None:
     over = dsec(env, "create", "busybox")
     assert over.returncode == 1 and "quota" in over.stderr.lower()
     assert dsec(env, "rm", "--all").returncode == 0
+
+
+def test_task_cli_sets_scheduling_and_shows_a_preemption(up: dict[str, str]) -> None:
+    """`dsec task`: create, set (what is not named stays), show, ls, its sandboxes and the
+    scheduler's events, on a real preemption: an evaluation create pauses a background
+    sandbox that holds the edge's whole cpu budget (issue 28)."""
+    cap = json.loads(dsec(up, "edge", "ls", "--json").stdout)[0]["health"]["cpu_capacity"]
+    r = dsec(up, "task", "create", "bg", "--priority", "background", "--max", f"sandboxes=4,cpu={cap:g},memory=2G",
+             "--json")
+    assert r.returncode == 0, r.stderr
+    made = json.loads(r.stdout)
+    assert (made["priority"], made["preemption"], made["quota"]["sandboxes"]) == (100, "pause", 4)
+    r = dsec(up, "task", "set", "bg", "--no-burst")
+    assert r.returncode == 0, r.stderr
+    shown = dict(line.split(None, 1) for line in dsec(up, "task", "show", "bg").stdout.splitlines())
+    assert shown["priority"] == "background (100)" and shown["burst"] == "no" and shown["preemption"] == "pause"
+    assert shown["max"] == f"sandboxes=4,cpu={cap:g},memory=2G"  # kept: set named only --no-burst
+    r = dsec(up, "task", "set", "nosuch", "--priority", "background")
+    assert r.returncode == 1 and r.stderr.startswith("error: ") and "nosuch" in r.stderr, r.stderr
+    r = dsec(up, "task", "set", "bg")
+    assert r.returncode == 2 and "nothing to set" in r.stderr
+    r = dsec(up, "task", "create", "bad", "--min", "sandboxes=1")
+    assert r.returncode == 2 and "missing cpu, memory" in r.stderr, r.stderr
+    assert dsec(up, "task", "create", "ev", "--priority", "evaluation").returncode == 0
+
+    low = dsec(up, "create", "busybox", "--task", "bg", "--cpu", f"{cap:g}", "--memory", "64M").stdout.strip()
+    try:
+        high = dsec(up, "create", "busybox", "--task", "ev", "--cpu", "1", "--memory", "64M")
+        assert high.returncode == 0, high.stderr  # room made by pausing the background sandbox
+        listed = json.loads(dsec(up, "task", "sandboxes", "bg", "--json").stdout)
+        assert [(s["id"], s["state"], s["preemption"]["action"]) for s in listed] == [(low, "paused", "pause")]
+        table = dsec(up, "task", "sandboxes", "bg").stdout
+        assert low in table and "pause by priority 300" in table
+        evs = json.loads(dsec(up, "task", "events", "bg", "--json").stdout)
+        assert [(e["kind"], e["sandbox_id"], e["action"], e["by_priority"]) for e in evs] == [
+            ("preempted", low, "pause", 300)]
+        assert "evaluation" in dsec(up, "task", "events", "bg").stdout
+        names = [line.split()[0] for line in dsec(up, "task", "ls").stdout.splitlines()[1:]]
+        assert {"bg", "ev"} <= set(names)
+        r = dsec(up, "task", "events", "ev")
+        assert r.returncode == 0 and "no scheduling events" in r.stderr
+    finally:
+        assert dsec(up, "rm", "--task", "bg").returncode == 0
+        assert dsec(up, "rm", "--task", "ev").returncode == 0

@@ -44,7 +44,8 @@ class _Group(click.Group):
     (exit 1), bad usage (exit 2, naming the command's --help), a service that cannot be
     reached (exit 1), Ctrl-C (exit 130)."""
 
-    LAZY = {"image": "dsec.cli.image:image_group", "edge": "dsec.cli.edge:edge_group", "env": "dsec.cli.env:env_group"}
+    LAZY = {"image": "dsec.cli.image:image_group", "edge": "dsec.cli.edge:edge_group", "env": "dsec.cli.env:env_group",
+            "task": "dsec.cli.task:task_group"}
     """Command groups whose module is imported only when they are used (or listed)."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
