@@ -14,6 +14,7 @@ from __future__ import annotations
 import secrets
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -136,9 +137,13 @@ def test_a_named_permission_opens_exactly_its_destination(backend: BackendHarnes
 
 def test_set_policy_switches_at_once_and_cuts_what_it_forbids(backend: BackendHarness, remote: str) -> None:
     with _with(backend, _policy("cf-web", "cf-hold")) as sb:
-        backend.ok(sb.id, f"setsid sh -c 'nc {remote} 7000 > /tmp/held; echo ended > /tmp/ended'"
-                          " </dev/null >/dev/null 2>&1 &")
+        # nc's stdin stays open (a FIFO a sleeper holds): only a cut connection ends it
+        backend.ok(sb.id, "mkfifo /tmp/in")
+        backend.ok(sb.id, f"setsid sh -c 'sleep 600 > /tmp/in & nc {remote} 7000 < /tmp/in > /tmp/held; "
+                          "echo ended > /tmp/ended' </dev/null >/dev/null 2>&1 &")
         assert wait_until(lambda: "hello" in backend.ok(sb.id, "cat /tmp/held 2>/dev/null || true"), 10)
+        time.sleep(1.0)
+        assert "ended" not in backend.ok(sb.id, "cat /tmp/ended 2>/dev/null || true")  # held, until the cut
         rec = backend.run(backend.impl.set_policy(sb.id, _policy("cf-other")))
         assert rec.current_policy() == _policy("cf-other")
         # the held connection is cut (a new policy must not leave the old one's connections open)

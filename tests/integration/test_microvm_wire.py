@@ -91,6 +91,11 @@ def expected(req: w.Request) -> dict[str, Any]:
                 "realtime_ns": req.realtime_ns}
     if isinstance(req, w.SyncRequest):
         return {"freeze": None if req.freeze is None else int(req.freeze)}
+    if isinstance(req, w.NetcutRequest):
+        import ipaddress
+
+        return {"allow": [f"{ipaddress.IPv4Network(c, strict=False).with_prefixlen} {p} {lo}-{hi}"
+                          for c, p, lo, hi in req.allow]}
     return {}
 
 
@@ -126,6 +131,9 @@ REQUESTS: dict[str, w.Request] = {
     "sync": w.SyncRequest(),
     "sync-freeze": w.SyncRequest(True),
     "sync-thaw": w.SyncRequest(False),
+    "netcut-none": w.NetcutRequest(),
+    "netcut": w.NetcutRequest((("10.1.2.0/24", "tcp", 80, 80), ("0.0.0.0/0", "udp", 1, 65535),
+                               ("192.168.7.9/32", "tcp", 0, 65535), ("10.9.8.7/8", "tcp", 1000, 2000))),
 }
 
 
@@ -137,7 +145,7 @@ def test_request_agrees(binary: Path, name: str) -> None:
 
 def test_every_op_is_covered() -> None:
     ops = {r.OP for r in REQUESTS.values()}
-    assert len(ops) == 15  # vmwire.c op_names
+    assert len(ops) == 16  # vmwire.c op_names
 
 
 # --------------------------------------------------------------------- caps ----
@@ -239,6 +247,18 @@ def test_the_parser_refuses_what_the_encoder_never_sends(binary: Path) -> None:
     assert out["error"]["message"] == "the payload must end with a NUL"
     out = parse_raw(binary, w.frame(w.T_REQUEST, 1, b"stat\0path\0"))
     assert out["error"]["message"] == "stat: a key without a value"
+
+
+def test_netcut_elements_are_checked_on_both_sides(binary: Path) -> None:
+    for bad in ("10.0.0.0/33 tcp 1-2", "10.0.0.0/8 icmp 1-2", "10.0.0.0/8 tcp 5-4", "10.0.0/8 tcp 1-2",
+                "10.0.0.0/8 tcp 1-70000", "10.0.0.0/8 tcp 1-2 x"):
+        assert refused(binary, "netcut", [("allow", bad)])[0] == errno.EINVAL, bad
+    with pytest.raises(InvalidSpec):
+        w.NetcutRequest((("not-a-net", "tcp", 1, 2),)).encode()
+    with pytest.raises(InvalidSpec):
+        w.NetcutRequest((("10.0.0.0/8", "tcp", 9, 2),)).encode()
+    with pytest.raises(InvalidSpec):
+        w.NetcutRequest((("10.0.0.0/8", "tcp", 1, 2),) * (w.MAX_ALLOW + 1)).encode()
 
 
 def test_values_the_wire_cannot_carry_are_refused_here() -> None:

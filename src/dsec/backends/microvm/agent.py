@@ -271,6 +271,12 @@ class AgentClient:
     async def sync(self, freeze: bool | None = None, *, timeout: float = ANSWER_TIMEOUT) -> None:
         self._ok(await self._request(w.SyncRequest(freeze), timeout), "sync")
 
+    async def netcut(self, allow: Sequence[tuple[str, str, int, int]], *, timeout: float = ANSWER_TIMEOUT) -> int:
+        """Destroy the guest's TCP connections the allow-set does not admit; how many."""
+        ans = await self._request(w.NetcutRequest(tuple(allow)), timeout)
+        self._ok(ans, "netcut")
+        return int(ans.fields.get("n", "0"))
+
     async def poweroff(self, timeout: float = 10.0) -> None:
         self._ok(await self._request(w.PoweroffRequest(), timeout), "poweroff")
 

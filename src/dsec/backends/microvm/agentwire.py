@@ -63,6 +63,9 @@ Ops (request keys -> answer):
   the RNG (RNDADDENTROPY) and reseeds it (RNDRESEEDCRNG), sets the clock, the hostname,
   and writes /etc/hostname, /etc/machine-id and /etc/hosts in the sandbox root.
 - ``sync`` [freeze(0/1)] -> ok: sync(); FIFREEZE (1) or FITHAW (0) on the upper disk.
+- ``netcut`` allow* ("A.B.C.D/N tcp|udp LO-HI", at most ``MAX_ALLOW``) -> ok n: every IPv4
+  TCP connection of the guest (loopback apart) whose peer no tcp element admits is
+  destroyed (SOCK_DESTROY; the owner sees ECONNABORTED): ``set_policy``'s cut, in the guest.
 
 File paths are absolute, normalised lexically by both sides, and resolved with
 ``openat2(RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)`` against the sandbox root, so ``..``
@@ -98,6 +101,7 @@ Pure data: no I/O, nothing imported beyond the standard library and ``dsec.error
 
 from __future__ import annotations
 
+import ipaddress
 import posixpath
 import struct
 from collections.abc import Iterator, Sequence
@@ -121,6 +125,8 @@ MAX_HOSTNAME: Final = 64
 MAX_SEED: Final = 256
 MAX_CHANS: Final = 256
 """Live execs and transfers in one guest (more: EAGAIN)."""
+MAX_ALLOW: Final = 2048
+"""Elements of a netcut's allow-set."""
 MAX_LAYERS: Final = 16
 """Layer disks the guest mounts: serials ``dsec-l0`` (the base) .. ``dsec-l15``."""
 STDIN_WINDOW: Final = 256 * 1024
@@ -578,9 +584,32 @@ class SyncRequest:
         return [] if self.freeze is None else [("freeze", _flag(self.freeze))]
 
 
+@dataclass(frozen=True, slots=True)
+class NetcutRequest:
+    """netcut(allow): destroy the guest's TCP connections (loopback apart) whose peer the
+    allow-set no longer admits, as the host's SOCK_DESTROY does in a container's namespace.
+    Each element is ``(cidr, proto, lo, hi)``; answered ``ok n=<connections cut>``."""
+
+    OP: ClassVar[str] = "netcut"
+    allow: tuple[tuple[str, str, int, int], ...] = ()
+
+    def encode(self) -> Fields:
+        _over("netcut", "allow elements", len(self.allow), MAX_ALLOW, "MAX_ALLOW", "network")
+        out: Fields = []
+        for cidr, proto, lo, hi in self.allow:
+            try:
+                net = ipaddress.IPv4Network(cidr, strict=False)
+            except ValueError:
+                raise InvalidSpec(f"netcut: {cidr!r} is not an IPv4 network", field="network") from None
+            if proto not in ("tcp", "udp") or not 0 <= lo <= hi <= 65535:
+                raise InvalidSpec(f"netcut: {proto} {lo}-{hi}: tcp or udp and ports 0..65535", field="network")
+            out.append(("allow", f"{net.with_prefixlen} {proto} {lo}-{hi}"))
+        return out
+
+
 Request: TypeAlias = (PingRequest | HelloRequest | PoweroffRequest | ExecRequest | SignalRequest | ResizeRequest
                       | StatRequest | ListRequest | ReadRequest | WriteRequest | MkdirRequest | RemoveRequest
-                      | RenameRequest | IdentityRequest | SyncRequest)
+                      | RenameRequest | IdentityRequest | SyncRequest | NetcutRequest)
 
 
 def request_frame(req: Request, chan: int) -> bytes:

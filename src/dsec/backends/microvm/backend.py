@@ -988,6 +988,20 @@ class MicroVMBackend(BackendBase):
         finally:
             os.close(fd)
         rec.net = {**rec.net, "policy": None if policy is None else policy.model_dump(mode="json")}
+        # The guest's own connections the new policy forbids: cut in the guest, as the host's
+        # SOCK_DESTROY does for a container (its connections are the guest kernel's). A paused
+        # VM's are cut at its next packet (the forward chain resets it).
+        vm = self._vms.get(rec.id)
+        if vm is not None and rec.state is SandboxState.RUNNING and vm.agent is not None:
+            allow = []
+            for e in compiled or []:
+                lo, _, hi = e.ports.partition("-")
+                allow.append((e.cidr, e.proto, int(lo), int(hi or lo)))
+            try:
+                await vm.ensure_running()
+                cut += await vm.agent.netcut(allow)
+            except (HostError, InvalidSpec) as exc:
+                log.warning("microvm %s: cutting the connections of %s: %s", self.name, rec.id, exc)
         return cut
 
     def network_info(self, sandbox_id: str) -> NetworkFacts | None:

@@ -1285,6 +1285,83 @@ static void do_signal(struct req *r) {
     answer_ok(r->chan);
 }
 
+/* ---- netcut: the guest's TCP connections a new policy forbids, destroyed (as ss -K) ---- */
+
+struct nl_hdr { uint32_t len; uint16_t type, flags; uint32_t seq, pid; };
+struct diag_sockid { uint16_t sport, dport; uint32_t src[4], dst[4]; uint32_t ifc; uint32_t cookie[2]; };
+struct diag_req { uint8_t family, protocol, ext, pad; uint32_t states; struct diag_sockid id; };
+struct diag_msg { uint8_t family, state, timer, retrans; struct diag_sockid id; uint32_t expires, rq, wq, uid, ino; };
+#define NETLINK_SOCK_DIAG_ 4
+#define SOCK_DIAG_BY_FAMILY_ 20
+#define SOCK_DESTROY_ 21
+#define TCP_ALL_BUT_LISTEN (0xfff & ~(1u << 10))
+
+static int admitted(const struct req *r, uint32_t dst, uint16_t port) {
+    if ((dst >> 24) == 127) return 1; /* loopback stays */
+    for (int i = 0; i < r->nallow; i++)
+        if (r->allow[i].proto == 6 && (dst & r->allow[i].mask) == r->allow[i].net &&
+            port >= r->allow[i].lo && port <= r->allow[i].hi)
+            return 1;
+    return 0;
+}
+
+static int diag_send(int fd, uint16_t type, uint16_t flags, uint32_t seq, const struct diag_sockid *id) {
+    struct { struct nl_hdr h; struct diag_req q; } m;
+    memset(&m, 0, sizeof m);
+    m.h.len = sizeof m;
+    m.h.type = type;
+    m.h.flags = flags;
+    m.h.seq = seq;
+    m.q.family = AF_INET;
+    m.q.protocol = 6;
+    m.q.states = TCP_ALL_BUT_LISTEN;
+    if (id) m.q.id = *id;
+    return send(fd, &m, sizeof m, 0) == (ssize_t)sizeof m ? 0 : -1;
+}
+
+static void do_netcut(struct req *r) {
+    static struct diag_sockid victims[4096];
+    static uint8_t buf[32768];
+    int nv = 0, cut = 0, done = 0;
+    int fd = socket(AF_NETLINK, SOCK_RAW | SOCK_CLOEXEC, NETLINK_SOCK_DIAG_);
+    if (fd < 0) { answer_err(r->chan, errno, "netcut: sock_diag: %s", strerror(errno)); return; }
+    if (diag_send(fd, SOCK_DIAG_BY_FAMILY_, 1 | 0x300, 1, NULL) < 0) {
+        answer_err(r->chan, errno, "netcut: dump: %s", strerror(errno));
+        close(fd);
+        return;
+    }
+    while (!done) {
+        ssize_t n = recv(fd, buf, sizeof buf, 0);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) break;
+        for (size_t off = 0; off + sizeof(struct nl_hdr) <= (size_t)n;) {
+            struct nl_hdr *h = (struct nl_hdr *)(buf + off);
+            if (h->len < sizeof *h || off + h->len > (size_t)n) { done = 1; break; }
+            if (h->type == 3 || h->type == 2) { done = 1; break; } /* NLMSG_DONE, NLMSG_ERROR */
+            if (h->len >= sizeof *h + sizeof(struct diag_msg)) {
+                struct diag_msg *d = (struct diag_msg *)(h + 1);
+                uint32_t dst = ntohl(d->id.dst[0]);
+                if (!admitted(r, dst, ntohs(d->id.dport)) && nv < (int)(sizeof victims / sizeof *victims))
+                    victims[nv++] = d->id;
+            }
+            off += (h->len + 3) & ~3u;
+        }
+    }
+    for (int i = 0; i < nv; i++) {
+        if (diag_send(fd, SOCK_DESTROY_, 1 | 4, (uint32_t)i + 2, &victims[i]) < 0) continue;
+        ssize_t n = recv(fd, buf, sizeof buf, 0);
+        if (n >= (ssize_t)(sizeof(struct nl_hdr) + 4) && ((struct nl_hdr *)buf)->type == 2) {
+            int32_t err;
+            memcpy(&err, buf + sizeof(struct nl_hdr), sizeof err);
+            if (err == 0) cut++;
+        }
+    }
+    close(fd);
+    tb_reset("ok");
+    tb_ku("n", (uint64_t)cut);
+    tb_emit(T_ANSWER, r->chan);
+}
+
 static void do_resize(struct req *r) {
     struct chan *c = exec_chan(r->ch);
     struct winsize ws = {.ws_row = (unsigned short)r->rows, .ws_col = (unsigned short)r->cols};
@@ -1487,6 +1564,7 @@ static void handle_request(const uint8_t *p, uint32_t len, uint32_t chan) {
     case OP_IDENTITY: do_identity(&req); break;
     case OP_SYNC: do_sync(&req); break;
     case OP_POWEROFF: poweroff(chan); break;
+    case OP_NETCUT: do_netcut(&req); break;
     default: answer_err(chan, EINVAL, "unknown op"); break;
     }
 }
@@ -1716,6 +1794,17 @@ static int parse_mode(void) {
     case OP_SYNC:
         printf(",\"freeze\":");
         if (r->freeze < 0) printf("null"); else printf("%d", r->freeze);
+        break;
+    case OP_NETCUT:
+        printf(",\"allow\":[");
+        for (int i = 0; i < r->nallow; i++) {
+            uint32_t a = r->allow[i].net;
+            int bits = 0;
+            for (uint32_t m = r->allow[i].mask; m; m <<= 1) bits++;
+            printf("%s\"%u.%u.%u.%u/%d %s %u-%u\"", i ? "," : "", a >> 24, (a >> 16) & 255, (a >> 8) & 255, a & 255,
+                   bits, r->allow[i].proto == 6 ? "tcp" : "udp", r->allow[i].lo, r->allow[i].hi);
+        }
+        printf("]");
         break;
     default: break;
     }

@@ -21,6 +21,7 @@
 #define MAX_SEED 256              /* bytes of identity seed (512 hex digits) */
 #define MAX_CHANS 256             /* live execs and transfers */
 #define MAX_LAYERS 16             /* dsec-l0 .. dsec-l15 */
+#define MAX_ALLOW 2048            /* elements of a netcut's allow-set */
 #define STDIN_WINDOW (256 * 1024) /* stdin bytes the host may have in flight per exec */
 #define DEFAULT_WINDOW (256 * 1024)
 /* The guest's network (network.py holds the same values): eth0, when the VM has a NIC, is
@@ -46,7 +47,7 @@
 
 enum op {
     OP_PING, OP_HELLO, OP_EXEC, OP_SIGNAL, OP_RESIZE, OP_STAT, OP_LIST, OP_READ, OP_WRITE,
-    OP_MKDIR, OP_REMOVE, OP_RENAME, OP_IDENTITY, OP_SYNC, OP_POWEROFF, OP_COUNT
+    OP_MKDIR, OP_REMOVE, OP_RENAME, OP_IDENTITY, OP_SYNC, OP_POWEROFF, OP_NETCUT, OP_COUNT
 };
 
 extern const char *const op_names[OP_COUNT];
@@ -81,6 +82,9 @@ struct req {
     uint64_t realtime_ns;
     /* sync: -1 absent, 0 thaw, 1 freeze */
     int freeze;
+    /* netcut: the allow-set of the policy now in force (host order) */
+    struct { uint32_t net, mask; uint8_t proto; uint16_t lo, hi; } allow[MAX_ALLOW];
+    int nallow;
     /* a refusal: errno and why */
     int err;
     char msg[256];

@@ -13,7 +13,7 @@
 
 const char *const op_names[OP_COUNT] = {
     "ping", "hello", "exec", "signal", "resize", "stat", "list", "read", "write",
-    "mkdir", "remove", "rename", "identity", "sync", "poweroff",
+    "mkdir", "remove", "rename", "identity", "sync", "poweroff", "netcut",
 };
 
 static int refuse(struct req *r, int err, const char *fmt, ...) {
@@ -72,6 +72,7 @@ static const char *const op_keys[OP_COUNT][12] = {
     [OP_IDENTITY] = {"hostname", "machine_id", "seed", "realtime_ns", 0},
     [OP_SYNC] = {"freeze", 0},
     [OP_POWEROFF] = {0},
+    [OP_NETCUT] = {"allow", 0},
 };
 
 /* Keys that must be present, per op. */
@@ -209,6 +210,24 @@ static int field(struct req *r, const char *k, const char *v) {
         return 0;
     case OP_SYNC:
         return flag(r, k, v, &r->freeze);
+    case OP_NETCUT: {
+        /* "A.B.C.D/N tcp|udp LO-HI" */
+        unsigned a, b, c, d, n, lo, hi;
+        char proto[4], tail;
+        if (r->nallow >= MAX_ALLOW) return refuse(r, E2BIG, "more than %d allow elements", MAX_ALLOW);
+        if (sscanf(v, "%u.%u.%u.%u/%u %3s %u-%u%c", &a, &b, &c, &d, &n, proto, &lo, &hi, &tail) != 8 ||
+            a > 255 || b > 255 || c > 255 || d > 255 || n > 32 || lo > hi || hi > 65535 ||
+            (strcmp(proto, "tcp") && strcmp(proto, "udp")))
+            return refuse(r, EINVAL, "allow: A.B.C.D/N tcp|udp LO-HI");
+        uint32_t mask = n ? 0xffffffffu << (32 - n) : 0;
+        r->allow[r->nallow].net = ((uint32_t)a << 24 | b << 16 | c << 8 | d) & mask;
+        r->allow[r->nallow].mask = mask;
+        r->allow[r->nallow].proto = proto[0] == 't' ? 6 : 17;
+        r->allow[r->nallow].lo = (uint16_t)lo;
+        r->allow[r->nallow].hi = (uint16_t)hi;
+        r->nallow++;
+        return 0;
+    }
     default:
         return 0;
     }
@@ -239,6 +258,7 @@ int parse_request(const uint8_t *payload, uint32_t len, uint32_t chan, struct re
     r->has_realtime = 0;
     r->realtime_ns = 0;
     r->freeze = -1;
+    r->nallow = 0;
     r->err = 0;
     r->msg[0] = 0;
     r->chan = chan;
@@ -262,7 +282,7 @@ int parse_request(const uint8_t *payload, uint32_t len, uint32_t chan, struct re
     for (int i = 1; i + 1 < ntok; i += 2) {
         int ki = key_index(r->op, tok[i]);
         if (ki < 0) return refuse(r, EINVAL, "%s takes no key %.64s", tok[0], tok[i]);
-        int repeats = r->op == OP_EXEC && ki <= 1;  /* a, e */
+        int repeats = (r->op == OP_EXEC && ki <= 1) || r->op == OP_NETCUT;  /* a, e; allow */
         if (!repeats && (seen & (1u << ki))) return refuse(r, EINVAL, "%s: key %s given twice", tok[0], tok[i]);
         seen |= 1u << ki;
         if (field(r, tok[i], tok[i + 1])) return -1;
