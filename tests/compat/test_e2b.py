@@ -306,6 +306,79 @@ def test_without_the_sandbox_url_the_client_fails_fast(up: dict[str, str]) -> No
     assert "FAILED" in out.stdout and "REACHED" not in out.stdout, out.stdout + out.stderr
 
 
+SERVER = """
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def log_message(self, *a): pass
+    def do_GET(self):
+        if self.path == "/chunked":
+            self.send_response(200); self.send_header("Transfer-Encoding", "chunked"); self.end_headers()
+            for part in (b"one,", b"two,", b"three"):
+                self.wfile.write(b"%x\\r\\n%s\\r\\n" % (len(part), part))
+            self.wfile.write(b"0\\r\\n\\r\\n"); return
+        body = ("path=%s host=%s who=%s" % (self.path, self.headers["Host"], self.headers.get("X-Who"))).encode()
+        self.send_response(200); self.send_header("X-Served-By", "sandbox"); self.send_header("Content-Length", str(len(body)))
+        self.end_headers(); self.wfile.write(body)
+    def do_POST(self):
+        if self.headers.get("Transfer-Encoding") == "chunked":
+            data = b""
+            while True:
+                n = int(self.rfile.readline().strip(), 16)
+                if n == 0:
+                    self.rfile.readline(); break
+                data += self.rfile.read(n); self.rfile.readline()
+        else:
+            data = self.rfile.read(int(self.headers["Content-Length"]))
+        out = data.upper()
+        self.send_response(201); self.send_header("Content-Length", str(len(out))); self.end_headers(); self.wfile.write(out)
+http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_a_users_own_server_through_the_front(up: dict[str, str], sandbox: object) -> None:
+    """E2b-Sandbox-Port (or get_host's `<port>-<id>.` Host) reaches the user's server inside the
+    sandbox: GET, POST with a length and chunked, a chunked answer; the traffic token is
+    needed (and another sandbox's is refused); a port nothing listens on is 502."""
+    import time
+
+    sb = sandbox
+    sb.files.write("/home/user/srv.py", SERVER)  # type: ignore[attr-defined]
+    sb.commands.run("python3 /home/user/srv.py 8000", background=True)  # type: ignore[attr-defined]
+    url = up["E2B_SANDBOX_URL"]
+    tok = sb._envd_access_token  # type: ignore[attr-defined]
+    hdr = {"E2b-Sandbox-Id": sb.sandbox_id, "E2b-Sandbox-Port": "8000", "E2B-Traffic-Access-Token": tok}  # type: ignore[attr-defined]
+    with httpx.Client(base_url=url, timeout=30) as h:
+        deadline = time.monotonic() + 30
+        while (r := h.get("/x?q=1", headers={**hdr, "X-Who": "me"})).status_code == 502:
+            assert time.monotonic() < deadline, r.text
+            time.sleep(0.2)
+        assert r.status_code == 200 and r.headers["x-served-by"] == "sandbox", r.text
+        assert r.text.startswith("path=/x?q=1 host=127.0.0.1:") and r.text.endswith("who=me"), r.text
+        host = sb.get_host(8000)  # type: ignore[attr-defined]
+        assert host == f"8000-{sb.sandbox_id}.dsec.invalid"  # type: ignore[attr-defined]
+        r = h.get("/via-host", headers={"Host": host, "X-Access-Token": tok})
+        assert r.status_code == 200 and r.text.startswith(f"path=/via-host host={host}"), r.text
+        r = h.post("/echo", headers=hdr, content=b"abc" * 100_000)
+        assert r.status_code == 201 and r.content == b"ABC" * 100_000
+        r = h.post("/echo", headers=hdr, content=iter([b"chunked ", b"body"]))
+        assert r.status_code == 201 and r.content == b"CHUNKED BODY", r.text
+        r = h.get("/chunked", headers=hdr)
+        assert r.status_code == 200 and r.content == b"one,two,three"
+        r = h.get("/", headers={**hdr, "E2b-Sandbox-Port": "8001"})
+        assert r.status_code == 502 and "port 8001 is not open" in r.json()["message"], r.text
+        r = h.get("/", headers={k: v for k, v in hdr.items() if k != "E2B-Traffic-Access-Token"})
+        assert r.status_code == 401, r.text
+    from e2b import Sandbox
+
+    other = Sandbox.create()
+    try:
+        r = httpx.get(url + "/", headers={**hdr, "E2B-Traffic-Access-Token": other._envd_access_token}, timeout=30)
+        assert r.status_code in (401, 403), r.text
+    finally:
+        other.kill()
+
+
 # ------------------------------------------------------------ code interpreter ----
 
 

@@ -191,8 +191,20 @@ class E2BFront:
         # code-interpreter's context calls send only E2B-Traffic-Access-Token (the API's trafficAccessToken)
         token = _header(scope, b"x-access-token") or _header(scope, b"e2b-traffic-access-token")
         if port not in (ENVD_PORT, JUPYTER_PORT):
-            await _json_error(502, f"The sandbox {sid} port {port} is not open: DSec's E2B front serves envd "
-                                   f"({ENVD_PORT}) and code-interpreter ({JUPYTER_PORT})")(scope, receive, send)
+            from dsec.compat.e2b.ports import proxy
+
+            if not 1 <= port <= 65535:
+                await _json_error(400, f"E2b-Sandbox-Port {port}: a port from 1 to 65535")(scope, receive, send)
+                return
+            try:  # a user's own server (ports.py): the traffic token is required, as with allow_public_traffic=False
+                if not sid:
+                    if not token:
+                        raise AuthError("no X-Access-Token")
+                    sid = keys.verify_envd_token(self.key, token).sandbox_id
+                room_p = await self.rooms.get(sid, token)
+                await proxy(room_p, port, scope, receive, send)
+            except Exception as exc:
+                await _files_error(exc, sid or "")(scope, receive, send)
             return
         room: Room | None = None
         signed = path == "/files" and b"signature=" in scope.get("query_string", b"") and not token

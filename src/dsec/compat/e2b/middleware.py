@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from dsec.compat.e2b.config import E2BConfig
 
 ENVD_PORT = 49983
-_HOST = re.compile(r"^(\d+)-([A-Za-z0-9][A-Za-z0-9._-]{0,62})\.")
+_HOST = re.compile(r"^(\d+)-([A-Za-z0-9][A-Za-z0-9_-]{0,62})\.")  # ids have no dots: the first one ends it
 REST_PREFIXES = ("/sandboxes", "/v2/sandboxes", "/templates", "/v2/templates", "/v3/templates")
 
 
@@ -43,13 +43,13 @@ class E2BMiddleware:
             plane = True
             with contextlib.suppress(ValueError):
                 port = int(_header(scope, b"e2b-sandbox-port") or ENVD_PORT)
-        elif (_header(scope, b"x-access-token") and not path.startswith("/v1/")) \
-                or (path == "/files" and b"signature=" in scope.get("query_string", b"")):
-            plane = True  # a reconnected 2.7-2.26 client; a signed file URL
         else:
             m = _HOST.match(_header(scope, b"host") or "")
-            if m:
+            if m:  # <port>-<id>.<domain>: what E2B's get_host(port) gives, with or without a token
                 plane, port, sid = True, int(m.group(1)), m.group(2)
+            elif (_header(scope, b"x-access-token") and not path.startswith("/v1/")) \
+                    or (path == "/files" and b"signature=" in scope.get("query_string", b"")):
+                plane = True  # a reconnected 2.7-2.26 client; a signed file URL
         if not plane and not path.startswith(REST_PREFIXES):
             await self.app(scope, receive, send)
             return
