@@ -625,7 +625,7 @@ def test_php_gets_its_tag_and_more_languages_time_out(more: dict[str, str]) -> N
 
 # ------------------------------------------ the sandboxfusion profile (issue 27) ----
 
-PROFILED = ("python", "nodejs", "typescript", "go")
+PROFILED = ("python", "pytest", "jupyter", "nodejs", "typescript", "go")
 
 
 @pytest.fixture(scope="module")
@@ -660,6 +660,11 @@ def test_a_verl_reference_solution_importing_numpy_runs_unchanged(profiled: dict
     r = _ask(profiled["ep"], "python", libs, fetch_files=["p.png"], run_timeout=60)
     assert r["status"] == "Success" and r["run_result"]["stdout"] == "3 {2: 2, 3: 1} 10.0\n", r
     assert base64.b64decode(r["files"]["p.png"])[:4] == b"\x89PNG"
+    # the same library layer over pytest's and jupyter's toolkits
+    r = _ask(profiled["ep"], "pytest", "import numpy as np\n\ndef test_np():\n    assert np.arange(4).sum() == 6\n")
+    assert r["status"] == "Success" and "1 passed" in r["run_result"]["stdout"], r
+    j = jupyter(profiled["ep"], ["import pandas as pd", "pd.Series([1, 2, 3]).sum()"])
+    assert j.status == sf.RunStatus.Success and j.cells[1].display == [{"text/plain": "6"}], j
 
 
 @pytest.mark.slow

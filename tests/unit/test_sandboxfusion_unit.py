@@ -355,6 +355,8 @@ def test_the_token_free_listener_is_off_by_default_and_guarded() -> None:
         ListenerConfig(enabled=True, project="rl", host="0.0.0.0", allow=("0.0.0.0/0",))
     with pytest.raises(ValidationError):
         ListenerConfig(allow=("10.0.0.300/8",))
+    with pytest.raises(ValidationError, match="service is not"):
+        SandboxFusionConfig(enabled=False, listener=ListenerConfig(enabled=True, project="rl"))
     lan = ListenerConfig(enabled=True, project="rl", host="0.0.0.0", allow=("10.1.0.0/16",)).networks()
     assert allowed("10.1.2.3", lan) and not allowed("10.2.0.1", lan) and not allowed("127.0.0.1", lan)
     assert allowed("::ffff:10.1.0.9", lan)  # an IPv4 peer on a dual-stack socket

@@ -94,3 +94,9 @@ class SandboxFusionConfig(BaseModel):
     """Requests waiting for room beyond this are answered 504 at once."""
     listener: ListenerConfig = ListenerConfig()
     """A token-free listener for SkyRL-style clients (off by default)."""
+
+    @model_validator(mode="after")
+    def _listener_needs_the_service(self) -> SandboxFusionConfig:
+        if self.listener.enabled and not self.enabled:
+            raise ValueError("sandboxfusion.listener is enabled but the sandboxfusion service is not")
+        return self
