@@ -309,3 +309,19 @@ def test_the_guest_network_constants_agree_with_the_agent() -> None:
     assert str(ipaddress.ip_network(f"0.0.0.0/{got['NET_NETMASK']}").prefixlen) == str(network.PREFIX)
     net = ipaddress.ip_network(f"{network.GATEWAY_IP}/{network.PREFIX}", strict=False)
     assert ipaddress.ip_address(network.GUEST_IP) in net
+
+
+def test_the_platforms_addresses_are_blocked_for_vms_as_for_containers(tmp_path: Path) -> None:
+    """An edge's own addresses and its control plane's (``BackendContext.platform``) join the
+    microVM backend's block list, with or without a network section in its config."""
+    from dsec.backends import BackendContext, build
+    from dsec.backends.common.netconfig import NetworkConfig
+    from dsec.backends.microvm.config import MicroVMConfig
+
+    for cfg in (MicroVMConfig(), MicroVMConfig(network=NetworkConfig(blocked=("10.66.0.0/16",)))):
+        be: Any = build(cfg, BackendContext(name="tvmplat", state_dir=tmp_path, run_dir=tmp_path, id_prefix="vp",
+                                            store=None, backends={}, platform=("10.77.0.1/32", "10.66.1.2/32")))
+        blocked = be.config.network.blocked
+        assert "10.77.0.1/32" in blocked, blocked
+        assert "10.66.1.2/32" in blocked or "10.66.0.0/16" in blocked, blocked
+        assert be.net.config.blocked == blocked
