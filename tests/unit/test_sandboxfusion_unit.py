@@ -393,3 +393,49 @@ def test_the_listener_refuses_peers_outside_allow_before_anything_runs() -> None
     assert out.status_code == 403 and "192.0.2.7 is not allowed" in out.json()["detail"]
     with pytest.raises(AssertionError, match="the store was touched"):  # allowed: it goes on to mint a token
         asyncio.run(ask("10.1.0.5"))
+
+
+def test_the_listeners_token_is_minted_once_charged_to_its_project_and_revoked(tmp_path: Any) -> None:
+    """Against a real store: minted on first use for the configured project (a missing
+    project is a NotFound naming it), the same token after, one left by a crash revoked at
+    the next mint, and nothing valid left once the listener revokes it."""
+    from dsec.compat.sandboxfusion.listener import TOKEN_NAME, ProjectToken
+    from dsec.control import iam
+    from dsec.control.db import Store
+    from dsec.errors import AuthError, NotFound
+    from dsec.spec.api import Quota
+
+    store = Store(f"sqlite:///{tmp_path / 'c.db'}", threads=2)
+    try:
+        store.migrate()
+        _, admin = store.run_sync(lambda s: iam.bootstrap(s, root="root", quota=Quota(sandboxes=9, cpu=9,
+                                                                                      memory=9 << 30),
+                                                          token_secret=None), write=True)
+        assert admin is not None
+        root = store.run_sync(lambda s: iam.principal_for_token(s, admin), write=False)
+
+        async def scenario() -> None:
+            tok = ProjectToken(store, "rl")
+            with pytest.raises(NotFound, match="no project 'rl'"):
+                await tok.get()
+            store.run_sync(lambda s: iam.create_project(s, root, "rl", None, Quota(sandboxes=1, cpu=1,
+                                                                                  memory=1 << 30)), write=True)
+            crashed = ProjectToken(store, "rl")
+            stale = await crashed.get()  # a listener that died without revoking its token
+            secret = await tok.get()
+            assert await tok.get() == secret and secret != stale
+            who = store.run_sync(lambda s: iam.principal_for_token(s, secret), write=False)
+            assert who.project == "rl" and not who.is_root
+            with pytest.raises(AuthError, match="revoked"):
+                store.run_sync(lambda s: iam.principal_for_token(s, stale), write=False)
+            await tok.revoke()
+            await tok.revoke()  # idempotent
+            with pytest.raises(AuthError, match="revoked"):
+                store.run_sync(lambda s: iam.principal_for_token(s, secret), write=False)
+            live = [t for t in store.run_sync(lambda s: iam.list_tokens(s, root), write=False)
+                    if t.name == TOKEN_NAME and t.revoked_at is None]
+            assert live == []
+
+        asyncio.run(scenario())
+    finally:
+        store.close()
