@@ -582,6 +582,8 @@ def test_more_languages_read_stdin_and_answer(more: dict[str, str], language: st
     assert r["status"] == "Success", r
     assert r["run_result"]["stdout"].startswith(out), r
     assert (r["compile_result"] is not None) == (language in MORE_COMPILED), r
+    if language in ("kotlin_script", "php", "ruby", "perl", "lua", "R", "racket"):
+        assert r["run_result"]["stderr"] == "", r  # no toolchain noise (kotlinc's JVM warned about -noverify)
 
 
 @pytest.mark.slow

@@ -84,7 +84,10 @@ RECIPES: Final[dict[str, Recipe]] = {
     "lua": Recipe("lua", "main.lua", "lua main.lua"),
     "R": Recipe("r", "main.R", "Rscript main.R"),
     "scala": Recipe("scala", "main.scala", "scala {class}", compile="scalac main.scala", prepare="scala_object"),
-    "kotlin_script": Recipe("kotlin", "main.kts", "kotlinc -script main.kts"),
+    # Debian's kotlinc always passes -noverify, which JDK 17 warns about on stderr: the VM's
+    # warnings off (its script's own default heap otherwise).
+    "kotlin_script": Recipe("kotlin", "main.kts", "kotlinc -script main.kts",
+                            env={"JAVA_OPTS": "-Xmx256M -Xms32M -XX:-PrintWarnings"}),
     "D_ut": Recipe("d", "main.d", "./test", compile="ldmd2 main.d -unittest -of=test"),
     "racket": Recipe("racket", "main.rkt", "racket main.rkt"),
     "jest": Recipe("jest", "main.test.ts", f"jest --ci --config {HELPERS}/jest.config.js", helpers=("jest.config.js",),
