@@ -344,6 +344,10 @@ def test_the_cli_keeps_current_toolchains() -> None:
     bad = subprocess.run([sys.executable, "-m", "dsec.cli.main", "image", "--store", str(CACHE), "build",
                           "--toolchains", "cobol"], capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "unknown toolchain 'cobol'" in bad.stderr
+    bad = subprocess.run([sys.executable, "-m", "dsec.cli.main", "image", "--store", str(CACHE), "build",
+                          "--busybox", "--name", "x", "--profile", "sandboxfusion"], capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode != 0 and "only apply to --toolchains" in bad.stderr, bad.stderr
 
 
 # --------------------------------------------------------------- every language ----
@@ -667,6 +671,19 @@ def test_a_verl_reference_solution_importing_numpy_runs_unchanged(profiled: dict
     assert r["status"] == "Success" and "1 passed" in r["run_result"]["stdout"], r
     j = jupyter(profiled["ep"], ["import pandas as pd", "pd.Series([1, 2, 3]).sum()"])
     assert j.status == sf.RunStatus.Success and j.cells[1].display == [{"text/plain": "6"}], j
+
+
+@pytest.mark.slow
+def test_the_cli_builds_a_profiles_library_layers(profiled: dict[str, str]) -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "dsec.cli.main", "image", "--store", str(CACHE), "build",
+                          "--toolchains", "go", "--profile", "sandboxfusion"], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "kept tc-go:bookworm" in out.stderr and "kept tc-sf-go:bookworm" in out.stderr, out.stderr
+    assert len(out.stdout.split()) == 3  # base, go, sf-go
 
 
 @pytest.mark.slow
