@@ -73,8 +73,9 @@ fi
 stamp=.venv/.dsec-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null
-  # compat: the released clients that tests/compat runs against DSec (swe-rex, mini-swe-agent)
-  .venv/bin/python -m pip install -q -e '.[server,dev,compat]'
+  # compat: the released clients that tests/compat runs against DSec (swe-rex, mini-swe-agent);
+  # bench: matplotlib, for the benches' HTML reports (and their tests)
+  .venv/bin/python -m pip install -q -e '.[server,dev,compat,bench]'
   touch "$stamp"
 fi
 

@@ -447,6 +447,19 @@ class Keeper:
             raise RuntimeError("nothing spawned yet")
         return [float(t) for t in self._created["done"]]
 
+    def ready_ms(self) -> list[float]:
+        """Each sandbox's create-to-ready time (ms), with ``concurrency`` in flight, in order."""
+        if self._created is None:
+            raise RuntimeError("nothing spawned yet")
+        return [float(t) for t in self._created["ms"]]
+
+    def began(self) -> float:
+        """When :meth:`spawn`'s series began, on :func:`time.perf_counter`'s clock (CLOCK_MONOTONIC:
+        the same in every process of the host)."""
+        if self._created is None:
+            raise RuntimeError("nothing spawned yet")
+        return float(self._created["t_begin"])
+
     def sandbox_pid(self, index: int) -> int:
         """Host pid of kept sandbox ``index``'s pid 1 (crun: the shell; bwrap: its init)."""
         return int(self._session.runner.call("pid", index=index))
@@ -1013,7 +1026,7 @@ class _Runner:
             self._check_parent()
         return out
 
-    def op_spawn(self, req: dict[str, Any]) -> dict[str, list[float]]:
+    def op_spawn(self, req: dict[str, Any]) -> dict[str, Any]:
         """``n`` sandboxes, ``concurrency`` in flight; per sandbox its ready time and create-to-ready ms."""
         kind = req["kind"]
         argv = [str(a) for a in req["argv"]]
@@ -1038,7 +1051,9 @@ class _Runner:
             self._check_parent()
 
         self._raise_first(self._in_parallel(n, self.width, one))
-        return {"done": done, "ms": ms}
+        # t_begin: perf_counter is CLOCK_MONOTONIC, one clock for the whole host, so the
+        # caller can place its own samples (host memory) on this series' time line
+        return {"done": done, "ms": ms, "t_begin": t_begin}
 
     def _spawn_crun(self, argv: list[str], box: _Box) -> None:
         in_r, box.stdin_w = os.pipe()

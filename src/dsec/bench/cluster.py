@@ -20,6 +20,10 @@ Every phase reports CPU seconds per 1,000 creates of each process (replicas, Pos
 stand-in edges, clients), read from /proc: on a 2-core machine everything competes, and
 the split says what bounds the rate and what a bigger machine would give.
 
+Series (``run(series=...)``, the HTML report's charts: :func:`figures`): per phase, when
+each create was answered (seconds since the go, every worker's) and a sample of create
+latencies (``single`` / ``independent``: ``create()`` calls), beside the flat keys.
+
 Hook for the fault suite: :data:`EXTRA_PHASES`. A module that measures faults (edge loss,
 replica failover, partitions) registers ``name -> run(quick, say) -> dict`` there (or is
 listed in :data:`PHASE_MODULES`, imported lazily); its keys are merged into the results.
@@ -37,11 +41,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dsec.bench.report import Figure, Series, SeriesData, downsample, rate_curve
 from dsec.bench.stats import percentile
 
 Say = Callable[[str], None]
@@ -149,6 +154,7 @@ async def _worker(args: dict[str, Any]) -> dict[str, Any]:
     spec = SandboxSpec.model_validate(_spec_doc())
     mode, n, conc = args["mode"], int(args["n"]), int(args["concurrency"])
     lat: list[float] = []
+    done: list[float] = []
     errors: dict[str, int] = {}
     ahead = AHEAD_SLOTS if mode == "independent" else 0  # single: one control-plane create each
     async with AsyncClient(args["url"], args["token"], timeout=120, lease_ahead=ahead) as c:
@@ -167,7 +173,9 @@ async def _worker(args: dict[str, Any]) -> dict[str, Any]:
                     s = time.perf_counter()
                     try:
                         await c.create(spec, labels={"bench": mode})
-                        lat.append((time.perf_counter() - s) * 1000)
+                        now = time.perf_counter()
+                        lat.append((now - s) * 1000)
+                        done.append(now - t0)
                     except Exception as exc:
                         k = f"{type(exc).__name__}: {str(exc)[:120]}"
                         errors[k] = errors.get(k, 0) + 1
@@ -175,13 +183,15 @@ async def _worker(args: dict[str, Any]) -> dict[str, Any]:
             await asyncio.gather(*(one() for _ in range(n)))
         else:
             async for o in c.create_many(spec, n, concurrency=conc, labels={"bench": "lease"}):
+                done.append(time.perf_counter() - t0)
                 if not o.ok:
                     k = f"{type(o.error).__name__}: {str(o.error)[:120]}"
                     errors[k] = errors.get(k, 0) + 1
         wall = time.perf_counter() - t0
         cpu = time.process_time() - cpu0
     return {"made": n - sum(errors.values()), "errors": errors, "wall_s": wall, "cpu_s": cpu,
-            "p50_ms": percentile(lat, 50) if lat else None}
+            "p50_ms": percentile(lat, 50) if lat else None,
+            "done_s": [round(t, 4) for t in done], "lat_ms": [round(x, 3) for x in downsample(lat, 2000)]}
 
 
 def _recorded(db_url: str, mode: str) -> int:
@@ -198,8 +208,10 @@ def _recorded(db_url: str, mode: str) -> int:
 
 
 async def _run_phase(mode: str, urls: list[str], token: str, *, n: int, workers: int, concurrency: int,
-                     pids: dict[str, list[int]], db_url: str, say: Say) -> dict[str, Any]:
-    """``workers`` load processes spread over the replicas; returns the rate and the CPU split."""
+                     pids: dict[str, list[int]], db_url: str, say: Say,
+                     series: SeriesData | None = None) -> dict[str, Any]:
+    """``workers`` load processes spread over the replicas; returns the rate and the CPU split
+    (and puts the phase's answer times and latencies in ``series``)."""
     per = n // workers
     procs = []
     for i in range(workers):
@@ -247,6 +259,9 @@ async def _run_phase(mode: str, urls: list[str], token: str, *, n: int, workers:
                            "answered_per_s": made / answered, "errors": sum(errors.values())}
     if errors:
         res["error_kinds"] = "; ".join(f"{k} x{v}" for k, v in sorted(errors.items()))
+    if series is not None:
+        series["done_s"] = sorted(t for o in outs for t in o.get("done_s", ()))
+        series["lat_ms"] = [x for o in outs for x in o.get("lat_ms", ())]
     p50s = [o["p50_ms"] for o in outs if o["p50_ms"] is not None]
     if p50s:
         res["p50_ms"] = sum(p50s) / len(p50s)
@@ -262,7 +277,8 @@ async def _run_phase(mode: str, urls: list[str], token: str, *, n: int, workers:
 
 
 async def _cluster(pg: Any, work: Path, *, replicas: int, edges: int, modes: list[str], n: dict[str, int],
-                   workers: int, concurrency: int, say: Say) -> dict[str, Any]:
+                   workers: int, concurrency: int, say: Say,
+                   series: dict[str, SeriesData] | None = None) -> dict[str, Any]:
     from dsec.bench.standin import StandInEdge
     from dsec.http import auth
 
@@ -284,8 +300,10 @@ async def _cluster(pg: Any, work: Path, *, replicas: int, edges: int, modes: lis
         for mode in modes:
             say(f"cluster: {replicas} replica(s), {edges} stand-in edges, {n[mode]} creates ({mode}), "
                 f"{workers} client processes x {concurrency} in flight")
+            phase_series: SeriesData | None = None if series is None else series.setdefault(mode, {})
             out[mode] = await _run_phase(mode, ctl.urls, token, n=n[mode], workers=workers,
-                                         concurrency=concurrency, pids=pids, db_url=db, say=say)
+                                         concurrency=concurrency, pids=pids, db_url=db, say=say,
+                                         series=phase_series)
     finally:
         await ctl.stop()
         for e in stand:
@@ -302,7 +320,9 @@ have their own keys beside it."""
 
 
 def run(*, quick: bool = False, say: Say = print, modes: tuple[str, ...] = ("lease", "independent", "single"),
-        replicas: tuple[int, ...] = (1, 2), edges: int = 4) -> dict[str, Any]:
+        replicas: tuple[int, ...] = (1, 2), edges: int = 4, series: SeriesData | None = None) -> dict[str, Any]:
+    """The suite; ``series``, when given, receives each phase's answer times and latencies
+    under ``"phases"`` (``"<mode> <tag>"``, e.g. ``"lease 1replica"``)."""
     from dsec.bench.postgres import temp_postgres, unavailable
 
     why = unavailable()
@@ -320,9 +340,13 @@ def run(*, quick: bool = False, say: Say = print, modes: tuple[str, ...] = ("lea
     async def main() -> None:
         with tempfile.TemporaryDirectory(prefix="dsec-bench-cluster-") as tmp, temp_postgres() as pg:
             for r in replicas:
-                got = await _cluster(pg, Path(tmp), replicas=r, edges=edges, modes=list(modes), n=per_mode,
-                                     workers=2 * r, concurrency=64, say=say)
                 tag = f"{r}replica{'s' if r > 1 else ''}"
+                per_phase: dict[str, SeriesData] = {}
+                got = await _cluster(pg, Path(tmp), replicas=r, edges=edges, modes=list(modes), n=per_mode,
+                                     workers=2 * r, concurrency=64, say=say, series=per_phase)
+                if series is not None:
+                    for mode, data in per_phase.items():
+                        series.setdefault("phases", {})[f"{mode} {tag}"] = data
                 for mode, figures in got.items():
                     pre = KEY_OF_MODE[mode]
                     results[f"{pre}_per_s_{tag}"] = figures.pop("rate")
@@ -337,6 +361,48 @@ def run(*, quick: bool = False, say: Say = print, modes: tuple[str, ...] = ("lea
         say(f"cluster: phase {name}")
         results.update(phase(quick=quick, say=say))
     return results
+
+
+_MODE_LABEL = {"lease": "create_many (lease)", "independent": "create(), leases ahead", "single": "create(), one each"}
+
+
+def figures(results: Mapping[str, Any], series: SeriesData) -> list[Figure]:
+    """The report's charts (:mod:`dsec.bench.report`): creates answered per second through
+    each phase, create latency histograms, the rates and the CPU split per create."""
+    figs: list[Figure] = []
+    phases: Mapping[str, SeriesData] = series.get("phases", {})
+    curves = [(name, rate_curve(p["done_s"], 40)) for name, p in phases.items() if len(p.get("done_s", ())) >= 2]
+    if curves:
+        figs.append(Figure(
+            title="Creates answered per second through each phase", kind="line", xlabel="creates answered",
+            ylabel="creates / s (40 slices)", series=tuple(Series(name, x, y) for name, (x, y) in curves),
+            caption=f"Edges: {results.get('edge_kind', '?')}; {results.get('cores', '?')} cores shared by replicas, "
+                    "PostgreSQL and the load. The flat keys count to the last create recorded in the store.",
+            name="cluster-rate-curve"))
+    lats = [(name, p["lat_ms"]) for name, p in phases.items() if p.get("lat_ms")]
+    if lats:
+        figs.append(Figure(title="Create latency through the SDK (create() calls)", kind="hist", xlabel="ms",
+                           ylabel="creates", logx=True, bins=40,
+                           series=tuple(Series(name, x=v) for name, v in lats), name="cluster-latency"))
+    tags = sorted({k.rsplit("_", 1)[1] for k in results if k.startswith("control_") and "_per_s_" in k})
+    modes = [m for m in KEY_OF_MODE if any(f"{KEY_OF_MODE[m]}_per_s_{t}" in results for t in tags)]
+    if tags and modes:
+        figs.append(Figure(
+            title="Creates per second, by path and replicas", kind="bar",
+            categories=tuple(_MODE_LABEL[m] for m in modes), ylabel="creates / s (recorded)",
+            series=tuple(Series(t, y=tuple(float(results.get(f"{KEY_OF_MODE[m]}_per_s_{t}", 0.0)) for m in modes))
+                         for t in tags), name="cluster-rates"))
+        groups = ("replicas", "postgres", "edges", "clients")
+        cats = [(m, t) for t in tags for m in modes if f"{KEY_OF_MODE[m]}_cpu_ms_per_create_replicas_{t}" in results]
+        if cats:
+            figs.append(Figure(
+                title="CPU per create, by process", kind="bar",
+                categories=tuple(f"{m} {t}" for m, t in cats), ylabel="CPU ms per create",
+                series=tuple(Series(g, y=tuple(float(results.get(f"{KEY_OF_MODE[m]}_cpu_ms_per_create_{g}_{t}", 0.0))
+                                               for m, t in cats)) for g in groups),
+                caption="Read from /proc over each phase: what bounds the rate on this machine.",
+                name="cluster-cpu"))
+    return figs
 
 
 if __name__ == "__main__":

@@ -33,6 +33,12 @@ Keys (``_python`` / ``_big`` name the image where both are measured):
   file in a sandbox), ``corrupt_chunk_refused`` (1: one chunk of the data device is
   damaged in the registry's storage; reads of it fail with EIO and are counted, no
   bad byte reaches the sandbox).
+
+Series (``run(series=...)``, the HTML report's charts: :func:`figures`): the link's
+received bytes over time, sampled every 50 ms from the veth's counter (nothing asked of
+the loader), for the first exec from the uncached python image, and from the first-exec
+image lazily with and without its prefetch profile (then the cold read) and by full pull;
+the chunk fetch latency histogram of the lazy first-exec phase.
 """
 
 from __future__ import annotations
@@ -44,9 +50,11 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
+
+from dsec.bench.report import Figure, Series, SeriesData
 
 Say = Callable[[str], None]
 PY_PACKAGES = ("python3",)
@@ -113,6 +121,34 @@ class _Phase:
         return res
 
 
+@contextlib.asynccontextmanager
+async def _link_bytes(host: Any, series: SeriesData | None, name: str,
+                      period_s: float = 0.05) -> AsyncIterator[list[list[float]]]:
+    """Samples ``[seconds, bytes received over the link]`` from entry every ``period_s`` into
+    ``series["link_bytes"][name]`` (the veth's counter: the loader is not asked)."""
+    samples: list[list[float]] = []
+    rx0 = host.rx_bytes()
+    t0 = time.perf_counter()
+
+    async def loop() -> None:
+        while True:
+            with contextlib.suppress(OSError, ValueError):
+                samples.append([round(time.perf_counter() - t0, 3), host.rx_bytes() - rx0])
+            await asyncio.sleep(period_s)
+
+    task = asyncio.create_task(loop())
+    try:
+        yield samples
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        with contextlib.suppress(OSError, ValueError):
+            samples.append([round(time.perf_counter() - t0, 3), host.rx_bytes() - rx0])
+        if series is not None:
+            series.setdefault("link_bytes", {})[name] = samples
+
+
 def _image(store: Any, cache: Path, name: str, packages: tuple[str, ...], say: Say) -> Any:
     from dsec.bench.fncall import python_layer
 
@@ -137,11 +173,13 @@ def _registry(work: Path, say: Say) -> Iterator[tuple[Any, Any, Any]]:
             reg.stop()
 
 
-def run(*, quick: bool = False, state_dir: Path | None = None, say: Say = print) -> dict[str, Any]:
-    return asyncio.run(_run(quick=quick, state_dir=state_dir, say=say))
+def run(*, quick: bool = False, state_dir: Path | None = None, say: Say = print,
+        series: SeriesData | None = None) -> dict[str, Any]:
+    """The suite; ``series``, when given, receives its per-sample data (module docstring)."""
+    return asyncio.run(_run(quick=quick, state_dir=state_dir, say=say, series=series))
 
 
-async def _run(*, quick: bool, state_dir: Path | None, say: Say) -> dict[str, Any]:
+async def _run(*, quick: bool, state_dir: Path | None, say: Say, series: SeriesData | None = None) -> dict[str, Any]:
     from dsec.images.registry import RegistryClient, RegistryRef
     from dsec.images.store import LocalLayerStore
     from dsec.images.transfer import push_layer, read_dsec_layer
@@ -190,8 +228,9 @@ async def _run(*, quick: bool, state_dir: Path | None, say: Say) -> dict[str, An
         async with _Phase(work, run_dir, "one", line.url) as ph:
             rx0 = host.rx_bytes()
             t0 = time.perf_counter()
-            sid = await ph.sandbox(ref_py)
-            await ph.sh(sid, FIRST_EXEC_PY)
+            async with _link_bytes(host, series, "python: lazy first exec"):
+                sid = await ph.sandbox(ref_py)
+                await ph.sh(sid, FIRST_EXEC_PY)
             out["lazy_first_exec_ms_python"] = round((time.perf_counter() - t0) * 1000, 1)
             one_link = host.rx_bytes() - rx0
             out["lazy_bytes_python"] = ph.fetched()
@@ -233,33 +272,39 @@ async def _run(*, quick: bool, state_dir: Path | None, say: Say) -> dict[str, An
             (f"{big.name}:bench", FIRST_EXEC_BIG, big)  # fmt: skip
         out["first_exec_image"] = "python" if big is None else "big"
         out["first_exec_image_bytes"] = first_layer.size
+        first_name = out["first_exec_image"]
         async with _Phase(work, run_dir, "lazy1st", line.url) as ph:
-            t0 = time.perf_counter()
-            sid = await ph.sandbox(first_ref)
-            await ph.sh(sid, first_cmd)
-            out["lazy_first_exec_ms"] = round((time.perf_counter() - t0) * 1000, 1)
-            out["lazy_first_exec_bytes"] = ph.fetched()
-            # a cold read of the largest file
-            res = await ph.sh(sid, "find / -xdev -type f -size +4M -printf '%s %p\\n' | sort -n | tail -1")
-            size_s, _, path = res.stdout.decode().strip().partition(" ")
-            t = time.perf_counter()
-            await ph.sh(sid, f"cat '{path}' > /dev/null")
-            dt = time.perf_counter() - t
+            async with _link_bytes(host, series, f"{first_name}: lazy, with profile, then a cold read"):
+                t0 = time.perf_counter()
+                sid = await ph.sandbox(first_ref)
+                await ph.sh(sid, first_cmd)
+                out["lazy_first_exec_ms"] = round((time.perf_counter() - t0) * 1000, 1)
+                out["lazy_first_exec_bytes"] = ph.fetched()
+                # a cold read of the largest file
+                res = await ph.sh(sid, "find / -xdev -type f -size +4M -printf '%s %p\\n' | sort -n | tail -1")
+                size_s, _, path = res.stdout.decode().strip().partition(" ")
+                t = time.perf_counter()
+                await ph.sh(sid, f"cat '{path}' > /dev/null")
+                dt = time.perf_counter() - t
             out["fuse_read_mib_s"] = round(int(size_s) / 2**20 / dt, 1)
             out["fuse_read_file_mib"] = round(int(size_s) / 2**20, 1)
             lat = ph.lazy.stats()["fetch_latency_ms"] if ph.lazy is not None else {}
             out["chunk_fetch_p50_ms"] = lat.get("p50")
             out["chunk_fetch_p99_ms"] = lat.get("p99")
+            if series is not None and lat.get("buckets_le_ms"):
+                series["chunk_fetch_buckets_le_ms"] = lat["buckets_le_ms"]
         async with _Phase(work, run_dir, "noprof1st", line.url) as ph:
             t0 = time.perf_counter()
-            sid = await ph.sandbox(first_ref.replace(":bench", ":noprof"))
-            await ph.sh(sid, first_cmd)
+            async with _link_bytes(host, series, f"{first_name}: lazy, no profile"):
+                sid = await ph.sandbox(first_ref.replace(":bench", ":noprof"))
+                await ph.sh(sid, first_cmd)
             out["lazy_first_exec_noprofile_ms"] = round((time.perf_counter() - t0) * 1000, 1)
             out["lazy_first_exec_noprofile_bytes"] = ph.fetched()
         async with _Phase(work, run_dir, "pull1st", line.url, lazy=False) as ph:
             t0 = time.perf_counter()
-            sid = await ph.sandbox(first_ref)  # lookup pulls the whole layer first
-            await ph.sh(sid, first_cmd)
+            async with _link_bytes(host, series, f"{first_name}: full pull"):
+                sid = await ph.sandbox(first_ref)  # lookup pulls the whole layer first
+                await ph.sh(sid, first_cmd)
             out["full_pull_first_exec_ms"] = round((time.perf_counter() - t0) * 1000, 1)
         out["lazy_vs_full_pull_first_exec_ratio"] = round(out["lazy_first_exec_ms"] / out["full_pull_first_exec_ms"], 3)
         out["lazy_noprofile_vs_full_pull_first_exec_ratio"] = round(
@@ -333,3 +378,40 @@ def _run_root() -> str:
 
 
 __all__ = ["run"]
+
+
+def figures(results: Mapping[str, Any], series: SeriesData) -> list[Figure]:
+    """The report's charts (:mod:`dsec.bench.report`): bytes over the link against time for
+    each first exec, the chunk fetch latency histogram, bytes read lazily vs the layer."""
+    figs: list[Figure] = []
+    link: Mapping[str, list[list[float]]] = series.get("link_bytes", {})
+    if link:
+        figs.append(Figure(
+            title="Bytes over the link against time, from an uncached image", kind="line",
+            xlabel="seconds since the create", ylabel="MiB received over the link",
+            series=tuple(Series(name, [p[0] for p in pts], [p[1] / (1 << 20) for p in pts])
+                         for name, pts in link.items() if pts),
+            caption=f"Link {results.get('link_rate', '?')}, {results.get('link_delay_ms', '?')} ms one way; the veth's "
+                    f"received bytes every 50 ms. First-exec image: {results.get('first_exec_image', '?')} "
+                    f"({results.get('first_exec_image_bytes', 0) / (1 << 20):,.0f} MiB layer); the lazy phase then "
+                    f"reads its largest file cold ({results.get('fuse_read_file_mib', '?')} MiB at "
+                    f"{results.get('fuse_read_mib_s', '?')} MiB/s).", name="images-link-bytes"))
+    buckets: Mapping[str, int] = series.get("chunk_fetch_buckets_le_ms", {})
+    if buckets:
+        cats = tuple(f"≤{k}" if k != "+Inf" else f">{list(buckets)[-2]}" for k in buckets)
+        figs.append(Figure(
+            title="Chunk fetch latency (lazy first exec and cold read)", kind="bar", categories=cats,
+            xlabel="ms", ylabel="chunk fetches", series=(Series("fetches", y=tuple(buckets.values())),),
+            caption=f"p50 {results.get('chunk_fetch_p50_ms')} ms, p99 {results.get('chunk_fetch_p99_ms')} ms.",
+            name="images-chunk-fetch"))
+    pairs = [(lbl, results.get(a), results.get(b)) for lbl, a, b in (
+        ("first exec, with profile", "lazy_first_exec_ms", "full_pull_first_exec_ms"),
+        ("first exec, no profile", "lazy_first_exec_noprofile_ms", "full_pull_first_exec_ms"))]
+    if all(isinstance(a, (int, float)) and isinstance(b, (int, float)) for _, a, b in pairs):
+        figs.append(Figure(
+            title="First exec from an uncached image: lazy vs full pull", kind="bar",
+            categories=tuple(lbl for lbl, _, _ in pairs), ylabel="ms",
+            series=(Series("lazy", y=tuple(float(a or 0) for _, a, _ in pairs)),
+                    Series("full pull", y=tuple(float(b or 0) for _, _, b in pairs))),
+            name="images-first-exec"))
+    return figs

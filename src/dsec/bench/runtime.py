@@ -71,12 +71,14 @@ import resource
 import shutil
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 from dsec.bench.baselines import KEEP_CONCURRENCY, decile_rates
+from dsec.bench.report import Figure, Series, SeriesData, deciles, memory_per_sandbox, rate_curve
 from dsec.bench.stats import percentile
 
 Progress = Callable[[str], None]
@@ -245,6 +247,39 @@ def _raise_nofile() -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+class MemSampler:
+    """MemAvailable read from a thread every ``period_s`` while a keep phase runs: the
+    memory-against-N curve (the flat keys keep only the drop with all N idle).
+
+    ``with MemSampler() as m: ...``; then :meth:`relative` places the samples on a series'
+    time line. One read of /proc/meminfo four times a second: nothing beside the creates.
+    """
+
+    def __init__(self, period_s: float = 0.25) -> None:
+        self.period_s = period_s
+        self.samples: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="dsec-bench-mem", daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            with contextlib.suppress(OSError, KeyError, ValueError):
+                self.samples.append((time.perf_counter(), _mem_available()))
+            self._stop.wait(self.period_s)
+
+    def __enter__(self) -> MemSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def relative(self, t0: float, mem0: int) -> list[list[float]]:
+        """``[[seconds since t0, bytes used since mem0], ...]`` from ``t0`` on (perf_counter's clock)."""
+        return [[round(t - t0, 3), mem0 - avail] for t, avail in self.samples if t >= t0]
 
 
 # ---------------------------------------------------- shrinkers & superblocks --
@@ -509,10 +544,12 @@ class _Idlers:
         self.rt = rt
         self.ids: list[str] = []
         self.ready: list[float] = []
+        self.ready_ms: list[float] = []
         self._stdins: list[int] = []
         self._devnull = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
 
     async def add(self, spec: Any, t_start: float, *, before_idle: Callable[[str], Any] | None = None) -> None:
+        t_add = time.perf_counter()
         sb = await self.rt.create(spec)
         self.ids.append(sb.id)  # before anything else can fail: close() must find it
         if before_idle is not None:
@@ -523,7 +560,9 @@ class _Idlers:
             await self.rt.start_process(sb.id, ["/bin/sh"], stdin=r, stdout=self._devnull, stderr=self._devnull)
         finally:
             os.close(r)
-        self.ready.append(time.perf_counter() - t_start)
+        now = time.perf_counter()
+        self.ready.append(now - t_start)
+        self.ready_ms.append((now - t_add) * 1000)
 
     async def teardown(self, concurrency: int = 16) -> float:
         """Destroy them all, ``concurrency`` at a time; seconds taken."""
@@ -557,8 +596,17 @@ class _Idlers:
             os.close(self._devnull)
 
 
+def _put(series: SeriesData | None, name: str, runtime: str, values: Any) -> None:
+    """One runtime's series ``name`` (rounded floats: a side file, not a figure)."""
+    if series is None:
+        return
+    if isinstance(values, list) and values and not isinstance(values[0], list):
+        values = [round(float(v), 4) for v in values]
+    series.setdefault(name, {})[runtime] = values
+
+
 async def _dsec_side(rootfs: Path, work: Path, *, n_lat: int, n_keep: int, n_exec: int, host: set[str],
-                     say: Progress, debian: Path | None = None) -> dict[str, Any]:
+                     say: Progress, debian: Path | None = None, series: SeriesData | None = None) -> dict[str, Any]:
     from dsec.backends.container import shrinkers
     from dsec.backends.container.runtime import ContainerRuntime
     from dsec.images.build import build_from_dir
@@ -591,6 +639,7 @@ async def _dsec_side(rootfs: Path, work: Path, *, n_lat: int, n_keep: int, n_exe
         # this is the like-for-like figure.
         out["create_exec_destroy_p50_ms"] = percentile(full, 50)
         out["create_exec_destroy_p95_ms"] = percentile(full, 95)
+        _put(series, "create_ms", "dsec", lat)
 
         if debian is not None:
             say(f"dsec: create + first exec on the Debian rootfs, {n_lat} samples")
@@ -610,6 +659,7 @@ async def _dsec_side(rootfs: Path, work: Path, *, n_lat: int, n_keep: int, n_exe
             ex.append((time.perf_counter() - t0) * 1000)
         out["exec_p50_ms"] = percentile(ex, 50)
         out["exec_p95_ms"] = percentile(ex, 95)
+        _put(series, "exec_ms", "dsec", ex)
         # Throughput with both cores busy: many execs in flight over a few sandboxes.
         others = [sb] + [await rt.create(spec) for _ in range(3)]
         done = 0
@@ -639,10 +689,14 @@ async def _dsec_side(rootfs: Path, work: Path, *, n_lat: int, n_keep: int, n_exe
                     await idlers.add(spec, t_start)
 
             mem0 = _mem_available()
-            t0 = time.perf_counter()
-            await _all(keep(t0) for _ in range(n_keep))
+            with MemSampler() as sampler:
+                t0 = time.perf_counter()
+                await _all(keep(t0) for _ in range(n_keep))
             await asyncio.sleep(1.0)  # let lazily freed memory settle
             idle = mem0 - _mem_available()
+            _put(series, "keep_ready_s", "dsec", idlers.ready)
+            _put(series, "keep_ready_ms", "dsec", idlers.ready_ms)
+            _put(series, "keep_mem", "dsec", sampler.relative(t0, mem0))
             own = own_superblocks(sandbox_devs(rt.get(idlers.ids[0]).init_pid),
                                   sandbox_devs(rt.get(idlers.ids[-1]).init_pid), host)
             say(f"dsec: teardown of {n_keep}")
@@ -660,7 +714,7 @@ async def _dsec_side(rootfs: Path, work: Path, *, n_lat: int, n_keep: int, n_exe
 
 
 async def _dsec_media(rootfs: Path, work: Path, *, n_lat: int, k: Mapping[Medium, int], media: Sequence[Medium],
-                      host: set[str], say: Progress) -> dict[str, Any]:
+                      host: set[str], say: Progress, series: SeriesData | None = None) -> dict[str, Any]:
     """The writable layer on ``disk`` vs in ``memory``: latency, written density, throughput, teardown.
 
     ``k``: how many sandboxes of each medium write :data:`WRITE_BYTES` and idle. The disk
@@ -697,6 +751,7 @@ async def _dsec_media(rootfs: Path, work: Path, *, n_lat: int, k: Mapping[Medium
                 lat[m] += (await _dsec_latency(rt, spec(m), 1))[0]
         for m in media:
             out[f"create_p50_ms_{m}"] = percentile(lat[m], 50)
+            _put(series, "create_ms_medium", m, lat[m])
 
         for m in media:
             say(f"dsec media: one sandbox writes {THROUGHPUT_MIB} MiB with dd conv=fsync ({m})")
@@ -765,7 +820,7 @@ async def _dsec_media(rootfs: Path, work: Path, *, n_lat: int, k: Mapping[Medium
 
 
 def _baseline_side(tool: str, rootfs: Path, *, n_lat: int, n_keep: int, n_exec: int, host: set[str],
-                   say: Progress, debian: Path | None = None) -> dict[str, Any]:
+                   say: Progress, debian: Path | None = None, series: SeriesData | None = None) -> dict[str, Any]:
     from dsec.bench import baselines
 
     out: dict[str, Any] = {}
@@ -774,20 +829,27 @@ def _baseline_side(tool: str, rootfs: Path, *, n_lat: int, n_keep: int, n_exec: 
     lat = latency(rootfs, n_lat)
     out[key(tool, "create_p50_ms")] = percentile(lat, 50)
     out[key(tool, "create_p95_ms")] = percentile(lat, 95)
+    _put(series, "create_ms", tool, lat)
     if debian is not None:
         say(f"{tool}: create + first exec on the Debian rootfs, {n_lat} samples")
         out[f"debian_{tool}_create_p50_ms"] = percentile(latency(debian, n_lat), 50)
     if tool == "crun":
         say(f"crun: exec round trip, {n_exec} samples")
-        out["crun_exec_p50_ms"] = percentile(baselines.crun_exec_latency(rootfs, n_exec), 50)
+        ex = baselines.crun_exec_latency(rootfs, n_exec)
+        out["crun_exec_p50_ms"] = percentile(ex, 50)
+        _put(series, "exec_ms", "crun", ex)
 
     out[key(tool, "shrinkers_keep_before")] = shrinker_id_hwm()
     say(f"{tool}: create-and-keep {n_keep}, each with a shell waiting on stdin")
     with baselines.Keeper(tool, rootfs, concurrency=KEEP_CONCURRENCY) as kept:
         mem0 = _mem_available()
-        kept.spawn(n_keep)
+        with MemSampler() as sampler:
+            kept.spawn(n_keep)
         time.sleep(1.0)  # as for DSec: let lazily freed memory settle
         idle = mem0 - _mem_available()
+        _put(series, "keep_ready_s", tool, kept.done_s())
+        _put(series, "keep_ready_ms", tool, kept.ready_ms())
+        _put(series, "keep_mem", tool, sampler.relative(kept.began(), mem0))
         own = own_superblocks(sandbox_devs(kept.sandbox_pid(0)), sandbox_devs(kept.sandbox_pid(n_keep - 1)), host)
         say(f"{tool}: teardown of {n_keep}")
         summary = kept.teardown()
@@ -825,9 +887,12 @@ def _ratio(results: dict[str, Any], a: str, b: str) -> float:
 
 def run(*, quick: bool = False, n_keep: int | None = None, order: Sequence[str] | None = None,
         written_n: int | None = None, debian: bool | None = None, cache_dir: Path | None = None,
-        gvisor: bool | None = None, say: Progress = print) -> dict[str, Any]:
+        gvisor: bool | None = None, say: Progress = print, series: SeriesData | None = None) -> dict[str, Any]:
     """The whole suite; ``gvisor`` (default: when runsc is installed) adds the gVisor backend's
-    figures beside the container backend's, measured in the same run (dsec.bench.gvisor)."""
+    figures beside the container backend's, measured in the same run (dsec.bench.gvisor).
+
+    ``series``, when given, receives the per-sample data the flat keys summarise (each
+    runtime's ready times and memory samples of its keep, its latencies: :func:`figures`)."""
     from dsec.bench import baselines
 
     n_lat = 30 if quick else 200
@@ -878,10 +943,10 @@ def run(*, quick: bool = False, n_keep: int | None = None, order: Sequence[str] 
         for rt_name in run_order:
             if rt_name == "dsec":
                 results.update(asyncio.run(_dsec_side(rootfs, work, n_lat=n_lat, n_keep=keep, n_exec=n_exec,
-                                                      host=host, say=say, debian=deb_root)))
+                                                      host=host, say=say, debian=deb_root, series=series)))
             else:
                 results.update(_baseline_side(rt_name, rootfs, n_lat=n_lat, n_keep=keep, n_exec=n_exec,
-                                              host=host, say=say, debian=deb_root))
+                                              host=host, say=say, debian=deb_root, series=series))
 
         k_want = written_n if written_n is not None else (QUICK_WRITTEN_N if quick else FULL_WRITTEN_N)
         info = _meminfo()
@@ -904,7 +969,7 @@ def run(*, quick: bool = False, n_keep: int | None = None, order: Sequence[str] 
         results["written_50mb_n_wanted"] = k_want
         k_media: dict[Medium, int] = {"disk": min(k_want, k_cap_disk), "memory": min(k_want, k_cap)}
         results.update(asyncio.run(_dsec_media(rootfs, work, n_lat=n_lat, k=k_media, media=media,
-                                               host=host, say=say)))
+                                               host=host, say=say, series=series)))
 
     if gvisor is not False and shutil.which("runsc") is not None:
         from dsec.bench import gvisor as gv_bench
@@ -930,3 +995,93 @@ def run(*, quick: bool = False, n_keep: int | None = None, order: Sequence[str] 
     results["mem_total_mib"] = info["MemTotal"] // MiB
     say("note: the shrinker id high-water mark (shrinkers_after) stays until reboot: the next run starts there")
     return in_table_order(results)
+
+
+# ---------------------------------------------------------------- figures ---
+
+
+_COLORS = {"dsec": "C0", "crun": "C1", "bwrap": "C2", "disk": "C4", "memory": "C5"}
+
+
+def _label(runtime: str) -> str:
+    return {"dsec": "DSec", "crun": "crun", "bwrap": "bwrap"}.get(runtime, runtime)
+
+
+def _s(runtime: str, x: Sequence[float] = (), y: Sequence[float] = ()) -> Series:
+    return Series(_label(runtime), x, y, color=_COLORS.get(runtime))
+
+
+def figures(results: Mapping[str, Any], series: SeriesData) -> list[Figure]:
+    """The report's charts (:mod:`dsec.bench.report`): create rate and memory per sandbox
+    against N for each runtime, latency histograms; bars of the flat keys when a run's
+    series are not at hand (an older JSON)."""
+    n = results.get("keep_n", "?")
+    order = results.get("order", "?")
+    ready: Mapping[str, Sequence[float]] = series.get("keep_ready_s", {})
+    mem: Mapping[str, Sequence[Sequence[float]]] = series.get("keep_mem", {})
+    present = [r for r in RUNTIMES if r in ready]
+
+    def ratio(rt: str) -> str:
+        v = results.get(key(rt, "create_rate_last_decile_ratio"))
+        return f"{_label(rt)} {v:.2f}" if isinstance(v, (int, float)) else ""
+
+    figs: list[Figure] = []
+    if present:
+        figs.append(Figure(
+            title=f"Create-and-keep rate per decile against N (N = {n:,} each)" if isinstance(n, int)
+            else "Create-and-keep rate per decile against N",
+            kind="line", xlabel="sandboxes kept (end of decile)", ylabel="creates / s in the decile",
+            series=tuple(_s(r, *deciles(ready[r])) for r in present), name="runtime-create-rate-deciles",
+            caption=f"Each runtime alone, {results.get('keep_concurrency', '?')} in flight, order {order}. "
+                    "Last ÷ first decile: " + ", ".join(x for x in map(ratio, present) if x) +
+                    " (target ≥ 0.7: flat)."))
+        figs.append(Figure(
+            title="Create-and-keep rate against N (50 slices)", kind="line",
+            xlabel="sandboxes kept", ylabel="creates / s in the slice",
+            series=tuple(_s(r, *rate_curve(ready[r], 50)) for r in present), name="runtime-create-rate-curve",
+            caption="The same series cut finer: where along N the rate falls."))
+    if any(r in mem for r in present):
+        figs.append(Figure(
+            title="Host memory per idle sandbox against N", kind="line",
+            xlabel="sandboxes kept", ylabel="MiB per sandbox (drop in MemAvailable ÷ N)",
+            series=tuple(_s(r, *memory_per_sandbox(ready[r], mem[r], min_n=max(10, len(ready[r]) // 100)))
+                         for r in present if r in mem), name="runtime-memory-per-sandbox",
+            refs=(("target 1.0 MiB", IDLE_MIB_BUDGET),),
+            caption="MemAvailable sampled 4 times a second during each keep, placed on its ready times; "
+                    "the flat key idle_mib_per_sandbox is the value with all N idle, after 1 s."))
+    for name, title, xl, cap in (
+        ("create_ms", "Create + first exec latency, one at a time", "ms",
+         "DSec: create + exec(true) through the runtime; crun run / bwrap: to the first command's exit."),
+        ("keep_ready_ms", "Create-to-ready latency during the keep", "ms",
+         "Every sandbox of the create-and-keep, with the others in flight and N growing."),
+        ("exec_ms", "Exec round trip in a running sandbox", "ms", "DSec's exec vs `crun exec` of /bin/true."),
+        ("create_ms_medium", "Create + first exec by writable-layer medium (DSec)", "ms",
+         "Resources.disk_medium: a btrfs subvolume on the node's disk vs tmpfs."),
+    ):
+        got: Mapping[str, Sequence[float]] = series.get(name, {})
+        if got:
+            rts = sorted(got, key=lambda r: (*RUNTIMES, "disk", "memory", r).index(r))
+            figs.append(Figure(title=title, kind="hist", xlabel=xl, ylabel="samples", logx=name == "keep_ready_ms",
+                               series=tuple(_s(r, x=got[r]) for r in rts if got[r]), caption=cap,
+                               name=f"runtime-{name.replace('_', '-')}"))
+    # from the flat keys alone: every run has these
+    rts = [r for r in RUNTIMES if key(r, "create_rate_first_decile") in results]
+    if rts:
+        figs.append(Figure(
+            title="Create-and-keep rate: whole series, first and last decile", kind="bar",
+            categories=tuple(_label(r) for r in rts), ylabel="creates / s",
+            series=tuple(Series(lbl, y=tuple(float(results[key(r, k)]) for r in rts)) for lbl, k in (
+                ("whole series", "create_rate"), ("first decile", "create_rate_first_decile"),
+                ("last decile", "create_rate_last_decile"))),
+            caption=f"N = {n:,} each." if isinstance(n, int) else "", name="runtime-create-rate-bars"))
+    if all(key(r, "idle_mib_per_sandbox") in results for r in rts) and rts:
+        figs.append(Figure(
+            title="Host memory per idle sandbox at N", kind="bar", categories=tuple(_label(r) for r in rts),
+            ylabel="MiB", refs=(("target 1.0 MiB", IDLE_MIB_BUDGET),), name="runtime-memory-bars",
+            series=(Series("MiB per sandbox", y=tuple(float(results[key(r, "idle_mib_per_sandbox")]) for r in rts)),)))
+    if all(key(r, "teardown_rate") in results for r in rts) and rts:
+        figs.append(Figure(
+            title="Teardown rate at N", kind="bar", categories=tuple(_label(r) for r in rts), ylabel="sandboxes / s",
+            name="runtime-teardown-bars",
+            series=(Series("removed / s", y=tuple(float(results[key(r, "teardown_rate")]) for r in rts)),)))
+    return figs

@@ -28,6 +28,10 @@ QEMU build, guest kernel and guest RAM are in the output (``vm_accel``...).
   loopback) whose warm pool keeps restored VMs, create -> first ``exec(true)`` answered;
   ``vm_sdk_create_exec_p50_ms``: the same with the pool emptied (each create restores).
 - ``vm_conformance_passed`` / ``_total`` (full mode): ``pytest tests/conformance -k microvm``.
+
+Series (``run(series=...)``, the HTML report's charts: :func:`figures`): every sample behind
+those percentiles, in the order taken (cold boots, restores and their parts, execs, agent
+pings, creates through the SDK with and without the pool, the container's).
 """
 
 from __future__ import annotations
@@ -39,11 +43,12 @@ import platform
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from dsec.backends.common.procstat import cpu_ticks as _cpu_ticks
+from dsec.bench.report import Figure, Series, SeriesData
 from dsec.bench.stats import percentile
 
 Progress = Callable[[str], None]
@@ -52,6 +57,11 @@ MiB = 1 << 20
 
 def _quiet(_msg: str) -> None:
     pass
+
+
+def _put(series: SeriesData | None, name: str, values: Sequence[float]) -> None:
+    if series is not None:
+        series[name] = [round(float(v), 3) for v in values]
 
 
 def _mem_available() -> int:
@@ -110,7 +120,7 @@ async def _cold_boots(be: Any, layer_files: list[Path], n: int, say: Progress) -
 
 
 async def _microvm(be: Any, spec: Any, *, n_boot: int, n_lat: int, n_exec: int, n_idle: int,
-                   idle_window_s: float, say: Progress) -> dict[str, Any]:
+                   idle_window_s: float, say: Progress, series: SeriesData | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {}
     files = [be.store.open_local(d) for d in reversed(be._layers_for(spec.image))]
     say(f"microvm: {n_boot} cold boots")
@@ -118,6 +128,7 @@ async def _microvm(be: Any, spec: Any, *, n_boot: int, n_lat: int, n_exec: int, 
     out["vm_cold_boot_ms"] = percentile([b * 1000 for b in boots], 50) if boots else -1.0
     out["vm_cold_boot_p95_ms"] = percentile([b * 1000 for b in boots], 95) if boots else -1.0
     out["vm_cold_boot_failed"] = n_boot - len(boots)
+    _put(series, "vm_cold_boot_ms", [b * 1000 for b in boots])
 
     say("microvm: template + warm-up")
     first = await be.create(spec)
@@ -147,6 +158,10 @@ async def _microvm(be: Any, spec: Any, *, n_boot: int, n_lat: int, n_exec: int, 
     out["vm_first_exec_p50_ms"] = percentile(firsts, 50)
     for step in ("start", "restore", "hello", "identity", "warm"):
         out[f"vm_restore_{step}_p50_ms"] = percentile([p.get(step, 0.0) * 1000 for p in parts], 50)
+        _put(series, f"vm_restore_{step}_ms", [p.get(step, 0.0) * 1000 for p in parts])
+    _put(series, "vm_restore_ms", totals)
+    _put(series, "vm_create_ms", creates)
+    _put(series, "vm_first_exec_ms", firsts)
 
     say("microvm: fan-out of 10")
     t0 = time.perf_counter()
@@ -169,12 +184,15 @@ async def _microvm(be: Any, spec: Any, *, n_boot: int, n_lat: int, n_exec: int, 
         await be.exec(first.id, ["true"])
         ex.append((time.perf_counter() - t0) * 1000)
     out["vm_exec_p50_ms"] = percentile(ex, 50)
+    _put(series, "vm_exec_ms", ex)
     vm = be._vms[first.id]
 
     async def pings() -> list[float]:
         return [await vm.agent.ping() * 1000 for _ in range(50)]
 
-    out["vm_echo_ms"] = percentile(await be.loop.call(pings()), 50)
+    echoes = await be.loop.call(pings())
+    out["vm_echo_ms"] = percentile(echoes, 50)
+    _put(series, "vm_echo_ms", echoes)
 
     say("microvm: fork of a running VM into 8")
     marker = os.urandom(8).hex()
@@ -244,7 +262,8 @@ async def _microvm(be: Any, spec: Any, *, n_boot: int, n_lat: int, n_exec: int, 
     return out
 
 
-async def _through_the_sdk(base: Path, tag: str, n: int, pool_size: int, say: Progress) -> dict[str, Any]:
+async def _through_the_sdk(base: Path, tag: str, n: int, pool_size: int, say: Progress,
+                           series: SeriesData | None = None) -> dict[str, Any]:
     """Create through the SDK on a real edge (HTTP on loopback) whose warm pool keeps restored,
     warmed-up VMs, to the first exec of ``true`` answered; the pool refills between creates."""
     import secrets
@@ -301,6 +320,8 @@ async def _through_the_sdk(base: Path, tag: str, n: int, pool_size: int, say: Pr
         out["vm_sdk_pool_create_exec_p95_ms"] = percentile(totals, 95)
         out["vm_sdk_create_exec_p50_ms"] = percentile(cold, 50)
         out["vm_sdk_create_exec_p95_ms"] = percentile(cold, 95)
+        _put(series, "vm_sdk_pool_create_exec_ms", totals)
+        _put(series, "vm_sdk_create_exec_ms", cold)
     finally:
         edge.stop()
     return out
@@ -324,7 +345,8 @@ def _conformance() -> tuple[int, int]:
         counts.get("xfailed", 0)
 
 
-async def _container(store: Any, base: Path, tag: str, spec: Any, n_lat: int, n_exec: int) -> dict[str, float]:
+async def _container(store: Any, base: Path, tag: str, spec: Any, n_lat: int, n_exec: int,
+                     series: SeriesData | None = None) -> dict[str, float]:
     from dsec.backends.container.runtime import ContainerRuntime
 
     out: dict[str, float] = {}
@@ -340,16 +362,18 @@ async def _container(store: Any, base: Path, tag: str, spec: Any, n_lat: int, n_
             totals.append((time.perf_counter() - t0) * 1000)
             await ct.destroy(rec.id)
         out["container_create_exec_p50_ms"] = percentile(totals, 50)
+        _put(series, "container_create_exec_ms", totals)
         ex = []
         for _ in range(n_exec):
             t0 = time.perf_counter()
             await ct.exec(first.id, ["true"])
             ex.append((time.perf_counter() - t0) * 1000)
         out["container_exec_p50_ms"] = percentile(ex, 50)
+        _put(series, "container_exec_ms", ex)
     return out
 
 
-async def measure(*, quick: bool = False, say: Progress = _quiet) -> dict[str, Any]:
+async def measure(*, quick: bool = False, say: Progress = _quiet, series: SeriesData | None = None) -> dict[str, Any]:
     from dsec.backends.microvm.backend import MicroVMBackend
     from dsec.backends.microvm.config import MicroVMConfig
     from dsec.images import LocalLayerStore, build_busybox
@@ -370,12 +394,12 @@ async def measure(*, quick: bool = False, say: Progress = _quiet) -> dict[str, A
         async with be:
             spec = SandboxSpec(image=ImageRef(base=layer.digest), resources=res, backend="microvm")
             out.update(await _microvm(be, spec, n_boot=n_boot, n_lat=n_lat, n_exec=n_exec, n_idle=n_idle,
-                                      idle_window_s=window, say=say))
+                                      idle_window_s=window, say=say, series=series))
         say("microvm: through the SDK on a real edge with a warm pool")
-        out.update(await _through_the_sdk(base, tag, n_lat, 4, say))
+        out.update(await _through_the_sdk(base, tag, n_lat, 4, say, series))
         say("container: the same spec")
         cspec = SandboxSpec(image=ImageRef(base=layer.digest), resources=res)
-        out.update(await _container(store, base, tag, cspec, n_lat, n_exec))
+        out.update(await _container(store, base, tag, cspec, n_lat, n_exec, series))
     finally:
         if not any(f" {base}/" in ln for ln in Path("/proc/self/mountinfo").read_text().splitlines()):
             shutil.rmtree(base, ignore_errors=True)
@@ -388,5 +412,58 @@ async def measure(*, quick: bool = False, say: Progress = _quiet) -> dict[str, A
     return out
 
 
-def run(*, quick: bool = False, say: Progress = _quiet) -> dict[str, Any]:
-    return asyncio.run(measure(quick=quick, say=say))
+def run(*, quick: bool = False, say: Progress = _quiet, series: SeriesData | None = None) -> dict[str, Any]:
+    """The suite; ``series``, when given, receives every sample (module docstring)."""
+    return asyncio.run(measure(quick=quick, say=say, series=series))
+
+
+_CREATE_SERIES = (
+    ("vm_restore_ms", "microVM: create + first exec (restore)", "C0"),
+    ("vm_sdk_pool_create_exec_ms", "microVM through the SDK, warm pool", "C2"),
+    ("vm_sdk_create_exec_ms", "microVM through the SDK, no pool", "C3"),
+    ("container_create_exec_ms", "container: create + first exec", "C1"),
+)
+
+
+def figures(results: Mapping[str, Any], series: SeriesData) -> list[Figure]:
+    """The report's charts (:mod:`dsec.bench.report`): create-to-first-exec sample by sample
+    and as histograms, exec round trips, the restore's steps, idle memory per clone."""
+    figs: list[Figure] = []
+    got = [(lbl, series[k], c) for k, lbl, c in _CREATE_SERIES if series.get(k)]
+    accel = results.get("vm_accel", "?")
+    if got:
+        figs.append(Figure(
+            title="Create to first exec answered, sample by sample", kind="line", xlabel="sample", ylabel="ms",
+            series=tuple(Series(lbl, range(1, len(v) + 1), v, color=c) for lbl, v, c in got), logy=True,
+            caption=f"Accelerator {accel}. Direct backend calls, except the SDK's (HTTP on loopback to a real edge).",
+            name="vm-create-samples"))
+        figs.append(Figure(
+            title="Create to first exec answered", kind="hist", xlabel="ms", ylabel="samples", logx=True, bins=30,
+            series=tuple(Series(lbl, x=v, color=c) for lbl, v, c in got), name="vm-create-hist"))
+    ex = [(lbl, series[k], c) for k, lbl, c in (("vm_exec_ms", "microVM exec(true)", "C0"),
+                                                 ("vm_echo_ms", "microVM agent ping", "C4"),
+                                                 ("container_exec_ms", "container exec(true)", "C1")) if series.get(k)]
+    if ex:
+        figs.append(Figure(title="Exec round trip in a running sandbox", kind="hist", xlabel="ms", ylabel="samples",
+                           logx=True, bins=30, series=tuple(Series(lbl, x=v, color=c) for lbl, v, c in ex),
+                           name="vm-exec-hist"))
+    if series.get("vm_cold_boot_ms"):
+        boots = series["vm_cold_boot_ms"]
+        figs.append(Figure(title="Cold boots (QEMU spawned to the agent's hello)", kind="bar",
+                           categories=tuple(str(i + 1) for i in range(len(boots))), xlabel="boot", ylabel="ms",
+                           series=(Series("cold boot", y=boots, color="C0"),),
+                           refs=(("restore p50", float(results.get("vm_restore_p50_ms", 0.0))),)
+                           if "vm_restore_p50_ms" in results else (), name="vm-cold-boots"))
+    steps = [s for s in ("start", "restore", "hello", "identity", "warm") if f"vm_restore_{s}_p50_ms" in results]
+    if steps:
+        figs.append(Figure(title="A restore's steps (p50)", kind="bar", categories=tuple(steps), ylabel="ms",
+                           series=(Series("p50", y=tuple(float(results[f"vm_restore_{s}_p50_ms"]) for s in steps),
+                                          color="C0"),), name="vm-restore-steps"))
+    mem = [(lbl, k) for lbl, k in (("MemAvailable drop / clone", "vm_idle_mib_per_clone"),
+                                   ("QEMU PSS / clone", "vm_idle_pss_mib")) if isinstance(results.get(k), (int, float))]
+    if mem:
+        figs.append(Figure(title=f"Idle memory per clone ({results.get('vm_idle_n', '?')} held at once)", kind="bar",
+                           categories=tuple(lbl for lbl, _ in mem), ylabel="MiB",
+                           series=(Series("MiB", y=tuple(float(results[k]) for _, k in mem), color="C0"),),
+                           name="vm-idle-memory"))
+    return figs

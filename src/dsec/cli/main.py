@@ -114,12 +114,46 @@ def _print_table(title: str, results: dict[str, Any]) -> None:
     Console().print(t)
 
 
-def _report(title: str, results: dict[str, Any], json_path: Path | None) -> None:
-    """Every bench ends alike: the table, then the flat JSON when asked for."""
+def _report(title: str, results: dict[str, Any], json_path: Path | None, *, suite: str | None = None,
+            series: dict[str, Any] | None = None, html_out: Path | None = None) -> None:
+    """Every bench ends alike: the table, then the flat JSON when asked for; a suite with charts
+    (``suite``) also writes its series beside the JSON and the HTML report (``html_out``, or
+    beside the JSON: dsec.bench.report)."""
     _print_table(title, results)
     if json_path:
         json_path.write_text(json.dumps(results, indent=2, sort_keys=True))
         console.print(f"wrote {json_path}")
+    if suite is None:
+        return
+    from dsec.bench import report
+
+    if json_path and series:
+        report.save_series(report.series_path(json_path), suite, series)
+        console.print(f"wrote {report.series_path(json_path)}")
+    out = html_out or (report.html_path(json_path) if json_path else None)
+    if out is not None:
+        _write_html(out, title, suite, results, series or {})
+
+
+def _write_html(out: Path, title: str, suite: str, results: dict[str, Any], series: dict[str, Any]) -> None:
+    """The HTML report; never fails the bench (its results are written already): one line instead."""
+    from dsec.bench import report
+
+    try:
+        report.write_report(out, title, report.suite_figures(suite, results, series), results)
+    except report.ReportUnavailable as exc:
+        say(f"note: {exc}")
+        return
+    except Exception as exc:
+        say(f"warning: no HTML report: {type(exc).__name__}: {exc}")
+        return
+    console.print(f"wrote {out}")
+
+
+def _html_option(f: Any) -> Any:
+    return click.option("--html", "html_out", type=click.Path(dir_okay=False, path_type=Path),
+                        help="Write the HTML report with charts here (default: beside --json, its name "
+                             "ending .html; needs matplotlib: the `bench` extra).")(f)
 
 
 @bench.command("runtime")
@@ -137,8 +171,9 @@ def _report(title: str, results: dict[str, Any], json_path: Path | None) -> None
               help="Also measure on a Debian rootfs (default: on, except with --quick). Built once with debootstrap.")
 @click.option("--gvisor/--no-gvisor", default=None,
               help="Also measure the gVisor backend beside the container backend (default: when runsc is installed).")
+@_html_option
 def bench_runtime(quick: bool, json_path: Path | None, n_keep: int | None, order: str | None,
-                  written_n: int | None, debian: bool | None, gvisor: bool | None) -> None:
+                  written_n: int | None, debian: bool | None, gvisor: bool | None, html_out: Path | None) -> None:
     """Create latency, create-and-keep at the same N, idle memory, kernel state, exec, teardown: DSec vs crun vs bwrap."""
     from dsec.bench.runtime import parse_order, run
 
@@ -146,9 +181,10 @@ def bench_runtime(quick: bool, json_path: Path | None, n_keep: int | None, order
         runtimes = parse_order(order) if order is not None else None
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--order") from None
+    series: dict[str, Any] = {}
     results = run(quick=quick, n_keep=n_keep, order=runtimes, written_n=written_n, debian=debian, gvisor=gvisor,
-                  say=lambda m: console.print(f"[dim]{m}[/dim]", highlight=False))
-    _report("dsec bench runtime", results, json_path)
+                  say=lambda m: console.print(f"[dim]{m}[/dim]", highlight=False), series=series)
+    _report("dsec bench runtime", results, json_path, suite="runtime", series=series, html_out=html_out)
 
 
 @bench.command("service")
@@ -201,13 +237,15 @@ def bench_fncall(quick: bool, json_path: Path | None) -> None:
 @bench.command("images")
 @click.option("--quick", is_flag=True, help="The python image only (no ~1 GB toolchain image), fewer warm samples.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the flat JSON here.")
-def bench_images(quick: bool, json_path: Path | None) -> None:
+@_html_option
+def bench_images(quick: bool, json_path: Path | None, html_out: Path | None) -> None:
     """Registry layers on a shaped link: bytes read lazily, first exec lazy vs full pull, a burst
     of 32, warm exec vs a local layer, chunk fetch latency, FUSE read rate, a corrupt chunk."""
     from dsec.bench.images import run
 
-    results = run(quick=quick, say=lambda m: console.print(f"[dim]{m}[/dim]", highlight=False))
-    _report("dsec bench images", results, json_path)
+    series: dict[str, Any] = {}
+    results = run(quick=quick, say=lambda m: console.print(f"[dim]{m}[/dim]", highlight=False), series=series)
+    _report("dsec bench images", results, json_path, suite="images", series=series, html_out=html_out)
 
 
 @bench.command("compat")
@@ -242,14 +280,16 @@ def bench_e2b(quick: bool, json_path: Path | None) -> None:
 @bench.command("vm")
 @click.option("--quick", is_flag=True, help="3 cold boots, 8 creates, 20 idle clones (a smoke test); full: 10, 20, 300.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the flat JSON here.")
-def bench_vm(quick: bool, json_path: Path | None) -> None:
+@_html_option
+def bench_vm(quick: bool, json_path: Path | None, html_out: Path | None) -> None:
     """The microVM backend beside the container backend in one run: cold boot, create from a template to the
     first exec, fan-out of 10, exec, idle memory and CPU per clone, pause; with the accelerator (vm_accel),
     QEMU, guest kernel and RAM (docs/MICROVM.md)."""
     from dsec.bench.vm import run
 
-    results = run(quick=quick, say=lambda m: console.print(f"[dim]{m}[/dim]", highlight=False))
-    _report("dsec bench vm", results, json_path)
+    series: dict[str, Any] = {}
+    results = run(quick=quick, say=lambda m: console.print(f"[dim]{m}[/dim]", highlight=False), series=series)
+    _report("dsec bench vm", results, json_path, suite="vm", series=series, html_out=html_out)
 
 
 @bench.command("cluster")
@@ -258,7 +298,8 @@ def bench_vm(quick: bool, json_path: Path | None) -> None:
 @click.option("--faults/--no-faults", default=True, show_default=True,
               help="Then the fault phase: real edges in network namespaces; an edge SIGKILLed, one cut off and "
                    "healed, a replica SIGKILLed mid-burst (edge_loss_detect_s, partition_fenced_ok, failover_*).")
-def bench_cluster(quick: bool, json_path: Path | None, faults: bool) -> None:
+@_html_option
+def bench_cluster(quick: bool, json_path: Path | None, faults: bool, html_out: Path | None) -> None:
     """The create path at cluster rates: creates/s of one and two control-plane replicas on a
     throwaway PostgreSQL, per-sandbox creates and create leases, edges that are in-process
     stand-ins answering at once (not real edges: stated in the results); then what happens
@@ -269,8 +310,41 @@ def bench_cluster(quick: bool, json_path: Path | None, faults: bool) -> None:
         from dsec.bench import cluster_faults
 
         cluster.EXTRA_PHASES.setdefault("faults", cluster_faults.run)
-    results = cluster.run(quick=quick, say=lambda m: console.print(f"[dim]{m}[/dim]"))
-    _report("dsec bench cluster", results, json_path)
+    series: dict[str, Any] = {}
+    results = cluster.run(quick=quick, say=lambda m: console.print(f"[dim]{m}[/dim]"), series=series)
+    _report("dsec bench cluster", results, json_path, suite="cluster", series=series, html_out=html_out)
+
+
+@bench.command("report")
+@click.argument("json_path", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--suite", type=click.Choice(["runtime", "images", "cluster", "vm"]), default=None,
+              help="The suite that wrote the JSON (default: named by its series file beside it).")
+@_html_option
+@click.option("--png-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Also write each chart as its own PNG here (for docs).")
+def bench_report(json_path: Path, suite: str | None, html_out: Path | None, png_dir: Path | None) -> None:
+    """Draw a bench's charts again from its JSON and the series file beside it (dsec bench <suite> --json
+    writes both): the HTML report, and each chart as a PNG with --png-dir."""
+    from dsec.bench import report
+
+    results = json.loads(json_path.read_text())
+    series: dict[str, Any] = {}
+    side = report.series_path(json_path)
+    if side.exists():
+        named, series = report.load_series(side)
+        suite = suite or named
+    if suite is None:
+        raise click.UsageError(f"no series file {side} names the suite: give --suite")
+    title = f"dsec bench {suite}"
+    figs = report.suite_figures(suite, results, series)
+    try:
+        out = report.write_report(html_out or report.html_path(json_path), title, figs, results)
+        console.print(f"wrote {out}")
+        if png_dir is not None:
+            for p in report.write_pngs(png_dir, figs, prefix=f"bench-{suite}-"):
+                console.print(f"wrote {p}")
+    except report.ReportUnavailable as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 @bench.command("sched")
