@@ -97,6 +97,24 @@ def test_an_unknown_template_and_a_bad_key_are_refused(up: dict[str, str]) -> No
         Sandbox.create(api_key="not-an-e2b-key")
 
 
+def test_an_idempotency_key_makes_one_sandbox(up: dict[str, str]) -> None:
+    from e2b import Sandbox
+
+    key = uuid.uuid4().hex
+    hdr = {"X-API-KEY": up["E2B_API_KEY"], "Idempotency-Key": key}
+    first = httpx.post(up["E2B_API_URL"] + "/v2/sandboxes", json={"templateID": "base"}, headers=hdr, timeout=60)
+    again = httpx.post(up["E2B_API_URL"] + "/v2/sandboxes", json={"templateID": "base"}, headers=hdr, timeout=60)
+    try:
+        assert first.status_code == 201 and again.status_code == 201, (first.text, again.text)
+        assert first.json()["sandboxID"] == again.json()["sandboxID"]
+        other = httpx.post(up["E2B_API_URL"] + "/v2/sandboxes", json={"templateID": "base"},
+                           headers={**hdr, "Idempotency-Key": key + "x"}, timeout=60)
+        assert other.status_code == 201 and other.json()["sandboxID"] != first.json()["sandboxID"]
+        assert Sandbox.kill(other.json()["sandboxID"]) is True
+    finally:
+        Sandbox.kill(first.json()["sandboxID"])
+
+
 # ------------------------------------------------------------ commands ----
 
 

@@ -4,8 +4,9 @@ templates use are built once and cached, as ``dsec bench compat`` does).
 
 Keys (latencies in ms, p50 over sequential calls from one client):
 
-- ``e2b_create_p50_ms``: ``AsyncSandbox.create()`` (template ``base``: tc-base + python),
-  answered once the sandbox's envd plane serves (the front's setup exec included), vs
+- ``e2b_create_p50_ms``: ``AsyncSandbox.create()`` (template ``base``: tc-base + python; the
+  front's in-sandbox setup, E2B's ``user`` and the envVars, runs beside the answer and the
+  sandbox's first envd call waits for it), vs
   ``sdk_create_p50_ms``: ``AsyncClient.create`` of the same image and size;
   ``e2b_vs_sdk_create_ratio`` (target <= 1.5);
 - ``e2b_run_p50_ms``: ``commands.run("true")`` (E2B runs ``/bin/bash -l -c true``) vs
@@ -34,8 +35,10 @@ from dsec.bench.stats import percentile
 
 TOOLCHAINS = ("python", "jupyter")
 BURST_TEMPLATE = "bench-small"
-"""The burst's template (0.05 cores, 64 MiB): 256 of E2B's default 1-core sandboxes do not fit one
-2-core edge, whose refusals (429, Retry-After) the client retries three times, then raises."""
+"""The burst's template (0.05 cores, 64 MiB of memory, 64 MiB of disk): 256 of E2B's default 1-core
+sandboxes do not fit one 2-core edge, whose refusals (429, Retry-After) the client retries three
+times, then raises; 256 disks of 256 MiB came near the disk budget of a shared machine (one 429
+"short of disk" on 2026-12-07)."""
 MiB = 1 << 20
 
 
@@ -185,7 +188,7 @@ def run(*, quick: bool = False, say: Say = _quiet) -> dict[str, Any]:
             dst.close()
             cfg = work / "control.json"
             templates = {k: v.model_dump() for k, v in E2BConfig().templates.items()}
-            templates[BURST_TEMPLATE] = {**templates["base"], "cpu": 0.05, "memory_mb": 64, "disk_mb": 256}
+            templates[BURST_TEMPLATE] = {**templates["base"], "cpu": 0.05, "memory_mb": 64, "disk_mb": 64}
             cfg.write_text(json.dumps({"e2b": {"templates": templates}}))
             with all_in_one(work, say, label="e2b", extra=["--control-config", str(cfg)]) as (url, token, _pid):
                 saved = {k: os.environ.get(k) for k in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY", "E2B_DOMAIN",
