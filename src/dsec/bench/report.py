@@ -43,7 +43,7 @@ SUITES: dict[str, str] = {
 }
 """Suites that draw charts: name -> module with ``figures(results, series) -> list[Figure]``."""
 
-INSTALL_HINT = "pip install 'dsec[bench]' (matplotlib)"
+INSTALL_HINT = "the bench extra: pip install 'dsec[bench]'"
 
 
 class ReportUnavailable(ImportError):

@@ -276,6 +276,8 @@ class MemSampler:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+        with contextlib.suppress(OSError, KeyError, ValueError):
+            self.samples.append((time.perf_counter(), _mem_available()))  # the last point: all N made
 
     def relative(self, t0: float, mem0: int) -> list[list[float]]:
         """``[[seconds since t0, bytes used since mem0], ...]`` from ``t0`` on (perf_counter's clock)."""
