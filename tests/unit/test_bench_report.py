@@ -154,7 +154,7 @@ def test_series_file_round_trip_and_report_command(tmp_path: Path) -> None:
     assert res.exception is None or (isinstance(res.exception, SystemExit) and res.exception.code == 0), res.output
     text = report.html_path(js).read_text()
     assert "Host memory per idle sandbox against N" in text
-    assert (tmp_path / "img" / "bench-runtime-runtime-memory-per-sandbox.png").exists()
+    assert (tmp_path / "img" / "bench-runtime-memory-per-sandbox.png").exists()
 
 
 def test_missing_matplotlib_is_one_line_not_a_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -1027,6 +1027,7 @@ def figures(results: Mapping[str, Any], series: SeriesData) -> list[Figure]:
         v = results.get(key(rt, "create_rate_last_decile_ratio"))
         return f"{_label(rt)} {v:.2f}" if isinstance(v, (int, float)) else ""
 
+    at_n = f" (N = {n:,})" if isinstance(n, int) else ""
     figs: list[Figure] = []
     if present:
         figs.append(Figure(
@@ -1070,20 +1071,20 @@ def figures(results: Mapping[str, Any], series: SeriesData) -> list[Figure]:
     rts = [r for r in RUNTIMES if key(r, "create_rate_first_decile") in results]
     if rts:
         figs.append(Figure(
-            title="Create-and-keep rate: whole series, first and last decile", kind="bar",
+            title=f"Create-and-keep rate: whole series, first and last decile{at_n}", kind="bar",
             categories=tuple(_label(r) for r in rts), ylabel="creates / s",
             series=tuple(Series(lbl, y=tuple(float(results[key(r, k)]) for r in rts)) for lbl, k in (
                 ("whole series", "create_rate"), ("first decile", "create_rate_first_decile"),
                 ("last decile", "create_rate_last_decile"))),
-            caption=f"N = {n:,} each." if isinstance(n, int) else "", name="runtime-create-rate-bars"))
+            caption=f"Order {order}, {results.get('keep_concurrency', '?')} in flight.", name="runtime-create-rate-bars"))
     if all(key(r, "idle_mib_per_sandbox") in results for r in rts) and rts:
         figs.append(Figure(
-            title="Host memory per idle sandbox at N", kind="bar", categories=tuple(_label(r) for r in rts),
+            title=f"Host memory per idle sandbox{at_n}", kind="bar", categories=tuple(_label(r) for r in rts),
             ylabel="MiB", refs=(("target 1.0 MiB", IDLE_MIB_BUDGET),), name="runtime-memory-bars",
             series=(Series("MiB per sandbox", y=tuple(float(results[key(r, "idle_mib_per_sandbox")]) for r in rts)),)))
     if all(key(r, "teardown_rate") in results for r in rts) and rts:
         figs.append(Figure(
-            title="Teardown rate at N", kind="bar", categories=tuple(_label(r) for r in rts), ylabel="sandboxes / s",
+            title=f"Teardown rate{at_n}", kind="bar", categories=tuple(_label(r) for r in rts), ylabel="sandboxes / s",
             name="runtime-teardown-bars",
             series=(Series("removed / s", y=tuple(float(results[key(r, "teardown_rate")]) for r in rts)),)))
     return figs

@@ -341,7 +341,7 @@ def bench_report(json_path: Path, suite: str | None, html_out: Path | None, png_
         out = report.write_report(html_out or report.html_path(json_path), title, figs, results)
         console.print(f"wrote {out}")
         if png_dir is not None:
-            for p in report.write_pngs(png_dir, figs, prefix=f"bench-{suite}-"):
+            for p in report.write_pngs(png_dir, figs, prefix="bench-"):
                 console.print(f"wrote {p}")
     except report.ReportUnavailable as exc:
         raise click.ClickException(str(exc)) from None
