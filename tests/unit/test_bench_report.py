@@ -173,3 +173,11 @@ def test_missing_matplotlib_is_one_line_not_a_failure(tmp_path: Path, monkeypatc
     notes = [ln for ln in (said.out + said.err).splitlines() if ln.startswith(("note:", "warning:", "error:"))]
     assert len(notes) == 1 and notes[0].startswith("note: no HTML report: matplotlib is not installed"), notes
     assert "Traceback" not in said.err
+
+
+def test_rate_over_time_counts_bursts_by_time() -> None:
+    done = [1.0] * 100 + [2.0] * 100  # two bursts
+    xs, ys = report.rate_over_time(done, bins=4)
+    assert xs == pytest.approx([0.25, 0.75, 1.25, 1.75])
+    assert sum(y * 0.5 for y in ys) == pytest.approx(200)
+    assert max(ys) == pytest.approx(200)  # 100 in half a second, not one burst's "infinite" rate

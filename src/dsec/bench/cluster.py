@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsec.bench.report import Figure, Series, SeriesData, downsample, rate_curve
+from dsec.bench.report import Figure, Series, SeriesData, downsample, rate_over_time
 from dsec.bench.stats import percentile
 
 Say = Callable[[str], None]
@@ -371,11 +371,11 @@ def figures(results: Mapping[str, Any], series: SeriesData) -> list[Figure]:
     each phase, create latency histograms, the rates and the CPU split per create."""
     figs: list[Figure] = []
     phases: Mapping[str, SeriesData] = series.get("phases", {})
-    curves = [(name, rate_curve(p["done_s"], 40)) for name, p in phases.items() if len(p.get("done_s", ())) >= 2]
+    curves = [(name, rate_over_time(p["done_s"], 40)) for name, p in phases.items() if len(p.get("done_s", ())) >= 2]
     if curves:
         figs.append(Figure(
-            title="Creates answered per second through each phase", kind="line", xlabel="creates answered",
-            ylabel="creates / s (40 slices)", series=tuple(Series(name, x, y) for name, (x, y) in curves),
+            title="Creates answered per second through each phase", kind="line", xlabel="seconds since the go",
+            ylabel="creates answered / s", series=tuple(Series(name, x, y) for name, (x, y) in curves),
             caption=f"Edges: {results.get('edge_kind', '?')}; {results.get('cores', '?')} cores shared by replicas, "
                     "PostgreSQL and the load. The flat keys count to the last create recorded in the store.",
             name="cluster-rate-curve"))

@@ -327,6 +327,22 @@ def rate_curve(done_s: Sequence[float], points: int = 50) -> tuple[list[float], 
     return xs, ys
 
 
+def rate_over_time(done_s: Sequence[float], bins: int = 40) -> tuple[list[float], list[float]]:
+    """Events per second against time: ``bins`` equal spans of the series (x: each span's middle,
+    seconds). For answers that come in bursts, where equal counts (:func:`rate_curve`) spike."""
+    done = [float(t) for t in done_s]
+    if len(done) < 2:
+        return [], []
+    end = max(done)
+    if end <= 0:
+        return [], []
+    width = end / bins
+    counts = [0] * bins
+    for t in done:
+        counts[min(bins - 1, max(0, int(t / width)))] += 1
+    return [(i + 0.5) * width for i in range(bins)], [c / width for c in counts]
+
+
 def memory_per_sandbox(done_s: Sequence[float], samples: Sequence[Sequence[float]], *,
                        min_n: int = 10) -> tuple[list[float], list[float]]:
     """Host memory per sandbox against N, MiB, from (seconds since the series began,
@@ -363,6 +379,7 @@ __all__ = [
     "load_series",
     "memory_per_sandbox",
     "rate_curve",
+    "rate_over_time",
     "render_html",
     "render_png",
     "save_series",
