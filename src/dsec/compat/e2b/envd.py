@@ -206,6 +206,7 @@ class ProcessService(Process):
     async def start(self, request: ppb.StartRequest, ctx: RequestContext[ppb.StartRequest, ppb.StartResponse]
                     ) -> AsyncIterator[ppb.StartResponse]:
         room = None
+        arrived = asyncio.get_running_loop().time()  # envd's deadline runs from the request, not the process
         try:
             room, user = await self._room_user(ctx)
             cfg = request.process
@@ -244,10 +245,13 @@ class ProcessService(Process):
 
         def expire() -> None:
             expired.append(asyncio.ensure_future(proc.term.signal("KILL")))
+            q.put_nowait(Event("end", error="deadline"))  # this stream ends now, the kill goes on beside
 
         if timeout_ms is not None and timeout_ms > 0:
-            # envd ends a process with its request's deadline (Connect-Timeout-Ms: the command's timeout)
-            proc.killer = asyncio.get_running_loop().call_later(timeout_ms / 1000.0, expire)
+            # envd ends a process with its request's deadline (Connect-Timeout-Ms: the command's timeout),
+            # counted from the request's arrival: the client's own timer must not run out first
+            loop = asyncio.get_running_loop()
+            proc.killer = loop.call_later(max(0.0, arrived + timeout_ms / 1000.0 - loop.time()), expire)
         try:
             yield ppb.StartResponse(event=_start_event(proc.pid))
             async for ev in _events(q, _keepalive_s(ctx.request_headers)):
