@@ -55,6 +55,15 @@ async def main():
         assert r.exit_code == 0, r
         print("created", sid, flush=True)
         print("READY", flush=True)
+    elif a["mode"] == "fork":
+        sid, kids = a["ids"][0], a["ids"][1:]
+        await be.create(spec, sandbox_id=sid)
+        r = await be.exec(sid, a["setup"], timeout=30)
+        assert r.exit_code == 0, r
+        print("created", sid, flush=True)
+        print("forking", flush=True)
+        await be.fork(sid, kids)
+        print("FORK-DONE", flush=True)
     else:
         async def one(sid):
             print("creating", sid, flush=True)
@@ -191,3 +200,31 @@ def test_a_sigkill_mid_create_leaves_nothing_half_made(fresh: Callable[[str], Ba
     print(f"in flight when killed: {len(ids) - len(created)}, adopted {len(adopted)}, "
           f"removed {len(set(ids) - adopted)}")
 
+
+
+@pytest.mark.requires(Capability.FORK)
+def test_a_sigkill_mid_fork_adopts_the_parent_and_leaves_no_half_made_child(
+        fresh: Callable[[str], BackendHarness], dsec_base: Path) -> None:
+    """The backend dies while it forks a sandbox into four: on restart the parent is adopted
+    with its state, and each child is either whole (adopted, answering, with the parent's
+    files) or gone without a trace."""
+    h = fresh("rcfork")
+    ids = [f"cf-{secrets.token_hex(5)}" for _ in range(5)]
+    h.made.extend(ids)
+    log = dsec_base / f"{h.name}.log"
+    child = Child(h.kind, h.ctx, "fork", ids, h.spec(), "echo from-parent > /tmp/mark", log=log)
+    try:
+        assert child.until(lambda ls: "forking" in ls, timeout=60), (child.lines, log.read_text()[-3000:])
+        time.sleep(0.05 + secrets.randbelow(400) / 1000)  # somewhere in the fork
+    finally:
+        child.kill()
+    h.start()
+    adopted = set(h.impl.reconciled.get("adopted", []))
+    assert ids[0] in adopted, h.impl.reconciled
+    assert {r.id for r in h.impl.list()} == adopted and adopted <= set(ids), h.impl.reconciled
+    assert h.ok(ids[0], "cat /tmp/mark") == "from-parent\n"
+    for sid in adopted - {ids[0]}:  # a child that was adopted is whole
+        assert h.ok(sid, "cat /tmp/mark") == "from-parent\n", sid
+    for sid in set(ids) - adopted:  # one that was not has no trace left
+        assert not h.traces(sid), (sid, h.traces(sid))
+    print(f"fork done before the kill: {'FORK-DONE' in child.lines}; children adopted {len(adopted) - 1} of 4")

@@ -314,3 +314,44 @@ def test_quiet_vms_are_stopped_until_their_next_call_and_busy_ones_are_not(dsec_
         assert not v.be._vms[quiet.id].quiet_stopped
     finally:
         v.close()
+
+
+def test_a_restarted_backend_adopts_running_and_paused_vms_with_their_network(dsec_base: Path,
+                                                                            busybox_seed: Path) -> None:
+    """close(destroy_all=False) leaves the VMs running; a new backend object of the same name
+    adopts them: a running one answers, a paused one stays paused (its vCPUs stopped) until
+    resumed, and both keep their network namespace."""
+    import shutil
+
+    if shutil.which("qemu-system-x86_64") is None:
+        pytest.skip("qemu-system-x86_64 is not installed (scripts/setup.sh installs QEMU 10 from bookworm-backports)")
+    name = f"tvr{os.getpid() % 10000}"
+    first = VMs(dsec_base, busybox_seed, name)
+    first.run(first.be.start())
+    a, b = first.create(), first.create()
+    first.ok(a.id, "echo kept-a > /root/a")
+    first.ok(b.id, "echo kept-b > /root/b")
+    first.run(first.be.pause(b.id))
+    ns = {sid: os.stat(f"/proc/{first.be.get(sid).qemu_pid}/ns/net").st_ino for sid in (a.id, b.id)}
+    first.run(first.be.close(destroy_all=False))
+    first.runner.close()
+    second = VMs(dsec_base, busybox_seed, name)
+    try:
+        second.run(second.be.start())
+        assert sorted(second.be.reconciled["adopted"]) == sorted([a.id, b.id]), second.be.reconciled
+        assert second.be.get(b.id).state.value == "paused"
+        from dsec.backends.common.procstat import cpu_ticks
+
+        pid = second.be.get(b.id).qemu_pid
+        t0 = cpu_ticks(pid)
+        time.sleep(1.0)
+        assert cpu_ticks(pid) - t0 <= 1  # frozen again after the greeting: no CPU while paused
+        assert second.ok(a.id, "cat /root/a") == "kept-a\n"
+        second.run(second.be.resume(b.id))
+        assert second.ok(b.id, "cat /root/b") == "kept-b\n"
+        for sid in (a.id, b.id):
+            rec = second.be.get(sid)
+            assert os.stat(f"/proc/{rec.qemu_pid}/ns/net").st_ino == ns[sid]
+            assert sid in second.be.net.sandboxes  # its namespace's slot is held again
+    finally:
+        second.close()

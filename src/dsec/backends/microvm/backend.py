@@ -295,7 +295,8 @@ class MicroVMBackend(BackendBase):
                              uid=rec.uid, enter=lambda pid: None)
                 self.cgroups.thaw(sid)  # a paused VM's QEMU is frozen: it must answer QMP to be adopted
                 try:
-                    await self.loop.call(vm.attach(rec.qemu_pid, rec.qemu_start))
+                    await self.loop.call(vm.attach(rec.qemu_pid, rec.qemu_start,
+                                                   paused=rec.state is SandboxState.PAUSED))
                     if rec.state is SandboxState.PAUSED:
                         self.cgroups.freeze(sid)
                 except (HostError, OSError, TimeoutError) as exc:

@@ -258,13 +258,20 @@ class MicroVM:
         steps = ("start", "restore", "hello", "identity", "warm")
         self.timings = {k: round(b - a, 6) for k, a, b in zip(steps, marks, marks[1:], strict=False)}
 
-    async def attach(self, pid: int, start: int) -> None:
-        """Adopt this sandbox's running VM after a restart of the backend: its QEMU over QMP,
-        its agent (which greets the new connection)."""
+    async def attach(self, pid: int, start: int, *, paused: bool = False) -> None:
+        """Adopt this sandbox's VM after a restart of the backend: its QEMU over QMP, its agent
+        (which greets the new connection). A VM whose vCPUs are stopped (paused, stopped for
+        being quiet, or left stopped by a backend killed in the middle of a fork, after the
+        save: QEMU's "postmigrate") runs for the greeting; a paused one is stopped again."""
         await self.driver.adopt(pid, start)
+        status = await self.driver.execute("query-status")
+        if isinstance(status, dict) and status.get("status") != "running":
+            await self.driver.cont()
         self.spawn(self._watch())
         self.agent = await AgentClient.connect(self.sockets.agent, timeout=HELLO_TIMEOUT_S, sandbox_id=self.id)
         await self.agent.hello(timeout=HELLO_TIMEOUT_S)
+        if paused:
+            await self.driver.stop()
 
     async def _watch(self) -> None:
         await self.driver.wait()
