@@ -43,24 +43,20 @@ Must never: leave a sandbox behind (each all-in-one stops with Ctrl-C, destroyin
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dsec.bench.compat_kit import Say, _alternating, _quiet, all_in_one, toolchain_cache
 from dsec.bench.stats import percentile
-
-Say = Callable[[str], None]
 
 SF_TOOLCHAINS = ("python", "cpp")
 PY = "total = sum(i * i for i in range(1000))\nprint(total)\n"
@@ -78,47 +74,7 @@ class Phase:
     about: str
 
 
-def _quiet(_msg: str) -> None:
-    return None
-
-
-def toolchain_cache() -> Path:
-    return Path(os.environ.get("DSEC_STATE_DIR") or "/var/lib/dsec") / "cache" / "toolchain-layers"
-
-
 # ------------------------------------------------------------ sandboxfusion ----
-
-
-@contextlib.contextmanager
-def all_in_one(work: Path, say: Say = _quiet, label: str = "compat",
-               extra: Sequence[str] = ()) -> Iterator[tuple[str, str, int]]:
-    """``dsec up`` on ``work`` (its layers already there); yields (url, admin token, its pid)
-    once every edge has registered; stopped with Ctrl-C (which destroys its sandboxes)."""
-    from dsec.cli.up import READY_FILE
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = int(sock.getsockname()[1])
-    log = open(work / "up.log", "wb")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen([sys.executable, "-m", "dsec.cli.main", "up", "--data-dir", str(work), "--port",
-                             str(port), *extra], stdout=log, stderr=log, stdin=subprocess.DEVNULL)
-    try:
-        ready = work / READY_FILE
-        deadline = time.monotonic() + 120
-        while not ready.exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"dsec up did not become ready: see {work / 'up.log'}")
-            time.sleep(0.1)
-        say(f"{label}: dsec up on port {port} ({work})")
-        yield f"http://127.0.0.1:{port}", (work / "control" / "admin.token").read_text().strip(), proc.pid
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(90)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
 
 
 def _client() -> Any:
@@ -156,18 +112,6 @@ def _subprocess_call_ms(argv_compile: Sequence[str] | None, argv_run: Sequence[s
     if out.decode() != EXPECTED:
         raise RuntimeError(f"{' '.join(argv_run)} printed {out!r}")
     return ms
-
-
-def _alternating(n: int, *calls: Callable[[], float], warm: int = 2) -> list[list[float]]:
-    """``n`` samples of each call, taken in turn (so a change of the host's load hits both
-    alike), after ``warm`` unmeasured rounds."""
-    out: list[list[float]] = [[] for _ in calls]
-    for i in range(warm + n):
-        for samples, call in zip(out, calls, strict=True):
-            ms = call()
-            if i >= warm:
-                samples.append(ms)
-    return out
 
 
 def tree_cpu_s(pid: int) -> float:

@@ -36,7 +36,7 @@ from typing import Any
 
 import requests
 
-from dsec.bench.compat import Say, _alternating, all_in_one, toolchain_cache
+from dsec.bench.compat_kit import Say, _alternating, all_in_one, toolchain_cache
 from dsec.bench.stats import percentile
 from dsec.compat.sandboxfusion import languages
 from dsec.compat.sandboxfusion.helpers import helper
