@@ -9,6 +9,13 @@ Keys (latencies in ms, p50 over sequential calls from one client):
   sandbox's first envd call waits for it), vs
   ``sdk_create_p50_ms``: ``AsyncClient.create`` of the same image and size;
   ``e2b_vs_sdk_create_ratio`` (target <= 1.5);
+- ``plain_front_create_p50_ms`` / ``plain_control_create_p50_ms``: the same creates as ``POST
+  /v2/sandboxes`` (the E2B front) and ``POST /v1/sandboxes`` (the control plane) from one plain
+  httpx client, and ``front_vs_control_create_ratio``: what the front itself adds, the clients'
+  own costs left out;
+- ``e2b_client_create_cost_p50_ms`` / ``sdk_client_create_cost_p50_ms``: what each client spends
+  per create of its own, against a server answering at once with a canned body (the E2B client
+  builds seven httpx clients and its models per create): the part of the ratio no server removes;
 - ``e2b_run_p50_ms``: ``commands.run("true")`` (E2B runs ``/bin/bash -l -c true``) vs
   ``sdk_exec_p50_ms``: ``exec(["/bin/bash", "-l", "-c", "true"])``; ``e2b_vs_sdk_run_ratio``;
 - ``e2b_run_code_p50_ms``: code-interpreter ``run_code("1 + 1")`` in a warm context;
@@ -30,7 +37,9 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from dsec.bench.compat import Say, _quiet, all_in_one, toolchain_cache
+import httpx
+
+from dsec.bench.compat_kit import Say, _quiet, all_in_one, toolchain_cache
 from dsec.bench.stats import percentile
 
 TOOLCHAINS = ("python", "jupyter")
@@ -71,10 +80,16 @@ async def _measure(url: str, token: str, quick: bool, say: Say) -> dict[str, Any
     spec = SandboxSpec(image=ImageRef(base=tpl.base, toolkits=tpl.toolkits),
                        resources=Resources(cpu=tpl.cpu, memory=tpl.memory_mb * MiB, disk=tpl.disk_mb * MiB))
 
-    say(f"e2b: create x{n} (E2B client, then DSec's SDK)")
+    say(f"e2b: create x{n} (E2B client, then DSec's SDK; then both APIs with one plain HTTP client)")
     e2b_create: list[float] = []
     sdk_create: list[float] = []
-    async with dsec.AsyncClient(url, token, lease_ahead=0) as client:
+    raw_front: list[float] = []
+    raw_control: list[float] = []
+    from dsec.compat.e2b.keys import api_key_of
+
+    api_key = api_key_of(token)
+    control_body = json.dumps({"spec": json.loads(spec.model_dump_json())})
+    async with dsec.AsyncClient(url, token, lease_ahead=0) as client, httpx.AsyncClient(timeout=120) as plain:
         for _ in range(n):
             t0 = time.perf_counter()
             sb = await AsyncSandbox.create()
@@ -84,9 +99,29 @@ async def _measure(url: str, token: str, quick: bool, say: Say) -> dict[str, Any
             d = await client.create(spec)
             sdk_create.append((time.perf_counter() - t0) * 1000)
             await d.close()
+            # the same two creates through one plain client: what the servers take, whatever the client costs
+            t0 = time.perf_counter()
+            r = await plain.post(f"{url}/v2/sandboxes", json={"templateID": "base"}, headers={"X-API-KEY": api_key})
+            raw_front.append((time.perf_counter() - t0) * 1000)
+            if r.status_code != 201:
+                errors += 1
+            else:
+                await client.delete(r.json()["sandboxID"])
+            t0 = time.perf_counter()
+            r = await plain.post(f"{url}/v1/sandboxes", content=control_body,
+                                 headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+            raw_control.append((time.perf_counter() - t0) * 1000)
+            if r.status_code != 201:
+                errors += 1
+            else:
+                await client.delete(r.json()["id"])
         res["e2b_create_p50_ms"] = _p50(e2b_create)
         res["sdk_create_p50_ms"] = _p50(sdk_create)
         res["e2b_vs_sdk_create_ratio"] = round(res["e2b_create_p50_ms"] / res["sdk_create_p50_ms"], 2)
+        res["plain_front_create_p50_ms"] = _p50(raw_front)
+        res["plain_control_create_p50_ms"] = _p50(raw_control)
+        res["front_vs_control_create_ratio"] = round(res["plain_front_create_p50_ms"]
+                                                     / res["plain_control_create_p50_ms"], 2)
 
         say(f"e2b: commands.run('true') x{n * 5} vs SDK exec")
         sb = await AsyncSandbox.create()
@@ -165,6 +200,82 @@ async def _measure(url: str, token: str, quick: bool, say: Say) -> dict[str, Any
     return res
 
 
+def _client_costs(n: int, say: Say) -> dict[str, float]:
+    """What each client spends per create of its own, against a server that answers at once
+    with a canned body (uvicorn in a thread of this process): the part of the create ratio no
+    server can remove."""
+    import socket
+    import threading
+
+    import uvicorn
+
+    import dsec
+    from dsec.spec import ImageRef, Resources, SandboxSpec, SandboxState
+    from dsec.spec.api import SandboxInfo
+
+    now = time.time()
+    spec = SandboxSpec(image=ImageRef(base="tc-base:bookworm", toolkits=("tc-python:bookworm",)))
+    info = SandboxInfo(id="e1-0123456789ab", state=SandboxState.RUNNING, edge_id="e1", edge_url="http://127.0.0.1:9",
+                       token="dsec1." + "x" * 300, token_expires_at=now + 3600, labels={"dsec.compat": "e2b"},
+                       project="root", created_at=now, expires_at=now + 3600, image=spec.image,
+                       resources=Resources(), backend="container").model_dump_json().encode()
+    e2b_body = json.dumps({"templateID": "base", "sandboxID": "e1-0123456789ab", "clientID": "dsec",
+                           "envdVersion": "0.6.4", "alias": "base", "envdAccessToken": "x" * 300,
+                           "trafficAccessToken": "x" * 300}).encode()
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        while (await receive()).get("more_body"):
+            pass
+        body = e2b_body if scope["path"] == "/v2/sandboxes" else info
+        await send({"type": "http.response.start", "status": 201,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", lifespan="off"))
+    thread = threading.Thread(target=server.run, name="e2b-bench-stub", daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    saved = {k: os.environ.get(k) for k in ("E2B_API_URL", "E2B_SANDBOX_URL")}
+    try:
+        while not server.started:
+            time.sleep(0.01)
+        os.environ.update({"E2B_API_URL": url, "E2B_SANDBOX_URL": url})
+        say(f"e2b: the clients' own cost per create, x{n} against a canned answer")
+
+        async def measure() -> tuple[list[float], list[float]]:
+            from e2b import AsyncSandbox
+
+            a: list[float] = []
+            b: list[float] = []
+            async with dsec.AsyncClient(url, "dsk_bench-stub", lease_ahead=0) as client:
+                for i in range(n + 10):
+                    t0 = time.perf_counter()
+                    await AsyncSandbox.create()
+                    t1 = time.perf_counter()
+                    await client.create(spec)
+                    t2 = time.perf_counter()
+                    if i >= 10:
+                        a.append((t1 - t0) * 1000)
+                        b.append((t2 - t1) * 1000)
+            return a, b
+
+        e2b_ms, sdk_ms = asyncio.run(measure())
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return {"e2b_client_create_cost_p50_ms": _p50(e2b_ms), "sdk_client_create_cost_p50_ms": _p50(sdk_ms)}
+
+
 def run(*, quick: bool = False, say: Say = _quiet) -> dict[str, Any]:
     from dsec.compat.e2b.config import E2BConfig
     from dsec.compat.e2b.keys import api_key_of
@@ -197,6 +308,7 @@ def run(*, quick: bool = False, say: Say = _quiet) -> dict[str, Any]:
                                    "E2B_DOMAIN": "dsec.invalid"})
                 try:
                     res = asyncio.run(_measure(url, token, quick, say))
+                    res.update(_client_costs(50 if quick else 200, say))
                 finally:
                     for k, v in saved.items():
                         if v is None:
