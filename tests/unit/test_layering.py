@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[2] / "src"
-KINDS = ("container", "gvisor", "fncall")
+KINDS = ("container", "gvisor", "fncall", "microvm")
 
 
 def _modules() -> dict[str, Path]:
