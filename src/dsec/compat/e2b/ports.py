@@ -156,6 +156,12 @@ async def proxy(room: Room, port: int, scope: dict[str, Any], receive: Any, send
         if p.body:
             await send({"type": "http.response.body", "body": b"".join(p.body), "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+    except Exception:
+        if not started:
+            raise  # the front answers it (a gone sandbox: 502 "was not found")
+        # the answer is under way: end it where it stands (the client sees it cut short)
+        with contextlib.suppress(Exception):
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
     finally:
         feeder.cancel()
         with contextlib.suppress(BaseException):
