@@ -18,6 +18,7 @@ import asyncio
 import builtins
 import collections
 import contextlib
+import functools
 import logging
 import os
 import secrets
@@ -215,6 +216,29 @@ class ContainerRuntime(SandboxDispatch, NodeRepair, NodeHostParts, NodeGroups, N
         return self._store
 
     async def start(self) -> None:
+        """Start the runtime: claims, cgroups, mounts, the spawner, then re-adopt what a
+        previous run left. A start cancelled half-way (an edge stopped while it starts) is
+        not torn mid-step, where a worker thread would go on mounting after the cleanup: it
+        runs to its end, then the runtime stops again (sandboxes it adopted keep running for
+        the next start), and the cancellation goes on."""
+        task = asyncio.ensure_future(self._start())
+        cancelled = False
+        while not task.done():
+            try:
+                await asyncio.shield(task)
+            except asyncio.CancelledError:
+                cancelled = True
+        if not cancelled:
+            task.result()
+            return
+        if not task.cancelled() and task.exception() is None:
+            try:
+                await asyncio.shield(self.close(destroy_all=not self.sandboxes))
+            except Exception as exc:
+                log.warning("runtime %s: stopping after a cancelled start: %s", self.name, exc)
+        raise asyncio.CancelledError
+
+    async def _start(self) -> None:
         from dsec.backends.container.build import spawner_path
         from dsec.backends.container.hostcheck import check_host
         from dsec.images.mounts import LayerMounts
@@ -278,40 +302,55 @@ class ContainerRuntime(SandboxDispatch, NodeRepair, NodeHostParts, NodeGroups, N
 
     async def close(self, *, destroy_all: bool = True) -> None:
         """Stop the runtime. By default every sandbox is destroyed; ``destroy_all=False``
-        leaves them running for the next ``start()`` to re-adopt."""
+        leaves them running for the next ``start()`` to re-adopt. Every step is tried
+        whatever the ones before it did; the failures, all of them, are raised together
+        (HostError) once the rest is done."""
+        failed: list[str] = []
+
+        async def step(what: str, fn: Any, *args: Any) -> None:
+            try:
+                out = fn(*args)
+                if asyncio.iscoroutine(out):
+                    await out
+            except Exception as exc:
+                failed.append(f"{what}: {exc}")
+                log.warning("runtime %s: close: %s: %s", self.name, what, exc)
+
         if destroy_all:
-            await asyncio.gather(*(self.destroy(i) for i in list(self.sandboxes)), return_exceptions=True)
-        await self.net.close()
+            outcomes = await asyncio.gather(*(self.destroy(i) for i in list(self.sandboxes)), return_exceptions=True)
+            failed += [f"destroying a sandbox: {o}" for o in outcomes if isinstance(o, Exception)]
+        await step("the network manager", self.net.close)
         if destroy_all and self.net.host_tables_made and not any(r.net for r in self.sandboxes.values()):
-            with contextlib.suppress(Exception):
-                await asyncio.to_thread(self.net.remove_host_rules)
+            await step("the host's network tables", asyncio.to_thread, self.net.remove_host_rules)
         if self.spawner is not None:
-            await self.spawner.close()
-            self.spawner = None
+            spawner, self.spawner = self.spawner, None
+            await step("the spawner", spawner.close)
         if self.layers.mounts is not None:
-            self.layers.shared.release_idle()
+            await step("idle layer pins", self.layers.shared.release_idle)
         if self.layers.mounts is not None and destroy_all:
-            await asyncio.to_thread(self.layers.mounts.close)
+            await step("the layer mounts", asyncio.to_thread, self.layers.mounts.close)
         if self._devnull >= 0:
             os.close(self._devnull)
             self._devnull = -1
         with contextlib.suppress(OSError):
             snapshots.clean_scratch(self)
         if destroy_all and not self.sandboxes:
-            await asyncio.to_thread(self.uppers.close, unmount=True)
+            await step("the writable-layer store", asyncio.to_thread, functools.partial(self.uppers.close, unmount=True))
             with contextlib.suppress(OSError):
                 await asyncio.to_thread(unmount_skeletons, self.skel_dir)
         else:
-            self.uppers.close(unmount=False)
+            await step("the writable-layer store", functools.partial(self.uppers.close, unmount=False))
         if destroy_all:
-            self.cgroups.remove_parents()
+            await step("the cgroups", self.cgroups.remove_parents)
             if not self.sandboxes:
                 # No sandbox left whose pages could be in it (swapoff would pull them back).
                 with contextlib.suppress(HostError):
                     await asyncio.to_thread(self.swap.teardown)
             if not self.sandboxes:
-                await asyncio.to_thread(self._remove_run_dir)
+                await step("the run directory", asyncio.to_thread, self._remove_run_dir)
         self._release_claims()
+        if failed:
+            raise HostError(f"runtime {self.name} stopped with {len(failed)} failure(s): " + "; ".join(failed))
 
     def _remove_run_dir(self) -> None:
         """Nothing mounted below the run directory any more: remove what is left of it (the
