@@ -512,6 +512,44 @@ def test_template_build_from_image_then_create(up: dict[str, str]) -> None:
     assert _leftovers(up) == []
 
 
+def test_mini_swe_agent_shaped_flow(up: dict[str, str]) -> None:
+    """What mini-swe-agent's e2b environment (upstream, not in its 2.4.6 release) does: a
+    template named after the image (sanitized + 8 hex of its sha256), Template.exists, else
+    Template().from_image(image, username=None, password=None) built with cpu 2 / 2048 MB,
+    skip_cache=False, tags=None; Sandbox.create(template=..., timeout=3600); commands.run(cmd,
+    cwd="/", timeout=30, envs=None) read as stdout + stderr and exit code. The image is given
+    as a registry path: the cluster holds it under its last component (`dsec image import`'s
+    default name)."""
+    import hashlib
+    import re
+
+    from e2b import Sandbox, Template
+
+    image = f"registry.example/dsec-{uuid.uuid4().hex[:6]}/tc-base:bookworm"
+    name = re.sub(r"[^a-zA-Z0-9-]", "-", image)
+    name = re.sub(r"-{3,}", "--", name).lower()[:54].strip("-") + "-" + hashlib.sha256(image.encode()).hexdigest()[:8]
+    assert Template.exists(name) is False
+    Template.build(Template().from_image(image, username=None, password=None), name, cpu_count=2, memory_mb=2048,
+                   skip_cache=False, tags=None)
+    try:
+        assert Template.exists(name) is True
+        sb = Sandbox.create(template=name, timeout=3600)
+        try:
+            r = sb.commands.run("pwd; ls /etc/debian_version; echo oops >&2", cwd="/", timeout=30, envs=None)
+            assert (r.stdout + r.stderr, r.exit_code) == ("/\n/etc/debian_version\noops\n", 0)
+            from e2b.sandbox.commands.command_handle import CommandExitException
+
+            with pytest.raises(CommandExitException) as exc:
+                sb.commands.run("test -d /nonexistent || exit 4", cwd="/", timeout=30, envs=None)
+            assert exc.value.exit_code == 4
+        finally:
+            sb.kill()
+    finally:
+        with _dsec_client(up) as c:  # type: ignore[attr-defined]
+            c.delete_snapshot(f"e2b-{name}:default")
+    assert _leftovers(up) == []
+
+
 def test_template_build_errors_are_typed(up: dict[str, str]) -> None:
     """An image no registry here can give, a failing step, COPY: BuildException with why; no
     sandbox, no template left behind."""

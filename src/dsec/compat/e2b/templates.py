@@ -188,15 +188,19 @@ class Templates:
         if built is not None:
             return built.template, dict(built.envs)
         ref = image if ":" in image.rsplit("/", 1)[-1] else f"{image}:latest"
+        # a registry path (swebench/sweb.eval...:latest, docker.io/library/python:3.12) is held under its
+        # last component, the name `dsec image import` gives it by default
+        short = ref.rsplit("/", 1)[-1]
         held = {str(i.get("ref")) for i in (await client._call("GET", "/v1/images")).json()}
-        if ref in held:
-            default = self.config.templates.get("base")
-            return E2BTemplate(base=ref, disk_mb=default.disk_mb if default else 2048), {}
+        for name in dict.fromkeys((ref, short)):
+            if name in held:
+                default = self.config.templates.get("base")
+                return E2BTemplate(base=name, disk_mb=default.disk_mb if default else 2048), {}
         raise BuildFailed(
-            f"image '{image}' cannot be had: this DSec cluster holds no layer of that name (GET /v1/images) and "
-            "its E2B front pulls from no registry; import it once with `dsec image import "
-            f"REGISTRY/REPO:TAG --name {ref}` (or `dsec image build ... --name {ref.split(':')[0]} --tag "
-            f"{ref.split(':')[1]}`), or map it to a template in e2b.images", "base")
+            f"image '{image}' cannot be had: this DSec cluster holds no layer {short!r} (GET /v1/images) and its "
+            "E2B front pulls from no registry; import it once (`dsec image import REGISTRY/REPO:TAG --name "
+            f"{short}`, a registry the cluster reaches), build it (`dsec image build`), or map '{image}' to a "
+            "template in e2b.images", "base")
 
     # ------------------------------------------------------------ routes ----
 
