@@ -315,10 +315,18 @@ class E2BApi:
             res = await sb.exec(["/bin/sh", "-c", SETUP], env={"E2B_ENVS": json.dumps(env_vars)}, timeout=60)
             if res.exit_code != 0:
                 raise DsecError(f"sandbox {sb.id}: its E2B setup failed: {res.stderr_text.strip()[:300]}")
+        except asyncio.CancelledError:
+            raise  # the sandbox's kill (or the front's stop) cancelled it: the sandbox is theirs to end
         except BaseException:
             with contextlib.suppress(Exception):
                 await sb.close()
             raise
+
+    def _drop_setup(self, sandbox_id: str) -> None:
+        """The sandbox ends: its setup, running or failed, goes (a failed one stays until then)."""
+        task = self.setups.pop(sandbox_id, None)
+        if task is not None and not task.done():
+            task.cancel()
 
     def _setup_done(self, sandbox_id: str) -> None:
         task = self.setups.get(sandbox_id)
@@ -370,6 +378,7 @@ class E2BApi:
         client = self.client(await self.token(request))
         sid = request.path_params["sandbox_id"]
         await self._info(client, sid)
+        self._drop_setup(sid)
         await client.delete(sid)
         self.deadlines.pop(sid, None)
         await request.app.state.e2b.rooms.forget(sid)
@@ -402,6 +411,7 @@ class E2BApi:
             for sid, (end, token) in list(self.deadlines.items()):
                 if end <= now:
                     self.deadlines.pop(sid, None)
+                    self._drop_setup(sid)
                     with contextlib.suppress(Exception):
                         await self.client(token).delete(sid)
                     with contextlib.suppress(Exception):
