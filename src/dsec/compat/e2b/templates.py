@@ -38,6 +38,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from dsec.compat.e2b.config import E2BConfig, E2BTemplate
+from dsec.compat.e2b.rest import USER_SETUP
 from dsec.errors import DsecError
 
 if TYPE_CHECKING:
@@ -56,11 +57,6 @@ MAX_BUILDS = 256
 MAX_LOG_ENTRIES = 5000
 MAX_STEPS = 256
 BUILD_TIMEOUT_S = 1800.0
-_USER_SETUP = (
-    "grep -q '^user:' /etc/passwd 2>/dev/null || echo 'user:x:1000:1000:user:/home/user:/bin/bash' >> /etc/passwd; "
-    "grep -q '^user:' /etc/group 2>/dev/null || echo 'user:x:1000:' >> /etc/group; "
-    "mkdir -p /home/user && chown 1000:1000 /home/user"
-)
 
 
 class BuildFailed(Exception):
@@ -333,7 +329,7 @@ class Templates:
                                      ttl_s=BUILD_TIMEOUT_S)
         except DsecError as exc:
             raise BuildFailed(f"base image {base.base}: {exc.message}", "base") from None
-        res = await sb.exec(["/bin/sh", "-c", _USER_SETUP], timeout=60)
+        res = await sb.exec(["/bin/sh", "-c", USER_SETUP], timeout=60)
         if res.exit_code != 0:
             await sb.close()
             raise BuildFailed(f"the base image has no usable /bin/sh or /etc/passwd: {res.stderr_text.strip()[:300]}",
