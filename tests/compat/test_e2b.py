@@ -550,6 +550,54 @@ def test_mini_swe_agent_shaped_flow(up: dict[str, str]) -> None:
     assert _leftovers(up) == []
 
 
+def test_template_build_copies_files(up: dict[str, str], tmp_path: object) -> None:
+    """COPY through the released client: the build context is uploaded (a signed PUT), then a
+    file into a directory, a directory's contents with an owner and a mode, a relative dest
+    under the workdir; a second build finds the files already there."""
+    from pathlib import Path
+
+    from e2b import Sandbox, Template
+
+    ctx = Path(str(tmp_path))
+    (ctx / "a.txt").write_text("A")
+    (ctx / "pkg" / "sub").mkdir(parents=True)
+    (ctx / "pkg" / "m.py").write_text("M")
+    (ctx / "pkg" / "sub" / "n.txt").write_text("N")
+    name = f"copy-{uuid.uuid4().hex[:8]}"
+    logs: list[str] = []
+
+    def tpl() -> object:
+        return (Template(file_context_path=str(ctx)).from_image("tc-base:bookworm")
+                .copy("a.txt", "/home/user/")
+                .copy("pkg", "/opt/pkg", user="root", mode=0o750)
+                .copy("a.txt", "b.txt"))
+
+    Template.build(tpl(), name, on_build_logs=lambda e: logs.append(e.message))
+    assert any("Uploaded" in m for m in logs), logs
+    logs.clear()
+    Template.build(tpl(), name, on_build_logs=lambda e: logs.append(e.message))  # the same files: no upload
+    assert any("already cached" in m for m in logs) and not any("Uploaded" in m for m in logs), logs
+    try:
+        sb = Sandbox.create(template=name)
+        try:
+            out = sb.commands.run("cat /home/user/a.txt /opt/pkg/m.py /opt/pkg/sub/n.txt /home/user/b.txt; echo; "
+                                  "stat -c '%U %a %n' /home/user/a.txt /opt/pkg/m.py /opt/pkg/sub /home/user/b.txt",
+                                  user="root").stdout
+            assert out.split("\n")[0] == "AMNA", out
+            assert out.split("\n")[1:5] == ["user 644 /home/user/a.txt", "root 750 /opt/pkg/m.py",
+                                              "root 750 /opt/pkg/sub", "user 644 /home/user/b.txt"], out
+            assert not sb.files.exists("/opt/pkg/pkg") and sb.commands.run("ls -A /tmp").stdout == ""
+        finally:
+            sb.kill()
+    finally:
+        with _dsec_client(up) as c:  # type: ignore[attr-defined]
+            c.delete_snapshot(f"e2b-{name}:default")
+    assert _leftovers(up) == []
+    r = httpx.put(up["E2B_API_URL"] + f"/templates/{name}/files/abc?k=x&exp=99999999999&sig=forged", content=b"x",
+                  timeout=10)
+    assert r.status_code == 403, r.text
+
+
 def test_template_build_errors_are_typed(up: dict[str, str]) -> None:
     """An image no registry here can give, a failing step, COPY: BuildException with why; no
     sandbox, no template left behind."""
@@ -561,8 +609,20 @@ def test_template_build_errors_are_typed(up: dict[str, str]) -> None:
         Template.build(Template().from_image("python:3.12").run_cmd("true"), name)
     with pytest.raises(BuildException, match=r"step 2: .*failed \(exit code 3\)"):
         Template.build(Template().from_image("tc-base:bookworm").run_cmd("true").run_cmd("echo no >&2; exit 3"), name)
-    with pytest.raises(BuildException, match="COPY is not served"):
-        Template.build(Template().from_image("tc-base:bookworm").copy("test_e2b.py", "/home/user/"), name)
+    # a COPY whose files never came (the client checks its own side first): through the API itself
+    api, hdr = up["E2B_API_URL"], {"X-API-KEY": up["E2B_API_KEY"]}
+    got = httpx.post(api + "/v3/templates", json={"name": name}, headers=hdr, timeout=30).json()
+    r = httpx.post(api + f"/v2/templates/{got['templateID']}/builds/{got['buildID']}", headers=hdr, timeout=30,
+                   json={"fromImage": "tc-base:bookworm", "steps": [
+                       {"type": "COPY", "args": ["x", "/y", "", ""], "filesHash": "deadbeef", "force": False}]})
+    assert r.status_code == 202, r.text
+    for _ in range(100):
+        st = httpx.get(api + f"/templates/{got['templateID']}/builds/{got['buildID']}/status", headers=hdr,
+                       timeout=30).json()
+        if st["status"] != "building":
+            break
+        threading.Event().wait(0.1)
+    assert st["status"] == "error" and "were not uploaded" in st["reason"]["message"] and st["reason"]["step"] == "1", st
     with pytest.raises(BuildException, match="template 'no-such' not found"):
         Template.build(Template().from_template("no-such"), name)
     assert Template.exists(name) is False

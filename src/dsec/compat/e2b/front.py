@@ -86,6 +86,8 @@ class E2BFront:
             Route("/v3/templates", self._wrap(self.templates.request_build), methods=["POST"]),
             Route("/templates/{template_id}/files/{files_hash}", self._wrap(self.templates.file_upload),
                   methods=["GET"]),
+            Route("/templates/{template_id}/files/{files_hash}", self._wrap(self.templates.put_files),
+                  methods=["PUT"]),
             Route("/v2/templates/{template_id}/builds/{build_id}", self._wrap(self.templates.start_build),
                   methods=["POST"]),
             Route("/templates/{template_id}/builds/{build_id}/status", self._wrap(self.templates.status),

@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import re
 import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
@@ -57,6 +59,49 @@ MAX_BUILDS = 256
 MAX_LOG_ENTRIES = 5000
 MAX_STEPS = 256
 BUILD_TIMEOUT_S = 1800.0
+MAX_CONTEXT = 1 << 30
+"""Bytes of one COPY step's uploaded tar at most."""
+MAX_CONTEXTS = 64
+"""Uploaded tars kept per replica (the oldest go first; a build whose tar went re-uploads it)."""
+CONTEXT_URL_TTL_S = 3600.0
+_HASH = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+_COPY = r"""
+set -e
+scratch=$1 src=$2 dest=$3 owner=$4 mode=$5
+cd "$scratch"
+set -f; set -- $src; set +f          # the source as the shell sees it, then each glob
+items=""
+for pat in "$@"; do
+  for f in $pat; do
+    [ -e "$f" ] || [ -L "$f" ] || { echo "COPY: nothing matches $src" >&2; exit 3; }
+    items="$items
+$f"
+  done
+done
+count=$(printf '%s
+' "$items" | grep -c .)
+copy_one() {  # $1: a path under scratch; $2: the target (a directory onto a directory merges)
+  if [ -d "$1" ] && [ ! -L "$1" ] && [ -d "$2" ]; then cp -a "$1"/. "$2"/; else cp -a "$1" "$2"; fi
+  [ -z "$owner" ] || chown -R -h "$owner:" "$2" 2>/dev/null || chown -R -h "$owner" "$2"
+  [ -z "$mode" ] || chmod "$mode" "$2"
+}
+printf '%s
+' "$items" | while IFS= read -r f; do
+  [ -n "$f" ] || continue
+  if [ "$count" -eq 1 ] && [ -d "$f" ] && [ ! -L "$f" ]; then
+    mkdir -p "$dest"
+    for e in "$f"/* "$f"/.[!.]* "$f"/..?*; do
+      [ -e "$e" ] || [ -L "$e" ] || continue
+      copy_one "$e" "$dest/${e##*/}"
+    done
+  else
+    case "$dest" in */) mkdir -p "$dest";; esac
+    [ "$count" -eq 1 ] || mkdir -p "$dest"
+    if [ -d "$dest" ]; then copy_one "$f" "${dest%/}/${f##*/}"; else mkdir -p "$(dirname "$dest")"; copy_one "$f" "$dest"; fi
+  fi
+done
+rm -rf "$scratch"
+"""
 
 
 class BuildFailed(Exception):
@@ -129,6 +174,9 @@ class Templates:
         self.builds: OrderedDict[str, Build] = OrderedDict()
         self.built: dict[tuple[str, str], Built] = {}
         """(token hash, ``name:tag``) -> what a build here made (sizes, envs); the snapshot outlives it."""
+        self._contexts: OrderedDict[tuple[str, str], Path] = OrderedDict()
+        """(token hash, files hash) -> a COPY step's uploaded tar, on this replica's disk (bounded)."""
+        self._context_dir: Path | None = None
 
     # ------------------------------------------------------------ lookups ----
 
@@ -227,10 +275,67 @@ class Templates:
                              "names": [f"{name}:{tag}"], "tags": [tag], "aliases": [name]}, status_code=202)
 
     async def file_upload(self, request: Request) -> Response:
-        await self.api.token(request)
+        """Whether a COPY step's files (by their hash) are here; if not, a signed URL to PUT them to."""
+        from dsec.compat.e2b.rest import E2BError
+
+        token = await self.api.token(request)
         self._get(request)
-        # no URL: the client uploads nothing and the COPY step fails with why
-        return JSONResponse({"present": False}, status_code=201)
+        files_hash = request.path_params["files_hash"]
+        if not _HASH.match(files_hash):
+            raise E2BError(400, "files hash: 1-128 characters of a-z A-Z 0-9 . _ -")
+        key = (_hash(token), files_hash)
+        if key in self._contexts and self._contexts[key].is_file():
+            return JSONResponse({"present": True}, status_code=201)
+        exp = int(time.time() + CONTEXT_URL_TTL_S)
+        sig = self._sign(key[0], request.path_params["template_id"], files_hash, exp)
+        base = str(request.base_url).rstrip("/")
+        url = f"{base}/templates/{request.path_params['template_id']}/files/{files_hash}?k={key[0]}&exp={exp}&sig={sig}"
+        return JSONResponse({"present": False, "url": url}, status_code=201)
+
+    async def put_files(self, request: Request) -> Response:
+        """The client's PUT of a COPY step's tar to the URL :meth:`file_upload` signed (no API key)."""
+        import hmac
+        import tempfile
+
+        from dsec.compat.e2b.rest import E2BError
+
+        q = request.query_params
+        tid, files_hash = request.path_params["template_id"], request.path_params["files_hash"]
+        try:
+            exp = int(q.get("exp", "0"))
+        except ValueError:
+            exp = 0
+        k = q.get("k", "")
+        if exp < time.time() or not _HASH.match(files_hash) \
+                or not hmac.compare_digest(q.get("sig", ""), self._sign(k, tid, files_hash, exp)):
+            raise E2BError(403, "this upload URL is not one this server signed, or it expired")
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > MAX_CONTEXT:
+            raise E2BError(413, f"a COPY step's files are at most {MAX_CONTEXT} bytes")
+        if self._context_dir is None:
+            self._context_dir = Path(tempfile.mkdtemp(prefix="dsec-e2b-context-"))
+        path = self._context_dir / f"{k[:32]}-{files_hash}.tar"
+        size = 0
+        with path.open("wb") as f:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > MAX_CONTEXT:
+                    f.close()
+                    path.unlink(missing_ok=True)
+                    raise E2BError(413, f"a COPY step's files are at most {MAX_CONTEXT} bytes")
+                f.write(chunk)
+        self._contexts[(k, files_hash)] = path
+        self._contexts.move_to_end((k, files_hash))
+        while len(self._contexts) > MAX_CONTEXTS:
+            _, old = self._contexts.popitem(last=False)
+            old.unlink(missing_ok=True)
+        return Response(status_code=200)
+
+    def _sign(self, token_hash: str, template_id: str, files_hash: str, exp: int) -> str:
+        import hmac
+
+        msg = f"e2b-context:{token_hash}:{template_id}:{files_hash}:{exp}".encode()
+        return hmac.new(self.api._key, msg, hashlib.sha256).hexdigest()
 
     async def start_build(self, request: Request) -> Response:
         from dsec.compat.e2b.rest import E2BError, _json_body
@@ -358,13 +463,31 @@ class Templates:
             elif kind == "RUN" and args:
                 await self._exec(sb, build, n, ["/bin/sh", "-c", args[0]], args[1] if len(args) > 1 and args[1] else user,
                                  workdir, envs, deadline)
-            elif kind == "COPY":
-                raise BuildFailed("COPY is not served by DSec's E2B front yet: the build context is not uploaded "
-                                  "(write the files with run_cmd, or build the image with `dsec image build`)", n)
+            elif kind == "COPY" and len(args) >= 2:
+                await self._copy(sb, build, n, step, args, user, workdir, deadline)
             else:
                 raise BuildFailed(f"step type {kind!r} with {len(args)} argument(s) is not one this server runs "
                                   "(RUN, ENV, WORKDIR, USER)", n)
         return envs
+
+    async def _copy(self, sb: AsyncSandbox, build: Build, n: str, step: dict[str, Any], args: list[str], user: str,
+                    workdir: str, deadline: float) -> None:
+        """COPY src dest [user] [mode]: the step's uploaded tar into a scratch directory of the sandbox,
+        then copied as Docker's COPY does (a directory's contents into dest; files into dest when it
+        is a directory or ends in /, else as dest), owned by the step's user (else the build's)."""
+        files_hash = str(step.get("filesHash") or "")
+        path = self._contexts.get((_hash(build.token), files_hash))
+        if not files_hash or path is None or not path.is_file():
+            raise BuildFailed(f"COPY {args[0]}: its files were not uploaded (files hash {files_hash or 'missing'})", n)
+        scratch = f"/tmp/.e2b-copy-{files_hash[:24]}"
+        await sb.files.upload(scratch, await asyncio.to_thread(path.read_bytes))
+        src, dest = args[0], args[1]
+        if not dest.startswith("/"):
+            dest = f"{workdir.rstrip('/')}/{dest}"
+        owner = (args[2] if len(args) > 2 and args[2] else user)
+        mode = args[3] if len(args) > 3 and args[3] else ""
+        await self._exec(sb, build, n, ["/bin/sh", "-c", _COPY, "copy", scratch, src, dest, owner, mode], "root", "/",
+                         {}, deadline)
 
     async def _exec(self, sb: AsyncSandbox, build: Build, step: str, cmd: list[str], user: str, cwd: str,
                     envs: dict[str, str], deadline: float, *, quiet: bool = False) -> None:
@@ -426,9 +549,13 @@ class Templates:
         for t in tasks:
             with contextlib.suppress(BaseException):
                 await t
+        if self._context_dir is not None:
+            import shutil
+
+            shutil.rmtree(self._context_dir, ignore_errors=True)
+            self._context_dir = None
+        self._contexts.clear()
 
 
 def _hash(token: str) -> str:
-    import hashlib
-
     return hashlib.sha256(token.encode()).hexdigest()
