@@ -65,7 +65,7 @@ def e2b_test_config(where: Path) -> Path:
     templates = {k: v.model_dump() for k, v in E2BConfig().templates.items()}
     templates[TINY] = {**templates["base"], "memory_mb": 256, "disk_mb": 32}
     cfg = where / "e2b-control.json"
-    cfg.write_text(json.dumps({"e2b": {"templates": templates}}))
+    cfg.write_text(json.dumps({"e2b": {"templates": templates, "ready_timeout_s": 5}}))
     return cfg
 
 

@@ -598,6 +598,38 @@ def test_template_build_copies_files(up: dict[str, str], tmp_path: object) -> No
     assert r.status_code == 403, r.text
 
 
+def test_template_start_and_ready_commands(up: dict[str, str]) -> None:
+    """set_start_cmd: each sandbox of the template starts with it running, its ready command
+    passed before the first command; the template's ENV reaches both (all kept in the layer)."""
+    from e2b import Sandbox, Template
+
+    name = f"srv-{uuid.uuid4().hex[:8]}"
+    ready = "python3 -c \"import socket; socket.create_connection(('127.0.0.1', 8000))\""
+    tpl = (Template().from_template("base")
+           .set_envs({"GREETING": "hello"})
+           .run_cmd("mkdir -p /home/user/site && echo $GREETING > /home/user/site/index.html")
+           .set_start_cmd("cd /home/user/site && echo $GREETING-started > /home/user/started && "
+                          "exec python3 -m http.server 8000 --bind 127.0.0.1", ready))
+    Template.build(tpl, name)
+    try:
+        sb = Sandbox.create(template=name)
+        try:
+            r = sb.commands.run("cat /home/user/started; python3 -c \"import urllib.request; "
+                                "print(urllib.request.urlopen('http://127.0.0.1:8000/').read().decode(), end='')\"")
+            assert r.stdout == "hello-started\nhello\n", r.stdout + r.stderr
+        finally:
+            sb.kill()
+    finally:
+        with _dsec_client(up) as c:  # type: ignore[attr-defined]
+            c.delete_snapshot(f"e2b-{name}:default")
+    bad = (Template().from_template("base").set_start_cmd("sleep 600", "exit 1"))
+    from e2b.exceptions import BuildException
+
+    with pytest.raises(BuildException, match="ready command did not pass within 5 s"):  # e2b.ready_timeout_s
+        Template.build(bad, name + "-bad")
+    assert _leftovers(up) == []
+
+
 def test_template_build_errors_are_typed(up: dict[str, str]) -> None:
     """An image no registry here can give, a failing step, COPY: BuildException with why; no
     sandbox, no template left behind."""

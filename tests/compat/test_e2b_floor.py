@@ -63,4 +63,4 @@ def test_the_floor_clients_pass_the_suite(tmp_path: Path) -> None:
     counts = {k: int(suite.get(k, "0")) for k in ("tests", "failures", "errors", "skipped")}
     print(f"{' '.join(clients)}: {counts}\n{run.stdout[-3000:]}")
     assert run.returncode == 0 and counts["failures"] == counts["errors"] == 0, run.stdout[-8000:] + run.stderr[-3000:]
-    assert counts["tests"] >= 21 and counts["skipped"] == 0, counts
+    assert counts["tests"] >= 22 and counts["skipped"] == 0, counts

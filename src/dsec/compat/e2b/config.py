@@ -56,6 +56,9 @@ class E2BConfig(BaseModel):
     """A template build's ``fromImage`` -> a template name here or a DSec layer (``name:tag``).
     ``e2bdev/base`` is what ``Template()`` starts from when no image is given. Other images
     must be layers the cluster holds (``dsec image import``): the front pulls from no registry."""
+    ready_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 120.0
+    """How long a built template's ready command (``set_start_cmd``'s) may take to pass, in its
+    build and in each sandbox made from it."""
     build_network: tuple[str, ...] = ()
     """Named network permissions (the edge's, e.g. ``pkgs``, ``dns``) a template build's sandbox
     gets for its RUN steps (``apt_install``, ``pip_install``). Empty: no network, as any sandbox."""

@@ -250,14 +250,14 @@ class E2BApi:
         if not isinstance(template_id, str):
             raise E2BError(400, "templateID must be a string")
         client = self.client(token)
-        tpl_envs: dict[str, str] = {}
+        built_here = False
         tpl = self.config.templates.get(template_id)
         if tpl is None:  # a template built here (templates.py), else 404
             built = await self.templates.find(client, token, template_id) if self.templates is not None else None
             if built is None:
                 tpl = self.template(template_id)
             else:
-                tpl, tpl_envs = built.template, built.envs
+                tpl, built_here = built.template, True
         timeout = body.get("timeout", DEFAULT_TIMEOUT_S)
         if not isinstance(timeout, int | float) or isinstance(timeout, bool) or timeout <= 0:
             raise E2BError(400, f"timeout must be a positive number of seconds, not {timeout!r}")
@@ -278,8 +278,6 @@ class E2BApi:
                            resources=Resources(cpu=tpl.cpu, memory=tpl.memory_mb * MiB, disk=tpl.disk_mb * MiB),
                            backend=self.config.backend)
         request_id = request.headers.get("idempotency-key") or None
-        if tpl_envs:
-            env_vars = {**tpl_envs, **env_vars}
         try:
             # The DSec lifetime leaves room for set_timeout to extend; E2B's own end is the front's deadline.
             ttl = min(self.config.max_timeout_s, max(float(timeout), self.config.lifetime_floor_s))
@@ -288,7 +286,8 @@ class E2BApi:
             raise E2BError(400, f"template '{template_id}': image {base} cannot be had: {exc.message}") from None
         # The setup runs beside the answer: the sandbox's first envd call waits for it (rooms.py),
         # so a create costs what DSec's does plus the front's hop.
-        task = asyncio.get_running_loop().create_task(self._setup(sb, env_vars), name=f"e2b-setup-{sb.id}")
+        task = asyncio.get_running_loop().create_task(self._setup(sb, env_vars, built_here),
+                                                       name=f"e2b-setup-{sb.id}")
         self.setups[sb.id] = task
         sid = sb.id
         task.add_done_callback(lambda _t: self._setup_done(sid))
@@ -314,13 +313,19 @@ class E2BApi:
                              request_id=request_id or uuid.uuid4().hex)
         return AsyncSandbox(client, await create_info(ctl, who, body))
 
-    async def _setup(self, sb: Any, env_vars: dict[str, str]) -> None:
+    async def _setup(self, sb: Any, env_vars: dict[str, str], built_here: bool = False) -> None:
+        from dsec.compat.e2b.templates import read_template_file, start_template
+
         try:
             res = await sb.exec(["/bin/sh", "-c", USER_SETUP], timeout=60)
             if res.exit_code != 0:
                 raise DsecError(f"sandbox {sb.id}: its E2B setup failed: {res.stderr_text.strip()[:300]}")
+            meta = await read_template_file(sb) if built_here else {}
+            env_vars = {**meta.get("envs", {}), **env_vars}  # the template's ENV beneath the create's envVars
             if env_vars:  # none: no file (rooms.py reads a missing one as no envVars)
                 await sb.files.write(ENVS_PATH, json.dumps(env_vars), mode=0o600, parents=True)
+            if meta.get("startCmd") or meta.get("readyCmd"):
+                await start_template(sb, meta, env_vars, self.config.ready_timeout_s)
         except asyncio.CancelledError:
             raise  # the sandbox's kill (or the front's stop) cancelled it: the sandbox is theirs to end
         except BaseException:

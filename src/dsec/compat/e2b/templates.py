@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import logging
 import re
 import time
@@ -133,10 +134,58 @@ def snapshot_ref(name: str, tag: str) -> str:
 
 @dataclass(slots=True)
 class Built:
-    """A template built here: the snapshot it runs and the size and envs the build gave it."""
+    """A template built here: the snapshot it runs and the size the build gave it (its ENV,
+    start and ready commands are in the snapshot itself, :data:`TEMPLATE_PATH`)."""
 
     template: E2BTemplate
-    envs: dict[str, str] = field(default_factory=dict)
+
+
+TEMPLATE_PATH = "/etc/dsec-e2b/template.json"
+"""In a built template's layer: ``{envs, startCmd, readyCmd, user, workdir}`` of its build, read
+by each sandbox's setup (so any replica, and a restarted one, runs the template as built)."""
+
+
+async def read_template_file(sb: AsyncSandbox) -> dict[str, Any]:
+    """The template's record in a sandbox made from it ({} when there is none or it is unreadable)."""
+    import json
+
+    try:
+        got = json.loads(await sb.files.read(TEMPLATE_PATH))
+    except (DsecError, ValueError):
+        return {}
+    return got if isinstance(got, dict) else {}
+
+
+def _uid(user: str) -> int | str:
+    return 0 if user == "root" else 1000 if user == "user" else user
+
+
+async def start_template(sb: AsyncSandbox, meta: dict[str, Any], envs: dict[str, str], ready_timeout_s: float) -> None:
+    """A template's start command, left running (as E2B's templates start with it running), then its
+    ready command until it passes (``e2b.ready_timeout_s``): the sandbox's first envd call waits."""
+    user = str(meta.get("user") or "user")
+    cwd = str(meta.get("workdir") or "/home/user")
+    home = "/root" if user == "root" else "/home/user" if user == "user" else "/"
+    env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": home, "USER": user,
+           "LANG": "C.UTF-8", **envs}
+    start = str(meta.get("startCmd") or "")
+    if start:
+        res = await sb.exec(["/bin/sh", "-c", 'setsid nohup /bin/sh -c "$1" >/tmp/.e2b-start.log 2>&1 </dev/null &',
+                             "start", start], env=env, cwd=cwd, user=_uid(user), timeout=60)
+        if res.exit_code != 0:
+            raise DsecError(f"sandbox {sb.id}: the template's start command did not start: {res.stderr_text[:300]}")
+    ready = str(meta.get("readyCmd") or "")
+    if ready:
+        loop = asyncio.get_running_loop()
+        end = loop.time() + ready_timeout_s
+        while True:
+            res = await sb.exec(["/bin/sh", "-c", ready], env=env, cwd=cwd, user=_uid(user), timeout=ready_timeout_s)
+            if res.exit_code == 0:
+                return
+            if loop.time() > end:
+                raise DsecError(f"sandbox {sb.id}: the template's ready command did not pass within "
+                                f"{ready_timeout_s:g} s: {(res.stderr_text or res.stdout_text).strip()[-300:]}")
+            await asyncio.sleep(0.2)
 
 
 @dataclass(slots=True)
@@ -215,7 +264,7 @@ class Templates:
                 return tpl, {}
             built = await self.find(client, token, from_template)
             if built is not None:
-                return built.template, dict(built.envs)
+                return built.template, {}
             raise BuildFailed(f"template '{from_template}' not found", "base")
         if not isinstance(image, str) or not image:
             raise BuildFailed("the build names no base: fromImage or fromTemplate", "base")
@@ -230,7 +279,7 @@ class Templates:
             return tpl, {}
         built = await self.find(client, token, image)
         if built is not None:
-            return built.template, dict(built.envs)
+            return built.template, {}
         ref = image if ":" in image.rsplit("/", 1)[-1] else f"{image}:latest"
         # a registry path (swebench/sweb.eval...:latest, docker.io/library/python:3.12) is held under its
         # last component, the name `dsec image import` gives it by default
@@ -388,13 +437,22 @@ class Templates:
         try:
             build.log(f"Building template {build.name}:{build.tag} on DSec (build {build.build_id})")
             base, envs = await self._base(client, build.token, body)
-            for key in ("startCmd", "readyCmd"):
-                if body.get(key):
-                    raise BuildFailed(f"{key} is not served by DSec's E2B front: a template holds files, "
-                                      "envs and a size, not a process started with each sandbox", "finalize")
             sb = await self._sandbox(client, build, base)
+            parent = await read_template_file(sb)  # a template built on another: its ENV carries on
+            envs = {**parent.get("envs", {}), **envs}
             build.log(f"Base: {base.base}" + (f" + {', '.join(base.toolkits)}" if base.toolkits else ""), step="base")
-            envs = await self._steps(sb, build, body.get("steps") or [], envs)
+            envs, user, workdir = await self._steps(sb, build, body.get("steps") or [], envs)
+            meta: dict[str, Any] = {"envs": envs, "user": user, "workdir": workdir,
+                                    "startCmd": str(body.get("startCmd") or parent.get("startCmd") or ""),
+                                    "readyCmd": str(body.get("readyCmd") or parent.get("readyCmd") or "")}
+            await sb.files.write(TEMPLATE_PATH, json.dumps(meta), mode=0o644, parents=True)
+            if meta["startCmd"] or meta["readyCmd"]:  # as E2B checks them at build time
+                build.log(f"Starting: {meta['startCmd'] or '-'}; waiting for: {meta['readyCmd'] or '-'}",
+                          step="finalize")
+                try:
+                    await start_template(sb, meta, envs, self.config.ready_timeout_s)
+                except DsecError as exc:
+                    raise BuildFailed(exc.message, "finalize") from None
             build.log("Saving the template's layer", step="finalize")
             ref = snapshot_ref(build.name, build.tag)
             with contextlib.suppress(DsecError):  # a rebuild replaces it (409 while a sandbox runs the old one)
@@ -403,7 +461,7 @@ class Templates:
             snap = await sb.snapshot(name=SNAPSHOT_PREFIX + build.name, tag=build.tag,
                                      exclude=["/tmp", "/var/tmp", "/var/cache/apt/archives", "__pycache__"])
             self.built[(_hash(build.token), f"{build.name}:{build.tag}")] = Built(
-                E2BTemplate(base=snap.ref, cpu=build.cpu, memory_mb=build.memory_mb, disk_mb=base.disk_mb), envs)
+                E2BTemplate(base=snap.ref, cpu=build.cpu, memory_mb=build.memory_mb, disk_mb=base.disk_mb))
             build.log(f"Template {build.name}:{build.tag} is ready: layer {snap.ref} ({snap.size} bytes)",
                       step="finalize")
             build.status = "ready"
@@ -442,7 +500,7 @@ class Templates:
         return sb
 
     async def _steps(self, sb: AsyncSandbox, build: Build, steps: list[dict[str, Any]],
-                     envs: dict[str, str]) -> dict[str, str]:
+                     envs: dict[str, str]) -> tuple[dict[str, str], str, str]:
         user, workdir = "user", "/home/user"
         deadline = time.monotonic() + BUILD_TIMEOUT_S
         for i, step in enumerate(steps, start=1):
@@ -468,7 +526,7 @@ class Templates:
             else:
                 raise BuildFailed(f"step type {kind!r} with {len(args)} argument(s) is not one this server runs "
                                   "(RUN, ENV, WORKDIR, USER)", n)
-        return envs
+        return envs, user, workdir
 
     async def _copy(self, sb: AsyncSandbox, build: Build, n: str, step: dict[str, Any], args: list[str], user: str,
                     workdir: str, deadline: float) -> None:
