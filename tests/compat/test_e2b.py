@@ -91,6 +91,8 @@ def test_an_unknown_template_and_a_bad_key_are_refused(up: dict[str, str]) -> No
 
     with pytest.raises(SandboxException, match="not found"):
         Sandbox.create(template="no-such-template")
+    with pytest.raises(SandboxException, match=r"400: .*no-such-image:1.*cannot be had"):  # slime's image key
+        Sandbox.create(metadata={"image": "no-such-image:1"})
     with pytest.raises(AuthenticationException):
         Sandbox.create(api_key="e2b_" + "00" * 20)
     with pytest.raises(AuthenticationException):
