@@ -245,6 +245,64 @@ def test_the_head_probes_for_room_freed_elsewhere() -> None:
     asyncio.run(go())
 
 
+def test_a_request_answered_504_keeps_its_place_for_its_retry() -> None:
+    """verl's pattern: a waiter gives up (504), a newer request arrives, a slot frees, then the
+    first comes back with the same key: the slot was held for it, not given to the newcomer."""
+    async def go() -> None:
+        loop = asyncio.get_running_loop()
+        w = Window(1, probe_s=10, hold_s=2.0)
+        await w.acquire(loop.time() + 1)  # the one slot, busy
+        with pytest.raises(WindowTimeout):
+            await w.acquire(loop.time() + 0.05, key="verl-case-7")  # gives up: its place is kept
+        assert w.waiting == 1
+        order: list[str] = []
+
+        async def newcomer() -> None:
+            await w.acquire(loop.time() + 5, key="other")
+            order.append("newcomer")
+            w.release()
+
+        late = asyncio.create_task(newcomer())
+        await asyncio.sleep(0.05)
+        w.release()  # the slot frees while the first request sleeps before its retry
+        await asyncio.sleep(0.2)
+        assert order == [] and w.inflight == 0  # held: the newcomer did not take it
+        await w.acquire(loop.time() + 1, key="verl-case-7")  # the retry takes its place
+        order.append("retry")
+        assert w.kept == 1
+        w.release()
+        await late
+        assert order == ["retry", "newcomer"]
+
+    asyncio.run(go())
+
+
+def test_a_kept_place_nobody_comes_back_for_lapses() -> None:
+    async def go() -> None:
+        loop = asyncio.get_running_loop()
+        w = Window(1, probe_s=10, hold_s=0.2)
+        await w.acquire(loop.time() + 1)
+        with pytest.raises(WindowTimeout):
+            await w.acquire(loop.time() + 0.02, key="gone")
+        got: list[float] = []
+
+        async def newcomer() -> None:
+            await w.acquire(loop.time() + 5)
+            got.append(loop.time())
+
+        t0 = loop.time()
+        task = asyncio.create_task(newcomer())
+        await asyncio.sleep(0.01)
+        w.release()
+        await task
+        assert 0.1 < got[0] - t0 < 1.0 and w.lapsed == 1 and w.waiting == 0  # held until it lapsed, then served
+        with pytest.raises(WindowTimeout):  # without a key nothing is kept
+            await w.acquire(loop.time() + 0.02)
+        assert w.waiting == 0
+
+    asyncio.run(go())
+
+
 # ------------------------------------------------------------------ routes ----
 
 
@@ -439,3 +497,25 @@ def test_the_listeners_token_is_minted_once_charged_to_its_project_and_revoked(t
         asyncio.run(scenario())
     finally:
         store.close()
+
+
+def test_the_queue_bound_follows_what_the_clients_timeout_leaves() -> None:
+    """verl's request timeout is compile + run + 10 s: a request without a compile stage may
+    wait its unused compile timeout longer; one that compiles waits the floor; a configured
+    queue_timeout_s is the bound, whatever the request."""
+    from dsec.compat.sandboxfusion.config import SandboxFusionConfig
+    from dsec.compat.sandboxfusion.service import (
+        CLIENT_SLACK_S,
+        QUEUE_FLOOR_S,
+        QUEUE_MARGIN_S,
+        SandboxFusion,
+    )
+
+    sf = SandboxFusion(SandboxFusionConfig())
+    python = sf._queue_wait(10, 10, compiles=False)
+    assert python == 10 + CLIENT_SLACK_S - QUEUE_MARGIN_S  # 18 s: a wave of 10 s sleepers is waited out
+    assert python + 10 < 10 + 10 + CLIENT_SLACK_S  # and the call still ends inside verl's timeout
+    assert sf._queue_wait(10, 10, compiles=True) == QUEUE_FLOOR_S  # nothing to spare: the floor
+    assert sf._queue_wait(1, 1, compiles=False) == QUEUE_FLOOR_S  # never below it
+    fixed = SandboxFusion(SandboxFusionConfig(queue_timeout_s=2.5))
+    assert fixed._queue_wait(10, 10, compiles=False) == 2.5 == fixed._queue_wait(10, 10, compiles=True)

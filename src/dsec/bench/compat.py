@@ -33,6 +33,8 @@ HTTP request per call, no kept-alive session):
   like on a host whose load changes;
 - ``load1``: the host's load average at the end (a loaded host inflates every figure).
 
+**sf_verl**: :mod:`dsec.bench.compat_verl` (verl's worst case: ``sf_verl_all_timeout_ok_runs``).
+
 **sf_languages**: :mod:`dsec.bench.compat_languages` (``sf_languages_served``, each
 language's p50 beside a local run, the toolkit layers' sizes).
 
@@ -263,6 +265,12 @@ def _run_languages(quick: bool, say: Say) -> dict[str, Any]:
     return compat_languages.run(quick, say)
 
 
+def _run_verl(quick: bool, say: Say) -> dict[str, Any]:
+    from dsec.bench import compat_verl
+
+    return compat_verl.run(quick, say)
+
+
 def _run_swerex(quick: bool, say: Say) -> dict[str, Any]:
     from dsec.bench import compat_swerex
 
@@ -273,6 +281,8 @@ PHASES: tuple[Phase, ...] = (
     Phase("sandboxfusion", run_sandboxfusion, "SandboxFusion's API through its released client; vs a local subprocess"),
     Phase("sf_languages", _run_languages, "every SandboxFusion language DSec serves: a trivial program's p50 beside a "
           "local run of the same toolchain; the toolkit layers' sizes"),
+    Phase("sf_verl", _run_verl, "verl's worst case: 100 calls past a 10 s run timeout, 32 in flight, verl's "
+          "retry policy, 5 runs; and 1,000 short calls at 64 in flight"),
     Phase("swerex", _run_swerex, "SWE-ReX's own test suite against DSecRuntime; run_in_session vs swerex-remote"),
 )
 

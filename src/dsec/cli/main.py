@@ -251,7 +251,7 @@ def bench_images(quick: bool, json_path: Path | None, html_out: Path | None) -> 
 @bench.command("compat")
 @click.option("--quick", is_flag=True, help="Fewer calls: 20 python, 10 C++ and 128 at once instead of 100, 40 and 640.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the flat JSON here.")
-@click.option("--phase", "phases", multiple=True, type=click.Choice(["sandboxfusion", "sf_languages", "swerex"]),
+@click.option("--phase", "phases", multiple=True, type=click.Choice(["sandboxfusion", "sf_languages", "sf_verl", "swerex"]),
               help="Run only this phase (repeatable; default: all).")
 def bench_compat(quick: bool, json_path: Path | None, phases: tuple[str, ...]) -> None:
     """Other services' clients, unchanged, against DSec: SandboxFusion's API through its released client

@@ -11,6 +11,14 @@ admitted create widens it by ``1/cap`` (one per round, additive increase), up to
 ``probe_s`` (room may have come from elsewhere). Waiting has a deadline: past it the caller
 gets :class:`WindowTimeout` and answers its client the way that client retries.
 
+**A retried request keeps its place.** A waiter that gives up with a ``key`` (the adapter's:
+the client's token and the request's body) leaves a *place* in the queue for ``hold_s``: the
+queue does not move past it, and the first request with the same key that comes back in
+that time takes it. Clients that retry a refusal after a short sleep (verl: 1 s, then 2 s)
+would otherwise come back behind every request that arrived meanwhile and, when each
+request holds its sandbox for its whole timeout, be refused again and again until they give
+up. A place nobody comes back for lapses and the queue moves on.
+
 Never blocks the event loop; single event loop only (no locks: nothing awaits between a
 check and its update).
 """
@@ -29,10 +37,13 @@ class WindowTimeout(TimeoutError):
 @dataclass(slots=True)
 class _Waiter:
     fut: asyncio.Future[None]
+    key: str | None = None
+    held_until: float = 0.0
+    """Past 0: a place kept for a request that gave up (its key's), until then (loop time)."""
 
 
 class Window:
-    def __init__(self, ceiling: int, *, max_waiting: int = 4096, probe_s: float = 0.5) -> None:
+    def __init__(self, ceiling: int, *, max_waiting: int = 4096, probe_s: float = 0.5, hold_s: float = 4.0) -> None:
         if ceiling < 1:
             raise ValueError("ceiling must be at least 1")
         self.ceiling = ceiling
@@ -40,31 +51,41 @@ class Window:
         self.inflight = 0
         self.max_waiting = max_waiting
         self.probe_s = probe_s
+        self.hold_s = hold_s
         self._queue: deque[_Waiter] = deque()
         self.refusals = 0
         self.waits = 0
         self.timeouts = 0
+        self.kept = 0
+        """Places taken back by a request that came back for its own."""
+        self.lapsed = 0
 
     @property
     def waiting(self) -> int:
         return len(self._queue)
 
-    async def acquire(self, deadline: float, *, again: bool = False) -> None:
+    async def acquire(self, deadline: float, *, again: bool = False, key: str | None = None) -> None:
         """Take a slot, waiting (FIFO) until one is free or ``deadline`` (loop time) passes.
-        ``again``: a request the cluster just refused goes back to the head of the queue."""
+        ``again``: a request the cluster just refused goes back to the head of the queue.
+        ``key``: a request that gives up leaves its place to the next one with this key
+        (module docstring); one that comes with the key of a kept place takes it."""
         loop = asyncio.get_running_loop()
-        if not self._queue and self.inflight < int(self.cap):
-            self.inflight += 1
-            return
-        if len(self._queue) >= self.max_waiting:
-            self.timeouts += 1
-            raise WindowTimeout(f"{len(self._queue)} requests are waiting already")
+        self._lapse(loop.time())
+        w = self._kept(key) if key is not None and not again else None
+        if w is None:
+            if not self._queue and self.inflight < int(self.cap):
+                self.inflight += 1
+                return
+            if len(self._queue) >= self.max_waiting:
+                self.timeouts += 1
+                raise WindowTimeout(f"{len(self._queue)} requests are waiting already")
+            w = _Waiter(loop.create_future())
+            if again:
+                self._queue.appendleft(w)
+            else:
+                self._queue.append(w)
         self.waits += 1
-        w = _Waiter(loop.create_future())
-        if again:
-            self._queue.appendleft(w)
-        else:
-            self._queue.append(w)
+        keep = False
         try:
             while True:
                 if self._queue[0] is w and self.inflight < int(self.cap):
@@ -73,6 +94,7 @@ class Window:
                 remaining = deadline - loop.time()
                 if remaining <= 0:
                     self.timeouts += 1
+                    keep = key is not None
                     raise WindowTimeout(f"no room for a sandbox within the deadline ({self.inflight} in flight, "
                                         f"{len(self._queue)} waiting)")
                 try:
@@ -83,8 +105,33 @@ class Window:
                         self.cap = min(float(self.ceiling), self.cap + 1)  # probe for room freed elsewhere
                 w.fut = loop.create_future()
         finally:
-            self._queue.remove(w)
+            if keep:
+                w.key, w.held_until = key, loop.time() + self.hold_s
+                loop.call_later(self.hold_s, self._lapse_and_kick)
+            else:
+                self._queue.remove(w)
             self._kick()
+
+    def _kept(self, key: str) -> _Waiter | None:
+        """The oldest place kept for ``key``, now taken back by its request."""
+        for w in self._queue:
+            if w.held_until and w.key == key:
+                w.held_until, w.key = 0.0, None
+                w.fut = asyncio.get_running_loop().create_future()
+                self.kept += 1
+                return w
+        return None
+
+    def _lapse(self, now: float) -> None:
+        """Drop kept places nobody came back for."""
+        gone = [w for w in self._queue if w.held_until and w.held_until <= now]
+        for w in gone:
+            self._queue.remove(w)
+        self.lapsed += len(gone)
+
+    def _lapse_and_kick(self) -> None:
+        self._lapse(asyncio.get_running_loop().time())
+        self._kick()
 
     def release(self) -> None:
         """A sandbox taken with :meth:`acquire` is gone (or was never made)."""
@@ -103,10 +150,11 @@ class Window:
 
     def _kick(self) -> None:
         if self._queue and self.inflight < int(self.cap):
-            fut = self._queue[0].fut
+            fut = self._queue[0].fut  # a kept place at the head holds the queue until its request is back
             if not fut.done():
                 fut.set_result(None)
 
     def stats(self) -> dict[str, float | int]:
         return {"cap": round(self.cap, 2), "inflight": self.inflight, "waiting": len(self._queue),
-                "refusals": self.refusals, "waits": self.waits, "timeouts": self.timeouts}
+                "refusals": self.refusals, "waits": self.waits, "timeouts": self.timeouts, "kept": self.kept,
+                "lapsed": self.lapsed}

@@ -86,12 +86,19 @@ class SandboxFusionConfig(BaseModel):
     ceiling: Annotated[int, Field(ge=1, le=100_000)] = 512
     """At most this many sandboxes in flight for this API per control-plane replica; fewer
     when the cluster refuses creates (compat/window.py)."""
-    queue_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 10.0
+    queue_timeout_s: Annotated[float, Field(gt=0, le=3600)] | None = None
     """How long a request may wait for room before it is answered 504 (which both verl and
-    the sandbox-fusion client retry). 10 s is the margin verl's client allows above the
-    compile and run timeouts before it gives up on a request."""
+    the sandbox-fusion client retry). None (the default): as long as the client's own
+    timeout leaves it room to run, at least 10 s. verl's client gives a request its compile
+    and run timeouts plus 10 s, so a request that compiles waits 10 s; one with no compile
+    stage (python) never spends its compile timeout and waits that much longer (18 s at
+    10 + 10 s): a wave of sandboxes that each run into their timeout is waited out, not
+    refused and retried behind newer requests. A number: exactly that bound."""
     max_waiting: Annotated[int, Field(ge=0, le=1_000_000)] = 4096
     """Requests waiting for room beyond this are answered 504 at once."""
+    retry_hold_s: Annotated[float, Field(ge=0, le=60)] = 4.0
+    """A request answered 504 keeps its place in the queue this long for the client's retry
+    of the same request (verl retries after 1 s, then 2 s; 0: no place is kept)."""
     listener: ListenerConfig = ListenerConfig()
     """A token-free listener for SkyRL-style clients (off by default)."""
 

@@ -81,6 +81,13 @@ DELETE_WAIT_S = 30.0
 R = TypeVar("R", RunCodeResponse, RunJupyterResponse)
 JUPYTER_OUTPUT_CAP = 32 * MiB
 """The driver's stdout carries every cell's output (plots as base64 PNG): more room than a stage."""
+CLIENT_SLACK_S = 10.0
+"""What verl's client (and the sandbox-fusion client) add to a request's compile and run
+timeouts for its own HTTP timeout."""
+QUEUE_FLOOR_S = 10.0
+"""The least a request waits for a sandbox before its 504 (``queue_timeout_s`` unset)."""
+QUEUE_MARGIN_S = 2.0
+"""Kept of that slack for the sandbox's create, the answer and the client's clock."""
 
 
 class Busy(Exception):
@@ -98,7 +105,7 @@ class _Failed(Exception):
 class SandboxFusion:
     def __init__(self, config: SandboxFusionConfig) -> None:
         self.config = config
-        self.window = Window(config.ceiling, max_waiting=config.max_waiting)
+        self.window = Window(config.ceiling, max_waiting=config.max_waiting, hold_s=config.retry_hold_s)
         self._clients: OrderedDict[tuple[str, str], AsyncClient] = OrderedDict()
         self._deletes: set[asyncio.Task[None]] = set()
         self._closed = False
@@ -130,7 +137,9 @@ class SandboxFusion:
         ttl = req.compile_timeout + req.run_timeout + TTL_MARGIN_S
         compile_cmd, run_cmd = plan.compile, plan.run
         try:
-            async with self._sandbox(control_url, token, spec, ttl, recipe.toolchain) as sb:
+            async with self._sandbox(control_url, token, spec, ttl, recipe.toolchain, key=_retry_key(token, req),
+                                     wait_s=self._queue_wait(req.compile_timeout, req.run_timeout,
+                                                             compiles=compile_cmd is not None)) as sb:
                 await _put(sb, {plan.source: plan.code.encode(), **files}, recipe.helpers)
                 env = {**languages.BASE_ENV, **recipe.env}
                 compiled = None
@@ -156,7 +165,8 @@ class SandboxFusion:
         budget = req.total_timeout + JUPYTER_START_S
         try:
             files = _decode_files(req.files)
-            async with self._sandbox(control_url, token, spec, budget + TTL_MARGIN_S, recipe.toolchain) as sb:
+            async with self._sandbox(control_url, token, spec, budget + TTL_MARGIN_S, recipe.toolchain,
+                                     key=_retry_key(token, req)) as sb:
                 await _put(sb, files, recipe.helpers)
                 payload = json.dumps({"cells": req.cells, "cell_timeout": req.cell_timeout,
                                       "total_timeout": req.total_timeout}).encode()
@@ -237,24 +247,41 @@ class SandboxFusion:
             self._clients.move_to_end(key)
         return client
 
+    def _queue_wait(self, compile_timeout: float, run_timeout: float, *, compiles: bool) -> float:
+        """How long a run_code request may wait for a sandbox before its 504: the configured
+        ``queue_timeout_s``; unset, as long as its clients' own timeout still leaves it room to
+        run, at least ``QUEUE_FLOOR_S``. verl (and the sandbox-fusion client) give a request ``compile_timeout +
+        run_timeout + 10`` s; a request with no compile stage never spends its compile
+        timeout, so it may wait that much longer (python: ~18 s where the bound alone is 10).
+        Waiting past a wave of sandboxes that each run into their timeout is then answered,
+        not refused and retried behind newer requests (verl's worst case)."""
+        if self.config.queue_timeout_s is not None:
+            return self.config.queue_timeout_s
+        own = run_timeout + (compile_timeout if compiles else 0.0)
+        slack = compile_timeout + run_timeout + CLIENT_SLACK_S - own - QUEUE_MARGIN_S
+        return max(QUEUE_FLOOR_S, slack)
+
     @contextlib.asynccontextmanager
     async def _sandbox(self, control_url: str, token: str, spec: SandboxSpec, ttl: float,
-                       toolchain: str) -> AsyncIterator[AsyncSandbox]:
-        """A sandbox for one request, taken through the window; deleted in the background after."""
+                       toolchain: str, *, key: str | None = None,
+                       wait_s: float | None = None) -> AsyncIterator[AsyncSandbox]:
+        """A sandbox for one request, taken through the window; deleted in the background after.
+        ``key``: the request's (:func:`_retry_key`): answered 504, it keeps its place in the
+        queue for a few seconds, for the client's retry of the same request."""
         if self._closed:
             raise _Failed("the service is shutting down")
         client = self._client(control_url, token)
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.queue_timeout_s
+        wait_s = (self.config.queue_timeout_s or QUEUE_FLOOR_S) if wait_s is None else wait_s
+        deadline = loop.time() + wait_s
         again = False
         refusals = 0
         while True:
             try:
-                await self.window.acquire(deadline, again=again)
+                await self.window.acquire(deadline, again=again, key=key if self.config.retry_hold_s > 0 else None)
             except WindowTimeout as exc:
                 self.busy += 1
-                raise Busy(f"no sandbox free within {self.config.queue_timeout_s:g} s: {exc}",
-                           retry_after=1.0) from None
+                raise Busy(f"no sandbox free within {wait_s:g} s: {exc}", retry_after=1.0) from None
             try:
                 sb = await client.create(spec, labels=LABELS, ttl_s=ttl)
             except (Backpressure, QuotaExceeded) as exc:
@@ -264,7 +291,7 @@ class SandboxFusion:
                 retry_after = float(getattr(exc, "retry_after", 1.0) or 1.0)
                 if loop.time() >= deadline:
                     self.busy += 1
-                    raise Busy(f"no sandbox free within {self.config.queue_timeout_s:g} s: {exc.message}",
+                    raise Busy(f"no sandbox free within {wait_s:g} s: {exc.message}",
                                retry_after=retry_after) from None
                 if self.window.inflight == 0:
                     # Nothing of ours will end to make room: the refusal is someone else's doing.
@@ -353,6 +380,13 @@ def _decode_files(files: dict[str, str | None]) -> dict[str, bytes]:
         except (binascii.Error, ValueError):
             raise _Failed(f"file {name!r}: its content is not base64") from None
     return out
+
+
+def _retry_key(token: str, req: RunCodeRequest | RunJupyterRequest) -> str:
+    """A request's identity for keeping its place in the queue across the client's retry:
+    its caller's token and its whole body (verl and the sandbox-fusion client resend the
+    same body after a 504). Two identical requests in flight share it: either takes the place."""
+    return hashlib.sha256(token.encode() + b"\0" + req.model_dump_json().encode()).hexdigest()
 
 
 def _in_sandbox(name: str) -> str:
