@@ -26,6 +26,8 @@ from dsec.control import dashboard, iam, validate
 from dsec.control import edges as edges_mod
 from dsec.control.catalog import RegistryCatalog
 from dsec.control.config import ControlConfig
+from dsec.control.creating import check_create as _check_create
+from dsec.control.creating import create_info
 from dsec.control.iam import Principal
 from dsec.control.membership import router as membership_router
 from dsec.control.sandboxes import parse_label_filters
@@ -176,20 +178,6 @@ CreateBody = Annotated[CreateSandbox, Body(openapi_examples={
 BatchBody = Annotated[CreateBatch, Body(openapi_examples={
     "four": {"summary": "four sandboxes of one spec", "value": {"spec": _SPEC_EXAMPLE, "count": 4, "task": "demo"}},
 })]
-
-
-def _check_create(body: CreateSandbox | CreateBatch) -> None:
-    validate.finite(body.model_dump(mode="python"))
-    validate.text(body.request_id, "request_id", max_len=128)
-    if body.task is not None:
-        iam.check_name(body.task, "task")
-
-
-async def create_info(ctl: Control, who: Principal, body: CreateSandbox) -> SandboxInfo:
-    """A create as ``POST /v1/sandboxes`` makes it, checks included: the route's code, for the
-    callers inside this process (the E2B front) that would otherwise call it over HTTP."""
-    _check_create(body)
-    return await ctl.sandboxes.create(who, body)
 
 
 async def _create(ctl: Control, who: Principal, body: CreateSandbox) -> str:

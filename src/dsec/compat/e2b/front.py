@@ -34,8 +34,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, Router
 
 from dsec.compat.e2b import envd, keys
+from dsec.compat.e2b.common import E2BError
 from dsec.compat.e2b.config import E2BConfig
-from dsec.compat.e2b.rest import E2BApi, E2BError, error_response
+from dsec.compat.e2b.rest import E2BApi, error_response
 from dsec.compat.e2b.rooms import Room, Rooms
 from dsec.compat.e2b.scope import header as _header
 from dsec.compat.e2b.templates import Templates

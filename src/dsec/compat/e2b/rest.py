@@ -25,7 +25,6 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Mapping
-from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl
 
@@ -33,8 +32,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from dsec.compat.e2b import keys
+from dsec.compat.e2b.common import USER_SETUP, E2BError, _json_body, rfc3339
 from dsec.compat.e2b.config import E2BConfig, E2BTemplate
-from dsec.compat.e2b.rooms import ENVS_PATH, USER_UID
+from dsec.compat.e2b.rooms import ENVS_PATH
 from dsec.errors import (
     AuthError,
     Backpressure,
@@ -63,29 +63,6 @@ META_HEX = "e2b.x/"
 _PLAIN_KEY = re.compile(r"^[a-z0-9][a-z0-9._-]{0,56}$")
 CLIENT_ID = "dsec"
 DEFAULT_TIMEOUT_S = 300
-USER_SETUP = (
-    "u=; while IFS=: read -r n _; do [ \"$n\" = user ] && u=1; done < /etc/passwd; "
-    "[ -n \"$u\" ] || echo 'user:x:1000:1000:user:/home/user:/bin/bash' >> /etc/passwd; "
-    "g=; while IFS=: read -r n _; do [ \"$n\" = user ] && g=1; done < /etc/group; "
-    "[ -n \"$g\" ] || echo 'user:x:1000:' >> /etc/group; "
-    f"exec install -d -o {USER_UID} -g {USER_UID} /home/user"
-)
-"""Run as root once per create (and by a template build): E2B's ``user`` (uid 1000, home
-/home/user). One process: the shell's builtins read and append, ``install`` replaces it (it was
-five: grep twice, mkdir, chown, the shell; on 2 cores they competed with the client's own work
-on the create's answer)."""
-
-
-class E2BError(Exception):
-    """An answer in E2B's error shape."""
-
-    def __init__(self, status: int, message: str, *, retry_after: float | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.retry_after = retry_after
-
-
 def error_response(exc: BaseException) -> JSONResponse:
     """One table: what goes wrong, as E2B's API answers it."""
     if isinstance(exc, E2BError):
@@ -110,10 +87,6 @@ def error_response(exc: BaseException) -> JSONResponse:
         status, message, retry = 500, f"internal error: {type(exc).__name__}", None
     headers = {"Retry-After": str(max(1, round(retry)))} if retry is not None else None
     return JSONResponse({"code": status, "message": message}, status_code=status, headers=headers)
-
-
-def rfc3339(ts: float) -> str:
-    return datetime.fromtimestamp(ts, UTC).isoformat().replace("+00:00", "Z")
 
 
 # ------------------------------------------------------------ metadata ----
@@ -299,9 +272,9 @@ class E2BApi:
     async def _create(self, request: Request, client: AsyncClient, token: str, spec: Any, labels: dict[str, str],
                       ttl: float, request_id: str | None) -> AsyncSandbox:
         """The create, as the control plane this front is served by makes it: in this process
-        (``control.app.create_info``: the route's own code), not through the SDK and HTTP to itself
+        (``control.creating.create_info``: the route's own code), not through the SDK and HTTP to itself
         (docs/PERFORMANCE.md, "E2B's clients": that hop was a third of the front's extra time)."""
-        from dsec.control.app import create_info
+        from dsec.control.creating import create_info
         from dsec.sdk.client import AsyncSandbox
         from dsec.spec.api import CreateSandbox, Lifecycle
 
@@ -468,18 +441,3 @@ class E2BApi:
             with contextlib.suppress(Exception):
                 await c.aclose()
         self._clients.clear()
-
-
-async def _json_body(request: Request, *, allow_empty: bool = False) -> dict[str, Any]:
-    raw = await request.body()
-    if not raw.strip():
-        if allow_empty:
-            return {}
-        raise E2BError(400, "the request has no JSON body")
-    try:
-        body = json.loads(raw)
-    except ValueError as exc:
-        raise E2BError(400, f"malformed JSON body: {exc}") from None
-    if not isinstance(body, dict):
-        raise E2BError(400, "the JSON body must be an object")
-    return body

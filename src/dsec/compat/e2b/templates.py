@@ -40,8 +40,8 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from dsec.compat.e2b.common import USER_SETUP
 from dsec.compat.e2b.config import E2BConfig, E2BTemplate
-from dsec.compat.e2b.rest import USER_SETUP
 from dsec.errors import DsecError
 
 if TYPE_CHECKING:
@@ -116,7 +116,7 @@ class BuildFailed(Exception):
 
 def split_name(text: str) -> tuple[str, str]:
     """E2B's ``name`` or ``name:tag`` -> (name, tag); a name that does not fit is 400."""
-    from dsec.compat.e2b.rest import E2BError
+    from dsec.compat.e2b.common import E2BError
 
     name, _, tag = text.partition(":")
     tag = tag or DEFAULT_TAG
@@ -206,7 +206,7 @@ class Build:
     def log(self, message: str, level: str = "info", step: str | None = None) -> None:
         if len(self.entries) >= MAX_LOG_ENTRIES:
             return
-        from dsec.compat.e2b.rest import rfc3339
+        from dsec.compat.e2b.common import rfc3339
 
         entry: dict[str, Any] = {"timestamp": rfc3339(time.time()), "level": level, "message": message}
         if step is not None:
@@ -298,7 +298,7 @@ class Templates:
     # ------------------------------------------------------------ routes ----
 
     async def request_build(self, request: Request) -> Response:
-        from dsec.compat.e2b.rest import E2BError, _json_body
+        from dsec.compat.e2b.common import E2BError, _json_body
 
         token = await self.api.token(request)
         body = await _json_body(request)
@@ -325,7 +325,7 @@ class Templates:
 
     async def file_upload(self, request: Request) -> Response:
         """Whether a COPY step's files (by their hash) are here; if not, a signed URL to PUT them to."""
-        from dsec.compat.e2b.rest import E2BError
+        from dsec.compat.e2b.common import E2BError
 
         token = await self.api.token(request)
         self._get(request)
@@ -346,7 +346,7 @@ class Templates:
         import hmac
         import tempfile
 
-        from dsec.compat.e2b.rest import E2BError
+        from dsec.compat.e2b.common import E2BError
 
         q = request.query_params
         tid, files_hash = request.path_params["template_id"], request.path_params["files_hash"]
@@ -387,7 +387,7 @@ class Templates:
         return hmac.new(self.api._key, msg, hashlib.sha256).hexdigest()
 
     async def start_build(self, request: Request) -> Response:
-        from dsec.compat.e2b.rest import E2BError, _json_body
+        from dsec.compat.e2b.common import E2BError, _json_body
 
         token = await self.api.token(request)
         build = self._build(request, token)
@@ -404,7 +404,7 @@ class Templates:
         return Response(status_code=202)
 
     async def status(self, request: Request) -> Response:
-        from dsec.compat.e2b.rest import E2BError
+        from dsec.compat.e2b.common import E2BError
 
         token = await self.api.token(request)
         build = self._build(request, token)
@@ -421,7 +421,7 @@ class Templates:
         return JSONResponse(out)
 
     async def alias(self, request: Request) -> Response:
-        from dsec.compat.e2b.rest import E2BError
+        from dsec.compat.e2b.common import E2BError
 
         token = await self.api.token(request)
         name = request.path_params["alias"]
@@ -582,7 +582,7 @@ class Templates:
             self.builds.pop(old.build_id)
 
     def _get(self, request: Request) -> Build:
-        from dsec.compat.e2b.rest import E2BError
+        from dsec.compat.e2b.common import E2BError
 
         tid = request.path_params["template_id"]
         for b in reversed(self.builds.values()):
@@ -591,7 +591,7 @@ class Templates:
         raise E2BError(404, f"template '{tid}' has no build on this server")
 
     def _build(self, request: Request, token: str) -> Build:
-        from dsec.compat.e2b.rest import E2BError
+        from dsec.compat.e2b.common import E2BError
 
         build = self.builds.get(request.path_params["build_id"])
         if build is None or build.template_id != request.path_params["template_id"] \
