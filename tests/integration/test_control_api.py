@@ -282,11 +282,13 @@ async def test_backpressure_when_nothing_fits(db_url: str, tmp_path: Path) -> No
         r = await c.post("/v1/sandboxes/batch", json={"spec": SPEC, "count": 5})
         codes = sorted((i["error"] or {}).get("code", "ok") for i in r.json()["items"])
         assert codes == ["backpressure", "backpressure", "ok", "ok", "ok"]
-        # too big for any edge: also 429 (with what was short), never a silent drop
+        # too big for any edge: never a silent drop, and not a "retry later" either: 422
+        # exceeds_capacity, with what was short (issue 28: a request that can never fit)
         await c.delete("/v1/sandboxes", params={"all": "true"})
         big = {**SPEC, "resources": {"cpu": 1, "memory": 128 * GiB}}
         r = await c.post("/v1/sandboxes", json={"spec": big})
-        assert r.status_code == 429 and "memory" in err(r)["reason"]
+        assert r.status_code == 422 and err(r)["code"] == "exceeds_capacity", r.text
+        assert "memory" in err(r)["reasons"] and "retry-after" not in r.headers
         # no edge at all
         for e_ in (await c.get("/v1/edges")).json():
             await c.post(f"/v1/edges/{e_['id']}/drain")
