@@ -384,7 +384,7 @@ def edge_cases(admin_token: str, sid: str) -> dict[str, Req]:
         "create: unknown image": Req(c, {"spec": {**EDGE_SPEC, "image": {"base": "nosuchlayer:1"}}}, admin,
                                      expect=(404, "layer_not_found", None, "`dsec image ls`")),
         "create: more cpu than the edge has": Req(c, {"spec": {**EDGE_SPEC, "resources": {"cpu": 256}}}, admin,
-                                                  expect=(403, "quota_exceeded")),
+                                                  expect=(422, "exceeds_capacity")),
         "create: no content type": Req(c, {"spec": {"image": {}}}, admin, ctype=None, served="fastapi"),
         "create: text/plain": Req(c, {"spec": {"image": {}}}, admin, ctype="text/plain", served="fastapi"),
         "create: trailing slash": Req(c + "/", {"spec": {"image": {}}}, admin, served="fastapi"),
