@@ -696,7 +696,8 @@ async def _scan(a: Attack, targets: list[str], *, timeout: float = 60) -> list[s
 @case("port_scan", attack="connect to every TCP port of 127.0.0.1 and ::1, and to host addresses, the edge port, "
                           "listeners on the host, 169.254.169.254 and private gateways",
       asserts="nothing answers but what the sandbox itself listens on; host listeners accept nothing",
-      defence="network namespace with loopback only (no route out)")
+      defence="network namespace with loopback only (no route out)",
+      heavy=True)  # ~50 s; dsec bench abuse runs it, and the conformance network cases (host, metadata, siblings) every run
 async def _port_scan(a: Attack) -> None:
     addrs = host_ipv4()
     lst = _Listeners(addrs)

@@ -1984,7 +1984,8 @@ async def _zombie_leader(a: FnAttack) -> None:
                "sweep's kill helper takes the call's uid, it is stopped before it can kill, and the zygote waits on it",
         asserts="after each round a probe call succeeds; no process of the worker is left stopped; the leftover is gone",
         defence="the cleanup path cannot be stopped by what it cleans up (a kill that does not take the uid, or a "
-                "helper that is waited for with a deadline and killed/continued)")
+                "helper that is waited for with a deadline and killed/continued)",
+        heavy=True)  # ~60 s; dsec bench abuse runs it, and test_fncall_hostile's stopped-helper case is in every run
 async def _sigstop(a: FnAttack) -> None:
     rounds = 4 if a.quick else 10
     failed: list[str] = []
