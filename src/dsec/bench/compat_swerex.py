@@ -38,14 +38,13 @@ import tarfile
 import tempfile
 import time
 import xml.etree.ElementTree as ET
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dsec.bench.compat_kit import Say, _quiet, all_in_one
 from dsec.bench.stats import percentile
-
-Say = Callable[[str], None]
 
 IMAGE = "swerex-debian:bookworm"
 PACKAGES = ("python3", "python-is-python3", "less", "procps")
@@ -73,10 +72,6 @@ OTHER_FILES = {
     "test_runtime.py": "unit tests of SWE-ReX's own bash-splitting helpers (DSecRuntime uses them as they are)",
 }
 """The sdist's other test files: none of them takes the runtime from a fixture."""
-
-
-def _quiet(_msg: str) -> None:
-    return None
 
 
 def _free_port() -> int:
@@ -330,38 +325,13 @@ def ensure_image(layers: Path, cache: Path, say: Say = _quiet) -> str:
         store.close()
 
 
-@contextlib.contextmanager
-def all_in_one(work: Path, say: Say = _quiet) -> Iterator[tuple[str, str]]:
-    """``dsec up`` on ``work`` (its layers already there); yields (url, admin token)."""
-    port = _free_port()
-    log = open(work / "up.log", "wb")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen([sys.executable, "-m", "dsec.cli.main", "up", "--data-dir", str(work), "--port",
-                             str(port)], stdout=log, stderr=log, stdin=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 120
-        while not (work / "up.ready").exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"dsec up did not become ready: see {work / 'up.log'}")
-            time.sleep(0.1)
-        say(f"swerex: dsec up on port {port} ({work})")
-        yield f"http://127.0.0.1:{port}", (work / "control" / "admin.token").read_text().strip()
-    finally:
-        proc.send_signal(signal.SIGINT)  # Ctrl-C: destroys its sandboxes and stops
-        try:
-            proc.wait(90)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
-
-
 def run(*, quick: bool = False, say: Say = _quiet, suite: bool = True) -> dict[str, Any]:
     """The SWE-ReX phase with its own all-in-one in a temporary data directory."""
     cache = state_dir() / "cache"
     with tempfile.TemporaryDirectory(prefix="dsec-bench-swerex-") as tmp:
         work = Path(tmp)
         image = ensure_image(work / "layers", cache, say)
-        with all_in_one(work, say) as (url, token):
+        with all_in_one(work, say, "swerex") as (url, token, _pid):
             return asyncio.run(measure(url, token, image, quick=quick, say=say, cache=cache, suite=suite))
 
 
