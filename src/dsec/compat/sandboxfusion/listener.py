@@ -132,7 +132,7 @@ def create_listener_app(service: SandboxFusion, token: ProjectToken, config: Lis
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse
 
-    from dsec.compat.sandboxfusion.service import Busy
+    from dsec.compat.sandboxfusion.routes import answer
     from dsec.control.app import error_response
 
     app = FastAPI(title="DSec: SandboxFusion (token-free listener)", version="1")
@@ -149,10 +149,6 @@ def create_listener_app(service: SandboxFusion, token: ProjectToken, config: Lis
     async def _dsec_error(request: Request, exc: DsecError) -> JSONResponse:
         return error_response(exc)
 
-    def busy(exc: Busy) -> JSONResponse:
-        return JSONResponse({"detail": str(exc)}, status_code=504,
-                            headers={"Retry-After": str(max(1, round(exc.retry_after)))})
-
     @app.get("/v1/ping")
     async def ping() -> str:
         return "pong"
@@ -163,15 +159,8 @@ def create_listener_app(service: SandboxFusion, token: ProjectToken, config: Lis
             tok = await token.get()
         except DsecError as exc:
             return RunCodeResponse(status=RunStatus.SandboxError, message=exc.message)
-        try:
-            return await service.run_code(control_url, tok, body)
-        except Busy as exc:
-            return busy(exc)
-        except DsecError:
-            raise
-        except Exception as exc:
-            log.exception("listener run_code (%s) failed", body.language)
-            return RunCodeResponse(status=RunStatus.SandboxError, message=f"internal error: {type(exc).__name__}")
+        return await answer(service.run_code(control_url, tok, body), RunCodeResponse,
+                            f"listener run_code ({body.language})")
 
     @app.post("/run_jupyter", response_model=RunJupyterResponse)
     async def run_jupyter(body: RunJupyterRequest) -> RunJupyterResponse | JSONResponse:
@@ -179,15 +168,7 @@ def create_listener_app(service: SandboxFusion, token: ProjectToken, config: Lis
             tok = await token.get()
         except DsecError as exc:
             return RunJupyterResponse(status=RunStatus.SandboxError, message=exc.message)
-        try:
-            return await service.run_jupyter(control_url, tok, body)
-        except Busy as exc:
-            return busy(exc)
-        except DsecError:
-            raise
-        except Exception as exc:
-            log.exception("listener run_jupyter failed")
-            return RunJupyterResponse(status=RunStatus.SandboxError, message=f"internal error: {type(exc).__name__}")
+        return await answer(service.run_jupyter(control_url, tok, body), RunJupyterResponse, "listener run_jupyter")
 
     return app
 

@@ -17,7 +17,8 @@ run; 422 for a body SandboxFusion would refuse; 401/403 for a bad token; 504 (wi
 from __future__ import annotations
 
 import logging
-from typing import Annotated
+from collections.abc import Awaitable, Callable
+from typing import Annotated, TypeVar
 
 from fastapi import FastAPI, Header, Request
 from fastapi.responses import JSONResponse
@@ -33,12 +34,36 @@ from dsec.compat.sandboxfusion.models import (
 from dsec.compat.sandboxfusion.service import Busy, SandboxFusion
 from dsec.errors import AuthError, DsecError
 
+R = TypeVar("R")
+
 log = logging.getLogger("dsec.compat.sandboxfusion")
 
 TAG = "sandboxfusion"
 Auth = Annotated[str | None, Header(include_in_schema=False)]
 """``Authorization: Bearer dsk_...`` (module level: FastAPI resolves annotations from here)."""
 
+
+
+def busy_response(exc: Busy) -> JSONResponse:
+    """No sandbox within the wait: 504 with ``Retry-After``, what verl and the client retry."""
+    return JSONResponse({"detail": str(exc)}, status_code=504,
+                        headers={"Retry-After": str(max(1, round(exc.retry_after)))})
+
+
+async def answer(call: Awaitable[R], failed: Callable[..., R], what: str) -> R | JSONResponse:
+    """A run_code / run_jupyter call as SandboxFusion's server answers it: its answer; 504 when
+    no sandbox was free; a ``DsecError`` (limits past the service's, with the field) raised for
+    the app's handler; anything else a ``SandboxError`` answer, never a 500 (whose log line would
+    carry the path, and so the token)."""
+    try:
+        return await call
+    except Busy as exc:
+        return busy_response(exc)
+    except DsecError:
+        raise
+    except Exception as exc:
+        log.exception("%s failed", what)
+        return failed(status=RunStatus.SandboxError, message=f"internal error: {type(exc).__name__}")
 
 def install(app: FastAPI, config: SandboxFusionConfig) -> SandboxFusion | None:
     """Add the routes to ``app`` and return the service behind them (None when disabled).
@@ -62,10 +87,6 @@ def install(app: FastAPI, config: SandboxFusionConfig) -> SandboxFusion | None:
         local: str | None = getattr(request.app.state, "local_url", None)
         return local or str(request.base_url).rstrip("/")
 
-    def busy(exc: Busy) -> JSONResponse:
-        return JSONResponse({"detail": str(exc)}, status_code=504,
-                            headers={"Retry-After": str(max(1, round(exc.retry_after)))})
-
     async def ping() -> str:
         return "pong"
 
@@ -78,30 +99,13 @@ def install(app: FastAPI, config: SandboxFusionConfig) -> SandboxFusion | None:
     async def run_code(request: Request, body: RunCodeRequest, token: str | None,
                        authorization: str | None) -> RunCodeResponse | JSONResponse:
         tok = await token_of(request, token, authorization)
-        try:
-            return await service.run_code(control_url(request), tok, body)
-        except Busy as exc:
-            return busy(exc)
-        except DsecError:
-            raise  # 422 for limits past the service's, with the field
-        except Exception as exc:
-            # As SandboxFusion's server does: a SandboxError, never a 500 (whose log line would
-            # carry the path, and so the token).
-            log.exception("run_code (%s) failed", body.language)
-            return RunCodeResponse(status=RunStatus.SandboxError, message=f"internal error: {type(exc).__name__}")
+        return await answer(service.run_code(control_url(request), tok, body), RunCodeResponse,
+                            f"run_code ({body.language})")
 
     async def run_jupyter(request: Request, body: RunJupyterRequest, token: str | None,
                           authorization: str | None) -> RunJupyterResponse | JSONResponse:
         tok = await token_of(request, token, authorization)
-        try:
-            return await service.run_jupyter(control_url(request), tok, body)
-        except Busy as exc:
-            return busy(exc)
-        except DsecError:
-            raise
-        except Exception as exc:
-            log.exception("run_jupyter failed")
-            return RunJupyterResponse(status=RunStatus.SandboxError, message=f"internal error: {type(exc).__name__}")
+        return await answer(service.run_jupyter(control_url(request), tok, body), RunJupyterResponse, "run_jupyter")
 
     @app.post(f"{p}/run_code", tags=[TAG], response_model=RunCodeResponse,
               summary="SandboxFusion: run code in a fresh sandbox (token in Authorization)")
