@@ -59,6 +59,8 @@ class Window:
         self.kept = 0
         """Places taken back by a request that came back for its own."""
         self.lapsed = 0
+        self._held = 0
+        """Places kept in the queue now (the scans below run only when there are some)."""
 
     @property
     def waiting(self) -> int:
@@ -71,7 +73,7 @@ class Window:
         (module docstring); one that comes with the key of a kept place takes it."""
         loop = asyncio.get_running_loop()
         self._lapse(loop.time())
-        w = self._kept(key) if key is not None and not again else None
+        w = self._kept(key) if key is not None and not again and self._held else None
         if w is None:
             if not self._queue and self.inflight < int(self.cap):
                 self.inflight += 1
@@ -107,6 +109,7 @@ class Window:
         finally:
             if keep:
                 w.key, w.held_until = key, loop.time() + self.hold_s
+                self._held += 1
                 loop.call_later(self.hold_s, self._lapse_and_kick)
             else:
                 self._queue.remove(w)
@@ -117,6 +120,7 @@ class Window:
         for w in self._queue:
             if w.held_until and w.key == key:
                 w.held_until, w.key = 0.0, None
+                self._held -= 1
                 w.fut = asyncio.get_running_loop().create_future()
                 self.kept += 1
                 return w
@@ -124,9 +128,12 @@ class Window:
 
     def _lapse(self, now: float) -> None:
         """Drop kept places nobody came back for."""
+        if not self._held:
+            return
         gone = [w for w in self._queue if w.held_until and w.held_until <= now]
         for w in gone:
             self._queue.remove(w)
+        self._held -= len(gone)
         self.lapsed += len(gone)
 
     def _lapse_and_kick(self) -> None:
