@@ -8,6 +8,7 @@ servers in it; the host routes between it and the sandboxes like a real router.
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import subprocess
 import threading
@@ -406,3 +407,26 @@ def test_destroyed_sandbox_namespace_is_recycled_clean(nrt: RuntimeHarness, remo
     finally:
         for x in seen:
             nrt.destroy(x.id)
+
+
+def test_a_table_wired_before_the_forward_chain_still_switches_policies(nrt: RuntimeHarness, remote: str) -> None:
+    """A sandbox adopted from an older edge has no ``forward`` chain in its table (it came with
+    the microVM's network): its first policy switch adds the chain, once, and works."""
+    from dsec.backends.common import netfilter
+    from dsec.spec import NetworkPolicy
+
+    rec = _create(nrt, allow=("remote-web",))
+    try:
+        fd = nrt.rt.netns_fd(rec.id)
+        assert fd is not None
+        try:
+            netfilter.in_netns(fd, lambda: netfilter.nft("flush chain inet dsec forward\ndelete chain inet dsec forward"))
+            assert "chain forward" not in netfilter.in_netns(fd, lambda: netfilter.nft("list table inet dsec"))
+            nrt.run(nrt.rt.set_policy(rec.id, NetworkPolicy(allow=("remote-hold", "remote-web"))))
+            assert "chain forward" in netfilter.in_netns(fd, lambda: netfilter.nft("list table inet dsec"))
+        finally:
+            os.close(fd)
+        code, out = _fetch(nrt, rec.id, f"http://{remote}:8080/")
+        assert code == 0 and "remote-8080" in out, out
+    finally:
+        nrt.destroy(rec.id)

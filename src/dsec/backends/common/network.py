@@ -48,6 +48,7 @@ from dsec.backends.common.claims import AUTO
 from dsec.backends.common.netconfig import ALWAYS_BLOCKED, NetworkConfig, Permission
 from dsec.backends.common.netmaker import NetMaker
 from dsec.backends.common.netns import (
+    FORWARD_CHAIN,
     GATEWAY,
     Element,
     SlotTaken,
@@ -503,7 +504,12 @@ table ip {self.nat_table} {{
     def _apply_in(self, netns_fd: int, gen: int, elements: Sequence[Element], fresh: bool) -> int:
         """Switch to a new generation in one transaction, then cut TCP connections it no longer admits."""
         def inside() -> int:
-            netfilter.nft(generation_cmd(gen, elements))
+            try:
+                netfilter.nft(generation_cmd(gen, elements))
+            except netfilter.NftError:
+                # a table wired before the forward chain existed (a sandbox adopted from an
+                # older edge): add it once, then switch
+                netfilter.nft(FORWARD_CHAIN + generation_cmd(gen, elements))
             if fresh:
                 return 0  # a namespace nobody has used yet has no connections
             return netfilter.destroy_sockets(lambda addr, port: any(e.admits(addr, port) for e in elements))
