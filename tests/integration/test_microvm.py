@@ -186,6 +186,11 @@ def test_qemu_runs_in_its_sandboxs_network_namespace_and_reaches_none_of_the_hos
         assert rec.net is not None and vms.be.network_info(sb.id) is None  # a namespace, no policy: loopback only
         assert in_netns(fd, has_tap)
         assert f"inet {GUEST_IP}/30" in vms.ok(sb.id, "ip -4 addr show eth0")
+        # refused at once (the namespace's reset reaches the guest), not after a timeout, even
+        # where the guest's address is also a real one elsewhere (this host's own is 192.0.2.2)
+        t0 = time.monotonic()
+        r = vms.sh(sb.id, "nc -w 8 10.1.2.3 80 </dev/null")
+        assert r.exit_code != 0 and time.monotonic() - t0 < 5, (r, time.monotonic() - t0)
         r = vms.sh(sb.id, "ip link set eth0 down; ip addr add 10.9.9.9/24 dev eth0")
         assert r.exit_code != 0 and b"not permitted" in r.stderr.lower(), r  # no CAP_NET_ADMIN in the guest
         # the host's loopback services are not QEMU's: its namespace's loopback has nothing

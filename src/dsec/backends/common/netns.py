@@ -86,6 +86,9 @@ def generation_cmd(gen: int, elements: Sequence[Element]) -> str:
         f"add set inet dsec a{gen} {{ type ipv4_addr . inet_proto . inet_service; flags interval;{elems} }}\n"
         f"add chain inet dsec o{gen}\n"
         f"add rule inet dsec o{gen} oifname \"lo\" accept\n"
+        # what the namespace itself sends a VM's guest (the resets and ICMP errors of refused
+        # packets): only the guest is behind that link, whatever its address is elsewhere
+        f"add rule inet dsec o{gen} oifname \"{GUEST_LINK}\" accept\n"
         f"add rule inet dsec o{gen} ip daddr @never4 goto deny\n"
         f"add rule inet dsec o{gen} ip daddr . meta l4proto . th dport @a{gen} accept\n"
         f"add rule inet dsec o{gen} goto deny\n"

@@ -9,8 +9,12 @@ In it:
   the guest's NIC. It is ``192.0.2.1/30`` with a fixed MAC, the guest ``192.0.2.2`` with a
   fixed MAC (the agent sets its side at boot: ``native/vmagent.h``), both neighbours
   permanent. Every clone and fork child of a template has the same guest addresses, each
-  behind its own namespace, so nothing about them is restored into a conflict. 192.0.2.0/24
-  is TEST-NET-1 (RFC 5737): never routed, so no real destination is hidden by it.
+  behind its own namespace, so nothing about them is restored into a conflict. The addresses
+  are the namespace's own business: they may be real elsewhere (this development host's own
+  address is 192.0.2.2), and nothing in the namespace takes them for anything but the guest's
+  link (what the namespace sends the guest, e.g. the reset of a refused connection, leaves by
+  ``vm0`` whatever its address). A destination inside 192.0.2.0/30 is the guest's own link:
+  a VM cannot reach one there.
 - forwarding on, and ``ip dsec_vm``: the guest's packets leave ``eth0`` masqueraded to the
   sandbox's address; the ``inet dsec`` table's ``forward`` chain sends them through the same
   policy generation chains as a container's own packets (output for what the guest sends,
