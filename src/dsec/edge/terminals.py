@@ -134,7 +134,13 @@ class Terminal:
                 self._loop.add_reader(f, self._on_readable, f)
 
     async def _watch(self) -> None:
-        ex = await asyncio.shield(self.proc.exited)
+        lost = None
+        try:
+            ex = await asyncio.shield(self.proc.exited)
+            code, sig, user_s, system_s = ex.exit_code, ex.signal, ex.utime_s, ex.stime_s
+        except Exception as exc:  # the backend lost the command (a VM that went away): ended, status unknown
+            lost = str(exc)
+            code, sig, user_s, system_s = None, None, 0.0, 0.0
         # The rest of the output: until every writer closed its end (a background process
         # that still holds the terminal gets one second).
         deadline = time.monotonic() + 1.0
@@ -142,8 +148,10 @@ class Terminal:
             if self._paused and self.clients:
                 deadline = time.monotonic() + 1.0  # a slow client is still reading
             await asyncio.sleep(0.02)
-        self.exit = {"exit_code": ex.exit_code, "signal": ex.signal, "cpu_user_s": round(ex.utime_s, 6),
-                     "cpu_system_s": round(ex.stime_s, 6)}
+        self.exit = {"exit_code": code, "signal": sig, "cpu_user_s": round(user_s, 6),
+                     "cpu_system_s": round(system_s, 6)}
+        if lost is not None:
+            self.exit["lost"] = lost
         for c in self.clients:
             c.put({"exit": self.exit})
             c.put(None)
